@@ -1,0 +1,73 @@
+"""What both runtimes do the same way before and around the event loop.
+
+Reading the config and keys files, resolving the engine credential from the
+environment, choosing the rid prefix and the wall-clock offset, building the
+:class:`narwhal_core.Router`: none of it depends on trio or asyncio, so it
+lives here once and ``narwhal_trio`` / ``narwhal_asyncio`` stay mirror images.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from narwhal_core import Authenticator, Config, Router, RidSource, parse_api_keys, parse_config
+from narwhal_core.config import engine_api_key
+from narwhal_core.errors import ConfigError
+
+from .metrics import render
+
+__all__ = ["load_config", "load_authenticator", "build_router"]
+
+
+def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a TOML config file; raise :class:`ConfigError` naming the bad key."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {os.fspath(path)}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("config", f"{os.fspath(path)} is not UTF-8 text") from None
+    return parse_config(text, env=os.environ if env is None else env)
+
+
+def load_authenticator(config: Config) -> Authenticator:
+    """The ingress authenticator, with the API keys file read when ``auth = "api_keys"``."""
+    keys = None
+    if config.ingress.auth == "api_keys":
+        path = config.ingress.api_keys_file
+        assert path is not None  # the config model requires it in this mode
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError("ingress.api_keys_file", f"cannot read {path}: {exc.strerror}") from None
+        keys = parse_api_keys(text)
+    return Authenticator.from_config(config.ingress, keys)
+
+
+def build_router(
+    config: Config,
+    *,
+    now: float,
+    env: Mapping[str, str] | None = None,
+    rid_prefix: str | None = None,
+    wall_clock: Callable[[], float] = time.time,
+) -> Router:
+    """A router for ``config`` whose clock reads ``now`` at this moment.
+
+    ``now`` is the runtime's monotonic clock (``trio.current_time()`` or
+    ``loop.time()``); journal timestamps are that clock plus the offset to
+    the wall clock measured here.
+    """
+    return Router(
+        config,
+        rid_source=RidSource(rid_prefix or secrets.token_hex(5)),
+        authenticator=load_authenticator(config),
+        engine_api_key=engine_api_key(config, os.environ if env is None else env),
+        wall_offset=wall_clock() - now,
+        now=now,
+        render_metrics=render,
+    )

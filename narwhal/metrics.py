@@ -1,0 +1,91 @@
+"""``/metrics``: the router's counters in the Prometheus text format.
+
+The core keeps plain counters (:class:`narwhal_core.stats.Stats`) and live
+gauges (:meth:`narwhal_core.Router.statistics`); this module turns them into
+metric families with ``prometheus_client`` at scrape time, so the request
+path never touches a metrics library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+if TYPE_CHECKING:
+    from narwhal_core import Router
+    from narwhal_core.stats import Histogram
+
+__all__ = ["render"]
+
+
+def _histogram(name: str, doc: str, label: str, table: dict[str, Histogram]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=[label])
+    for key, h in sorted(table.items()):
+        cumulative = list(accumulate(h.counts))
+        buckets = [(repr(b), c) for b, c in zip(h.bounds, cumulative)]
+        buckets.append(("+Inf", cumulative[-1]))
+        family.add_metric([key], buckets, h.total)
+    return family
+
+
+class _RouterCollector:
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        router = self._router
+        stats = router.stats
+        live = router.statistics()
+        requests = CounterMetricFamily(
+            "narwhal_requests", "Completion requests by route, terminal and status.",
+            labels=["route", "terminal", "status"],
+        )
+        for (route, terminal, status), n in sorted(stats.requests.items()):
+            requests.add_metric([route, terminal, status], n)
+        yield requests
+        yield _histogram("narwhal_request_duration_seconds", "Whole-request duration.", "route", stats.request_seconds)
+        yield _histogram("narwhal_leg_duration_seconds", "Engine leg duration.", "phase", stats.leg_seconds)
+        yield _histogram("narwhal_time_to_first_byte_seconds", "Time to the first answer byte.", "route", stats.ttft_seconds)
+        legs = CounterMetricFamily("narwhal_legs", "Engine legs by phase and outcome.", labels=["phase", "outcome"])
+        for (phase, outcome), n in sorted(stats.legs.items()):
+            legs.add_metric([phase, outcome], n)
+        yield legs
+        retries = CounterMetricFamily("narwhal_retries", "Retried legs by phase.", labels=["phase"])
+        for phase, n in sorted(stats.retries.items()):
+            retries.add_metric([phase], n)
+        yield retries
+        kv = CounterMetricFamily("narwhal_kv_outcomes", "KV outcomes of prefill legs.", labels=["outcome", "method"])
+        for (outcome, method), n in sorted(stats.kv.items()):
+            kv.add_metric([outcome, method], n)
+        yield kv
+        records = CounterMetricFamily("narwhal_journal_records", "Journal records written.", labels=["kind"])
+        for kind, n in sorted(stats.journal_records.items()):
+            records.add_metric([kind], n)
+        yield records
+        yield GaugeMetricFamily("narwhal_inflight_requests", "Requests holding an admission slot.", value=live.inflight)
+        yield GaugeMetricFamily("narwhal_queued_requests", "Requests waiting for admission.", value=live.queued)
+        yield GaugeMetricFamily("narwhal_open_connections", "Open client connections.", value=live.connections)
+        yield GaugeMetricFamily("narwhal_ready", "1 when /ready answers 200.", value=int(live.ready))
+        healthy = GaugeMetricFamily("narwhal_engine_healthy", "1 when the engine is in rotation.", labels=["engine", "phase"])
+        outstanding = GaugeMetricFamily("narwhal_engine_outstanding_legs", "Legs running per engine.", labels=["engine", "phase"])
+        for (url, phase), ok in sorted(live.engine_healthy.items()):
+            healthy.add_metric([url, phase], int(ok))
+            outstanding.add_metric([url, phase], live.engine_outstanding[(url, phase)])
+        yield healthy
+        yield outstanding
+
+
+def render(router: Router) -> bytes:
+    """The Prometheus text exposition of ``router``'s metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_RouterCollector(router))  # type: ignore[arg-type]
+    return generate_latest(registry)

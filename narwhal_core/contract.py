@@ -1,0 +1,154 @@
+"""The request contract of the seed page, made exact by SPEC §2.1.
+
+:func:`check_request` runs the seven checks in order; the first failure
+raises a :class:`~narwhal_core.errors.ContractError` carrying the status,
+``param``, ``code`` and message of the OpenAI error envelope. Nothing here
+reserves capacity. A request that passes is returned as
+:class:`AcceptedRequest`: the body with router-owned fields removed (SPEC
+§2.2) and ``model`` set to the configured model, every other key kept in its
+place with its value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, Final, Literal
+
+import attrs
+
+from . import wire
+from .errors import ContractError
+
+__all__ = [
+    "Route",
+    "COMPLETIONS",
+    "CHAT",
+    "ROUTER_OWNED_FIELDS",
+    "AcceptedRequest",
+    "check_request",
+    "is_router_owned",
+]
+
+Route = Literal["/v1/completions", "/v1/chat/completions"]
+COMPLETIONS: Final = "/v1/completions"
+CHAT: Final = "/v1/chat/completions"
+
+#: Body fields that engines treat as internal routing state: a client may not
+#: set them (SPEC §2.2; sglang's ``bootstrap_*`` are matched by prefix).
+ROUTER_OWNED_FIELDS: Final = frozenset({"kv_transfer_params", "request_id"})
+_ROUTER_OWNED_PREFIXES: Final = ("bootstrap_",)
+
+# Check 3, in the order of the seed's table: (field, predicate name, message).
+_INTEGER_FIELDS: Final = ("n", "best_of", "max_tokens")
+_MAX_MODEL_ECHO: Final = 256
+
+
+def is_router_owned(key: str) -> bool:
+    """Whether a body field is router-owned and must be stripped (SPEC §2.2)."""
+    return key in ROUTER_OWNED_FIELDS or key.startswith(_ROUTER_OWNED_PREFIXES)
+
+
+@attrs.frozen(kw_only=True)
+class AcceptedRequest:
+    """A completion request that passed the contract."""
+
+    #: The route it came in on.
+    route: Route
+    #: The body as engines should see it: router-owned fields gone, ``model`` set.
+    body: dict[str, Any]
+    #: Whether the client asked for Server-Sent Events.
+    stream: bool
+    #: Router-owned fields the client sent and Narwhal removed, in body order.
+    stripped: tuple[str, ...]
+    #: The model name the client used (``None`` when absent).
+    requested_model: str | None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fail(message: str, param: str | None, *, status: int = 400, code: str | None = None) -> ContractError:
+    return ContractError(message, status=status, param=param, code=code)
+
+
+def check_request(route: Route, body: bytes, model_names: Collection[str], model: str) -> AcceptedRequest:
+    """Apply SPEC §2.1 to a raw body posted to ``route``.
+
+    ``model_names`` are the names clients may use (the configured model and
+    its aliases); ``model`` is the configured name written into the body.
+    """
+    # 1. JSON (and UTF-8).
+    try:
+        data = wire.loads(body)
+    except wire.JsonError as exc:
+        raise _fail(f"We could not parse the JSON body of your request: {exc}", None) from None
+    # 2. A JSON object.
+    if not isinstance(data, dict):
+        raise _fail("The request body must be a JSON object.", None)
+    get = data.get
+    # 3. Field types, in the seed's order; absent or null passes.
+    requested = get("model")
+    if requested is not None and not isinstance(requested, str):
+        raise _fail("model must be a string", "model")
+    stream = get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _fail("stream must be a boolean", "stream")
+    for name in _INTEGER_FIELDS:
+        value = get(name)
+        if value is not None and not _is_int(value):
+            raise _fail(f"{name} must be an integer", name)
+    prompt = get("prompt")
+    if prompt is not None and not isinstance(prompt, (str, list)):
+        raise _fail("prompt must be a string or an array", "prompt")
+    messages = get("messages")
+    if messages is not None and not (
+        isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+    ):
+        raise _fail("messages must be an array of objects", "messages")
+    # 4. Something to prefill.
+    if route == CHAT:
+        if messages is None:
+            raise _fail("messages is required", "messages")
+    elif prompt is None:
+        raise _fail("prompt is required", "prompt")
+    # 5. The model.
+    if requested is not None and requested not in model_names:
+        shown = requested if len(requested) <= _MAX_MODEL_ECHO else requested[:_MAX_MODEL_ECHO] + "..."
+        raise _fail(
+            f"The model `{shown}` does not exist.", "model", status=404, code="model_not_found"
+        )
+    # 6. Sampling width: both legs must sample the same number of sequences.
+    for name in ("n", "best_of"):
+        value = get(name)
+        if value is not None and value > 1:
+            raise _fail(
+                f"{name} must be 1: the prefill and decode legs must use the same sampling width",
+                name,
+            )
+    # 7. Output and tool restrictions.
+    if get("audio") is not None:
+        raise _fail("audio output is not supported", "audio")
+    modalities = get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _fail('modalities must be ["text"]: only text output is supported', "modalities")
+    tools = get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise _fail("tools must be an array of objects", "tools")
+        for i, tool in enumerate(tools):
+            if tool.get("type") != "function":
+                raise _fail('only tools of type "function" are supported', f"tools[{i}].type")
+    # Strip router-owned fields and install the configured model, in place so
+    # that every other key keeps its position.
+    stripped = tuple(k for k in data if is_router_owned(k))
+    for key in stripped:
+        del data[key]
+    data["model"] = model
+    return AcceptedRequest(
+        route=route,
+        body=data,
+        stream=stream is True,
+        stripped=stripped,
+        requested_model=requested,
+    )

@@ -1,0 +1,238 @@
+"""Values in and values out of the router.
+
+An adapter feeds :class:`Event` values to ``Router.receive(event, now=...)``
+and executes the :class:`Command` values it drains from
+``Router.next_output()``. Connection handles (``conn``) are whatever
+hashable object the adapter uses for a client socket; legs and control
+requests are named by string keys the router chose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, Literal
+
+import attrs
+
+from .config import EngineAddress
+
+__all__ = [
+    "ClientConnected", "ClientData", "ClientGone", "LegData", "LegFailed",
+    "ControlDone", "ShutdownRequested", "AuthenticatorChanged", "JournalHealth",
+    "Event",
+    "Transmit", "CloseClient", "StartLeg", "CancelLeg", "FinishLeg",
+    "StartControl", "WriteJournal", "Log", "ShutdownComplete", "Command",
+    "LegFailure",
+]
+
+# ----------------------------------------------------------------- events in
+
+
+@attrs.frozen
+class ClientConnected:
+    """A client socket was accepted."""
+
+    #: The adapter's handle for the socket.
+    conn: Hashable
+    #: The peer's IP address as text.
+    peer_host: str
+    #: The peer's port.
+    peer_port: int
+
+
+@attrs.frozen
+class ClientData:
+    """Bytes arrived from a client; ``b""`` means it closed its side (EOF)."""
+
+    #: The socket.
+    conn: Hashable
+    #: What arrived.
+    data: bytes
+
+
+@attrs.frozen
+class ClientGone:
+    """A client socket broke (reset, write failure): nothing more can be sent to it."""
+
+    #: The socket.
+    conn: Hashable
+
+
+#: Why a leg's connection failed, as the adapter saw it.
+LegFailure = Literal["connect_failed", "connect_timeout", "dropped"]
+
+
+@attrs.frozen
+class LegData:
+    """Bytes arrived from an engine on a leg; ``b""`` means the engine closed (EOF)."""
+
+    #: The leg's backend ID.
+    leg: str
+    #: What arrived.
+    data: bytes
+
+
+@attrs.frozen
+class LegFailed:
+    """A leg's connection failed before or while the request was written or read."""
+
+    #: The leg's backend ID.
+    leg: str
+    #: What went wrong.
+    reason: LegFailure
+    #: The leg ran on a pooled keep-alive connection (a stale socket can fail
+    #: this way without the engine having seen the request).
+    reused: bool = False
+
+
+@attrs.frozen
+class ControlDone:
+    """A control request (probe, KV release) finished."""
+
+    #: The key from :class:`StartControl`.
+    key: str
+    #: The engine's status, or ``None`` if no answer came.
+    status: int | None
+    #: Why there was no answer, if there was none.
+    error: str | None = None
+
+
+@attrs.frozen
+class ShutdownRequested:
+    """SIGTERM/SIGINT: stop taking requests, drain, then report completion."""
+
+
+@attrs.frozen
+class AuthenticatorChanged:
+    """The API keys file was reloaded (SIGHUP)."""
+
+    #: The new authenticator (``narwhal_core.auth.Authenticator``).
+    authenticator: Any
+
+
+@attrs.frozen
+class JournalHealth:
+    """The journal writer's state: a failing journal makes ``/ready`` answer 503."""
+
+    #: Whether the last write succeeded.
+    ok: bool
+    #: What failed, for ``/ready``'s body and the log.
+    message: str | None = None
+
+
+Event = (
+    ClientConnected | ClientData | ClientGone | LegData | LegFailed | ControlDone
+    | ShutdownRequested | AuthenticatorChanged | JournalHealth
+)
+
+# -------------------------------------------------------------- commands out
+
+
+@attrs.frozen
+class Transmit:
+    """Write ``data`` to a client socket, after anything written before it."""
+
+    #: The socket.
+    conn: Hashable
+    #: The bytes.
+    data: bytes
+
+
+@attrs.frozen
+class CloseClient:
+    """Close a client socket once everything transmitted before has been written."""
+
+    #: The socket.
+    conn: Hashable
+
+
+@attrs.frozen
+class StartLeg:
+    """Send a leg's request to an engine and feed its answer back as :class:`LegData`."""
+
+    #: The leg's backend ID (its key in later events and commands).
+    leg: str
+    #: The engine.
+    engine: EngineAddress
+    #: The complete HTTP request.
+    data: bytes
+    #: The client socket the answer is for (for flow control).
+    conn: Hashable
+    #: Seconds allowed to open a new connection.
+    connect_timeout: float
+    #: Do not take a pooled connection (a retry after a stale one).
+    fresh_connection: bool = False
+
+
+@attrs.frozen
+class CancelLeg:
+    """Stop a leg: close its engine connection (the engine aborts the request)."""
+
+    #: The leg's backend ID.
+    leg: str
+
+
+@attrs.frozen
+class FinishLeg:
+    """A leg's answer is complete: return its connection to the pool, or close it."""
+
+    #: The leg's backend ID.
+    leg: str
+    #: Whether the connection may carry another request.
+    reusable: bool
+
+
+@attrs.frozen
+class StartControl:
+    """A control request to an engine (health probe or KV release); answer with :class:`ControlDone`."""
+
+    #: The key to answer with.
+    key: str
+    #: The engine.
+    engine: EngineAddress
+    #: HTTP method.
+    method: str
+    #: Request target (path).
+    target: str
+    #: Headers to send (the engine credential among them, where configured).
+    headers: tuple[tuple[bytes, bytes], ...]
+    #: Request body.
+    body: bytes
+    #: Seconds allowed in all.
+    timeout: float
+    #: Write the request and close the connection at once, without reading an
+    #: answer (``kv_release = "decode_abort"``): ``data`` holds the raw request.
+    drop_after_send: bool = False
+    #: The raw HTTP request for ``drop_after_send``.
+    data: bytes = b""
+
+
+@attrs.frozen
+class WriteJournal:
+    """Append one record to the journal (one line, flushed)."""
+
+    #: The encoded line, newline included.
+    line: bytes
+    #: Whether it is a terminal record.
+    terminal: bool
+
+
+@attrs.frozen
+class Log:
+    """One structured log line about the process (not about a single request)."""
+
+    #: What happened (``engine_down``, ``engine_up``, ``draining``...).
+    event: str
+    #: Details.
+    fields: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class ShutdownComplete:
+    """Draining finished: every request has its terminal record; the adapter may exit."""
+
+
+Command = (
+    Transmit | CloseClient | StartLeg | CancelLeg | FinishLeg | StartControl
+    | WriteJournal | Log | ShutdownComplete
+)

@@ -1,0 +1,202 @@
+"""Engines and admission (SPEC §4): who may run, where, and when.
+
+:class:`Fleet` keeps each engine's health and outstanding legs and picks the
+least-loaded healthy engine of a phase. :class:`Admission` keeps the global
+in-flight limit, the bounded queue and per-client limits. Both are plain
+bookkeeping: the router decides what to do with their answers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Sequence
+from typing import Final, Literal
+
+import attrs
+
+from .config import EngineAddress
+from .ids import DECODE, PREFILL, Phase
+
+__all__ = ["EngineState", "Fleet", "Admission", "AdmitDecision"]
+
+HealthChange = Literal["down", "up"] | None
+
+
+@attrs.define(eq=False)
+class EngineState:
+    """One engine of one phase, as the router sees it."""
+
+    #: Where it is.
+    address: EngineAddress
+    #: The phase it serves.
+    phase: Phase
+    #: Its position in the configured list (stable; used for ties).
+    index: int
+    #: In rotation: legs may be sent to it.
+    healthy: bool = True
+    #: Legs now running on it.
+    outstanding: int = 0
+    #: Consecutive failures, active (probes) and passive (legs) alike.
+    failures: int = 0
+    #: Consecutive successful probes while out of rotation.
+    successes: int = 0
+    #: Legs sent to it since start.
+    total_legs: int = 0
+    #: Legs that failed on it since start.
+    total_failures: int = 0
+
+    @property
+    def url(self) -> str:
+        """The engine's base URL."""
+        return self.address.url
+
+
+class Fleet:
+    """Health and load of every engine; least-outstanding choice among healthy ones."""
+
+    def __init__(
+        self,
+        prefill: Sequence[EngineAddress],
+        decode: Sequence[EngineAddress],
+        *,
+        max_inflight_per_engine: int,
+        unhealthy_after: int,
+        healthy_after: int,
+    ) -> None:
+        self.engines: dict[Phase, list[EngineState]] = {
+            PREFILL: [EngineState(address=a, phase=PREFILL, index=i) for i, a in enumerate(prefill)],
+            DECODE: [EngineState(address=a, phase=DECODE, index=i) for i, a in enumerate(decode)],
+        }
+        self._max = max_inflight_per_engine
+        self._unhealthy_after = unhealthy_after
+        self._healthy_after = healthy_after
+        self._turn: dict[Phase, int] = {PREFILL: 0, DECODE: 0}
+
+    @property
+    def pd(self) -> bool:
+        """Whether prefill engines are configured (else single-leg mode, SPEC §3.4)."""
+        return bool(self.engines[PREFILL])
+
+    def all(self) -> list[EngineState]:
+        """Every engine, prefill first."""
+        return self.engines[PREFILL] + self.engines[DECODE]
+
+    def has_healthy(self, phase: Phase) -> bool:
+        """Whether any engine of ``phase`` is in rotation."""
+        return any(e.healthy for e in self.engines[phase])
+
+    def pick(self, phase: Phase, avoid: Collection[EngineState] = ()) -> EngineState | None:
+        """The healthy engine of ``phase`` with the fewest outstanding legs and a free slot.
+
+        Engines in ``avoid`` (those a request already failed on) are chosen
+        only when no other engine can take the leg. Ties rotate.
+        """
+        engines = self.engines[phase]
+        count = len(engines)
+        if count == 0:
+            return None
+        start = self._turn[phase]
+        best: EngineState | None = None
+        best_key: tuple[bool, int] | None = None
+        for k in range(count):
+            e = engines[(start + k) % count]
+            if not e.healthy or e.outstanding >= self._max:
+                continue
+            key = (e in avoid, e.outstanding)
+            if best_key is None or key < best_key:
+                best, best_key = e, key
+        if best is not None:
+            self._turn[phase] = (best.index + 1) % count
+        return best
+
+    def leg_started(self, engine: EngineState) -> None:
+        """A leg now runs on ``engine``."""
+        engine.outstanding += 1
+        engine.total_legs += 1
+
+    def leg_ended(self, engine: EngineState) -> None:
+        """A leg on ``engine`` is over."""
+        engine.outstanding -= 1
+
+    def record_failure(self, engine: EngineState) -> HealthChange:
+        """Charge a failure (failed leg or probe) to ``engine``; ``"down"`` if it leaves rotation."""
+        engine.failures += 1
+        engine.total_failures += 1
+        engine.successes = 0
+        if engine.healthy and engine.failures >= self._unhealthy_after:
+            engine.healthy = False
+            return "down"
+        return None
+
+    def record_success(self, engine: EngineState, *, probe: bool) -> HealthChange:
+        """A leg or probe on ``engine`` succeeded; ``"up"`` if it returns to rotation.
+
+        Only probes bring an engine back: no legs are sent to an engine out of rotation.
+        """
+        engine.failures = 0
+        if engine.healthy or not probe:
+            return None
+        engine.successes += 1
+        if engine.successes >= self._healthy_after:
+            engine.healthy = True
+            engine.successes = 0
+            return "up"
+        return None
+
+
+AdmitDecision = Literal["admitted", "queued", "client_limit", "fleet_full"]
+
+
+class Admission:
+    """The global in-flight limit, the bounded FIFO queue and per-client limits."""
+
+    def __init__(self, *, max_inflight: int, queue_size: int, per_client_max_inflight: int) -> None:
+        self.max_inflight: Final = max_inflight
+        self.queue_size: Final = queue_size
+        self.per_client_max: Final = per_client_max_inflight
+        #: Requests holding a global slot.
+        self.inflight = 0
+        #: Requests waiting for a slot, oldest first.
+        self.queue: deque[str] = deque()
+        #: Admitted or queued requests per client.
+        self.per_client: dict[str, int] = {}
+
+    def offer(self, rid: str, client: str) -> AdmitDecision:
+        """Admit ``rid``, queue it, or say why not (nothing is reserved on refusal)."""
+        held = self.per_client.get(client, 0)
+        if self.per_client_max and held >= self.per_client_max:
+            return "client_limit"
+        if self.inflight < self.max_inflight and not self.queue:
+            decision: AdmitDecision = "admitted"
+            self.inflight += 1
+        elif len(self.queue) < self.queue_size:
+            decision = "queued"
+            self.queue.append(rid)
+        else:
+            return "fleet_full"
+        self.per_client[client] = held + 1
+        return decision
+
+    def next_from_queue(self) -> str | None:
+        """Move the oldest queued request into a free slot, if there is one."""
+        if self.queue and self.inflight < self.max_inflight:
+            self.inflight += 1
+            return self.queue.popleft()
+        return None
+
+    def leave_queue(self, rid: str, client: str) -> None:
+        """A queued request gives up (timeout, client gone)."""
+        self.queue.remove(rid)
+        self._drop_client(client)
+
+    def release(self, client: str) -> None:
+        """An admitted request no longer holds its slot."""
+        self.inflight -= 1
+        self._drop_client(client)
+
+    def _drop_client(self, client: str) -> None:
+        left = self.per_client[client] - 1
+        if left:
+            self.per_client[client] = left
+        else:
+            del self.per_client[client]

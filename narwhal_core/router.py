@@ -1,0 +1,1367 @@
+"""The router: fleet-wide state driven by events, answering with commands.
+
+An adapter owns sockets, tasks and the clock; the :class:`Router` owns every
+decision. The adapter calls :meth:`Router.receive` with an event and the
+current time, then drains :meth:`Router.next_output` and executes each
+command in order; it re-arms its one timer at :meth:`Router.get_deadline`
+and calls :meth:`Router.handle_deadline` when it fires. Nothing here does
+I/O, reads a clock or draws a random number.
+
+Client connections and engine legs are HTTP/1.1 codec objects held here, so
+adapters move bytes only. Each completion request walks the table in
+:mod:`narwhal_core.lifecycle`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import zlib
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any, Final
+
+import attrs
+
+from . import journal, wire
+from .auth import Authenticator
+from .config import Config, EngineAddress
+from .contract import CHAT, COMPLETIONS, AcceptedRequest, Route, check_request
+from .errors import AuthError, ContractError, NarwhalError, RemoteProtocolError, TransitionError
+from .events import (
+    AuthenticatorChanged,
+    CancelLeg,
+    ClientConnected,
+    ClientData,
+    ClientGone,
+    CloseClient,
+    Command,
+    ControlDone,
+    Event,
+    FinishLeg,
+    JournalHealth,
+    LegData,
+    LegFailed,
+    Log,
+    ShutdownComplete,
+    ShutdownRequested,
+    StartControl,
+    StartLeg,
+    Transmit,
+    WriteJournal,
+)
+from .fleet import Admission, EngineState, Fleet
+from .http1 import (
+    H11_CODEC,
+    NEED_DATA,
+    BodyData,
+    Codec,
+    ConnectionClosed,
+    ContinueExpected,
+    EngineCodec,
+    HttpRequest,
+    ResponseEnd,
+    ResponseHead,
+    ServerCodec,
+)
+from .ids import DECODE, PREFILL, Phase, backend_id, sanitize_client_rid
+from .journal import ErrorRecord, KvRecord, LegOutcome, LegRecord, Terminal
+from .lifecycle import TRANSITIONS, Input, State
+from .planning import (
+    KvHandoff,
+    PrefillAnswerError,
+    SseRelay,
+    check_prefill_answer,
+    decode_body,
+    engine_error,
+    normalise_answer,
+    prefill_body,
+)
+from .stats import Stats
+
+__all__ = ["Router", "RouterStatistics"]
+
+_JSON: Final = (b"content-type", b"application/json")
+_SSE_HEADERS: Final = (
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+)
+_CLOSE: Final = (b"connection", b"close")
+_COMPLETION_ROUTES: Final[dict[str, Route]] = {COMPLETIONS: COMPLETIONS, CHAT: CHAT}
+_GET_ROUTES: Final = frozenset({"/v1/models", "/health", "/ready", "/metrics"})
+_CLIENT_GONE_STATUS: Final = 499
+
+# Why a leg failed -> (status, code) once retries are exhausted, per phase.
+_GIVE_UP: Final[dict[str, tuple[int, str]]] = {
+    "timeout": (504, "engine_timeout"),
+    "connect_failed": (503, "engine_unavailable"),
+    "connect_timeout": (503, "engine_unavailable"),
+}
+
+
+@attrs.frozen(kw_only=True)
+class RouterStatistics:
+    """A snapshot of the router's live counters (like ``trio``'s ``statistics()``)."""
+
+    #: Open client connections.
+    connections: int
+    #: Completion requests not yet terminal (queued, running or releasing KV).
+    requests: int
+    #: Requests holding an admission slot.
+    inflight: int
+    #: Requests waiting in the admission queue.
+    queued: int
+    #: Engine legs running.
+    legs: int
+    #: Control requests in flight (probes, KV releases).
+    controls: int
+    #: Outstanding legs per engine URL and phase.
+    engine_outstanding: dict[tuple[str, str], int]
+    #: Health per engine URL and phase.
+    engine_healthy: dict[tuple[str, str], bool]
+    #: Whether shutdown has begun.
+    draining: bool
+    #: Whether ``/ready`` would answer 200.
+    ready: bool
+
+
+@attrs.define(eq=False)
+class _Conn:
+    handle: Hashable
+    codec: ServerCodec
+    peer_host: str
+    rid: str | None = None
+    #: When the connection gives up waiting for the client (lazy timer).
+    read_deadline: float = 0.0
+    timer: int = 0
+    closed: bool = False
+    #: Bytes of a next request have arrived.
+    reading: bool = False
+
+
+@attrs.define(eq=False)
+class _Kv:
+    handoff: KvHandoff
+    engine: EngineState
+    leg: str
+    outcome: str | None = None
+    method: str | None = None
+    error: str | None = None
+
+    def record(self) -> KvRecord | None:
+        if self.outcome is None:
+            return None
+        return KvRecord(
+            outcome=self.outcome,  # type: ignore[arg-type]
+            owner=self.handoff.owner,
+            engine=self.engine.url,
+            method=self.method or "",
+            error=self.error,
+        )
+
+
+@attrs.define(eq=False)
+class _Leg:
+    bid: str
+    phase: Phase
+    attempt: int
+    engine: EngineState
+    codec: EngineCodec
+    rid: str
+    started: float
+    data: bytes
+    deadline: float
+    timer: int = 0
+    status: int | None = None
+    body: list[bytes] = attrs.field(factory=list)
+    outcome: LegOutcome | None = None
+    ended: float | None = None
+    kv: _Kv | None = None
+    open: bool = True
+    streaming: bool = False
+    got_bytes: bool = False
+    fresh_retry: bool = False
+
+
+@attrs.define(eq=False)
+class _Request:
+    rid: str
+    conn: _Conn | None
+    route: Route
+    client: str
+    client_rid: str | None
+    received: float
+    stream: bool
+    accepted: AcceptedRequest
+    state: State = State.QUEUED
+    attempts: dict[str, int] = attrs.field(factory=lambda: {PREFILL: 0, DECODE: 0})
+    failed_on: dict[str, list[EngineState]] = attrs.field(factory=lambda: {PREFILL: [], DECODE: []})
+    leg: _Leg | None = None
+    legs: list[_Leg] = attrs.field(factory=list)
+    kv: _Kv | None = None
+    pending_releases: int = 0
+    admitted: bool = False
+    answered: bool = False
+    bytes_sent: bool = False
+    first_byte: float | None = None
+    relay: SseRelay | None = None
+    retry_phase: Phase = PREFILL
+    waiting_for_slot: bool = False
+    terminal: Terminal | None = None
+    status: int | None = None
+    error: ErrorRecord | None = None
+    usage: dict[str, Any] | None = None
+    timers: dict[str, int] = attrs.field(factory=dict)
+
+
+class Router:
+    """Narwhal's decisions, driven by events; see the module docstring."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        rid_source: Callable[[], str],
+        authenticator: Authenticator,
+        engine_api_key: str | None = None,
+        wall_offset: float = 0.0,
+        now: float = 0.0,
+        codec: Codec = H11_CODEC,
+        render_metrics: Callable[[Router], bytes] | None = None,
+    ) -> None:
+        self.config: Final = config
+        self._rid: Final = rid_source
+        self._auth = authenticator
+        self._wall_offset = wall_offset
+        self._codec: Final = codec
+        self._render_metrics = render_metrics
+        self._now = now
+        self._model: Final = config.model.name
+        self._names: Final = config.model_names
+        e = config.engine
+        self.fleet: Final = Fleet(
+            e.prefill_engines,
+            e.decode_engines,
+            max_inflight_per_engine=e.max_inflight_per_engine,
+            unhealthy_after=config.health.unhealthy_after,
+            healthy_after=config.health.healthy_after,
+        )
+        a = config.admission
+        self.admission: Final = Admission(
+            max_inflight=a.max_inflight,
+            queue_size=a.queue_size,
+            per_client_max_inflight=a.per_client_max_inflight,
+        )
+        self.stats: Final = Stats()
+        self._auth_header: tuple[tuple[bytes, bytes], ...] = (
+            ((b"authorization", b"Bearer " + engine_api_key.encode("latin-1")),)
+            if engine_api_key
+            else ()
+        )
+        self._pd: Final = self.fleet.pd
+        self._mode: Final = "pd" if self._pd else "single"
+        self._first_phase: Final[Phase] = PREFILL if self._pd else DECODE
+        self._conns: dict[Hashable, _Conn] = {}
+        self._requests: dict[str, _Request] = {}
+        self._legs: dict[str, _Leg] = {}
+        self._controls: dict[str, tuple[str, Any]] = {}
+        self._slot_waiters: dict[str, deque[str]] = {PREFILL: deque(), DECODE: deque()}
+        self._timers: list[tuple[float, int, str, Any]] = []
+        self._seq = 0
+        self._out: deque[Command] = deque()
+        #: Connections whose response just finished: serve their next
+        #: (pipelined) request once the current event is handled.
+        self._pump: list[_Conn] = []
+        self._draining = False
+        self._shutdown_reported = False
+        self._journal_ok = True
+        self._journal_problem: str | None = None
+        self._probe_seq = 0
+        self._retry_after: Final = str(a.retry_after_s).encode()
+        interval = config.health.probe_interval_s
+        for engine in self.fleet.all():
+            self._arm("probe", engine, now + interval * engine.index / max(1, len(self.fleet.all())))
+
+    # ------------------------------------------------------------ public API
+
+    def receive(self, event: Event, *, now: float) -> None:
+        """Feed one event; then drain :meth:`next_output`."""
+        self._now = now
+        if isinstance(event, ClientData):
+            self._client_data(event.conn, event.data)
+        elif isinstance(event, LegData):
+            leg = self._legs.get(event.leg)
+            if leg is not None:
+                self._leg_data(leg, event.data)
+        elif isinstance(event, ClientConnected):
+            self._client_connected(event)
+        elif isinstance(event, ClientGone):
+            conn = self._conns.pop(event.conn, None)
+            if conn is not None:
+                conn.closed = True
+                self._client_left(conn)
+        elif isinstance(event, LegFailed):
+            leg = self._legs.get(event.leg)
+            if leg is not None and leg.open:
+                self._leg_connection_failed(leg, event)
+        elif isinstance(event, ControlDone):
+            self._control_done(event)
+        elif isinstance(event, ShutdownRequested):
+            self._begin_shutdown()
+        elif isinstance(event, AuthenticatorChanged):
+            self._auth = event.authenticator
+            self._log("keys_reloaded")
+        elif isinstance(event, JournalHealth):
+            if event.ok != self._journal_ok:
+                self._log("journal_ok" if event.ok else "journal_failed", message=event.message)
+            self._journal_ok = event.ok
+            self._journal_problem = event.message
+        else:
+            raise NarwhalError(f"unknown event {event!r}")
+        if self._pump:
+            self._serve_pipelined()
+
+    def next_output(self) -> Command | None:
+        """The next command to execute, or ``None`` when there is none."""
+        out = self._out
+        return out.popleft() if out else None
+
+    def get_deadline(self) -> float | None:
+        """When :meth:`handle_deadline` should next be called, or ``None``."""
+        timers = self._timers
+        while timers and not self._timer_live(timers[0]):
+            heapq.heappop(timers)
+        return timers[0][0] if timers else None
+
+    def handle_deadline(self, *, now: float) -> None:
+        """Fire every timer due at ``now``."""
+        self._now = now
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            entry = heapq.heappop(timers)
+            if self._timer_live(entry):
+                self._fire_timer(entry)
+        if self._pump:
+            self._serve_pipelined()
+
+    def _serve_pipelined(self) -> None:
+        while self._pump:
+            conn = self._pump.pop()
+            if conn.rid is None and not conn.closed:
+                self._next_request(conn)
+
+    def statistics(self) -> RouterStatistics:
+        """A snapshot of the live counters."""
+        return RouterStatistics(
+            connections=len(self._conns),
+            requests=len(self._requests),
+            inflight=self.admission.inflight,
+            queued=len(self.admission.queue),
+            legs=len(self._legs),
+            controls=len(self._controls),
+            engine_outstanding={(e.url, e.phase): e.outstanding for e in self.fleet.all()},
+            engine_healthy={(e.url, e.phase): e.healthy for e in self.fleet.all()},
+            draining=self._draining,
+            ready=not self._ready_problems(),
+        )
+
+    # --------------------------------------------------------------- timers
+
+    def _arm(self, kind: str, owner: Any, when: float) -> int:
+        self._seq += 1
+        heapq.heappush(self._timers, (when, self._seq, kind, owner))
+        return self._seq
+
+    def _arm_request(self, req: _Request, kind: str, when: float) -> None:
+        req.timers[kind] = self._arm(kind, req, when)
+
+    def _timer_live(self, entry: tuple[float, int, str, Any]) -> bool:
+        _, seq, kind, owner = entry
+        if kind == "conn":
+            return bool(owner.timer == seq and not owner.closed)
+        if kind == "leg":
+            return bool(owner.timer == seq and owner.open)
+        if kind == "probe":
+            return not self._draining
+        if kind == "shutdown":
+            return True
+        return bool(owner.timers.get(kind) == seq and owner.state is not State.DONE)
+
+    def _fire_timer(self, entry: tuple[float, int, str, Any]) -> None:
+        when, _, kind, owner = entry
+        now = self._now
+        if kind == "conn":
+            conn: _Conn = owner
+            if conn.rid is not None:
+                conn.timer = 0  # a request runs: its own deadlines apply
+            elif conn.read_deadline > now:
+                conn.timer = self._arm("conn", conn, conn.read_deadline)
+            else:
+                self._read_timeout(conn)
+        elif kind == "leg":
+            leg: _Leg = owner
+            if leg.deadline > now:
+                leg.timer = self._arm("leg", leg, leg.deadline)
+            else:
+                self._leg_broke(leg, "timeout")
+        elif kind == "probe":
+            self._probe(owner)
+        elif kind == "shutdown":
+            for pending in list(self._requests.values()):
+                self._fire(pending, Input.ABANDON)
+            self._check_shutdown()
+        else:
+            req: _Request = owner
+            del req.timers[kind]
+            if kind == "deadline":
+                self._fire(req, Input.DEADLINE)
+            elif kind == "queue":
+                self._fire(req, Input.QUEUE_TIMEOUT)
+            elif kind == "wake":
+                self._fire(req, Input.WAKE)
+
+    # ----------------------------------------------------- client connections
+
+    def _client_connected(self, event: ClientConnected) -> None:
+        i = self.config.ingress
+        codec = self._codec.server_connection(
+            max_request_line_bytes=i.max_request_line_bytes,
+            max_header_bytes=i.max_header_bytes,
+            max_headers=i.max_headers,
+            max_body_bytes=i.max_body_bytes,
+        )
+        conn = _Conn(handle=event.conn, codec=codec, peer_host=event.peer_host)
+        self._conns[event.conn] = conn
+        if self._draining:
+            self._close(conn)
+            return
+        conn.reading = True  # a new client must send its request promptly
+        self._wait_for_request(conn, i.header_timeout_s + i.body_timeout_s)
+
+    def _wait_for_request(self, conn: _Conn, seconds: float) -> None:
+        conn.read_deadline = self._now + seconds
+        if conn.timer == 0:
+            conn.timer = self._arm("conn", conn, conn.read_deadline)
+
+    def _read_timeout(self, conn: _Conn) -> None:
+        # An idle keep-alive connection just closes; a half-sent request gets 408.
+        if conn.reading:
+            self._send(conn, conn.codec.send_error_response(
+                408, self._error_headers(self._rid()),
+                _error_body("Timed out reading the request.", "request_timeout"),
+            ))
+        self._close(conn)
+
+    def _client_data(self, handle: Hashable, data: bytes) -> None:
+        conn = self._conns.get(handle)
+        if conn is None:
+            return
+        if not data and conn.rid is not None:
+            # The client closed its side while its request runs: it is gone.
+            self._conns.pop(handle, None)
+            self._close(conn)
+            self._client_left(conn)
+            return
+        conn.codec.receive_data(data)
+        if conn.rid is None:
+            self._next_request(conn)
+
+    def _next_request(self, conn: _Conn) -> None:
+        i = self.config.ingress
+        while conn.rid is None and not conn.closed:
+            try:
+                event = conn.codec.next_event()
+            except RemoteProtocolError as exc:
+                self._bad_request(conn, exc)
+                return
+            if event is NEED_DATA:
+                if not conn.reading and conn.codec.has_partial_request:
+                    # The first bytes of a request: the client now has the
+                    # header and body timeouts, not the idle keep-alive one.
+                    conn.reading = True
+                    conn.read_deadline = self._now + i.header_timeout_s + i.body_timeout_s
+                    if conn.timer == 0:
+                        conn.timer = self._arm("conn", conn, conn.read_deadline)
+                return
+            if isinstance(event, HttpRequest):
+                self._on_request(conn, event)
+            elif isinstance(event, ContinueExpected):
+                self._on_continue(conn, event)
+            elif isinstance(event, ConnectionClosed):
+                self._close(conn)
+                return
+            else:  # PAUSED cannot happen while no request runs
+                return
+
+    def _bad_request(self, conn: _Conn, exc: RemoteProtocolError) -> None:
+        if exc.reason != "dropped":
+            message = {413: "Request body too large.", 431: "Request header fields too large."}.get(
+                exc.status, "Malformed HTTP request."
+            )
+            code = {413: "body_too_large", 431: "headers_too_large", 414: "uri_too_long"}.get(
+                exc.status, "bad_http_request"
+            )
+            rid = self._rid()
+            self._send(conn, conn.codec.send_error_response(
+                exc.status, self._error_headers(rid), _error_body(message, code)
+            ))
+        self._close(conn)
+
+    def _on_continue(self, conn: _Conn, head: ContinueExpected) -> None:
+        path = head.target.partition("?")[0]
+        route = _COMPLETION_ROUTES.get(path)
+        if route is not None and head.method == "POST":
+            try:
+                self._auth.authenticate(head.headers, conn.peer_host)
+            except AuthError as exc:
+                rid = self._rid()
+                self._denied(conn, rid, route, sanitize_client_rid(head.header(b"x-request-id")), exc)
+                return
+        self._send(conn, conn.codec.send_continue())
+
+    def _on_request(self, conn: _Conn, request: HttpRequest) -> None:
+        rid = self._rid()
+        conn.rid = rid
+        conn.reading = False
+        path = request.target.partition("?")[0]
+        route = _COMPLETION_ROUTES.get(path)
+        if route is not None:
+            if request.method == "POST":
+                self._on_completion(conn, rid, route, request)
+            else:
+                self._respond_plain(conn, rid, 405, _error_body(
+                    f"Method {request.method} is not allowed on {path}; use POST.", "method_not_allowed"
+                ), extra=((b"allow", b"POST"),))
+            return
+        if path in _GET_ROUTES:
+            if request.method != "GET":
+                self._respond_plain(conn, rid, 405, _error_body(
+                    f"Method {request.method} is not allowed on {path}; use GET.", "method_not_allowed"
+                ), extra=((b"allow", b"GET"),))
+            elif path == "/health":
+                self._respond_plain(conn, rid, 200, b'{"status":"ok"}')
+            elif path == "/ready":
+                problems = self._ready_problems()
+                body = wire.dumps({"ready": not problems, "problems": problems})
+                self._respond_plain(conn, rid, 503 if problems else 200, body)
+            elif path == "/metrics":
+                self._metrics(conn, rid)
+            else:
+                self._models(conn, rid, request)
+            return
+        shown = path if len(path) <= 200 else path[:200] + "..."
+        self._respond_plain(conn, rid, 404, _error_body(
+            f"Unknown route {shown}.", "not_found"
+        ))
+
+    def _metrics(self, conn: _Conn, rid: str) -> None:
+        if self._render_metrics is None:
+            self._respond_plain(conn, rid, 503, _error_body("Metrics are not available.", "no_metrics"))
+            return
+        body = self._render_metrics(self)
+        self._finish(conn, conn.codec.send_response(200, (
+            (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+            (b"x-request-id", rid.encode()),
+            *self._closing(conn),
+        ), body))
+
+    def _models(self, conn: _Conn, rid: str, request: HttpRequest) -> None:
+        try:
+            self._auth.authenticate(request.headers, conn.peer_host)
+        except AuthError as exc:
+            self._respond_plain(conn, rid, 401, exc.body())
+            return
+        names = [self._model, *self.config.model.aliases]
+        body = wire.dumps({"object": "list", "data": [
+            {"id": n, "object": "model", "created": 0, "owned_by": "narwhal", "root": self._model}
+            for n in names
+        ]})
+        self._respond_plain(conn, rid, 200, body)
+
+    def _ready_problems(self) -> list[str]:
+        problems = []
+        if self._draining:
+            problems.append("shutting down")
+        if not self._journal_ok:
+            problems.append(f"journal: {self._journal_problem or 'write failed'}")
+        phases: tuple[Phase, ...] = (PREFILL, DECODE) if self._pd else (DECODE,)
+        for phase in phases:
+            if not self.fleet.has_healthy(phase):
+                problems.append(f"no healthy {phase} engine")
+        return problems
+
+    # ----------------------------------------------------- completion ingress
+
+    def _on_completion(self, conn: _Conn, rid: str, route: Route, request: HttpRequest) -> None:
+        client_rid = sanitize_client_rid(request.header(b"x-request-id"))
+        try:
+            client = self._auth.authenticate(request.headers, conn.peer_host)
+        except AuthError as exc:
+            self._denied(conn, rid, route, client_rid, exc)
+            return
+        try:
+            accepted = check_request(route, request.body, self._names, self._model)
+        except ContractError as exc:
+            self._refuse(conn, rid, route, client_rid, client, "invalid", exc)
+            return
+        if self._draining:
+            self._refuse(conn, rid, route, client_rid, client, "rejected", NarwhalError(
+                "Narwhal is shutting down; retry on another instance.", status=503, code="shutting_down"
+            ), retry_after=True, accepted=accepted)
+            return
+        for phase in ((PREFILL, DECODE) if self._pd else (DECODE,)):
+            if not self.fleet.has_healthy(phase):
+                self._refuse(conn, rid, route, client_rid, client, "rejected", NarwhalError(
+                    f"No healthy {phase} engine is available.", status=503, code="engine_unavailable"
+                ), retry_after=True, accepted=accepted)
+                return
+        decision = self.admission.offer(rid, client)
+        if decision == "client_limit":
+            self._refuse(conn, rid, route, client_rid, client, "rejected", NarwhalError(
+                "Too many requests in flight for this client.", status=429, type="rate_limit_error",
+                code="rate_limited",
+            ), retry_after=True, accepted=accepted)
+            return
+        if decision == "fleet_full":
+            self._refuse(conn, rid, route, client_rid, client, "rejected", NarwhalError(
+                "The fleet is at capacity; retry later.", status=503, code="overloaded"
+            ), retry_after=True, accepted=accepted)
+            return
+        req = _Request(
+            rid=rid, conn=conn, route=route, client=client, client_rid=client_rid,
+            received=self._now, stream=accepted.stream, accepted=accepted,
+        )
+        self._requests[rid] = req
+        a = self.config.admission
+        self._arm_request(req, "deadline", self._now + a.request_timeout_s)
+        if decision == "admitted":
+            self._fire(req, Input.ADMIT)
+        else:
+            self._arm_request(req, "queue", self._now + a.queue_timeout_s)
+
+    def _denied(self, conn: _Conn, rid: str, route: Route, client_rid: str | None, exc: AuthError) -> None:
+        self._refuse(conn, rid, route, client_rid, None, "denied", exc)
+
+    def _refuse(
+        self,
+        conn: _Conn,
+        rid: str,
+        route: Route,
+        client_rid: str | None,
+        client: str | None,
+        terminal: Terminal,
+        exc: NarwhalError,
+        *,
+        retry_after: bool = False,
+        accepted: AcceptedRequest | None = None,
+    ) -> None:
+        """Answer a request that never reached admission, with its one terminal record."""
+        conn.rid = rid
+        wall = self._wall()
+        record = journal.TerminalRecord(
+            ts=wall, rid=rid, client_rid=client_rid, client=client, route=route,
+            model=None if accepted is None else accepted.requested_model,
+            stream=False if accepted is None else accepted.stream,
+            mode=self._mode, terminal=terminal, status=exc.status,
+            error=_error_record(exc), legs=(), usage=None, received=wall, duration_ms=0.0,
+            ttft_ms=None, stripped=() if accepted is None else accepted.stripped,
+        )
+        self._write_terminal(record)
+        extra = ((b"retry-after", self._retry_after),) if retry_after else ()
+        if conn.codec.in_response or conn.closed:
+            return
+        self._respond_plain(conn, rid, exc.status, exc.body(), extra=extra)
+
+    # ----------------------------------------------------------- lifecycle
+
+    def _fire(self, req: _Request, event: Input, **info: Any) -> None:
+        row = TRANSITIONS.get((req.state, event))
+        if row is None:
+            state = req.state
+            if state is State.DONE:
+                return
+            self._force_end(req, f"no transition for {state.value} on {event.value}")
+            raise TransitionError(f"request {req.rid}: no transition for state {state.value} on input {event.value}")
+        handler, allowed = row
+        new_state: State = getattr(self, handler)(req, **info)
+        if new_state not in allowed:
+            self._force_end(req, f"{handler} left {req.state.value} for {new_state.value} on {event.value}")
+            raise TransitionError(
+                f"request {req.rid}: {handler} moved {req.state.value} to {new_state.value} on {event.value}"
+            )
+        if req.state is not State.DONE:
+            req.state = new_state
+        if new_state is State.RELEASING and req.pending_releases == 0:
+            self._fire(req, Input.RELEASED)
+
+    def _force_end(self, req: _Request, why: str) -> None:
+        # Fail closed: stop everything the request holds and journal it.
+        self._log("internal_error", rid=req.rid, problem=why)
+        if req.leg is not None:
+            self._stop_leg(req.leg, "cancelled")
+        req.pending_releases = 0
+        self._end(req, "failed", NarwhalError("Internal router error.", status=500, code="internal_error"))
+        req.state = State.DONE
+        self._write_request_terminal(req)
+
+    # handlers: each returns the request's next state
+
+    def _begin(self, req: _Request) -> State:
+        req.admitted = True
+        self.stats.journal_records["progress"] += 1
+        self._out.append(WriteJournal(journal.encode(journal.ProgressRecord(
+            ts=self._wall(), rid=req.rid, event="admitted", route=req.route, client=req.client,
+            client_rid=req.client_rid, mode=self._mode, stream=req.stream,
+        )), False))
+        return self._start_leg(req, self._first_phase)
+
+    def _resume(self, req: _Request) -> State:
+        return self._start_leg(req, req.retry_phase)
+
+    def _prefill_ok(self, req: _Request) -> State:
+        return self._start_leg(req, DECODE)
+
+    def _first_bytes(self, req: _Request) -> State:
+        return State.STREAMING
+
+    def _decode_ok(self, req: _Request, answer: dict[str, Any] | None = None) -> State:
+        kv = req.kv
+        if kv is not None:
+            kv.outcome, kv.method = "pulled", "decode"
+            req.kv = None
+        conn = self._live_conn(req)
+        if req.stream:
+            relay = req.relay
+            assert relay is not None
+            req.usage = relay.usage
+            if relay.error is not None:
+                err = relay.error
+                error = NarwhalError(
+                    str(err.get("message", "engine error"))[:1000], status=200,
+                    type=str(err.get("type", "server_error")), code="engine_error",
+                )
+                self._end(req, "failed", error, leg=req.legs[-1], sent=True)
+            else:
+                self._end(req, "completed", None, status=200)
+            if conn is not None:
+                self._finish(conn, conn.codec.send_stream_end())
+        else:
+            assert answer is not None
+            req.usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else None
+            body = wire.dumps(answer)
+            self._end(req, "completed", None, status=200)
+            if conn is not None:
+                req.first_byte = self._now
+                self._finish(conn, conn.codec.send_response(200, (
+                    _JSON, (b"x-request-id", req.rid.encode()), *self._closing(conn),
+                ), body))
+        return self._after_answer(req)
+
+    def _refused(self, req: _Request, error: NarwhalError, leg: _Leg) -> State:
+        self._release(req)
+        return self._fail(req, error, leg=leg)
+
+    def _leg_failed(self, req: _Request, reason: str, leg: _Leg, error: NarwhalError | None = None) -> State:
+        phase = leg.phase
+        if phase == DECODE:
+            self._release(req)  # the decode leg failed before the handoff
+        retry_phase: Phase = PREFILL if self._pd else DECODE
+        if phase == PREFILL:
+            retry_phase = PREFILL
+        r = self.config.retry
+        if req.attempts[retry_phase] < r.max_attempts and self.fleet.has_healthy(retry_phase) and (
+            retry_phase == DECODE or self.fleet.has_healthy(DECODE)
+        ):
+            req.retry_phase = retry_phase
+            attempt = req.attempts[retry_phase]
+            self._arm_request(req, "wake", self._now + _backoff(leg.bid, attempt, r.backoff_base_s, r.backoff_max_s))
+            return State.PREFILL_WAIT if retry_phase == PREFILL else State.DECODE_WAIT
+        status, code = _GIVE_UP.get(reason, (502, f"{phase}_failed"))
+        if error is not None and reason == "bad_kv":
+            message = f"The prefill engine's answer was unusable: {error.message}"
+        elif reason == "timeout":
+            message = f"The {phase} engine did not answer in time."
+        elif reason in ("connect_failed", "connect_timeout"):
+            message = f"Could not connect to a {phase} engine."
+        else:
+            message = f"The {phase} leg failed ({reason}) after {req.attempts[phase]} attempt(s)."
+        return self._fail(req, NarwhalError(message, status=status, code=code), leg=leg)
+
+    def _stream_failed(self, req: _Request, reason: str, leg: _Leg, error: NarwhalError | None = None) -> State:
+        code = {"timeout": "stream_idle_timeout", "dropped": "engine_disconnected"}.get(reason, "bad_engine_response")
+        status = 504 if reason == "timeout" else 502
+        message = {
+            "timeout": "The decode engine stopped sending the stream.",
+            "dropped": "The decode engine closed the connection mid-stream.",
+        }.get(reason, "The decode engine sent an invalid stream.")
+        return self._fail(req, NarwhalError(message, status=status, code=code), leg=leg)
+
+    def _cancel(self, req: _Request) -> State:
+        if req.state is State.QUEUED:
+            self.admission.leave_queue(req.rid, req.client)
+        self._stop(req)
+        req.answered = True
+        self._end(req, "cancelled", NarwhalError(
+            "The client closed the connection.", status=_CLIENT_GONE_STATUS, type="client_error",
+            code="client_disconnected",
+        ), status=_CLIENT_GONE_STATUS)
+        return self._after_answer(req)
+
+    def _expire(self, req: _Request) -> State:
+        if req.state is State.QUEUED:
+            self.admission.leave_queue(req.rid, req.client)
+        leg = req.leg
+        self._stop(req)
+        return self._fail(req, NarwhalError(
+            "The request did not finish within the router's deadline.", status=504, code="request_timeout"
+        ), leg=leg)
+
+    def _abandon(self, req: _Request) -> State:
+        if req.state is State.QUEUED:
+            self.admission.leave_queue(req.rid, req.client)
+        self._stop(req)
+        return self._fail(req, NarwhalError(
+            "Narwhal shut down before the request finished.", status=503, code="shutting_down"
+        ))
+
+    def _queue_timeout(self, req: _Request) -> State:
+        self.admission.leave_queue(req.rid, req.client)
+        self._end(req, "rejected", NarwhalError(
+            "The fleet is at capacity; the request waited too long for a slot.", status=503, code="overloaded"
+        ))
+        self._send_error(req, retry_after=True)
+        return self._after_answer(req)
+
+    def _released(self, req: _Request) -> State:
+        self._write_request_terminal(req)
+        return State.DONE
+
+    def _abandon_releases(self, req: _Request) -> State:
+        for leg in req.legs:
+            kv = leg.kv
+            if kv is not None and kv.outcome is None:
+                kv.outcome, kv.method, kv.error = "held_until_lease", kv.method or "lease", "shutdown before release"
+        req.pending_releases = 0
+        self._write_request_terminal(req)
+        return State.DONE
+
+    def _ignore(self, req: _Request) -> State:
+        return req.state
+
+    # ------------------------------------------------------ ending requests
+
+    def _stop(self, req: _Request) -> None:
+        """Stop whatever the request is doing and release its unpulled KV."""
+        if req.leg is not None:
+            self._stop_leg(req.leg, "cancelled")
+        self._release(req)
+
+    def _fail(self, req: _Request, error: NarwhalError, *, leg: _Leg | None = None) -> State:
+        self._stop(req)
+        self._end(req, "failed", error, leg=leg, sent=req.bytes_sent)
+        self._send_error(req)
+        return self._after_answer(req)
+
+    def _end(
+        self,
+        req: _Request,
+        terminal: Terminal,
+        error: NarwhalError | None,
+        *,
+        status: int | None = None,
+        leg: _Leg | None = None,
+        sent: bool = False,
+    ) -> State:
+        """Decide how the request ends (its terminal record is written once KV is settled)."""
+        req.terminal = terminal
+        if error is not None:
+            req.error = _error_record(error, leg)
+            req.status = 200 if sent else error.status
+        else:
+            req.status = status
+        return State.RELEASING
+
+    def _send_error(self, req: _Request, *, retry_after: bool = False) -> None:
+        conn = self._live_conn(req)
+        error = req.error
+        if conn is None or error is None:
+            return
+        body = wire.dumps({"error": {
+            "message": error.message, "type": error.type, "param": error.param, "code": error.code,
+        }})
+        if req.bytes_sent:
+            # SPEC §4: a failure after the first byte ends the stream with one error event.
+            data = conn.codec.send_stream_data(b"data: " + body + b"\n\n")
+            self._send(conn, data)
+            self._finish(conn, conn.codec.send_stream_end())
+            return
+        extra = ((b"retry-after", self._retry_after),) if retry_after else ()
+        self._finish(conn, conn.codec.send_response(req.status or 500, (
+            _JSON, (b"x-request-id", req.rid.encode()), *extra, *self._closing(conn),
+        ), body))
+
+    def _after_answer(self, req: _Request) -> State:
+        """The client has its answer (or is gone): free the slot; the record waits for KV."""
+        req.answered = True
+        if req.admitted:
+            req.admitted = False
+            self.admission.release(req.client)
+            self._admit_from_queue()
+        req.conn = None
+        for kind in ("deadline", "queue", "wake"):
+            req.timers.pop(kind, None)
+        return State.RELEASING
+
+    def _write_request_terminal(self, req: _Request) -> None:
+        if req.terminal is None:
+            return
+        for leg in req.legs:
+            if leg.kv is not None and leg.kv.outcome is None:
+                # Never left unsettled in a terminal record.
+                leg.kv.outcome, leg.kv.method = "held_until_lease", "lease"
+        wall = self._wall()
+        received = req.received + self._wall_offset
+        record = journal.TerminalRecord(
+            ts=wall, rid=req.rid, client_rid=req.client_rid, client=req.client, route=req.route,
+            model=req.accepted.requested_model, stream=req.stream, mode=self._mode,
+            terminal=req.terminal, status=req.status, error=req.error,
+            legs=tuple(self._leg_record(leg) for leg in req.legs),
+            usage=req.usage, received=received, duration_ms=_ms(wall - received),
+            ttft_ms=None if req.first_byte is None else _ms(req.first_byte - req.received),
+            stripped=req.accepted.stripped,
+        )
+        self._write_terminal(record)
+        del self._requests[req.rid]
+        req.state = State.DONE
+        self._check_shutdown()
+
+    def _write_terminal(self, record: journal.TerminalRecord) -> None:
+        self.stats.observe(record)
+        self.stats.journal_records["terminal"] += 1
+        self._out.append(WriteJournal(journal.encode(record), True))
+
+    def _leg_record(self, leg: _Leg) -> LegRecord:
+        started = leg.started + self._wall_offset
+        ended = leg.ended if leg.ended is not None else self._now
+        return LegRecord(
+            phase=leg.phase, attempt=leg.attempt, backend_id=leg.bid, engine=leg.engine.url,
+            status=leg.status, outcome=leg.outcome or "cancelled", started=started,
+            duration_ms=_ms(ended - leg.started),
+            kv=None if leg.kv is None else leg.kv.record(),
+        )
+
+    def _admit_from_queue(self) -> None:
+        while True:
+            rid = self.admission.next_from_queue()
+            if rid is None:
+                return
+            req = self._requests[rid]
+            req.timers.pop("queue", None)
+            self._fire(req, Input.ADMIT)
+
+    # ----------------------------------------------------------------- legs
+
+    def _start_leg(self, req: _Request, phase: Phase) -> State:
+        engine = self.fleet.pick(phase, req.failed_on[phase])
+        if engine is None:
+            if self.fleet.has_healthy(phase):
+                req.waiting_for_slot = True
+                req.retry_phase = phase
+                self._slot_waiters[phase].append(req.rid)
+                return State.PREFILL_WAIT if phase == PREFILL else State.DECODE_WAIT
+            return self._fail(req, NarwhalError(
+                f"No healthy {phase} engine is available.", status=503, code="engine_unavailable"
+            ))
+        req.waiting_for_slot = False
+        attempt = req.attempts[phase] + 1
+        req.attempts[phase] = attempt
+        bid = backend_id(req.rid, phase, attempt)
+        if phase == PREFILL:
+            body = wire.dumps(prefill_body(req.accepted.body))
+            timeout = self.config.engine.prefill_timeout_s
+        else:
+            kv = req.kv
+            body = wire.dumps(req.accepted.body if kv is None else decode_body(req.accepted.body, kv.handoff.params))
+            timeout = self.config.engine.decode_timeout_s
+        codec = self._codec.engine_connection(
+            max_body_bytes=self.config.engine.max_response_bytes
+        )
+        data = codec.send_request("POST", req.route, self._leg_headers(engine.address, bid), body)
+        leg = _Leg(
+            bid=bid, phase=phase, attempt=attempt, engine=engine, codec=codec, rid=req.rid,
+            started=self._now, data=data, deadline=self._now + timeout,
+        )
+        leg.timer = self._arm("leg", leg, leg.deadline)
+        self._legs[bid] = leg
+        req.leg = leg
+        req.legs.append(leg)
+        self.fleet.leg_started(engine)
+        self._out.append(StartLeg(
+            bid, engine.address, data, None if req.conn is None else req.conn.handle,
+            self.config.engine.connect_timeout_s,
+        ))
+        return State.PREFILL if phase == PREFILL else State.DECODE
+
+    def _leg_headers(self, engine: EngineAddress, bid: str) -> tuple[tuple[bytes, bytes], ...]:
+        return (
+            (b"host", engine.authority),
+            _JSON,
+            (b"x-request-id", bid.encode()),
+            *self._auth_header,
+        )
+
+    def _leg_data(self, leg: _Leg, data: bytes) -> None:
+        codec = leg.codec
+        codec.receive_data(data)
+        req = self._requests[leg.rid]
+        while leg.open:
+            try:
+                event = codec.next_event()
+            except RemoteProtocolError as exc:
+                self._leg_broke(leg, "dropped" if exc.reason == "dropped" else "bad_response")
+                return
+            if event is NEED_DATA:
+                return
+            leg.got_bytes = True
+            if isinstance(event, BodyData):
+                if leg.streaming:
+                    self._relay(req, leg, event.data)
+                else:
+                    leg.body.append(event.data)
+            elif isinstance(event, ResponseHead):
+                leg.status = event.status
+                if leg.phase == DECODE and req.stream and 200 <= event.status < 300:
+                    leg.streaming = True
+                    kv = req.kv
+                    req.relay = SseRelay(
+                        route=req.route, model=self._model, pd=self._pd,
+                        cached_tokens=None if kv is None else kv.handoff.cached_tokens,
+                    )
+                    if kv is not None:
+                        # The decode engine accepted the KV handoff.
+                        kv.outcome, kv.method = "pulled", "decode"
+                        req.kv = None
+            elif isinstance(event, ResponseEnd):
+                leg.open = False
+                self._out.append(FinishLeg(leg.bid, event.reusable))
+                self._leg_answered(req, leg)
+                return
+
+    def _relay(self, req: _Request, leg: _Leg, data: bytes) -> None:
+        relay = req.relay
+        assert relay is not None
+        try:
+            out = relay.feed(data)
+        except NarwhalError:
+            self._leg_broke(leg, "bad_response")
+            return
+        leg.deadline = self._now + self.config.engine.stream_idle_timeout_s
+        if not out:
+            return
+        conn = self._live_conn(req)
+        if conn is None:
+            return
+        if not req.bytes_sent:
+            req.bytes_sent = True
+            req.first_byte = self._now
+            self._send(conn, conn.codec.send_stream_start(200, (
+                *_SSE_HEADERS, (b"x-request-id", req.rid.encode()), *self._closing(conn),
+            )))
+            self._fire(req, Input.FIRST_BYTES)
+        self._send(conn, conn.codec.send_stream_data(out))
+
+    def _leg_answered(self, req: _Request, leg: _Leg) -> None:
+        status = leg.status or 0
+        body = b"".join(leg.body)
+        leg.body = []
+        if 200 <= status < 300:
+            if leg.phase == PREFILL:
+                try:
+                    handoff = check_prefill_answer(body, leg.bid, self.config.engine.kv_host_allowed)
+                except PrefillAnswerError as exc:
+                    self._leg_done(leg, "bad_kv", failed=True)
+                    self._fire(req, Input.LEG_FAILED, reason="bad_kv", leg=leg, error=exc)
+                    return
+                self._leg_done(leg, "ok")
+                leg.kv = req.kv = _Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
+                self._fire(req, Input.LEG_OK)
+            elif leg.streaming:
+                relay = req.relay
+                assert relay is not None
+                if relay.done or (relay.events and relay.error is not None):
+                    self._leg_done(leg, "ok")
+                    self._fire(req, Input.LEG_OK)
+                else:
+                    self._leg_done(leg, "bad_response", failed=True)
+                    self._fire(req, Input.LEG_FAILED, reason="bad_response", leg=leg)
+            else:
+                try:
+                    answer = wire.loads(body)
+                except wire.JsonError:
+                    answer = None
+                if not isinstance(answer, dict):
+                    self._leg_done(leg, "bad_response", failed=True)
+                    self._fire(req, Input.LEG_FAILED, reason="bad_response", leg=leg)
+                    return
+                self._leg_done(leg, "ok")
+                kv = req.kv
+                normalise_answer(
+                    req.route, answer, self._model, pd=self._pd,
+                    cached_tokens=None if kv is None else kv.handoff.cached_tokens,
+                )
+                self._fire(req, Input.LEG_OK, answer=answer)
+        elif 400 <= status < 500:
+            self._leg_done(leg, "refused")
+            self._fire(req, Input.LEG_REFUSED, error=engine_error(status, body), leg=leg)
+        else:
+            self._leg_done(leg, "http_error", failed=True)
+            self._fire(req, Input.LEG_FAILED, reason="http_error", leg=leg)
+
+    def _leg_done(self, leg: _Leg, outcome: LegOutcome, *, failed: bool = False) -> None:
+        """Account for a leg's end: engine load, health, the request's current leg."""
+        leg.outcome = outcome
+        leg.ended = self._now
+        self._legs.pop(leg.bid, None)
+        engine = leg.engine
+        self.fleet.leg_ended(engine)
+        if failed:
+            self._engine_failed(engine)
+            req = self._requests.get(leg.rid)
+            if req is not None:
+                req.failed_on[leg.phase].append(engine)
+        elif outcome != "cancelled":
+            self.fleet.record_success(engine, probe=False)
+        req = self._requests.get(leg.rid)
+        if req is not None and req.leg is leg:
+            req.leg = None
+        self._wake_slot_waiter(leg.phase)
+
+    def _wake_slot_waiter(self, phase: Phase) -> None:
+        waiters = self._slot_waiters[phase]
+        while waiters:
+            req = self._requests.get(waiters.popleft())
+            if req is not None and req.waiting_for_slot and req.retry_phase == phase:
+                self._fire(req, Input.WAKE)
+                return
+
+    def _stop_leg(self, leg: _Leg, outcome: LegOutcome) -> None:
+        if leg.open:
+            leg.open = False
+            self._out.append(CancelLeg(leg.bid))
+        if leg.outcome is None:
+            self._leg_done(leg, outcome)
+
+    def _leg_broke(self, leg: _Leg, reason: LegOutcome) -> None:
+        """The leg failed on our side of the engine (timeout, bad bytes, dropped)."""
+        if leg.open:
+            leg.open = False
+            self._out.append(CancelLeg(leg.bid))
+        self._leg_done(leg, reason, failed=True)
+        req = self._requests[leg.rid]
+        self._fire(req, Input.LEG_FAILED, reason=reason, leg=leg)
+
+    def _leg_connection_failed(self, leg: _Leg, event: LegFailed) -> None:
+        if event.reused and not leg.got_bytes and not leg.fresh_retry:
+            # A pooled connection the engine had closed: try once more on a
+            # fresh one; the engine never saw the request.
+            leg.fresh_retry = True
+            req = self._requests[leg.rid]
+            self._out.append(StartLeg(
+                leg.bid, leg.engine.address, leg.data,
+                None if req.conn is None else req.conn.handle,
+                self.config.engine.connect_timeout_s, True,
+            ))
+            return
+        leg.open = False
+        reason: LegOutcome = "connect_failed" if event.reason != "dropped" else "dropped"
+        self._leg_done(leg, reason, failed=True)
+        req = self._requests[leg.rid]
+        self._fire(req, Input.LEG_FAILED, reason=event.reason if event.reason != "dropped" else "dropped", leg=leg)
+
+    # ------------------------------------------------------------ KV release
+
+    def _release(self, req: _Request) -> None:
+        """Release the request's prefilled KV that no decode leg pulled (SPEC §3)."""
+        kv = req.kv
+        if kv is None:
+            return
+        req.kv = None
+        mode = self.config.engine.kv_release
+        if mode == "lease":
+            kv.outcome, kv.method = "held_until_lease", "lease"
+            return
+        key = f"release-{kv.leg}"
+        timeout = self.config.engine.control_timeout_s
+        if mode == "abort_endpoint":
+            engine = kv.engine.address
+            body = wire.dumps({"request_id": kv.handoff.owner})
+            command = StartControl(
+                key, engine, "POST", self.config.engine.abort_path,
+                ((b"host", engine.authority), _JSON, *self._auth_header), body, timeout,
+            )
+        else:
+            target = self.fleet.pick(DECODE) or next(
+                (e for e in self.fleet.engines[DECODE] if e.healthy), None
+            )
+            if target is None:
+                kv.outcome, kv.method, kv.error = "held_until_lease", "decode_abort", "no healthy decode engine"
+                return
+            attempt = req.attempts[DECODE] + 1
+            req.attempts[DECODE] = attempt
+            bid = backend_id(req.rid, DECODE, attempt)
+            body = wire.dumps(decode_body(req.accepted.body, kv.handoff.params))
+            raw = self._codec.engine_connection(max_body_bytes=None).send_request(
+                "POST", req.route, self._leg_headers(target.address, bid), body
+            )
+            command = StartControl(
+                key, target.address, "POST", req.route, (), b"", timeout, drop_after_send=True, data=raw
+            )
+        kv.method = mode
+        req.pending_releases += 1
+        self._controls[key] = ("release", (req, kv))
+        self._out.append(command)
+
+    def _control_done(self, event: ControlDone) -> None:
+        entry = self._controls.pop(event.key, None)
+        if entry is None:
+            return
+        kind, owner = entry
+        ok = event.error is None and (event.status is None or 200 <= event.status < 300)
+        if kind == "probe":
+            engine: EngineState = owner
+            if ok and event.status is not None:
+                change = self.fleet.record_success(engine, probe=True)
+            else:
+                change = self._engine_failed(engine)
+            if not self._draining:
+                self._arm("probe", engine, self._now + self.config.health.probe_interval_s)
+            if change == "up":
+                self._log("engine_up", engine=engine.url, phase=engine.phase)
+                self._wake_slot_waiter(engine.phase)
+            return
+        req, kv = owner
+        if ok:
+            kv.outcome = "released"
+        else:
+            kv.outcome = "held_until_lease"
+            kv.error = event.error or f"release answered {event.status}"
+        req.pending_releases -= 1
+        if req.pending_releases == 0 and req.state is State.RELEASING:
+            self._fire(req, Input.RELEASED)
+
+    # --------------------------------------------------------------- health
+
+    def _probe(self, engine: EngineState) -> None:
+        self._probe_seq += 1
+        key = f"probe-{self._probe_seq}"
+        h = self.config.health
+        self._controls[key] = ("probe", engine)
+        self._out.append(StartControl(
+            key, engine.address, "GET", h.probe_path,
+            ((b"host", engine.address.authority), *self._auth_header), b"", h.probe_timeout_s,
+        ))
+
+    def _engine_failed(self, engine: EngineState) -> Any:
+        change = self.fleet.record_failure(engine)
+        if change == "down":
+            self._log("engine_down", engine=engine.url, phase=engine.phase, failures=engine.failures)
+        return change
+
+    # -------------------------------------------------------------- shutdown
+
+    def _begin_shutdown(self) -> None:
+        if self._draining:
+            return
+        self._draining = True
+        self._log("draining", requests=len(self._requests))
+        for conn in list(self._conns.values()):
+            if conn.rid is None and not conn.codec.in_response:
+                self._close(conn)
+        self._arm("shutdown", None, self._now + self.config.shutdown.grace_s)
+        self._check_shutdown()
+
+    def _check_shutdown(self) -> None:
+        if self._draining and not self._requests and not self._shutdown_reported:
+            self._shutdown_reported = True
+            self._log("drained")
+            self._out.append(ShutdownComplete())
+
+    # ------------------------------------------------------------- plumbing
+
+    def _wall(self) -> float:
+        return round(self._now + self._wall_offset, 6)
+
+    def _log(self, event: str, **fields: Any) -> None:
+        self._out.append(Log(event, fields))
+
+    def _live_conn(self, req: _Request) -> _Conn | None:
+        conn = req.conn
+        if conn is None or conn.closed or conn.rid != req.rid:
+            return None
+        return conn
+
+    def _client_left(self, conn: _Conn) -> None:
+        rid = conn.rid
+        if rid is not None:
+            req = self._requests.get(rid)
+            if req is not None and not req.answered:
+                self._fire(req, Input.CLIENT_GONE)
+
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        if data and not conn.closed:
+            self._out.append(Transmit(conn.handle, data))
+
+    def _finish(self, conn: _Conn, data: bytes) -> None:
+        """Send the last bytes of a response; close or wait for the next request."""
+        self._send(conn, data)
+        if conn.codec.must_close or self._draining:
+            self._close(conn)
+        else:
+            conn.rid = None
+            conn.reading = False
+            self._wait_for_request(conn, self.config.ingress.keepalive_timeout_s)
+            self._pump.append(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        if not conn.closed:
+            conn.closed = True
+            self._conns.pop(conn.handle, None)
+            self._out.append(CloseClient(conn.handle))
+
+    def _closing(self, conn: _Conn) -> tuple[tuple[bytes, bytes], ...]:
+        return (_CLOSE,) if self._draining else ()
+
+    def _error_headers(self, rid: str | None) -> tuple[tuple[bytes, bytes], ...]:
+        headers: tuple[tuple[bytes, bytes], ...] = (_JSON,)
+        if rid is not None:
+            headers += ((b"x-request-id", rid.encode()),)
+        return headers
+
+    def _respond_plain(
+        self, conn: _Conn, rid: str, status: int, body: bytes, *, extra: tuple[tuple[bytes, bytes], ...] = ()
+    ) -> None:
+        self._finish(conn, conn.codec.send_response(status, (
+            _JSON, (b"x-request-id", rid.encode()), *extra, *self._closing(conn),
+        ), body))
+        if conn.rid == rid:
+            conn.rid = None
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+def _backoff(seed: str, attempt: int, base: float, cap: float) -> float:
+    """Exponential backoff with jitter in [0.5, 1.5) drawn from a hash of the leg's ID (no randomness)."""
+    jitter = 0.5 + (zlib.crc32(seed.encode()) & 0xFFFF) / 65536.0
+    return float(min(cap, base * 2.0 ** (attempt - 1)) * jitter)
+
+
+def _error_body(message: str, code: str, type: str = "invalid_request_error") -> bytes:
+    return wire.dumps({"error": {"message": message, "type": type, "param": None, "code": code}})
+
+
+def _error_record(error: NarwhalError, leg: _Leg | None = None) -> ErrorRecord:
+    return ErrorRecord(
+        type=error.type, code=error.code, param=error.param, message=error.message,
+        leg=None if leg is None else leg.phase, engine=None if leg is None else leg.engine.url,
+    )

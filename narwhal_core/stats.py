@@ -1,0 +1,85 @@
+"""Counters and histograms the router keeps for ``/metrics``.
+
+Plain integers and lists, updated from terminal records as they are made,
+so the hot path pays a few additions; rendering to the Prometheus text
+format happens at scrape time, outside the core.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import Counter
+from typing import Final
+
+import attrs
+
+from .journal import TerminalRecord
+
+__all__ = ["Histogram", "Stats", "LATENCY_BUCKETS"]
+
+#: Bucket upper bounds in seconds, from 1 ms to 10 min.
+LATENCY_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+
+
+@attrs.define
+class Histogram:
+    """Cumulative-at-render histogram: per-bucket counts, a sum and a count."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    #: Observations per bucket; the last slot counts those above every bound.
+    counts: list[int] = attrs.field(factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        """Count one observation (seconds)."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+
+@attrs.define
+class Stats:
+    """What ``/metrics`` reports beyond the live gauges."""
+
+    #: Completion requests by (route, terminal, status).
+    requests: Counter[tuple[str, str, str]] = attrs.field(factory=Counter)
+    #: Whole-request durations by route.
+    request_seconds: dict[str, Histogram] = attrs.field(factory=dict)
+    #: Leg durations by phase.
+    leg_seconds: dict[str, Histogram] = attrs.field(factory=dict)
+    #: Legs by (phase, outcome).
+    legs: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    #: Time to the first answer byte, by route.
+    ttft_seconds: dict[str, Histogram] = attrs.field(factory=dict)
+    #: Retried legs by phase.
+    retries: Counter[str] = attrs.field(factory=Counter)
+    #: KV outcomes by (outcome, method).
+    kv: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    #: Journal records written, by kind (progress, terminal).
+    journal_records: Counter[str] = attrs.field(factory=Counter)
+
+    def observe(self, record: TerminalRecord) -> None:
+        """Account for one terminal record."""
+        route = record.route
+        self.requests[(route, record.terminal, str(record.status))] += 1
+        _hist(self.request_seconds, route).observe(record.duration_ms / 1000.0)
+        if record.ttft_ms is not None:
+            _hist(self.ttft_seconds, route).observe(record.ttft_ms / 1000.0)
+        for leg in record.legs:
+            _hist(self.leg_seconds, leg.phase).observe(leg.duration_ms / 1000.0)
+            self.legs[(leg.phase, leg.outcome)] += 1
+            if leg.attempt > 1:
+                self.retries[leg.phase] += 1
+            if leg.kv is not None:
+                self.kv[(leg.kv.outcome, leg.kv.method)] += 1
+
+
+def _hist(table: dict[str, Histogram], key: str) -> Histogram:
+    h = table.get(key)
+    if h is None:
+        h = table[key] = Histogram()
+    return h

@@ -1,0 +1,165 @@
+"""JSON on the wire: exact decoding and encoding of request and answer bodies.
+
+SPEC §2.1 asks that fields Narwhal does not interpret reach the engines as
+the same JSON value the client sent: numbers by exact decimal value, strings
+by code point. ``orjson`` is fast but parses every number into a C double or
+a 64-bit integer, which changes the value of numbers with more than 15
+significant digits, of integers beyond 64 bits and of huge or tiny exponents
+(``1e400`` would even be refused). So bodies are decoded in two ways:
+
+* the fast path, ``orjson``, whenever the body holds no number-like text that
+  could lose precision (:data:`_RISKY`, a cheap conservative scan that may
+  also match inside strings, which only costs a slower parse);
+* the exact path, the standard library's decoder with every float and every
+  large integer kept as its original text (:class:`RawFloat`,
+  :class:`RawInt`), which :func:`dumps` writes back verbatim.
+
+Both paths reject what is not JSON: invalid UTF-8, ``NaN``/``Infinity``
+literals, lone surrogates; and, to bound the work per body, nesting deeper
+than :data:`MAX_DEPTH` and integer literals longer than
+:data:`MAX_INT_DIGITS` digits.
+Duplicate keys keep the last value; since Narwhal always re-encodes the
+body, the engines see exactly the value Narwhal validated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Final
+
+import orjson
+
+__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "JsonError", "RawFloat", "RawInt", "loads", "dumps"]
+
+#: Deepest nesting accepted. orjson's encoder stops at 254 levels and every
+#: body is re-encoded, so the limit sits well below that.
+MAX_DEPTH: Final = 128
+#: Longest integer literal accepted (CPython refuses to convert longer ones).
+MAX_INT_DIGITS: Final = 4300
+
+_RISKY: Final = re.compile(rb"[0-9][0-9.]{15}|[eE][-+]?[0-9]{3}")
+_OPTIONS: Final = orjson.OPT_PASSTHROUGH_SUBCLASS
+
+
+class JsonError(ValueError):
+    """The bytes are not a JSON document Narwhal accepts; the message says why."""
+
+
+class RawFloat(float):
+    """A JSON number with a fraction or exponent, remembering its exact text."""
+
+    __slots__ = ("text",)
+    text: str
+
+    def __new__(cls, text: str) -> RawFloat:
+        self = super().__new__(cls, text)
+        self.text = text
+        return self
+
+
+class RawInt(int):
+    """A JSON integer too large for 64 bits, remembering its exact text."""
+
+    text: str
+
+    def __new__(cls, text: str) -> RawInt:
+        self = super().__new__(cls, text)
+        self.text = text
+        return self
+
+
+def _parse_int(text: str) -> int:
+    # 18 digits always fit in 64 bits; longer ones keep their text.
+    if len(text) <= 18:
+        return int(text)
+    if len(text) > MAX_INT_DIGITS:
+        raise JsonError(f"integer literal longer than {MAX_INT_DIGITS} digits")
+    return RawInt(text)
+
+
+def _reject_constant(name: str) -> Any:
+    raise JsonError(f"{name} is not valid JSON")
+
+
+_EXACT: Final = json.JSONDecoder(
+    parse_float=RawFloat, parse_int=_parse_int, parse_constant=_reject_constant
+)
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, (RawFloat, RawInt)):
+        return orjson.Fragment(obj.text)
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _depth_ok(data: bytes) -> bool:
+    # Only run on the exact path: a bracket count that ignores string contents.
+    depth = 0
+    in_string = False
+    escaped = False
+    for b in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif b == 0x5C:
+                escaped = True
+            elif b == 0x22:
+                in_string = False
+        elif b == 0x22:
+            in_string = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return False
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def loads(data: bytes) -> Any:
+    """Decode a JSON document exactly; raise :class:`JsonError` if it is not JSON."""
+    # Counting brackets is C-fast; only a body with many of them needs the
+    # string-aware depth scan.
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and not _depth_ok(data):
+        raise JsonError(f"JSON nesting deeper than {MAX_DEPTH} levels")
+    if not _RISKY.search(data):
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise JsonError(_describe(exc)) from None
+    return _loads_exact(data)
+
+
+def _loads_exact(data: bytes) -> Any:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise JsonError("body is not valid UTF-8") from None
+    try:
+        value = _EXACT.decode(text)
+    except json.JSONDecodeError as exc:
+        raise JsonError(f"invalid JSON: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:
+        raise JsonError(f"JSON nesting deeper than {MAX_DEPTH} levels") from None
+    try:
+        # Lone surrogates decode in the standard library but are not text.
+        orjson.dumps(value, default=_default, option=_OPTIONS)
+    except orjson.JSONEncodeError as exc:
+        if "surrogate" in str(exc):
+            raise JsonError("body contains a lone surrogate (not valid Unicode)") from None
+        raise JsonError(f"body cannot be re-encoded: {exc}") from None
+    return value
+
+
+def _describe(exc: orjson.JSONDecodeError) -> str:
+    if "depth" in exc.msg:
+        return f"JSON nesting deeper than {MAX_DEPTH} levels"
+    if "utf-8" in exc.msg.lower() or "surrogate" in exc.msg.lower():
+        return "body is not valid UTF-8 JSON text"
+    return f"invalid JSON: {exc.msg} at position {exc.pos}"
+
+
+def dumps(value: Any) -> bytes:
+    """Encode a value decoded by :func:`loads` (or built from plain types) as compact JSON."""
+    return orjson.dumps(value, default=_default, option=_OPTIONS)

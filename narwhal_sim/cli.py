@@ -1,0 +1,250 @@
+"""``narwhal sim`` / ``python -m narwhal_sim``: run one simulated engine.
+
+On start it prints exactly one JSON line to stdout::
+
+    {"event": "listening", "host": "127.0.0.1", "port": 8100, "role": "prefill",
+     "url": "http://127.0.0.1:8100", "engine_id": "sim-prefill-..."}
+
+and serves until SIGTERM or SIGINT, then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+
+from narwhal_sim.model import ROLES, Faults, FaultsError
+from narwhal_sim.server import DEFAULT_MODEL, SimConfig, SimEngine
+
+__all__ = ["main", "build_parser", "config_from_args", "parse_listen", "run"]
+
+_DEFAULTS = SimConfig()
+_FAULT_DEFAULTS = Faults()
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT`` or ``:PORT`` (all interfaces)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--listen must be HOST:PORT, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "0.0.0.0", int(port)
+
+
+def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
+    """The argument parser; every flag has a documented default."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run a simulated vLLM-compatible engine that speaks Narwhal's PD protocol.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = _DEFAULTS
+    p.add_argument("--role", choices=ROLES, default=d.role, help="prefill, decode, or mixed (both)")
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on; port 0 picks a free one")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds output text, KV owner suffixes and faults")
+    p.add_argument("--speed", type=float, default=d.speed,
+                   help="divide every modelled time by this; 0 answers at once (no sleeps)")  # fmt: skip
+    p.add_argument("--api-key-env", metavar="VAR", default=None,
+                   help="require 'Authorization: Bearer $VAR' on every route but /sim/*")  # fmt: skip
+    p.add_argument("--engine-id", default=None, help="remote_engine_id (default: random per start)")
+    p.add_argument("--advertise-host", default=None,
+                   help="remote_host given to decode engines (default: the listen host)")  # fmt: skip
+    p.add_argument("--tp-size", type=int, default=d.tp_size, help="tp_size reported in kv_transfer_params")
+    p.add_argument("--log", default="stderr",
+                   help="request log of JSON lines: FILE, '-' (stdout, after the startup line), "
+                        "'stderr', or 'none'")  # fmt: skip
+    p.add_argument("--record-limit", type=int, default=d.record_limit, help="requests kept for /sim/requests")
+    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                   help="event loop; auto uses uvloop when installed")  # fmt: skip
+
+    g = p.add_argument_group("engine model")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help="KV blocks of the engine")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="longest prompt plus output")
+    g.add_argument("--kv-lease-s", type=float, default=d.kv_lease_s,
+                   help="seconds unpulled KV is held before it expires (wall clock)")  # fmt: skip
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--prefix-cache-blocks", type=int, default=None,
+                   help="blocks the prefix cache remembers (default: --num-gpu-blocks)")  # fmt: skip
+    g.add_argument("--prefill-base-ms", type=float, default=d.prefill_base_ms, help="fixed prefill time")
+    g.add_argument("--prefill-per-token-ms", type=float, default=d.prefill_per_token_ms,
+                   help="prefill time per uncached prompt token")  # fmt: skip
+    g.add_argument("--decode-step-ms", type=float, default=d.decode_step_ms, help="time per output token at batch 1")
+    g.add_argument("--decode-per-seq-ms", type=float, default=d.decode_per_seq_ms,
+                   help="extra time per output token per further running sequence")  # fmt: skip
+    g.add_argument("--kv-transfer-base-ms", type=float, default=d.kv_transfer_base_ms, help="fixed KV pull time")
+    g.add_argument("--kv-transfer-per-block-ms", type=float, default=d.kv_transfer_per_block_ms,
+                   help="KV pull time per block")  # fmt: skip
+    g.add_argument("--kv-pull-timeout-s", type=float, default=d.kv_pull_timeout_s,
+                   help="timeout of a KV pull or release sent to a prefill engine")  # fmt: skip
+    g.add_argument("--kv-pull-grace-ms", type=float, default=None,
+                   help="real time a decode leg watches for its client closing before it pulls "
+                        "(default: 2, or 0 at --speed 0)")  # fmt: skip
+    g.add_argument("--kv-load-failure", choices=("recompute", "fail"), default=d.kv_load_failure,
+                   help="on a failed KV pull: recompute the prompt, or fail the request with 500")  # fmt: skip
+
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--keep-alive-s", type=float, default=d.keep_alive_s, help="idle keep-alive timeout")
+    h.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s, help="request read timeout")
+    h.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body")
+
+    f = p.add_argument_group("faults (completion routes; also POST /sim/faults at runtime)")
+    fd = _FAULT_DEFAULTS
+    f.add_argument("--error-rate", type=float, default=fd.error_rate, help="share answered with --error-status")
+    f.add_argument("--error-status", type=int, default=fd.error_status, help="status of injected errors")
+    f.add_argument("--drop-rate", type=float, default=fd.drop_rate, help="share closed without an answer")
+    f.add_argument("--delay-s", type=float, default=fd.delay_s, help="seconds added before handling")
+    f.add_argument("--delay-rate", type=float, default=fd.delay_rate, help="share that gets --delay-s")
+    f.add_argument("--stall-after-chunks", type=int, default=None,
+                   help="stop sending after this many chunks, keep the connection open")  # fmt: skip
+    f.add_argument("--stall-rate", type=float, default=fd.stall_rate, help="share that stalls")
+    f.add_argument("--drop-after-chunks", type=int, default=None, help="close the connection after this many chunks")
+    f.add_argument("--drop-after-chunks-rate", type=float, default=fd.drop_after_chunks_rate,
+                   help="share dropped after --drop-after-chunks")  # fmt: skip
+    f.add_argument("--omit-kv-params-rate", type=float, default=fd.omit_kv_params_rate,
+                   help="share of prefill answers without kv_transfer_params")  # fmt: skip
+    f.add_argument("--malformed-json-rate", type=float, default=fd.malformed_json_rate,
+                   help="share of answers with broken JSON")  # fmt: skip
+    f.add_argument("--unhealthy", action="store_true", help="/health answers 503")
+    f.add_argument("--reasoning-only", action="store_true", help="chat answers carry only reasoning_content")
+    return p
+
+
+_FAULT_FIELDS = tuple(attrs.fields_dict(Faults))
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> SimConfig:
+    """Turn parsed flags into a :class:`SimConfig`; ``ValueError`` with a clear message when bad."""
+    host, port = parse_listen(args.listen)
+    api_key = None
+    if args.api_key_env is not None:
+        api_key = environ.get(args.api_key_env)
+        if not api_key:
+            raise ValueError(f"--api-key-env: environment variable {args.api_key_env} is not set")
+    try:
+        faults = Faults.from_json({name: getattr(args, name) for name in _FAULT_FIELDS})
+    except FaultsError as exc:
+        raise ValueError(str(exc)) from None
+    config = SimConfig(
+        role=args.role,
+        host=host,
+        port=port,
+        model=args.model,
+        seed=args.seed,
+        speed=args.speed,
+        api_key=api_key,
+        engine_id=args.engine_id,
+        advertise_host=args.advertise_host,
+        tp_size=args.tp_size,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_lease_s=args.kv_lease_s,
+        prefix_caching=not args.no_prefix_caching,
+        prefix_cache_blocks=args.prefix_cache_blocks,
+        prefill_base_ms=args.prefill_base_ms,
+        prefill_per_token_ms=args.prefill_per_token_ms,
+        decode_step_ms=args.decode_step_ms,
+        decode_per_seq_ms=args.decode_per_seq_ms,
+        kv_transfer_base_ms=args.kv_transfer_base_ms,
+        kv_transfer_per_block_ms=args.kv_transfer_per_block_ms,
+        kv_pull_timeout_s=args.kv_pull_timeout_s,
+        kv_pull_grace_ms=args.kv_pull_grace_ms,
+        kv_load_failure=args.kv_load_failure,
+        keep_alive_s=args.keep_alive_s,
+        read_timeout_s=args.read_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        record_limit=args.record_limit,
+        log=None if args.log == "none" else args.log,
+        faults=faults,
+    )
+    config.check()
+    return config
+
+
+def loop_factory(kind: str = "auto") -> Callable[[], asyncio.AbstractEventLoop]:
+    """An event-loop factory: uvloop when asked for or, with ``auto``, when installed."""
+    if kind in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise
+        else:
+            return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+def startup_line(engine: SimEngine) -> str:
+    """The one JSON line printed when the engine listens."""
+    return json.dumps(
+        {
+            "event": "listening",
+            "host": engine.host,
+            "port": engine.port,
+            "role": engine.config.role,
+            "url": engine.url,
+            "engine_id": engine.engine_id,
+        }
+    )
+
+
+def run(config: SimConfig, *, loop: str = "auto") -> int:
+    """Serve ``config`` until SIGTERM/SIGINT; the exit status."""
+
+    async def serve() -> int:
+        stop = asyncio.Event()
+        running = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                running.add_signal_handler(signum, stop.set)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread: the caller stops us another way
+        engine = SimEngine(config)
+
+        def announce(e: SimEngine) -> None:
+            sys.stdout.write(startup_line(e) + "\n")
+            sys.stdout.flush()
+
+        try:
+            await engine.start(on_listening=announce)
+        except OSError as exc:
+            print(f"narwhal sim: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+            return 1
+        try:
+            await stop.wait()
+        finally:
+            await engine.close()
+        return 0
+
+    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+        try:
+            return runner.run(serve())
+        except KeyboardInterrupt:
+            return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``narwhal sim`` (``argv`` are the arguments after ``sim``)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"narwhal sim: {exc}", file=sys.stderr)
+        return 2
+    return run(config, loop=args.loop)

@@ -1,0 +1,1033 @@
+"""The simulated engine: an OpenAI-compatible server that speaks the PD protocol of SPEC §3.
+
+:class:`SimEngine` wires the pure model (:mod:`narwhal_sim.model`) and the
+wire shapes (:mod:`narwhal_sim.protocol`) to the HTTP layer
+(:mod:`narwhal_sim.http1`). It runs on one asyncio loop.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /health``, ``GET /v1/models``, ``GET /metrics``,
+``POST /abort_request`` (free the KV of an owner key), ``POST /kv/pull``
+(the internal KV pull a decode engine sends to the prefill engine named by
+``remote_host``/``remote_port``), and the control routes ``/sim/stats``,
+``/sim/requests``, ``/sim/reset``, ``/sim/faults`` (never authenticated,
+never recorded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from typing import IO, Any
+
+import attrs
+import orjson
+
+from narwhal_sim.http1 import JSON, EngineClient, HttpRequest, HttpServer, Limits, ServerConnection
+from narwhal_sim.model import (
+    ROLES,
+    BlockPool,
+    FaultPlan,
+    Faults,
+    FaultsError,
+    KvEntry,
+    KvLedger,
+    LatencyModel,
+    PrefixCache,
+    Scheduler,
+    Ticket,
+    generate_tokens,
+    owner_key,
+)
+from narwhal_sim.protocol import (
+    ApiError,
+    CompletionJob,
+    KvParams,
+    StreamFormat,
+    chat_body,
+    completion_body,
+    error_body,
+    parse_completion,
+    usage,
+)
+
+__all__ = ["SimConfig", "SimEngine", "KV_PULL_PATH", "ABORT_PATH", "DEFAULT_MODEL"]
+
+#: The internal route a decode engine pulls KV from (on the prefill engine's listener).
+KV_PULL_PATH = "/kv/pull"
+#: The route that frees the KV of an owner key (``{"request_id": "<remote_request_id>"}``).
+ABORT_PATH = "/abort_request"
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+_SSE = b"text/event-stream; charset=utf-8"
+_PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
+_NO_FAULTS = FaultPlan()
+
+
+@attrs.frozen(kw_only=True)
+class SimConfig:
+    """Every setting of one simulated engine; each has a ``narwhal sim`` flag of the same name."""
+
+    #: ``prefill``, ``decode`` or ``mixed`` (both, like vLLM's ``kv_both``).
+    role: str = "mixed"
+    #: Address to listen on; port 0 picks a free port.
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: The served model name; requests naming another model get 404.
+    model: str = DEFAULT_MODEL
+    #: Seeds the output text, the KV owner suffixes and every fault decision.
+    seed: int = 0
+    #: Divides every modelled time; 0 answers at once without sleeping.
+    speed: float = 1.0
+    #: Required bearer credential on every route but ``/sim/*``; sent on KV pulls and releases.
+    api_key: str | None = None
+    #: ``remote_engine_id`` of this engine; random per start when ``None``.
+    engine_id: str | None = None
+    #: ``remote_host`` handed to decode engines; the listen host when ``None`` (127.0.0.1 for a wildcard).
+    advertise_host: str | None = None
+    #: ``tp_size`` reported in ``kv_transfer_params``.
+    tp_size: int = 1
+    #: Tokens per KV block.
+    block_size: int = 16
+    #: KV blocks of the engine (28,000 x 16 tokens ~ an H100 80 GB serving Llama-3.1-8B).
+    num_gpu_blocks: int = 28_000
+    #: Sequences running at once; more wait in a FCFS queue.
+    max_num_seqs: int = 256
+    #: Longest prompt plus output, in tokens.
+    max_model_len: int = 131_072
+    #: Seconds a prefill engine holds unpulled KV before freeing it as *expired* (wall clock).
+    kv_lease_s: float = 30.0
+    #: Whether prompts hit a prefix cache of 16-token blocks.
+    prefix_caching: bool = True
+    #: Blocks the prefix cache remembers; ``num_gpu_blocks`` when ``None``.
+    prefix_cache_blocks: int | None = None
+    #: Latency model (see :class:`narwhal_sim.model.LatencyModel`).
+    prefill_base_ms: float = 15.0
+    prefill_per_token_ms: float = 0.08
+    decode_step_ms: float = 7.0
+    decode_per_seq_ms: float = 0.05
+    kv_transfer_base_ms: float = 2.0
+    kv_transfer_per_block_ms: float = 0.05
+    #: Timeout of a KV pull or release sent to a prefill engine.
+    kv_pull_timeout_s: float = 10.0
+    #: Real (unscaled) time a decode leg watches its client before pulling, so a
+    #: router's decode_abort (send, close at once) counts as released; ``None``:
+    #: 2 ms, or 0 at speed 0 (only a few loop turns). See docs/simulator.md.
+    kv_pull_grace_ms: float | None = None
+    #: A failed pull ``recompute``\\ s the prompt (vLLM's default) or ``fail``\\ s the request (500).
+    kv_load_failure: str = "recompute"
+    #: Idle keep-alive connections close after this long (uvicorn's default).
+    keep_alive_s: float = 5.0
+    #: Headers and body of a request must arrive within this time.
+    read_timeout_s: float = 30.0
+    #: Largest request body.
+    max_body_bytes: int = 64 * 1024 * 1024
+    #: Requests kept in memory for ``/sim/requests``.
+    record_limit: int = 10_000
+    #: Request log: ``None``/``"none"`` off, ``"-"`` stdout, ``"stderr"``, or a file path.
+    log: str | None = None
+    #: Fault settings at start.
+    faults: Faults = Faults()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting."""
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if self.speed < 0:
+            raise ValueError("speed must be >= 0")
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_model_len", "tp_size", "record_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.kv_pull_grace_ms is not None and self.kv_pull_grace_ms < 0:
+            raise ValueError("kv_pull_grace_ms must be >= 0")
+        if self.kv_lease_s <= 0 or self.kv_pull_timeout_s <= 0:
+            raise ValueError("kv_lease_s and kv_pull_timeout_s must be > 0")
+        if self.kv_load_failure not in ("recompute", "fail"):
+            raise ValueError("kv_load_failure must be recompute or fail")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be between 0 and 65535")
+
+    @property
+    def pull_grace_s(self) -> float:
+        """The pre-pull grace in seconds."""
+        if self.kv_pull_grace_ms is None:
+            return 0.0 if self.speed == 0 else 0.002
+        return self.kv_pull_grace_ms / 1000.0
+
+    @property
+    def latency(self) -> LatencyModel:
+        """The latency model these settings describe."""
+        return LatencyModel(
+            prefill_base_ms=self.prefill_base_ms,
+            prefill_per_token_ms=self.prefill_per_token_ms,
+            decode_step_ms=self.decode_step_ms,
+            decode_per_seq_ms=self.decode_per_seq_ms,
+            kv_transfer_base_ms=self.kv_transfer_base_ms,
+            kv_transfer_per_block_ms=self.kv_transfer_per_block_ms,
+        )
+
+
+class _Record:
+    """What the engine received and how it ended (``/sim/requests``, the JSON log)."""
+
+    __slots__ = ("seq", "ts", "method", "target", "headers", "body", "request_id", "status", "outcome", "kv",
+                 "started", "duration_ms")  # fmt: skip
+
+    def __init__(self, seq: int, request: HttpRequest, started: float) -> None:
+        self.seq = seq
+        self.ts = time.time()
+        self.method = request.method
+        self.target = request.target
+        self.headers = request.headers
+        self.body = request.body
+        self.request_id = request.request_id
+        self.status: int | None = None
+        self.outcome: str | None = None
+        self.kv: dict[str, Any] | None = None
+        self.started = started
+        self.duration_ms: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "ts": self.ts,
+            "method": self.method,
+            "path": self.target.decode("latin-1"),
+            "headers": [[n.decode("latin-1"), v.decode("latin-1")] for n, v in self.headers],
+            "body": self.body.decode("utf-8", "replace"),
+            "request_id": self.request_id,
+            "status": self.status,
+            "outcome": self.outcome,
+            "kv": dict(self.kv) if self.kv is not None else None,
+            "duration_ms": self.duration_ms,
+        }
+
+
+class _DecodeKv:
+    """A decode leg's claim on remote KV: ``pending`` until pulled, released or failed."""
+
+    __slots__ = ("params", "phase")
+
+    def __init__(self, params: KvParams) -> None:
+        self.params = params
+        self.phase = "pending"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+_COUNTERS = (
+    "requests", "completions", "completions_ok", "errors", "client_gone", "auth_failures", "bad_requests",
+    "prompt_tokens", "generation_tokens", "cached_tokens", "recomputed",
+    "kv_pulls", "kv_pull_failures", "kv_prompt_mismatch", "kv_releases_sent", "kv_release_failures",
+    "kv_params_invalid",
+    "faults_error", "faults_drop", "faults_delay", "faults_stall", "faults_drop_after_chunks",
+    "faults_omit_kv_params", "faults_malformed_json", "faults_unhealthy",
+)  # fmt: skip
+
+Handler = Callable[[ServerConnection, HttpRequest], "Coroutine[Any, Any, None] | None"]
+
+
+class SimEngine:
+    """One simulated engine on the running asyncio loop."""
+
+    def __init__(self, config: SimConfig, *, log_stream: IO[bytes] | None = None) -> None:
+        config.check()
+        self.config = config
+        self.loop = asyncio.get_running_loop()
+        self.engine_id = config.engine_id or f"sim-{config.role}-{uuid.uuid4().hex[:12]}"
+        self.latency = config.latency
+        self.pool = BlockPool(config.num_gpu_blocks)
+        cache_blocks = config.prefix_cache_blocks if config.prefix_cache_blocks is not None else config.num_gpu_blocks
+        self.prefix_cache = PrefixCache(cache_blocks, enabled=config.prefix_caching)
+        self.ledger = KvLedger(config.kv_lease_s)
+        self.scheduler = Scheduler(config.max_num_seqs, self.pool)
+        self.faults = config.faults
+        self._faults_active = config.faults.active
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._records: deque[_Record] = deque(maxlen=config.record_limit)
+        self._seq = 0
+        self._owner_seq = 0
+        self._auth = b"Bearer " + config.api_key.encode() if config.api_key is not None else None
+        self.client = EngineClient(self.loop, timeout_s=config.kv_pull_timeout_s, authorization=self._auth)
+        self._http = HttpServer(
+            self,
+            limits=Limits(
+                keep_alive_s=config.keep_alive_s,
+                read_timeout_s=config.read_timeout_s,
+                max_body_bytes=config.max_body_bytes,
+            ),
+            loop=self.loop,
+        )
+        self._lease_timer: asyncio.TimerHandle | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._log_stream = log_stream
+        self._log_file: IO[bytes] | None = None
+        self.host = config.host
+        self.port = config.port
+        self.url = ""
+        self.advertise_host = config.advertise_host or config.host
+        self.started_at = int(time.time())
+        self._routes: dict[str, dict[str, Handler]] = {
+            "/v1/completions": {"POST": self._completions},
+            "/v1/chat/completions": {"POST": self._chat_completions},
+            "/health": {"GET": self._health},
+            "/v1/models": {"GET": self._models},
+            "/metrics": {"GET": self._metrics},
+            ABORT_PATH: {"POST": self._abort_request},
+            KV_PULL_PATH: {"POST": self._kv_pull},
+        }
+        self._control: dict[str, dict[str, Handler]] = {
+            "/sim/stats": {"GET": self._sim_stats},
+            "/sim/requests": {"GET": self._sim_requests},
+            "/sim/reset": {"POST": self._sim_reset},
+            "/sim/faults": {"GET": self._sim_get_faults, "POST": self._sim_set_faults},
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, on_listening: Callable[[SimEngine], None] | None = None) -> None:
+        """Listen, call ``on_listening`` (nothing has been served yet), then serve."""
+        if self._log_stream is None and self.config.log not in (None, "none"):
+            if self.config.log == "-":
+                self._log_stream = sys.stdout.buffer
+            elif self.config.log == "stderr":
+                self._log_stream = sys.stderr.buffer
+            else:
+                self._log_file = open(self.config.log, "ab")  # noqa: SIM115 - closed in close()
+                self._log_stream = self._log_file
+        self.host, self.port = self._http.bind(self.config.host, self.config.port)
+        if self.config.advertise_host is None and self.host in ("0.0.0.0", "::"):
+            self.advertise_host = "127.0.0.1"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{self.port}"
+        if on_listening is not None:
+            on_listening(self)
+        await self._http.start_serving()
+
+    async def close(self) -> None:
+        """Stop serving; held KV is forgotten with the process."""
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+        await self._http.close()
+        self.client.close()
+        for task in list(self._background):
+            task.cancel()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    # ------------------------------------------------------------------ in-process API
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges (``GET /sim/stats``)."""
+        ledger = self.ledger
+        out: dict[str, Any] = {
+            "role": self.config.role,
+            "engine_id": self.engine_id,
+            "model": self.config.model,
+            "url": self.url,
+            "speed": self.config.speed,
+            "running": self.scheduler.running,
+            "waiting": len(self.scheduler.waiting),
+            "free_blocks": self.pool.free_count,
+            "total_blocks": self.pool.total,
+            "connections": len(self._http.connections),
+            "kv_held": len(ledger),
+            "kv_held_blocks": ledger.held_blocks,
+            "kv_held_total": ledger.counts["held"],
+            "kv_pulled": ledger.counts["pulled"],
+            "kv_released": ledger.counts["released"],
+            "kv_expired": ledger.counts["expired"],
+            "kv_held_total_blocks": ledger.block_counts["held"],
+            "kv_pulled_blocks": ledger.block_counts["pulled"],
+            "kv_released_blocks": ledger.block_counts["released"],
+            "kv_expired_blocks": ledger.block_counts["expired"],
+        }
+        out.update(self.counters)
+        return out
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The recorded requests, oldest first (``GET /sim/requests``)."""
+        return [r.to_json() for r in self._records]
+
+    def set_faults(self, faults: Faults) -> None:
+        """Replace the fault settings."""
+        self.faults = faults
+        self._faults_active = faults.active
+
+    def reset(self) -> None:
+        """Zero the counters and forget recorded requests (held KV stays held)."""
+        for key in self.counters:
+            self.counters[key] = 0
+        self.ledger.reset_counts()
+        self._records.clear()
+
+    # ------------------------------------------------------------------ HTTP app
+
+    def handle(self, conn: ServerConnection, request: HttpRequest) -> Coroutine[Any, Any, None] | None:
+        """Route one request (called by the HTTP layer)."""
+        path = request.path
+        if path.startswith("/sim/"):
+            methods = self._control.get(path)
+            handler = methods.get(request.method) if methods else None
+            if handler is None:
+                status = 405 if methods else 404
+                conn.respond(status, error_body(status, f"no route {request.method} {path}"))
+                return None
+            return handler(conn, request)
+        record = self._record(request)
+        if self._auth is not None and not self._authorized(request):
+            self.counters["auth_failures"] += 1
+            self._answer(conn, request, 401, error_body(401, "Unauthorized"), outcome="unauthorized")
+            return None
+        methods = self._routes.get(path)
+        if methods is None:
+            self._answer(conn, request, 404, error_body(404, f"Not Found: {path}"), outcome="error")
+            return None
+        handler = methods.get(request.method)
+        if handler is None:
+            self._answer(conn, request, 405, error_body(405, "Method Not Allowed"), outcome="error")
+            return None
+        return handler(conn, request)
+
+    def abandon(self, request: HttpRequest) -> None:
+        """A pipelined request whose connection closed before it was handled."""
+        if request.path.startswith("/sim/"):
+            return
+        record = self._record(request)
+        record.outcome = "client_gone"
+        self.counters["client_gone"] += 1
+        try:
+            data = orjson.loads(request.body)
+            params = KvParams.parse(data.get("kv_transfer_params")) if isinstance(data, dict) else None
+        except (orjson.JSONDecodeError, ApiError):
+            params = None
+        if params is not None and params.mode == "decode" and self.config.role != "prefill":
+            self._release_remote(_DecodeKv(params), record)
+        self._finish(record)
+
+    def bad_request(self) -> None:
+        """A connection sent something unparsable or too slow."""
+        self.counters["bad_requests"] += 1
+
+    def _authorized(self, request: HttpRequest) -> bool:
+        given = request.authorization
+        return given is not None and self._auth is not None and hmac.compare_digest(given, self._auth)
+
+    def _record(self, request: HttpRequest) -> _Record:
+        self._seq += 1
+        self.counters["requests"] += 1
+        record = _Record(self._seq, request, time.perf_counter())
+        self._records.append(record)
+        request.tag = record
+        return record
+
+    def _answer(
+        self,
+        conn: ServerConnection,
+        request: HttpRequest,
+        status: int,
+        body: bytes,
+        *,
+        content_type: bytes | None = JSON,
+        outcome: str | None = None,
+    ) -> None:
+        headers = _rid_header(request)
+        conn.respond(status, body, content_type=content_type, headers=headers)
+        record: _Record = request.tag
+        record.status = status
+        if outcome is not None:
+            record.outcome = outcome
+        self._finish(record)
+
+    def _finish(self, record: _Record) -> None:
+        if record.duration_ms is not None:
+            return
+        record.duration_ms = round((time.perf_counter() - record.started) * 1000.0, 3)
+        if record.outcome is None:
+            record.outcome = "ok" if record.status is not None and record.status < 400 else "error"
+        if self._log_stream is not None:
+            self._log(
+                {
+                    "ts": record.ts,
+                    "event": "request",
+                    "engine_id": self.engine_id,
+                    "role": self.config.role,
+                    "request_id": record.request_id,
+                    "method": record.method,
+                    "path": record.target.decode("latin-1"),
+                    "status": record.status,
+                    "outcome": record.outcome,
+                    "duration_ms": record.duration_ms,
+                    "kv": record.kv,
+                }
+            )
+
+    def _log(self, entry: dict[str, Any]) -> None:
+        stream = self._log_stream
+        if stream is None:
+            return
+        try:
+            stream.write(orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE))
+            stream.flush()
+        except (OSError, ValueError):
+            self._log_stream = None
+
+    # ------------------------------------------------------------------ simple routes
+
+    def _health(self, conn: ServerConnection, request: HttpRequest) -> None:
+        if self.faults.unhealthy:
+            self.counters["faults_unhealthy"] += 1
+            self._answer(conn, request, 503, error_body(503, "engine unhealthy (injected)"))
+        else:
+            self._answer(conn, request, 200, b"", content_type=None)
+
+    def _models(self, conn: ServerConnection, request: HttpRequest) -> None:
+        model = self.config.model
+        card = {
+            "id": model,
+            "object": "model",
+            "created": self.started_at,
+            "owned_by": "vllm",
+            "root": model,
+            "parent": None,
+            "max_model_len": self.config.max_model_len,
+            "permission": [],
+        }
+        self._answer(conn, request, 200, orjson.dumps({"object": "list", "data": [card]}))
+
+    def _metrics(self, conn: ServerConnection, request: HttpRequest) -> None:
+        self._answer(conn, request, 200, self._prometheus(), content_type=_PROMETHEUS)
+
+    def _prometheus(self) -> bytes:
+        label = '{model_name="%s"}' % self.config.model.replace("\\", "\\\\").replace('"', '\\"')
+        c = self.counters
+        ledger = self.ledger
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lines.append(f"{name}{labels} {value}")
+
+        used = 1.0 - self.pool.free_count / self.pool.total
+        metric("vllm:num_requests_running", "gauge", "Requests running.", [(label, self.scheduler.running)])
+        metric("vllm:num_requests_waiting", "gauge", "Requests waiting.", [(label, len(self.scheduler.waiting))])
+        metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage, 1 means 100 percent.", [(label, used)])
+        metric("vllm:prompt_tokens_total", "counter", "Prefill tokens processed.", [(label, c["prompt_tokens"])])
+        metric("vllm:generation_tokens_total", "counter", "Tokens generated.", [(label, c["generation_tokens"])])
+        metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
+               [(label, c["cached_tokens"])])  # fmt: skip
+        metric("narwhal_sim_requests_total", "counter", "Requests received.", [("", c["requests"])])
+        metric("narwhal_sim_kv_held_requests", "gauge", "KV owners held.", [("", len(ledger))])
+        metric("narwhal_sim_kv_held_blocks", "gauge", "KV blocks held for owners.", [("", ledger.held_blocks)])
+        metric("narwhal_sim_kv_owners_total", "counter", "KV owners by outcome.",
+               [(f'{{outcome="{k}"}}', v) for k, v in ledger.counts.items()])  # fmt: skip
+        metric("narwhal_sim_kv_blocks_total", "counter", "KV blocks by outcome.",
+               [(f'{{outcome="{k}"}}', v) for k, v in ledger.block_counts.items()])  # fmt: skip
+        faults = [(f'{{fault="{k[7:]}"}}', v) for k, v in c.items() if k.startswith("faults_")]
+        metric("narwhal_sim_faults_total", "counter", "Injected faults.", faults)
+        return ("\n".join(lines) + "\n").encode()
+
+    def _json_body(self, request: HttpRequest) -> dict[str, Any]:
+        try:
+            data = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            raise ApiError(400, "request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return data
+
+    # ------------------------------------------------------------------ KV ownership (prefill side)
+
+    def _abort_request(self, conn: ServerConnection, request: HttpRequest) -> None:
+        try:
+            owner = self._json_body(request).get("request_id")
+            if not isinstance(owner, str):
+                raise ApiError(400, "request_id must be a string", param="request_id")
+        except ApiError as exc:
+            self._answer(conn, request, exc.status, exc.body())
+            return
+        # Unknown owners answer 200 and free nothing: releases are idempotent.
+        entry = self.ledger.release(owner)
+        if entry is not None:
+            self._kv_ended(entry)
+        answer = {"request_id": owner, "released": entry is not None, "num_blocks": len(entry.block_ids) if entry else 0}
+        self._answer(conn, request, 200, orjson.dumps(answer))
+
+    def _kv_pull(self, conn: ServerConnection, request: HttpRequest) -> None:
+        try:
+            data = self._json_body(request)
+            owner = data.get("remote_request_id")
+            if not isinstance(owner, str):
+                raise ApiError(400, "remote_request_id must be a string", param="remote_request_id")
+            expected = data.get("remote_engine_id")
+            if expected is not None and expected != self.engine_id:
+                raise ApiError(409, f"this is engine {self.engine_id}, not {expected}", param="remote_engine_id")
+            entry = self.ledger.get(owner)
+            if entry is None:
+                raise ApiError(404, f"no KV held for {owner} (never held, or pulled, released or expired)")
+            block_ids = data.get("remote_block_ids")
+            if block_ids is not None and block_ids != entry.block_ids:
+                raise ApiError(409, f"remote_block_ids do not match the blocks held for {owner}")
+        except ApiError as exc:
+            self._answer(conn, request, exc.status, exc.body())
+            return
+        self.ledger.pull(owner)
+        self._kv_ended(entry)
+        answer = {
+            "remote_request_id": owner,
+            "num_blocks": len(entry.block_ids),
+            "prompt_tokens": entry.prompt_tokens,
+            "prompt_digest": entry.prompt_digest,
+        }
+        self._answer(conn, request, 200, orjson.dumps(answer))
+
+    def _hold(self, owner: str, ticket: Ticket, prompt_tokens: int, digest: str, record: _Record) -> KvEntry:
+        entry = self.ledger.hold(
+            owner, ticket.block_ids, now=self.loop.time(), prompt_tokens=prompt_tokens, prompt_digest=digest, tag=record
+        )
+        self._wake(self.scheduler.finish(ticket, keep_blocks=True))
+        record.kv = {"role": "prefill", "owner": owner, "blocks": len(entry.block_ids), "outcome": "held"}
+        if self._lease_timer is None:
+            self._arm_lease_timer()
+        return entry
+
+    def _kv_ended(self, entry: KvEntry) -> None:
+        self.pool.free(entry.block_ids)
+        self._wake(self.scheduler.drain())
+        record: _Record | None = entry.tag
+        if record is not None and record.kv is not None:
+            record.kv["outcome"] = entry.outcome
+        if self._log_stream is not None:
+            self._log(
+                {
+                    "ts": time.time(),
+                    "event": "kv",
+                    "engine_id": self.engine_id,
+                    "owner": entry.owner,
+                    "request_id": record.request_id if record is not None else None,
+                    "blocks": len(entry.block_ids),
+                    "outcome": entry.outcome,
+                }
+            )
+
+    def _arm_lease_timer(self) -> None:
+        deadline = self.ledger.next_deadline()
+        if deadline is not None:
+            self._lease_timer = self.loop.call_at(deadline, self._expire_leases)
+
+    def _expire_leases(self) -> None:
+        self._lease_timer = None
+        # Timers may fire up to a clock tick early; a millisecond of slack avoids a spin.
+        for entry in self.ledger.expire_due(self.loop.time() + 0.001):
+            self._kv_ended(entry)
+        self._arm_lease_timer()
+
+    def _wake(self, tickets: list[Ticket]) -> None:
+        for ticket in tickets:
+            waiter = ticket.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    # ------------------------------------------------------------------ completions
+
+    def _completions(self, conn: ServerConnection, request: HttpRequest) -> Coroutine[Any, Any, None]:
+        return self._complete(conn, request, chat=False)
+
+    def _chat_completions(self, conn: ServerConnection, request: HttpRequest) -> Coroutine[Any, Any, None]:
+        return self._complete(conn, request, chat=True)
+
+    def _check_role(self, job: CompletionJob) -> None:
+        mode = job.kv.mode if job.kv is not None else None
+        role = self.config.role
+        if mode == "prefill":
+            if role == "decode":
+                raise ApiError(400, "this is a decode engine: it does not take do_remote_decode (prefill) requests",
+                               param="kv_transfer_params")  # fmt: skip
+            if job.stream:
+                raise ApiError(400, "streaming is not supported for prefill requests (do_remote_decode)",
+                               param="stream")  # fmt: skip
+        elif mode in ("decode", "invalid") and role == "prefill":
+            raise ApiError(400, "this is a prefill engine: it does not take do_remote_prefill (decode) requests",
+                           param="kv_transfer_params")  # fmt: skip
+
+    async def _complete(self, conn: ServerConnection, request: HttpRequest, *, chat: bool) -> None:
+        record: _Record = request.tag
+        counters = self.counters
+        counters["completions"] += 1
+        request_id = request.request_id or os.urandom(16).hex()
+        faults = self.faults
+        plan = faults.plan(self.config.seed, request_id) if self._faults_active else _NO_FAULTS
+        ticket: Ticket | None = None
+        decode_kv: _DecodeKv | None = None
+        done = False
+        try:
+            try:
+                job = parse_completion(
+                    request.body, chat=chat, served_model=self.config.model, max_model_len=self.config.max_model_len
+                )
+                self._check_role(job)
+            except ApiError as exc:
+                counters["errors"] += 1
+                self._answer(conn, request, exc.status, exc.body())
+                done = True
+                return
+            if plan.drop:
+                counters["faults_drop"] += 1
+                record.outcome = "dropped"
+                conn.close()
+                done = True
+                return
+            if plan.delay_s:
+                counters["faults_delay"] += 1
+                await asyncio.sleep(plan.delay_s)
+            if plan.error_status is not None:
+                counters["faults_error"] += 1
+                counters["errors"] += 1
+                status = plan.error_status
+                self._answer(conn, request, status, error_body(status, "injected fault"), outcome="fault_error")
+                done = True
+                return
+
+            kv = job.kv
+            mode = kv.mode if kv is not None else None
+            prompt = job.prompt
+            prompt_tokens = prompt.num_tokens
+            out_tokens = 1 if mode == "prefill" else job.max_tokens
+            block_size = self.config.block_size
+            needed = -(-(prompt_tokens if mode == "prefill" else prompt_tokens + out_tokens) // block_size)
+            if needed > self.pool.total:
+                raise ApiError(400, f"request needs {needed} KV blocks; the engine has {self.pool.total}")
+            if mode == "decode":
+                assert kv is not None
+                # From here on, a request that ends before its pull releases the
+                # prefill engine's KV, as vLLM's NIXL connector does.
+                decode_kv = _DecodeKv(kv)
+                record.kv = {"role": "decode", "owner": kv.remote_request_id, "outcome": "pending"}
+            elif mode == "invalid":
+                counters["kv_params_invalid"] += 1
+            ticket = Ticket(needed)
+            if not self.scheduler.submit(ticket):
+                ticket.waiter = self.loop.create_future()
+                await ticket.waiter
+
+            speed = self.config.speed
+            clock = _Pace(self.loop, speed) if speed > 0 else None
+            cached: int | None = None
+            if decode_kv is not None:
+                cached = await self._load_kv(conn, job, decode_kv, record, clock)
+                if cached is None and self.config.kv_load_failure == "fail":
+                    raise ApiError(500, "KV transfer from the prefill engine failed")
+            if cached is None:
+                # No KV to pull (or the pull failed): compute the prompt here.
+                if self.config.role == "decode" or decode_kv is not None or mode == "invalid":
+                    counters["recomputed"] += 1
+                cached = self.prefix_cache.lookup_and_insert(prompt, block_size)
+                counters["prompt_tokens"] += prompt_tokens - cached
+                counters["cached_tokens"] += cached
+                if clock is not None:
+                    await clock.wait(self.latency.prefill_s(prompt_tokens - cached))
+            elif clock is not None:
+                # The first token after a pull costs one decode step.
+                await clock.wait(self.latency.itl_s(self.scheduler.running))
+            if conn.closed:
+                raise _ClientGone
+
+            tokens = generate_tokens(self.config.seed, prompt.digest, out_tokens, chat=job.chat)
+            counters["generation_tokens"] += out_tokens
+            kv_params = None
+            if mode == "prefill":
+                if plan.omit_kv_params:
+                    # Like an engine without the KV connector: no params, nothing held.
+                    counters["faults_omit_kv_params"] += 1
+                else:
+                    self._owner_seq += 1
+                    owner = owner_key(self.config.seed, request_id, self._owner_seq)
+                    entry = self._hold(owner, ticket, prompt_tokens, prompt.digest, record)
+                    kv_params = {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_block_ids": entry.block_ids,
+                        "remote_engine_id": self.engine_id,
+                        "remote_request_id": owner,
+                        "remote_host": self.advertise_host,
+                        "remote_port": self.port,
+                        "tp_size": self.config.tp_size,
+                    }
+            answer_usage = usage(prompt_tokens, out_tokens, cached)
+            response_id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
+            chat_mode = "tool" if job.tool_name else ("reasoning" if faults.reasoning_only else "text")
+            if job.stream:
+                await self._stream(conn, request, job, plan, clock, tokens, answer_usage, response_id, chat_mode)
+            else:
+                if clock is not None:
+                    for _ in range(out_tokens - 1):
+                        await clock.wait(self.latency.itl_s(self.scheduler.running))
+                if job.chat:
+                    body = chat_body(
+                        response_id=response_id,
+                        created=int(time.time()),
+                        model=self.config.model,
+                        tokens=tokens,
+                        mode=chat_mode,
+                        tool_name=job.tool_name,
+                        digest=prompt.digest,
+                        usage=answer_usage,
+                        kv_transfer_params=kv_params,
+                    )
+                else:
+                    body = completion_body(
+                        response_id=response_id,
+                        created=int(time.time()),
+                        model=self.config.model,
+                        text="".join(tokens),
+                        usage=answer_usage,
+                        kv_transfer_params=kv_params,
+                    )
+                await self._send_whole(conn, request, plan, orjson.dumps(body))
+            done = True
+        except ApiError as exc:
+            counters["errors"] += 1
+            self._answer(conn, request, exc.status, exc.body())
+            done = True
+        except _ClientGone:
+            pass
+        finally:
+            if ticket is not None:
+                if ticket.state == "waiting":
+                    self.scheduler.withdraw(ticket)
+                elif ticket.state == "running":
+                    self._wake(self.scheduler.finish(ticket))
+            if decode_kv is not None and decode_kv.phase == "pending":
+                # Aborted before the pull: tell the prefill engine to free the blocks (vLLM does).
+                self._release_remote(decode_kv, record)
+            if not done and record.outcome is None:
+                record.outcome = "client_gone"
+                counters["client_gone"] += 1
+            self._finish(record)
+
+    async def _send_whole(self, conn: ServerConnection, request: HttpRequest, plan: FaultPlan, body: bytes) -> None:
+        record: _Record = request.tag
+        if plan.malformed_json:
+            self.counters["faults_malformed_json"] += 1
+            body = body[: max(len(body) // 2, 1)]
+            record.outcome = "fault_malformed_json"
+        # A non-streaming answer is one chunk: a stall or drop "after 0 chunks" hits it.
+        if plan.stall_after == 0:
+            self.counters["faults_stall"] += 1
+            record.outcome = "fault_stall"
+            await conn.wait_closed()
+            return
+        if plan.drop_after == 0:
+            self.counters["faults_drop_after_chunks"] += 1
+            record.outcome = "fault_drop_after_chunks"
+            conn.close()
+            return
+        record.status = 200
+        conn.respond(200, body, headers=_rid_header(request))
+        self.counters["completions_ok"] += 1
+
+    async def _stream(
+        self,
+        conn: ServerConnection,
+        request: HttpRequest,
+        job: CompletionJob,
+        plan: FaultPlan,
+        clock: _Pace | None,
+        tokens: list[str],
+        answer_usage: dict[str, Any],
+        response_id: str,
+        chat_mode: str,
+    ) -> None:
+        record: _Record = request.tag
+        fmt = StreamFormat(
+            response_id=response_id,
+            created=int(time.time()),
+            model=self.config.model,
+            chat=job.chat,
+            mode=chat_mode,
+            tool_name=job.tool_name,
+            digest=job.prompt.digest,
+        )
+        events = fmt.events(tokens, answer_usage if job.include_usage else None)
+        if plan.malformed_json:
+            self.counters["faults_malformed_json"] += 1
+            record.outcome = "fault_malformed_json"
+            first = fmt.first_token_event()
+            events[first] = events[first][: len(events[first]) // 2] + b"\n\n"
+        # Where a stall or drop cuts the stream, if anywhere.
+        limit, action = len(events), None
+        if plan.stall_after is not None and plan.stall_after < limit:
+            limit, action = plan.stall_after, "stall"
+        if plan.drop_after is not None and plan.drop_after < limit:
+            limit, action = plan.drop_after, "drop"
+        record.status = 200
+        conn.start_stream(200, content_type=_SSE, headers=_rid_header(request))
+        if clock is None:
+            conn.send_chunks(events[:limit], end=action is None)
+        else:
+            # The first token is ready now; each further one takes a decode step.
+            upto = fmt.first_token_event() + 1
+            conn.send_chunks(events[: min(upto, limit)])
+            for _ in range(len(tokens) - 1):
+                if upto >= limit:
+                    break
+                await clock.wait(self.latency.itl_s(self.scheduler.running))
+                if conn.closed:
+                    raise _ClientGone
+                conn.send_chunks([events[upto]])
+                upto += 1
+            if upto < limit:
+                conn.send_chunks(events[upto:limit])
+        if action == "stall":
+            self.counters["faults_stall"] += 1
+            record.outcome = "fault_stall"
+            conn.flush()
+            await conn.wait_closed()
+        elif action == "drop":
+            self.counters["faults_drop_after_chunks"] += 1
+            record.outcome = "fault_drop_after_chunks"
+            conn.flush()
+            conn.close()
+        else:
+            conn.end_stream()
+            self.counters["completions_ok"] += 1
+
+    # ------------------------------------------------------------------ KV ownership (decode side)
+
+    async def _load_kv(
+        self, conn: ServerConnection, job: CompletionJob, decode_kv: _DecodeKv, record: _Record, clock: _Pace | None
+    ) -> int | None:
+        """Pull the prompt's KV from the prefill engine; cached tokens, or ``None`` to recompute."""
+        params = decode_kv.params
+        # SPEC §3 decode_abort: a router frees KV by sending this request and
+        # closing at once. Give the loop a few turns to see that EOF (it may
+        # come in a later read than the request) before committing to the pull.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        grace = self.config.pull_grace_s
+        if conn.closed or (grace > 0 and await conn.wait_closed(grace)):
+            raise _ClientGone
+        if clock is not None:
+            # The load starts at the next engine step and takes the transfer
+            # time; a client leaving meanwhile cancels us (and releases).
+            blocks = len(params.remote_block_ids or ())
+            await clock.wait(self.latency.itl_s(self.scheduler.running) + self.latency.transfer_s(blocks))
+        if conn.closed:
+            raise _ClientGone
+        decode_kv.phase = "pulling"
+        # Shielded: a client leaving mid-pull must not leave the prefill engine guessing.
+        task = self.loop.create_task(self._pull(job, decode_kv, record))
+        return await asyncio.shield(task)
+
+    async def _pull(self, job: CompletionJob, decode_kv: _DecodeKv, record: _Record) -> int | None:
+        params = decode_kv.params
+        assert params.remote_host is not None and params.remote_port is not None
+        body = orjson.dumps(
+            {
+                "remote_request_id": params.remote_request_id,
+                "remote_engine_id": params.remote_engine_id,
+                "remote_block_ids": params.remote_block_ids,
+                "requester_engine_id": self.engine_id,
+            }
+        )
+        kv_record = record.kv if record.kv is not None else {}
+        try:
+            status, answer = await self.client.post(params.remote_host, params.remote_port, KV_PULL_PATH, body)
+            if status != 200:
+                raise ConnectionError(f"prefill engine answered {status}: {answer[:200]!r}")
+            data = orjson.loads(answer)
+        except (OSError, TimeoutError, ConnectionError, orjson.JSONDecodeError) as exc:
+            decode_kv.phase = "failed"
+            self.counters["kv_pull_failures"] += 1
+            kv_record["outcome"] = "pull_failed"
+            kv_record["error"] = str(exc) or type(exc).__name__
+            return None
+        decode_kv.phase = "pulled"
+        self.counters["kv_pulls"] += 1
+        kv_record["outcome"] = "pulled"
+        kv_record["blocks"] = data.get("num_blocks")
+        if data.get("prompt_digest") != job.prompt.digest:
+            # The router changed the prompt between the legs: this KV is for another prompt.
+            self.counters["kv_prompt_mismatch"] += 1
+            kv_record["outcome"] = "prompt_mismatch"
+            return None
+        # A decode engine counts every transferred prompt token as cached (SPEC §2.3).
+        return job.prompt.num_tokens
+
+    def _release_remote(self, decode_kv: _DecodeKv, record: _Record) -> None:
+        decode_kv.phase = "released"
+        self.counters["kv_releases_sent"] += 1
+        if record.kv is None:
+            record.kv = {"role": "decode", "owner": decode_kv.params.remote_request_id}
+        record.kv["outcome"] = "released"
+        task = self.loop.create_task(self._send_release(decode_kv.params))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_release(self, params: KvParams) -> None:
+        assert params.remote_host is not None and params.remote_port is not None
+        body = orjson.dumps({"request_id": params.remote_request_id})
+        try:
+            status, _ = await self.client.post(params.remote_host, params.remote_port, ABORT_PATH, body)
+        except (OSError, TimeoutError, ConnectionError):
+            status = 0
+        if status != 200:
+            self.counters["kv_release_failures"] += 1
+
+    # ------------------------------------------------------------------ control routes
+
+    def _sim_stats(self, conn: ServerConnection, request: HttpRequest) -> None:
+        conn.respond(200, orjson.dumps(self.stats()))
+
+    def _sim_requests(self, conn: ServerConnection, request: HttpRequest) -> None:
+        conn.respond(200, orjson.dumps(self.requests()))
+
+    def _sim_reset(self, conn: ServerConnection, request: HttpRequest) -> None:
+        self.reset()
+        conn.respond(200, b'{"reset":true}')
+
+    def _sim_get_faults(self, conn: ServerConnection, request: HttpRequest) -> None:
+        conn.respond(200, orjson.dumps(self.faults.to_json()))
+
+    def _sim_set_faults(self, conn: ServerConnection, request: HttpRequest) -> None:
+        try:
+            faults = Faults.from_json(orjson.loads(request.body))
+        except (orjson.JSONDecodeError, FaultsError) as exc:
+            conn.respond(400, error_body(400, f"bad fault settings: {exc}"))
+            return
+        self.set_faults(faults)
+        conn.respond(200, orjson.dumps(faults.to_json()))
+
+
+class _Pace:
+    """Sleeps on a running deadline, so millisecond timer granularity does not add up."""
+
+    __slots__ = ("_speed", "_at")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, speed: float) -> None:
+        self._speed = speed
+        # Not loop.time(): uvloop's clock ticks in whole milliseconds.
+        self._at = time.monotonic()
+
+    async def wait(self, modelled_s: float) -> None:
+        now = time.monotonic()
+        # Time lost waiting in the queue or elsewhere is not owed back.
+        self._at = max(self._at, now - 0.002) + modelled_s / self._speed
+        delay = self._at - now
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+def _rid_header(request: HttpRequest) -> list[tuple[bytes, bytes]] | tuple[()]:
+    rid = request.request_id
+    return [(b"x-request-id", rid.encode("latin-1"))] if rid is not None else ()

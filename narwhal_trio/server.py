@@ -1,0 +1,325 @@
+"""Narwhal on trio: sockets, tasks, the timer and signals around the core router.
+
+The adapter pumps: read bytes, feed the router, drain its commands, act on
+each, re-arm the one timer. Draining is synchronous — bytes for a client go
+into that client's outbox, legs and controls are started, journal lines are
+written — and only then does the task that fed the event await the flush of
+the outboxes it touched. So commands take effect in the order the router
+issued them, whichever task drained them, and a slow client slows only the
+tasks that write to it (backpressure reaches the engine leg relaying to it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+import signal
+import sys
+from typing import Any
+
+import trio
+
+from narwhal.app import build_router
+from narwhal.log import log_event
+from narwhal_core import (
+    CancelLeg,
+    ClientConnected,
+    ClientData,
+    ClientGone,
+    CloseClient,
+    Config,
+    Event,
+    FinishLeg,
+    JournalHealth,
+    Log,
+    Router,
+    ShutdownComplete,
+    ShutdownRequested,
+    StartControl,
+    StartLeg,
+    Transmit,
+    WriteJournal,
+)
+
+from .engines import Engines
+from .journal_file import JournalFile
+
+__all__ = ["Server", "run", "RUNTIME"]
+
+RUNTIME = "trio"
+READ_SIZE = 65536
+#: Bytes queued for one client beyond which a writer waits for the socket.
+HIGH_WATER = 1 << 20
+
+
+class _Client:
+    __slots__ = ("stream", "out", "buffered", "writing", "close_after", "closed", "drained")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.out: list[bytes] = []
+        self.buffered = 0
+        self.writing = False
+        self.close_after = False
+        self.closed = False
+        self.drained: trio.Event | None = None
+
+
+class Server:
+    """One router serving on trio. Use :meth:`serve` inside a nursery (``nursery.start``)."""
+
+    def __init__(self, config: Config, *, router: Router | None = None) -> None:
+        self.config = config
+        self.router = router or build_router(config, now=trio.current_time())
+        self.journal = JournalFile(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
+        self._journal_ok = True
+        self._clients: dict[int, _Client] = {}
+        self._next_handle = 0
+        self._dirty: list[_Client] = []
+        self._armed = math.inf
+        self._timer_wakeup = trio.Event()
+        self._drained = trio.Event()
+        self._stop_accepting = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.engines: Engines | None = None
+        #: The address the server listens on, once started.
+        self.address: tuple[str, int] | None = None
+
+    # ------------------------------------------------------------------ run
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen, serve until a shutdown drains, then close the journal.
+
+        ``task_status.started`` receives the bound ``(host, port)``.
+        """
+        i = self.config.ingress
+        listeners = await trio.open_tcp_listeners(i.listen_port, host=i.listen_host)
+        sock = listeners[0].socket
+        host, port = sock.getsockname()[:2]
+        self.address = (host, port)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.engines = Engines(nursery, self.feed, pool_size=self.config.engine.pool_connections_per_engine)
+                nursery.start_soon(self._timer_loop)
+                if self.config.journal.fsync == "interval":
+                    nursery.start_soon(self.journal.run_sync_timer)
+                nursery.start_soon(self._accept_loop, listeners)
+                self._drain()
+                log_event("listening", host=host, port=port, runtime=RUNTIME,
+                          model=self.config.model.name, journal=self.config.journal.path)
+                task_status.started((host, port))
+                await self._drained.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                if self.engines is not None:
+                    await self.engines.aclose()
+                await self.journal.aclose()
+            log_event("stopped", runtime=RUNTIME)
+
+    def shutdown(self) -> None:
+        """Begin a graceful shutdown: stop accepting, drain, then :meth:`serve` returns."""
+        self._stop_accepting.set()
+        self._feed_now(ShutdownRequested())
+
+    async def _accept_loop(self, listeners: list[trio.SocketListener]) -> None:
+        limit = trio.Semaphore(self.config.ingress.max_connections)
+        async with trio.open_nursery() as accepting:
+            for listener in listeners:
+                accepting.start_soon(self._accept, listener, limit)
+            await self._stop_accepting.wait()
+            accepting.cancel_scope.cancel()
+        for listener in listeners:
+            await listener.aclose()
+
+    async def _accept(self, listener: trio.SocketListener, limit: trio.Semaphore) -> None:
+        assert self._nursery is not None
+        while True:
+            await limit.acquire()
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                limit.release()
+                log_event("accept_failed", error=str(exc))
+                await trio.sleep(0.1)
+                continue
+            except BaseException:
+                limit.release()
+                raise
+            self._nursery.start_soon(self._client_task, stream, limit)
+
+    # ----------------------------------------------------------------- pump
+
+    async def feed(self, event: Event) -> None:
+        """Feed one event, act on the commands, and flush what this made writable."""
+        self.router.receive(event, now=trio.current_time())
+        self._drain()
+        await self._flush_dirty()
+
+    def _feed_now(self, event: Event) -> None:
+        # For callers that must not block on a client socket (timer, cleanup).
+        self.router.receive(event, now=trio.current_time())
+        self._drain()
+        self._flush_in_background()
+
+    def _drain(self) -> None:
+        router = self.router
+        engines = self.engines
+        assert engines is not None
+        while (cmd := router.next_output()) is not None:
+            kind = type(cmd)
+            if kind is Transmit:
+                client = self._clients.get(cmd.conn)  # type: ignore[union-attr]
+                if client is not None and not client.closed:
+                    client.out.append(cmd.data)  # type: ignore[union-attr]
+                    client.buffered += len(cmd.data)  # type: ignore[union-attr]
+                    self._dirty.append(client)
+            elif kind is WriteJournal:
+                ok = self.journal.write(cmd.line)  # type: ignore[union-attr]
+                if ok != self._journal_ok:
+                    self._journal_ok = ok
+                    router.receive(JournalHealth(ok, self.journal.writer.error), now=trio.current_time())
+            elif kind is StartLeg:
+                engines.start_leg(cmd)  # type: ignore[arg-type]
+            elif kind is FinishLeg:
+                engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
+            elif kind is CloseClient:
+                client = self._clients.get(cmd.conn)  # type: ignore[union-attr]
+                if client is not None:
+                    client.close_after = True
+                    self._dirty.append(client)
+            elif kind is CancelLeg:
+                engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
+            elif kind is StartControl:
+                engines.start_control(cmd)  # type: ignore[arg-type]
+            elif kind is Log:
+                log_event(cmd.event, **cmd.fields)  # type: ignore[union-attr]
+            elif kind is ShutdownComplete:
+                self._drained.set()
+        deadline = router.get_deadline()
+        if deadline is None:
+            deadline = math.inf
+        if deadline < self._armed:
+            self._armed = deadline
+            self._timer_wakeup.set()
+
+    async def _flush_dirty(self) -> None:
+        while self._dirty:
+            dirty, self._dirty = self._dirty, []
+            for client in dirty:
+                await self._flush(client)
+
+    def _flush_in_background(self) -> None:
+        if self._dirty and self._nursery is not None:
+            dirty, self._dirty = self._dirty, []
+            for client in dirty:
+                if not client.writing:
+                    self._nursery.start_soon(self._flush, client)
+
+    async def _flush(self, client: _Client) -> None:
+        if client.writing:
+            # Another task is writing to this client; if the client is slow,
+            # wait here so the producer (an engine leg) slows down too.
+            if client.buffered > HIGH_WATER:
+                if client.drained is None:
+                    client.drained = trio.Event()
+                await client.drained.wait()
+            return
+        client.writing = True
+        try:
+            while client.out and not client.closed:
+                out = client.out
+                data = out[0] if len(out) == 1 else b"".join(out)
+                client.out = []
+                client.buffered = 0
+                await client.stream.send_all(data)
+            if client.close_after and not client.closed:
+                client.closed = True
+                client.stream.socket.close()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            # The reader task notices the dead socket and tells the router.
+            client.closed = True
+            client.out = []
+            client.stream.socket.close()
+        finally:
+            client.writing = False
+            if client.drained is not None:
+                client.drained.set()
+                client.drained = None
+
+    async def _timer_loop(self) -> None:
+        while True:
+            with trio.move_on_at(self._armed):
+                await self._timer_wakeup.wait()
+            self._timer_wakeup = trio.Event()
+            now = trio.current_time()
+            if now >= self._armed:
+                self._armed = math.inf
+                self.router.handle_deadline(now=now)
+                self._drain()
+                self._flush_in_background()
+                if self._armed == math.inf:
+                    deadline = self.router.get_deadline()
+                    self._armed = math.inf if deadline is None else deadline
+
+    # -------------------------------------------------------------- clients
+
+    async def _client_task(self, stream: trio.SocketStream, limit: trio.Semaphore) -> None:
+        handle = self._next_handle
+        self._next_handle += 1
+        client = _Client(stream)
+        self._clients[handle] = client
+        try:
+            try:
+                peer = stream.socket.getpeername()
+            except OSError:
+                return
+            await self.feed(ClientConnected(handle, str(peer[0]), int(peer[1])))
+            while not client.closed:
+                try:
+                    data = await stream.receive_some(READ_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    break
+                if client.closed:
+                    break
+                await self.feed(ClientData(handle, data))
+                if not data:
+                    break
+        finally:
+            del self._clients[handle]
+            if not client.close_after:
+                # The socket broke under us: the router must hear it.
+                self._feed_now(ClientGone(handle))
+            client.closed = True
+            stream.socket.close()
+            limit.release()
+
+
+def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:
+    """``narwhal serve --runtime trio``: serve until SIGTERM/SIGINT, then drain and exit 0."""
+
+    async def main() -> None:
+        server = Server(config)
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                host, port = await nursery.start(server.serve)
+                if on_ready is not None:
+                    on_ready(host, port)
+                async for signum in signals:
+                    log_event("signal", signal=signal.Signals(signum).name)
+                    server.shutdown()
+                    break
+            # serve() returns once draining completes (or the grace period ends).
+
+    try:
+        trio.run(main)
+    except OSError as exc:
+        print(f"narwhal: cannot listen on {config.ingress.listen}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_demo(config: Config, on_ready: Callable[[str, int], None]) -> int:
+    """``narwhal demo`` on trio: :func:`run`, telling ``on_ready`` where it listens."""
+    return run(config, on_ready)

@@ -1,0 +1,162 @@
+"""The guard of SPEC §1 and STYLE idiom 2: ``narwhal_core`` does no I/O and reads no clock.
+
+(a) Statically, no module of ``narwhal_core`` imports sockets, event loops,
+clocks, randomness, threads, processes or ``os`` -- at any nesting level,
+including inside functions and ``if TYPE_CHECKING`` blocks -- and none calls
+the builtin ``open``.
+(b) Dynamically, importing ``narwhal_core`` and every submodule of it in a
+fresh interpreter loads no networking or event-loop module, dependencies
+included.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "narwhal_core"
+
+FORBIDDEN_IMPORTS = (
+    "socket", "ssl", "selectors", "asyncio", "trio", "time", "datetime", "random", "secrets", "uuid",
+    "threading", "subprocess", "os",
+    # The same capabilities under other names.
+    "_socket", "_ssl", "_thread", "_asyncio", "multiprocessing", "concurrent", "signal", "anyio", "httpx",
+    "sniffio", "posix", "nt",
+)
+# ``_socket`` (the C extension) is not in this list: typing_extensions, which
+# cattrs imports, loads it only to name ``types.CapsuleType`` on Python < 3.13.
+# The ``socket`` module itself must never be loaded.
+FORBIDDEN_AT_RUNTIME = ("socket", "ssl", "selectors", "asyncio", "trio", "_ssl", "anyio", "httpx")
+
+
+def forbidden(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in FORBIDDEN_IMPORTS)
+
+
+def core_files() -> list[Path]:
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert files, f"no Python files under {PACKAGE}"
+    return files
+
+
+def violations(path: Path, root: Path = ROOT) -> list[str]:
+    """Every forbidden import or call in one file, as ``file:line: what``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    where = path.relative_to(root)
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if forbidden(alias.name):
+                    found.append(f"{where}:{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module is not None:
+                if forbidden(node.module):
+                    found.append(f"{where}:{node.lineno}: from {node.module} import ...")
+                for alias in node.names:
+                    if forbidden(f"{node.module}.{alias.name}") and not forbidden(node.module):
+                        found.append(f"{where}:{node.lineno}: from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "open":
+                found.append(f"{where}:{node.lineno}: call to open()")
+            elif isinstance(func, ast.Attribute) and func.attr == "open" and isinstance(func.value, ast.Name) and (
+                func.value.id in ("builtins", "io", "codecs")
+            ):
+                found.append(f"{where}:{node.lineno}: call to {func.value.id}.open()")
+            # Dynamic imports of a forbidden module by name.
+            is_dynamic_import = (isinstance(func, ast.Name) and func.id == "__import__") or (
+                isinstance(func, ast.Attribute) and func.attr == "import_module"
+            )
+            if is_dynamic_import and node.args:
+                arg = node.args[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and forbidden(arg.value):
+                    found.append(f"{where}:{node.lineno}: dynamic import of {arg.value}")
+        elif isinstance(node, ast.Name) and node.id == "open" and isinstance(node.ctx, ast.Load):
+            # ``reader = open`` then ``reader(path)`` is the same call.
+            found.append(f"{where}:{node.lineno}: reference to open")
+    return found
+
+
+@pytest.mark.parametrize("path", core_files(), ids=lambda p: p.name)
+def test_no_forbidden_imports_or_open(path: Path) -> None:
+    found = violations(path)
+    assert not found, "narwhal_core must stay pure (SPEC §1, STYLE idiom 2):\n" + "\n".join(found)
+
+
+def test_the_guard_catches_what_it_should(tmp_path: Path) -> None:
+    sample = tmp_path / "narwhal_core" / "sample.py"
+    sample.parent.mkdir()
+    sample.write_text(
+        textwrap.dedent(
+            """
+            import os.path
+            from time import monotonic
+            from concurrent import futures
+            import json, uuid as u
+            def f():
+                import asyncio
+                from datetime import datetime
+                return open("x")
+            from . import wire
+            __import__("socket")
+            """
+        ),
+        encoding="utf-8",
+    )
+    found = violations(sample, root=tmp_path)
+    text = "\n".join(found)
+    for needle in ("import os.path", "from time", "from concurrent", "import uuid", "import asyncio",
+                   "from datetime", "open()", "dynamic import of socket"):
+        assert needle in text, (needle, found)
+    assert "wire" not in text and "json" not in text
+
+
+PROBE = textwrap.dedent(
+    """
+    import importlib, json, pkgutil, sys
+    watched = {watched!r}
+    def loaded():
+        return {{m for m in sys.modules if m.split(".")[0] in watched}}
+    report = {{"baseline": sorted(loaded()), "by_module": {{}}, "errors": {{}}}}
+    seen = loaded()
+    names = ["narwhal_core"]
+    import narwhal_core
+    names += sorted("narwhal_core." + m.name for m in pkgutil.iter_modules(narwhal_core.__path__))
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:
+            report["errors"][name] = f"{{type(exc).__name__}}: {{exc}}"
+        now = loaded()
+        report["by_module"][name] = sorted(now - seen)
+        seen = now
+    report["modules"] = names
+    print(json.dumps(report))
+    """
+)
+
+
+def test_importing_the_core_loads_no_network_or_event_loop_module() -> None:
+    code = PROBE.format(watched=sorted({m.split(".")[0] for m in FORBIDDEN_AT_RUNTIME}))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, f"probe failed:\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not report["baseline"], f"the interpreter loads {report['baseline']} before narwhal_core is imported"
+    assert len(report["modules"]) > 5, report["modules"]
+    assert not report["errors"], "narwhal_core submodules that fail to import:\n" + "\n".join(
+        f"  {name}: {err}" for name, err in report["errors"].items()
+    )
+    culprits = {name: mods for name, mods in report["by_module"].items() if mods}
+    assert not culprits, "importing narwhal_core loaded forbidden modules (first importer -> modules):\n" + "\n".join(
+        f"  {name} -> {', '.join(mods)}" for name, mods in culprits.items()
+    )

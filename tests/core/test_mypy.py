@@ -1,0 +1,17 @@
+"""STYLE: ``mypy --strict`` is clean for ``narwhal_core``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mypy import api
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_mypy_strict_narwhal_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Run from the repository root so that pyproject.toml's [tool.mypy] applies.
+    monkeypatch.chdir(ROOT)
+    stdout, stderr, status = api.run(["--strict", "narwhal_core"])
+    assert status == 0, f"mypy --strict narwhal_core failed (exit {status}):\n{stdout}{stderr}"

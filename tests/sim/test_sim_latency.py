@@ -1,0 +1,74 @@
+"""The latency model and the scheduler, observed from outside (coarse bounds; the calibration benchmark is exact)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from narwhal_sim.testing import SimThread
+
+from .helpers import connect, json_request
+
+
+def ttft(client: httpx.Client, url: str, prompt: str) -> float:
+    """Seconds to the first streamed token."""
+    started = time.perf_counter()
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True}
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                return time.perf_counter() - started
+    raise AssertionError("no token")
+
+
+def test_speed_zero_never_sleeps(client: httpx.Client) -> None:
+    with SimThread("mixed", speed=0) as sim:
+        started = time.perf_counter()
+        answer = client.post(sim.url + "/v1/completions", json={"prompt": "z" * 4 * 100_000, "max_tokens": 500})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 500
+        # At speed 1 this is 8 s of prefill and 3.5 s of decode.
+        assert time.perf_counter() - started < 0.5
+
+
+def test_ttft_grows_with_prompt_and_shrinks_on_prefix_hits(client: httpx.Client) -> None:
+    with SimThread("mixed", speed=20) as sim:
+        short = ttft(client, sim.url, "s" * 4 * 64)  # (15 + 5) / 20 = 1 ms
+        long_prompt = "l" * 4 * 16_000
+        long = ttft(client, sim.url, long_prompt)  # (15 + 1280) / 20 = 65 ms
+        cached = ttft(client, sim.url, long_prompt)  # 15,984 tokens hit: ~1 ms
+        assert 0.055 < long < 1.0
+        assert long > short + 0.04
+        assert cached < long / 3
+
+
+def test_itl_grows_with_the_running_batch() -> None:
+    # 2 ms per token alone; +1 ms per further sequence: 21 ms per token with 20 running.
+    with SimThread("mixed", speed=1, decode_step_ms=2, decode_per_seq_ms=1, prefill_base_ms=0,
+                   prefill_per_token_ms=0) as sim, httpx.Client(timeout=30) as client:  # fmt: skip
+
+        def run(_: int) -> float:
+            started = time.perf_counter()
+            client.post(sim.url + "/v1/completions", json={"prompt": "b", "max_tokens": 21})
+            return time.perf_counter() - started
+
+        alone = run(0)
+        with ThreadPoolExecutor(20) as pool:
+            together = sorted(pool.map(run, range(20)))
+        assert 0.03 < alone < 0.2  # 20 steps of 2 ms
+        assert together[10] > 4 * alone  # median of 20 concurrent: ~20 steps of ~21 ms
+
+
+def test_max_num_seqs_queues_the_rest() -> None:
+    with SimThread("mixed", speed=50, max_num_seqs=2, faults={"stall_after_chunks": 0}) as sim:
+        socks = [connect(sim.port) for _ in range(3)]
+        for sock in socks:
+            sock.sendall(json_request("/v1/completions", {"prompt": "hold"}))
+        stats = sim.wait_for(lambda s: s["running"] == 2 and s["waiting"] == 1)
+        assert stats["free_blocks"] == stats["total_blocks"] - 4  # 1 + 16 tokens: 2 blocks each
+        socks[0].close()
+        sim.wait_for(lambda s: s["running"] == 2 and s["waiting"] == 0)
+        for sock in socks[1:]:
+            sock.close()
+        sim.wait_for(lambda s: s["running"] == 0 and s["free_blocks"] == s["total_blocks"])

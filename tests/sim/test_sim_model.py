@@ -1,0 +1,181 @@
+"""The pure engine model: no sockets, time passed in by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal_sim.model import (
+    BlockPool,
+    Faults,
+    FaultsError,
+    KvLedger,
+    LatencyModel,
+    PrefixCache,
+    Prompt,
+    PromptError,
+    Scheduler,
+    Ticket,
+    fault_draw,
+    generate_tokens,
+    owner_key,
+)
+
+
+def test_token_count_approximation() -> None:
+    assert Prompt(text="").num_tokens == 1
+    assert Prompt(text="abcd").num_tokens == 1
+    assert Prompt(text="abcde").num_tokens == 2
+    assert Prompt(text="x" * 400).num_tokens == 100
+    assert Prompt(token_ids=[1, 2, 3]).num_tokens == 3
+    assert Prompt.from_completion([5, 6, 7, 8]).num_tokens == 4
+    assert Prompt.from_completion(["only one"]).text == "only one"
+    with pytest.raises(PromptError):
+        Prompt.from_completion(["two", "prompts"])
+    with pytest.raises(PromptError):
+        Prompt.from_completion(7)
+
+
+def test_chat_prompt_renders_messages_and_tools() -> None:
+    plain = Prompt.from_chat([{"role": "user", "content": "hi"}])
+    with_tools = Prompt.from_chat([{"role": "user", "content": "hi"}], [{"type": "function"}])
+    parts = Prompt.from_chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert plain.digest == parts.digest
+    assert with_tools.num_tokens > plain.num_tokens
+    with pytest.raises(PromptError):
+        Prompt.from_chat([1, 2])
+
+
+def test_block_keys_are_chained_full_blocks() -> None:
+    a = Prompt(text="a" * 64 + "b" * 64 + "c" * 10)
+    b = Prompt(text="a" * 64 + "z" * 64)
+    assert len(a.block_keys(16)) == 2
+    assert a.block_keys(16)[0] == b.block_keys(16)[0]
+    assert a.block_keys(16)[1] != b.block_keys(16)[1]
+    assert len(Prompt(token_ids=list(range(40))).block_keys(16)) == 2
+
+
+def test_text_is_deterministic_from_seed_and_prompt() -> None:
+    digest = Prompt(text="hello").digest
+    assert generate_tokens(0, digest, 8) == generate_tokens(0, digest, 8)
+    assert generate_tokens(0, digest, 8) != generate_tokens(1, digest, 8)
+    assert generate_tokens(0, digest, 8) != generate_tokens(0, Prompt(text="other").digest, 8)
+    # A prefill engine's one token is the decode engine's first token.
+    assert generate_tokens(3, digest, 1) == generate_tokens(3, digest, 16)[:1]
+    assert all(t.startswith(" ") for t in generate_tokens(0, digest, 5))
+    assert not generate_tokens(0, digest, 5, chat=True)[0].startswith(" ")
+
+
+def test_owner_key_is_request_id_plus_suffix() -> None:
+    key = owner_key(0, "rid-p1", 1)
+    assert key.startswith("rid-p1-") and len(key) == len("rid-p1-") + 8
+    assert key == owner_key(0, "rid-p1", 1)
+    assert key != owner_key(0, "rid-p1", 2)
+    assert key != owner_key(1, "rid-p1", 1)
+
+
+def test_latency_model_formulas() -> None:
+    m = LatencyModel()
+    assert m.prefill_s(0) == pytest.approx(0.015)
+    assert m.prefill_s(1000) == pytest.approx(0.015 + 0.08)
+    assert m.itl_s(1) == pytest.approx(0.007)
+    assert m.itl_s(101) == pytest.approx(0.007 + 100 * 0.00005)
+    assert m.transfer_s(10) == pytest.approx(0.002 + 10 * 0.00005)
+
+
+def test_block_pool_capacity() -> None:
+    pool = BlockPool(4)
+    first = pool.allocate(3)
+    assert first == [0, 1, 2]
+    assert pool.allocate(2) is None
+    pool.free(first)
+    assert pool.free_count == 4
+
+
+def test_prefix_cache_hits_leading_blocks_and_keeps_one_token() -> None:
+    cache = PrefixCache(100)
+    prompt = Prompt(text="p" * 64 * 3 + "tail")
+    assert cache.lookup_and_insert(prompt, 16) == 0
+    assert cache.lookup_and_insert(prompt, 16) == 48
+    longer = Prompt(text="p" * 64 * 3 + "q" * 64)
+    assert cache.lookup_and_insert(longer, 16) == 48
+    exact = Prompt(text="p" * 64 * 3)  # every block hits: one block is recomputed
+    assert cache.lookup_and_insert(exact, 16) == 32
+    assert PrefixCache(100, enabled=False).lookup_and_insert(prompt, 16) == 0
+
+
+def test_prefix_cache_is_bounded() -> None:
+    cache = PrefixCache(2)
+    cache.lookup_and_insert(Prompt(text="a" * 64 * 4), 16)
+    assert len(cache._keys) == 2
+
+
+def test_ledger_outcomes_and_counters() -> None:
+    ledger = KvLedger(lease_s=30.0)
+    ledger.hold("a", [1, 2], now=0.0, prompt_tokens=20, prompt_digest="d")
+    ledger.hold("b", [3], now=1.0, prompt_tokens=5, prompt_digest="d")
+    ledger.hold("c", [4], now=2.0, prompt_tokens=5, prompt_digest="d")
+    assert ledger.held_blocks == 4
+    assert ledger.pull("a") is not None
+    assert ledger.pull("a") is None
+    assert ledger.release("b") is not None
+    assert ledger.release("unknown") is None
+    assert ledger.next_deadline() == 32.0
+    assert ledger.expire_due(31.9) == []
+    expired = ledger.expire_due(32.0)
+    assert [e.owner for e in expired] == ["c"] and expired[0].outcome == "expired"
+    assert ledger.counts == {"held": 3, "pulled": 1, "released": 1, "expired": 1}
+    assert ledger.block_counts == {"held": 4, "pulled": 2, "released": 1, "expired": 1}
+    assert ledger.held_blocks == 0 and len(ledger) == 0
+    with pytest.raises(ValueError):
+        ledger.hold("d", [], now=0.0, prompt_tokens=1, prompt_digest="d")
+        ledger.hold("d", [], now=0.0, prompt_tokens=1, prompt_digest="d")
+
+
+def test_scheduler_caps_sequences_and_queues_fcfs() -> None:
+    pool = BlockPool(10)
+    sched = Scheduler(2, pool)
+    a, b, c, d = Ticket(2), Ticket(2), Ticket(2), Ticket(1)
+    assert sched.submit(a) and sched.submit(b)
+    assert not sched.submit(c) and not sched.submit(d)
+    assert sched.running == 2 and len(sched.waiting) == 2
+    assert sched.finish(a) == [c]
+    sched.withdraw(d)
+    assert sched.finish(b) == []
+    assert sched.running == 1 and pool.free_count == 8
+
+
+def test_scheduler_waits_for_blocks_held_by_kv_owners() -> None:
+    pool = BlockPool(4)
+    sched = Scheduler(8, pool)
+    held = Ticket(3)
+    assert sched.submit(held)
+    sched.finish(held, keep_blocks=True)  # handed to a KV owner
+    blocked = Ticket(2)
+    assert not sched.submit(blocked)
+    pool.free([0, 1, 2])  # the owner's lease ran out
+    assert sched.drain() == [blocked]
+    with pytest.raises(ValueError):
+        sched.submit(Ticket(5))
+
+
+def test_fault_decisions_are_pure_functions_of_seed_rid_and_name() -> None:
+    faults = Faults(error_rate=0.5)
+    plans = [faults.plan(7, f"rid-{i}") for i in range(200)]
+    assert plans == [faults.plan(7, f"rid-{i}") for i in range(200)]
+    fired = [p.error_status is not None for p in plans]
+    assert fired == [fault_draw(7, f"rid-{i}", "error") < 0.5 for i in range(200)]
+    assert 60 < sum(fired) < 140
+    assert fired != [faults.plan(8, f"rid-{i}").error_status is not None for i in range(200)]
+    assert not Faults().active and faults.active
+    always = Faults(drop_rate=1.0, stall_after_chunks=2).plan(0, "x")
+    assert always.drop and always.stall_after == 2
+
+
+def test_faults_from_json_is_strict() -> None:
+    assert Faults.from_json({"error_rate": 1, "error_status": 500}).error_rate == 1.0
+    assert Faults.from_json({}) == Faults()
+    for bad in ({"nope": 1}, {"error_rate": 2}, {"error_rate": True}, {"error_status": 200},
+                {"stall_after_chunks": -1}, {"unhealthy": 1}, [1]):  # fmt: skip
+        with pytest.raises(FaultsError):
+            Faults.from_json(bad)
+    assert Faults.from_json(Faults(unhealthy=True).to_json()) == Faults(unhealthy=True)

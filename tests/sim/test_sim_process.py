@@ -1,0 +1,119 @@
+"""The command line: ``python -m narwhal_sim`` / ``narwhal_sim.cli.main``, and SimProcess kill/restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from narwhal_sim.cli import build_parser, config_from_args, main
+from narwhal_sim.server import SimConfig
+from narwhal_sim.testing import SimProcess
+
+from .helpers import PROMPT, prefill_body, run_prefill
+
+
+def test_startup_line_and_graceful_stop() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "narwhal_sim", "--role", "prefill", "--listen", "127.0.0.1:0", "--log", "none"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        event = json.loads(line)
+        assert event["event"] == "listening" and event["role"] == "prefill" and event["host"] == "127.0.0.1"
+        assert isinstance(event["port"], int) and event["port"] > 0
+        assert event["url"] == f"http://127.0.0.1:{event['port']}"
+        assert httpx.get(event["url"] + "/health", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0
+        assert out == b"" and b"Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_kill_and_restart_on_the_same_port(client: httpx.Client) -> None:
+    with SimProcess("prefill", speed=50) as p, SimProcess("decode", speed=50, kv_pull_timeout_s=2) as d:
+        port, first_id = p.port, p.engine_id
+        kv = run_prefill(client, p.url, "crash-p1")
+        assert p.stats()["kv_held"] == 1
+        p.kill()
+        answer = client.post(d.url + "/v1/completions", json={"prompt": PROMPT, "kv_transfer_params": kv})
+        assert answer.status_code == 200  # the pull failed: recomputed
+        assert d.stats()["kv_pull_failures"] == 1
+        p.restart()
+        assert p.port == port and p.engine_id != first_id
+        assert client.get(p.url + "/health").status_code == 200
+        assert p.stats()["kv_held"] == 0  # KV died with the process
+        # A pull naming the old engine is refused by the new one.
+        client.post(d.url + "/v1/completions", json={"prompt": PROMPT, "kv_transfer_params": kv})
+        assert p.requests("/kv/pull")[0]["status"] == 409
+    assert p.returncode == 0 and d.returncode == 0
+
+
+def test_process_options_faults_auth_and_stdout_log(client: httpx.Client) -> None:
+    with SimProcess("prefill", speed=0, api_key="k", log="-", max_num_seqs=3, lease_s=0.2,
+                    faults={"unhealthy": True}) as p:  # fmt: skip
+        auth = {"Authorization": "Bearer k"}
+        assert client.get(p.url + "/health", headers=auth).status_code == 503
+        assert client.get(p.url + "/health").status_code == 401
+        p.set_faults()
+        assert client.get(p.url + "/health", headers=auth).status_code == 200
+        assert client.post(p.url + "/v1/completions", json=prefill_body(), headers=auth).status_code == 200
+        p.wait_for(lambda s: s["kv_expired"] == 1)
+        assert p.faults()["unhealthy"] is False
+    events = [json.loads(line) for line in p.output]
+    assert [e["event"] for e in events] == ["request", "request", "request", "request", "kv"]
+    assert events[-1]["outcome"] == "expired"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--role", "router"],
+        ["--listen", "nowhere"],
+        ["--api-key-env", "NARWHAL_SIM_TEST_SURELY_UNSET"],
+        ["--speed", "-1"],
+        ["--error-rate", "3"],
+        ["--max-num-seqs", "0"],
+    ],
+)
+def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    os.environ.pop("NARWHAL_SIM_TEST_SURELY_UNSET", None)
+    assert main(argv) == 2
+    assert capsys.readouterr().err
+
+
+def test_port_in_use_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["--listen", f"127.0.0.1:{port}", "--log", "none"]) == 1
+    assert "cannot listen" in capsys.readouterr().err
+
+
+def test_every_flag_reaches_the_config() -> None:
+    args = build_parser().parse_args(
+        ["--role", "decode", "--listen", "[::1]:9000", "--speed", "2", "--num-gpu-blocks", "64",
+         "--kv-lease-s", "5", "--no-prefix-caching", "--decode-step-ms", "9", "--stall-after-chunks", "2",
+         "--reasoning-only", "--log", "none", "--kv-pull-grace-ms", "0"]  # fmt: skip
+    )
+    config = config_from_args(args, environ={})
+    assert (config.role, config.host, config.port, config.speed) == ("decode", "::1", 9000, 2.0)
+    assert config.num_gpu_blocks == 64 and config.kv_lease_s == 5 and not config.prefix_caching
+    assert config.decode_step_ms == 9 and config.log is None and config.pull_grace_s == 0
+    assert config.faults.stall_after_chunks == 2 and config.faults.reasoning_only
+    defaults = config_from_args(build_parser().parse_args([]), environ={})
+    assert defaults == SimConfig(log="stderr")
