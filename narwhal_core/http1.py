@@ -913,7 +913,11 @@ class EngineConnection:
     ``max_header_bytes``, body over ``max_body_bytes``; ``None`` means
     unlimited, for streams). Responses that carry both ``Content-Length``
     and ``Transfer-Encoding`` are refused: a pooled socket must never be
-    reused after a response whose end is ambiguous.
+    reused after a response whose end is ambiguous. Bytes handed to
+    ``receive_data`` between two ``next_event`` calls are bounded by
+    ``max_header_bytes + max_body_bytes`` (16 MiB in place of an unlimited
+    body); past that they are dropped and ``next_event`` raises
+    ``too_large``.
     """
 
     def __init__(

@@ -162,4 +162,20 @@ def _describe(exc: orjson.JSONDecodeError) -> str:
 
 def dumps(value: Any) -> bytes:
     """Encode a value decoded by :func:`loads` (or built from plain types) as compact JSON."""
-    return orjson.dumps(value, default=_default, option=_OPTIONS)
+    try:
+        return orjson.dumps(value, default=_default, option=_OPTIONS)
+    except orjson.JSONEncodeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+    # Plain ints beyond 64 bits (not from loads, which keeps their text).
+    return orjson.dumps(_wide_ints(value), default=_default, option=_OPTIONS)
+
+
+def _wide_ints(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _wide_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_wide_ints(v) for v in value]
+    if type(value) is int and not -(2**63) <= value < 2**64:
+        return RawInt(str(value))
+    return value

@@ -39,6 +39,7 @@ from narwhal_sim.model import (
     KvLedger,
     LatencyModel,
     PrefixCache,
+    Prompt,
     Scheduler,
     Ticket,
     generate_tokens,
@@ -591,15 +592,33 @@ class SimEngine:
         }
         self._answer(conn, request, 200, orjson.dumps(answer))
 
-    def _hold(self, owner: str, ticket: Ticket, prompt_tokens: int, digest: str, record: _Record) -> KvEntry:
+    def _hold(self, request_id: str, ticket: Ticket, prompt: Prompt, record: _Record) -> dict[str, Any]:
+        """Keep a finished prefill's blocks for a new owner key; the ``kv_transfer_params`` naming them."""
+        self._owner_seq += 1
+        owner = owner_key(self.config.seed, request_id, self._owner_seq)
         entry = self.ledger.hold(
-            owner, ticket.block_ids, now=self.loop.time(), prompt_tokens=prompt_tokens, prompt_digest=digest, tag=record
+            owner,
+            ticket.block_ids,
+            now=self.loop.time(),
+            prompt_tokens=prompt.num_tokens,
+            prompt_digest=prompt.digest,
+            tag=record,
         )
         self._wake(self.scheduler.finish(ticket, keep_blocks=True))
         record.kv = {"role": "prefill", "owner": owner, "blocks": len(entry.block_ids), "outcome": "held"}
         if self._lease_timer is None:
             self._arm_lease_timer()
-        return entry
+        # The NIXL connector's fields, in its order (SPEC §3.2).
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": entry.block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": owner,
+            "remote_host": self.advertise_host,
+            "remote_port": self.port,
+            "tp_size": self.config.tp_size,
+        }
 
     def _kv_ended(self, entry: KvEntry) -> None:
         self.pool.free(entry.block_ids)
@@ -750,19 +769,7 @@ class SimEngine:
                     # Like an engine without the KV connector: no params, nothing held.
                     counters["faults_omit_kv_params"] += 1
                 else:
-                    self._owner_seq += 1
-                    owner = owner_key(self.config.seed, request_id, self._owner_seq)
-                    entry = self._hold(owner, ticket, prompt_tokens, prompt.digest, record)
-                    kv_params = {
-                        "do_remote_prefill": True,
-                        "do_remote_decode": False,
-                        "remote_block_ids": entry.block_ids,
-                        "remote_engine_id": self.engine_id,
-                        "remote_request_id": owner,
-                        "remote_host": self.advertise_host,
-                        "remote_port": self.port,
-                        "tp_size": self.config.tp_size,
-                    }
+                    kv_params = self._hold(request_id, ticket, prompt, record)
             answer_usage = usage(prompt_tokens, out_tokens, cached)
             response_id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
             chat_mode = "tool" if job.tool_name else ("reasoning" if faults.reasoning_only else "text")
@@ -772,28 +779,8 @@ class SimEngine:
                 if clock is not None:
                     for _ in range(out_tokens - 1):
                         await clock.wait(self.latency.itl_s(self.scheduler.running))
-                if job.chat:
-                    body = chat_body(
-                        response_id=response_id,
-                        created=int(time.time()),
-                        model=self.config.model,
-                        tokens=tokens,
-                        mode=chat_mode,
-                        tool_name=job.tool_name,
-                        digest=prompt.digest,
-                        usage=answer_usage,
-                        kv_transfer_params=kv_params,
-                    )
-                else:
-                    body = completion_body(
-                        response_id=response_id,
-                        created=int(time.time()),
-                        model=self.config.model,
-                        text="".join(tokens),
-                        usage=answer_usage,
-                        kv_transfer_params=kv_params,
-                    )
-                await self._send_whole(conn, request, plan, orjson.dumps(body))
+                body = self._whole_body(job, response_id, tokens, chat_mode, answer_usage, kv_params)
+                await self._send_whole(conn, request, plan, body)
             done = True
         except ApiError as exc:
             counters["errors"] += 1
@@ -814,6 +801,38 @@ class SimEngine:
                 record.outcome = "client_gone"
                 counters["client_gone"] += 1
             self._finish(record)
+
+    def _whole_body(
+        self,
+        job: CompletionJob,
+        response_id: str,
+        tokens: list[str],
+        chat_mode: str,
+        answer_usage: dict[str, Any],
+        kv_params: dict[str, Any] | None,
+    ) -> bytes:
+        if job.chat:
+            body = chat_body(
+                response_id=response_id,
+                created=int(time.time()),
+                model=self.config.model,
+                tokens=tokens,
+                mode=chat_mode,
+                tool_name=job.tool_name,
+                digest=job.prompt.digest,
+                usage=answer_usage,
+                kv_transfer_params=kv_params,
+            )
+        else:
+            body = completion_body(
+                response_id=response_id,
+                created=int(time.time()),
+                model=self.config.model,
+                text="".join(tokens),
+                usage=answer_usage,
+                kv_transfer_params=kv_params,
+            )
+        return orjson.dumps(body)
 
     async def _send_whole(self, conn: ServerConnection, request: HttpRequest, plan: FaultPlan, body: bytes) -> None:
         record: _Record = request.tag
