@@ -38,8 +38,12 @@ __all__ = ["SimThread", "SimProcess", "SimError"]
 
 T = TypeVar("T")
 
-#: SimThread's default ``kv_pull_grace_ms`` at speed > 0 (see :class:`SimThread`).
-THREAD_PULL_GRACE_MS = 10.0
+#: The helpers' default ``kv_pull_grace_ms`` at speed > 0. A router's decode_abort
+#: sends a decode leg and closes at once; in a busy test run its close may come
+#: many milliseconds later (a thread of this process waiting for the GIL, a
+#: process waiting for a CPU), and the leg must still count as released.
+#: Pass ``kv_pull_grace_ms=0`` when no test needs that.
+TEST_PULL_GRACE_MS = 20.0
 
 #: Environment variable SimProcess uses to hand ``api_key`` to the child.
 API_KEY_ENV = "NARWHAL_SIM_API_KEY"
@@ -76,9 +80,8 @@ class SimThread:
     ``SimThread(role="prefill", speed=50, api_key=None, lease_s=30, seed=0, **options)``
     where ``options`` are further :class:`~narwhal_sim.server.SimConfig`
     fields (``max_num_seqs=4``, ``faults={"error_rate": 1.0}``, ``log="-"``...).
-    At speed > 0 ``kv_pull_grace_ms`` defaults to 10 ms: a client in the same
-    process may need that long to get the GIL back and close its socket, and a
-    decode leg closed "at once" must still count as released. Starts in ``__enter__`` (or :meth:`start`), stops in ``__exit__``.
+    At speed > 0 ``kv_pull_grace_ms`` defaults to :data:`TEST_PULL_GRACE_MS`
+    (20 ms; the command line's default is 2 ms). Starts in ``__enter__`` (or :meth:`start`), stops in ``__exit__``.
     """
 
     def __init__(
@@ -98,9 +101,7 @@ class SimThread:
         if faults is not None:
             options["faults"] = _as_faults(faults, {})
         if speed > 0:
-            # A client in this process may wait up to the interpreter's switch
-            # interval (5 ms) for the GIL before it can close its socket.
-            options.setdefault("kv_pull_grace_ms", THREAD_PULL_GRACE_MS)
+            options.setdefault("kv_pull_grace_ms", TEST_PULL_GRACE_MS)
         self.config = SimConfig(
             role=role, speed=speed, api_key=api_key, kv_lease_s=lease_s, seed=seed, host=host, port=port, **options
         )
@@ -240,7 +241,8 @@ class SimProcess:
 
     ``SimProcess(role="decode", speed=50, api_key=None, lease_s=30, seed=0, **options)``
     where ``options`` map to flags (``max_num_seqs=4`` → ``--max-num-seqs 4``,
-    ``faults={...}`` → fault flags, ``prefix_caching=False`` → ``--no-prefix-caching``).
+    ``faults={...}`` → fault flags, ``prefix_caching=False`` → ``--no-prefix-caching``);
+    ``kv_pull_grace_ms`` defaults to :data:`TEST_PULL_GRACE_MS` at speed > 0, as in :class:`SimThread`.
     :meth:`kill` then :meth:`restart` brings the engine back on the same port.
     """
 
@@ -271,6 +273,8 @@ class SimProcess:
         faults = options.pop("faults", None)
         if faults is not None:
             options.update(_as_faults(faults, {}).to_json())
+        if speed > 0:
+            options.setdefault("kv_pull_grace_ms", TEST_PULL_GRACE_MS)
         for name, value in options.items():
             flag = "--" + name.replace("_", "-")
             if name == "prefix_caching":

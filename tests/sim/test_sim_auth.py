@@ -46,7 +46,8 @@ def test_control_routes_need_no_key(client: httpx.Client) -> None:
 
 
 def test_pd_exchange_sends_the_key(client: httpx.Client) -> None:
-    with SimThread("prefill", speed=50, api_key=KEY) as p, SimThread("decode", speed=50, api_key=KEY) as d:
+    with SimThread("prefill", speed=50, api_key=KEY) as p, \
+            SimThread("decode", speed=50, api_key=KEY, kv_pull_grace_ms=200) as d:  # fmt: skip
         kv = client.post(p.url + "/v1/completions", json=prefill_body(), headers=GOOD).json()["kv_transfer_params"]
         answer = client.post(d.url + "/v1/completions", json={"prompt": PROMPT, "kv_transfer_params": kv},
                              headers=GOOD)  # fmt: skip

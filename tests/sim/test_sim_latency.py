@@ -35,11 +35,11 @@ def test_speed_zero_never_sleeps(client: httpx.Client) -> None:
 def test_ttft_grows_with_prompt_and_shrinks_on_prefix_hits(client: httpx.Client) -> None:
     with SimThread("mixed", speed=20) as sim:
         short = ttft(client, sim.url, "s" * 4 * 64)  # (15 + 5) / 20 = 1 ms
-        long_prompt = "l" * 4 * 16_000
-        long = ttft(client, sim.url, long_prompt)  # (15 + 1280) / 20 = 65 ms
-        cached = ttft(client, sim.url, long_prompt)  # 15,984 tokens hit: ~1 ms
-        assert 0.055 < long < 1.0
-        assert long > short + 0.04
+        long_prompt = "l" * 4 * 40_000
+        long = ttft(client, sim.url, long_prompt)  # (15 + 3200) / 20 = 161 ms
+        cached = ttft(client, sim.url, long_prompt)  # 39,984 tokens hit: ~1 ms
+        assert 0.16 < long < 2.0
+        assert long > short + 0.06
         assert cached < long / 3
 
 
@@ -56,8 +56,9 @@ def test_itl_grows_with_the_running_batch() -> None:
         alone = run(0)
         with ThreadPoolExecutor(20) as pool:
             together = sorted(pool.map(run, range(20)))
-        assert 0.03 < alone < 0.2  # 20 steps of 2 ms
-        assert together[10] > 4 * alone  # median of 20 concurrent: ~20 steps of ~21 ms
+        # Sleeps follow deadlines, so the model's times are lower bounds; the upper bounds are loose.
+        assert 0.04 <= alone < 0.25  # 20 steps of 2 ms
+        assert together[10] > 0.3  # median of 20 concurrent: ~20 steps of ~21 ms (0.42 s)
 
 
 def test_max_num_seqs_queues_the_rest() -> None:

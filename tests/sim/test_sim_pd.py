@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal_sim.testing import SimThread
+from narwhal_sim.testing import SimProcess, SimThread
 
 from .helpers import MODEL, PREFILL_KV, PROMPT, connect, json_request, prefill_body, run_prefill
 
@@ -127,7 +127,7 @@ def test_decode_without_kv_recomputes(client: httpx.Client, pair: tuple[SimThrea
 
 
 def test_recompute_is_slower_than_pull() -> None:
-    long_prompt = "y" * 4 * 8000  # 8,000 tokens: prefill 15 + 640 ms; pull 2 + 25 ms + a step
+    long_prompt = "y" * 4 * 16_000  # 16,000 tokens: prefill 15 + 1280 ms; pull 2 + 50 ms + a step
     with SimThread("prefill", speed=10) as p, SimThread("decode", speed=10, kv_pull_grace_ms=0) as d, \
             httpx.Client(timeout=10) as client:  # fmt: skip
         kv = run_prefill(client, p.url, "slow-p1", long_prompt)
@@ -137,7 +137,7 @@ def test_recompute_is_slower_than_pull() -> None:
         started = time.perf_counter()
         client.post(d.url + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 1})
         recomputed = time.perf_counter() - started
-    assert recomputed > 0.05 and recomputed > 2 * pulled
+    assert recomputed > 0.129 and recomputed > 2 * pulled
 
 
 def test_abort_releases_and_is_idempotent(client: httpx.Client, pair: tuple[SimThread, SimThread]) -> None:
@@ -171,8 +171,18 @@ def test_lease_expiry_counts_expired() -> None:
         ] is False
 
 
-def test_aborted_decode_releases_on_prefill(pair: tuple[SimThread, SimThread], client: httpx.Client) -> None:
-    p, d = pair
+def test_aborted_decode_releases_on_prefill(client: httpx.Client) -> None:
+    # A generous grace: this thread must get the GIL (and a CPU) back to close its socket.
+    with SimThread("prefill", speed=50) as p, SimThread("decode", speed=50, kv_pull_grace_ms=200) as d:
+        check_aborted_decodes(client, p, d)
+
+
+def test_aborted_decode_in_another_process_releases(client: httpx.Client) -> None:
+    with SimThread("prefill", speed=50) as p, SimProcess("decode", speed=50) as d:
+        check_aborted_decodes(client, p, d)
+
+
+def check_aborted_decodes(client: httpx.Client, p: SimThread, d: SimThread | SimProcess) -> None:
     for i in range(5):
         kv = run_prefill(client, p.url, f"da-p{i}")
         send_and_close(d.port, decode_body(kv), f"da-d{i}")

@@ -1,0 +1,55 @@
+"""Shared fixtures: simulated fleets and routers on real loopback sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from narwhal_sim.testing import SimThread
+
+from .harness import Fleet, RouterThread, make_config
+
+#: The runtimes every end-to-end test runs on (the conformance suite).
+CONFORMANCE_RUNTIMES = ("trio",)
+
+
+@pytest.fixture(params=CONFORMANCE_RUNTIMES)
+def runtime(request: pytest.FixtureRequest) -> str:
+    """The runtime an end-to-end test runs the router on."""
+    return str(request.param)
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    """One prefill and one decode engine simulator, instant (speed 0)."""
+    with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode:
+        yield Fleet(prefill=[prefill], decode=[decode])
+
+
+@pytest.fixture
+def journal_path(tmp_path: Path) -> Path:
+    return tmp_path / "journal.jsonl"
+
+
+@pytest.fixture
+def start_router(
+    runtime: str, fleet: Fleet, journal_path: Path
+) -> Iterator[Callable[..., RouterThread]]:
+    """Start a router on ``runtime`` in front of ``fleet``; keyword args override config sections."""
+    started: list[RouterThread] = []
+
+    def start(*, env: dict[str, str] | None = None, fleet_: Fleet | None = None, **sections: Any) -> RouterThread:
+        f = fleet_ or fleet
+        config = make_config(
+            journal_path, prefill=f.prefill_urls, decode=f.decode_urls, **sections
+        )
+        router = RouterThread(config, runtime, env=env).start()
+        started.append(router)
+        return router
+
+    yield start
+    for router in started:
+        router.stop()
