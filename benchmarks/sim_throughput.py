@@ -5,7 +5,7 @@ the bottleneck of its benchmarks. This starts ``python -m narwhal_sim`` pinned
 to one core (``taskset``-style, via ``sched_setaffinity``), drives it from a
 lean closed-loop client pinned to another core over keep-alive connections,
 and reports requests/s and the engine's CPU time per request (from
-``/proc/<pid>/stat``), which is the figure that does not depend on the client.
+``/proc/<pid>/stat``, 10 ms ticks), which is the figure that does not depend on the client.
 
 Scenarios:
 
@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -105,9 +104,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def drive(
-    ports: dict[str, int], scenario: str, connections: int, seconds: float
-) -> tuple[int, float]:
-    """Run ``connections`` closed-loop workers for ``seconds``; (operations completed, wall seconds)."""
+    ports: dict[str, int], pids: list[int], scenario: str, connections: int, seconds: float
+) -> tuple[int, float, float, float]:
+    """Run ``connections`` closed-loop workers for ``seconds`` after a warm-up.
+
+    Returns (operations completed, wall seconds, engine CPU seconds, client CPU seconds) of the window.
+    """
     loop = asyncio.get_running_loop()
     done = 0
     stop = False
@@ -154,12 +156,15 @@ async def drive(
 
     tasks = [loop.create_task(worker(i)) for i in range(connections)]
     await asyncio.sleep(0.5)  # warm up
+    engine_before, client_before = sum(map(cpu_seconds, pids)), time.process_time()
     start_done, started = done, time.perf_counter()
     await asyncio.sleep(seconds)
     count, elapsed = done - start_done, time.perf_counter() - started
+    engine_cpu = sum(map(cpu_seconds, pids)) - engine_before
+    client_cpu = time.process_time() - client_before
     stop = True
     await asyncio.gather(*tasks, return_exceptions=True)
-    return count, elapsed
+    return count, elapsed, engine_cpu, client_cpu
 
 
 def run_scenario(scenario: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -176,16 +181,14 @@ def run_scenario(scenario: str, args: argparse.Namespace) -> dict[str, Any]:
             role = "prefill" if scenario == "prefill" else "mixed"
             proc, ports["engine"] = start_engine(role, args.engine_core, extra)
             procs.append(proc)
-        before = [cpu_seconds(p.pid) for p in procs]
-        client_before = resource.getrusage(resource.RUSAGE_SELF)
-        count, elapsed = asyncio.run(drive(ports, scenario, args.connections, args.seconds))
-        client_after = resource.getrusage(resource.RUSAGE_SELF)
-        engine_cpu = sum(cpu_seconds(p.pid) for p in procs) - sum(before)
+        pids = [p.pid for p in procs]
+        count, elapsed, engine_cpu, client_cpu = asyncio.run(
+            drive(ports, pids, scenario, args.connections, args.seconds)
+        )
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(10)
-    client_cpu = (client_after.ru_utime - client_before.ru_utime) + (client_after.ru_stime - client_before.ru_stime)
     engine_requests = count * 3 if scenario == "pd" else count
     return {
         "scenario": scenario,

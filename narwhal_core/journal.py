@@ -44,10 +44,6 @@ LegOutcome = Literal[
 ]
 
 
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)
-
-
 @attrs.frozen(kw_only=True)
 class KvRecord:
     """What became of the KV blocks a prefill leg left on its engine (SPEC §3)."""
@@ -63,12 +59,15 @@ class KvRecord:
     method: str
     #: Why a release did not happen, when it failed.
     error: str | None = None
+    #: For ``decode_abort``: the backend ID of the dropped decode request that
+    #: carried the release (it uses up one decode attempt number).
+    release_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
         return {
             "outcome": self.outcome, "owner": self.owner, "engine": self.engine,
-            "method": self.method, "error": self.error,
+            "method": self.method, "error": self.error, "release_id": self.release_id,
         }
 
 
@@ -174,7 +173,8 @@ class TerminalRecord:
     client: str | None
     #: Completion route.
     route: str
-    #: The model name the client asked for (``None`` when absent or unreadable).
+    #: The model name the client asked for, the configured name when it named
+    #: none (``None`` when the body could not be read).
     model: str | None
     #: Whether the client asked for a stream.
     stream: bool

@@ -146,6 +146,7 @@ class _Kv:
     outcome: str | None = None
     method: str | None = None
     error: str | None = None
+    release_id: str | None = None
 
     def record(self) -> KvRecord | None:
         if self.outcome is None:
@@ -156,6 +157,7 @@ class _Kv:
             engine=self.engine.url,
             method=self.method or "",
             error=self.error,
+            release_id=self.release_id,
         )
 
 
@@ -659,7 +661,7 @@ class Router:
         wall = self._wall()
         record = journal.TerminalRecord(
             ts=wall, rid=rid, client_rid=client_rid, client=client, route=route,
-            model=None if accepted is None else accepted.requested_model,
+            model=None if accepted is None else accepted.requested_model or self._model,
             stream=False if accepted is None else accepted.stream,
             mode=self._mode, terminal=terminal, status=exc.status,
             error=_error_record(exc), legs=(), usage=None, received=wall, duration_ms=0.0,
@@ -922,7 +924,7 @@ class Router:
         received = req.received + self._wall_offset
         record = journal.TerminalRecord(
             ts=wall, rid=req.rid, client_rid=req.client_rid, client=req.client, route=req.route,
-            model=req.accepted.requested_model, stream=req.stream, mode=self._mode,
+            model=req.accepted.requested_model or self._model, stream=req.stream, mode=self._mode,
             terminal=req.terminal, status=req.status, error=req.error,
             legs=tuple(self._leg_record(leg) for leg in req.legs),
             usage=req.usage, received=received, duration_ms=_ms(wall - received),
@@ -1215,6 +1217,7 @@ class Router:
             command = StartControl(
                 key, target.address, "POST", req.route, (), b"", timeout, drop_after_send=True, data=raw
             )
+            kv.release_id = bid
         kv.method = mode
         req.pending_releases += 1
         self._controls[key] = ("release", (req, kv))

@@ -594,8 +594,11 @@ class SimEngine:
 
     def _hold(self, request_id: str, ticket: Ticket, prompt: Prompt, record: _Record) -> dict[str, Any]:
         """Keep a finished prefill's blocks for a new owner key; the ``kv_transfer_params`` naming them."""
-        self._owner_seq += 1
-        owner = owner_key(self.config.seed, request_id, self._owner_seq)
+        while True:  # a client reusing a request id may meet a held key: take the next one
+            self._owner_seq += 1
+            owner = owner_key(self.config.seed, request_id, self._owner_seq)
+            if owner not in self.ledger:
+                break
         entry = self.ledger.hold(
             owner,
             ticket.block_ids,
