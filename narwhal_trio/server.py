@@ -19,9 +19,11 @@ from typing import Any
 
 import trio
 
-from narwhal.app import build_router
+from narwhal.app import build_router, load_authenticator
 from narwhal.log import log_event
 from narwhal_core import (
+    AuthenticatorChanged,
+    ConfigError,
     CancelLeg,
     ClientConnected,
     ClientData,
@@ -122,6 +124,15 @@ class Server:
         """Begin a graceful shutdown: stop accepting, drain, then :meth:`serve` returns."""
         self._stop_accepting.set()
         self._feed_now(ShutdownRequested())
+
+    def reload_keys(self) -> None:
+        """Re-read the API keys file (SIGHUP); a bad file keeps the old keys and logs why."""
+        try:
+            authenticator = load_authenticator(self.config)
+        except ConfigError as exc:
+            log_event("keys_reload_failed", error=exc.message)
+            return
+        self._feed_now(AuthenticatorChanged(authenticator))
 
     async def _accept_loop(self, listeners: list[trio.SocketListener]) -> None:
         limit = trio.Semaphore(self.config.ingress.max_connections)
@@ -297,16 +308,22 @@ class Server:
 
 
 def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:
-    """``narwhal serve --runtime trio``: serve until SIGTERM/SIGINT, then drain and exit 0."""
+    """``narwhal serve --runtime trio``: serve until SIGTERM/SIGINT, then drain and exit 0.
+
+    SIGHUP re-reads the API keys file without dropping traffic.
+    """
 
     async def main() -> None:
         server = Server(config)
         async with trio.open_nursery() as nursery:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 host, port = await nursery.start(server.serve)
                 if on_ready is not None:
                     on_ready(host, port)
                 async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        server.reload_keys()
+                        continue
                     log_event("signal", signal=signal.Signals(signum).name)
                     server.shutdown()
                     break
