@@ -469,6 +469,9 @@ class IngressConfig:
     header_timeout_s: float = _seconds(10.0, "Time a client has to send the whole request head.")
     body_timeout_s: float = _seconds(60.0, "Time a client has to send the whole request body.")
     keepalive_timeout_s: float = _seconds(75.0, "How long an idle keep-alive client connection stays open.")
+    send_timeout_s: float = _seconds(
+        30.0, "How long a client may leave written bytes unread before its connection is dropped."
+    )
     max_connections: int = _count(20000, "Most client connections open at once.", minimum=1)
 
     listen_host: str = attrs.field(init=False, eq=False, repr=False, metadata=_doc("Host part of listen."))

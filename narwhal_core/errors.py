@@ -94,6 +94,10 @@ class ProtocolError(NarwhalError):
         super().__init__(message, status=status)
         #: ``"malformed"``, ``"too_large"`` or ``"dropped"`` (peer closed mid-message).
         self.reason = reason
+        #: The request's method and target, when its head was parsed before the
+        #: error (a body over the limit), else ``None``.
+        self.method: str | None = None
+        self.target: str | None = None
 
 
 class RemoteProtocolError(ProtocolError):

@@ -601,11 +601,16 @@ class ServerConnection:
                 raise self._fail(f"malformed Content-Length: {raw!r}")
             length = int(content_length)
             if length > self._max_body:
-                raise self._fail(
+                error = self._fail(
                     f"body of {length} bytes is over the {self._max_body}-byte limit",
                     status=413,
                     reason="too_large",
                 )
+                # The head parsed: say which request it was, so the router can
+                # journal a refused completion request (SPEC §5).
+                error.method = event.method.decode("ascii")
+                error.target = event.target.decode("latin-1")
+                raise error
             self._content_length = length
 
         if connection:
@@ -709,9 +714,12 @@ class ServerConnection:
                 if size == 0:
                     self._chunk_phase = _Chunk.TRAILER
                 elif len(self._body) + size > self._max_body:
-                    raise self._fail(
+                    error = self._fail(
                         f"chunked body over the {self._max_body}-byte limit", status=413, reason="too_large"
                     )
+                    error.method = self._method
+                    error.target = self._target
+                    raise error
                 else:
                     self._chunk_left = size
                     self._chunk_phase = _Chunk.DATA
@@ -885,6 +893,16 @@ class ServerConnection:
         if state is _State.BODY or state is _State.EXPECT or state is _State.CONTINUED:
             return True
         return bool(self._buf) and (state is _State.IDLE or state is _State.WAITING or state is _State.STREAMING)
+
+    @property
+    def reading_body(self) -> bool:
+        """The current request's head is parsed and its body is not complete.
+
+        Lets the router switch a slow client from the header timeout to the
+        body timeout.
+        """
+        state = self._state
+        return state is _State.BODY or state is _State.EXPECT or state is _State.CONTINUED
 
 
 # ---------------------------------------------------------------------------
@@ -1143,6 +1161,10 @@ class ServerCodec(Protocol):
     @property
     def has_partial_request(self) -> bool:
         """Bytes of a not-yet-returned request are buffered."""
+
+    @property
+    def reading_body(self) -> bool:
+        """The current request's head is parsed and its body is not complete."""
 
 
 class EngineCodec(Protocol):

@@ -236,10 +236,11 @@ class SseRelay:
 
     Lines may end in LF, CRLF or CR; events are separated by blank lines
     (runs of them count as one) and are re-emitted with LF endings, so the
-    output does not depend on how the engine's bytes were split. An event's
-    ``data:`` payload is re-encoded only when it carries something to fix
-    (usage, internal fields, another model name, an error); other lines of
-    the event (``id:``, ``event:``, comments) are kept. ``feed`` returns the
+    output does not depend on how the engine's bytes were split. Every
+    ``data:`` payload is parsed (an event that is not a JSON object fails the
+    leg: it is never relayed) and re-encoded only when it carries something
+    to fix (usage, internal fields, another model name); other lines of the
+    event (``id:``, ``event:``, comments) are kept. ``feed`` returns the
     bytes to relay now.
     """
 
@@ -247,6 +248,8 @@ class SseRelay:
     model: str
     pd: bool
     cached_tokens: int | None
+    #: A secret (the engine credential) to scrub from every event.
+    redact: bytes | None = None
     max_event_bytes: int = 1 << 20
     _buffer: bytes = b""
     _lines: list[bytes] = attrs.field(factory=list)
@@ -259,10 +262,6 @@ class SseRelay:
     usage: dict[str, Any] | None = None
     #: Number of events relayed.
     events: int = 0
-    _model_marker: bytes = b""
-
-    def __attrs_post_init__(self) -> None:
-        self._model_marker = b'"model":' + wire.dumps(self.model)
 
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return complete, normalised events to send to the client."""
@@ -299,6 +298,9 @@ class SseRelay:
 
     def _event(self, lines: list[bytes]) -> bytes:
         self.events += 1
+        secret = self.redact
+        if secret is not None and any(secret in line for line in lines):
+            lines = [line.replace(secret, b"[redacted]") for line in lines]
         data = [line[5:].lstrip(b" ") for line in lines if line.startswith(b"data:")]
         if not data:
             return b"\n".join(lines) + b"\n\n"  # comments, retry: hints and the like
@@ -307,27 +309,27 @@ class SseRelay:
         if payload == b"[DONE]":
             self.done = True
             return b"".join(line + b"\n" for line in others) + b"data: [DONE]\n\n"
-        if (
-            self._model_marker in payload
-            and b'"usage"' not in payload
-            and b"kv_transfer_params" not in payload
-            and b'"error"' not in payload
-        ):
-            return b"\n".join(lines) + b"\n\n"
         try:
             obj = wire.loads(payload)
         except wire.JsonError:
+            # Never relay what the engine garbled: the leg has failed.
+            raise NarwhalError("the engine sent an event that is not JSON", status=502,
+                               code="bad_engine_response") from None
+        if not isinstance(obj, dict):
+            raise NarwhalError("the engine sent an event that is not a JSON object", status=502,
+                               code="bad_engine_response")
+        error = obj.get("error")
+        if isinstance(error, dict):
+            self.error = error
             return b"\n".join(lines) + b"\n\n"
-        if isinstance(obj, dict):
-            if isinstance(obj.get("error"), dict):
-                self.error = obj["error"]
-            else:
-                if "model" in obj:
-                    obj["model"] = self.model
-                obj.pop("kv_transfer_params", None)
-                usage = obj.get("usage")
-                if isinstance(usage, dict):
-                    if self.pd:
-                        _normalise_usage(usage, self.cached_tokens)
-                    self.usage = usage
+        usage = obj.get("usage")
+        if obj.get("model", self.model) == self.model and "kv_transfer_params" not in obj and usage is None:
+            return b"\n".join(lines) + b"\n\n"  # nothing to fix: relay the engine's bytes
+        if "model" in obj:
+            obj["model"] = self.model
+        obj.pop("kv_transfer_params", None)
+        if isinstance(usage, dict):
+            if self.pd:
+                _normalise_usage(usage, self.cached_tokens)
+            self.usage = usage
         return b"".join(line + b"\n" for line in others) + b"data: " + wire.dumps(obj) + b"\n\n"

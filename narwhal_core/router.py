@@ -89,6 +89,8 @@ _CLOSE: Final = (b"connection", b"close")
 _COMPLETION_ROUTES: Final[dict[str, Route]] = {COMPLETIONS: COMPLETIONS, CHAT: CHAT}
 _GET_ROUTES: Final = frozenset({"/v1/models", "/health", "/ready", "/metrics"})
 _CLIENT_GONE_STATUS: Final = 499
+_MIN_COMPACT: Final = 4096
+_REDACTED: Final = b"[redacted]"
 
 # Why a leg failed -> (status, code) once retries are exhausted, per phase.
 _GIVE_UP: Final[dict[str, tuple[int, str]]] = {
@@ -132,10 +134,13 @@ class _Conn:
     rid: str | None = None
     #: When the connection gives up waiting for the client (lazy timer).
     read_deadline: float = 0.0
-    timer: int = 0
+    timer: list[Any] | None = None
+    armed: float = 0.0
     closed: bool = False
     #: Bytes of a next request have arrived.
     reading: bool = False
+    #: Its head is parsed: the body timeout now applies.
+    body_phase: bool = False
 
 
 @attrs.define(eq=False)
@@ -172,7 +177,8 @@ class _Leg:
     started: float
     data: bytes
     deadline: float
-    timer: int = 0
+    timer: list[Any] | None = None
+    armed: float = 0.0
     status: int | None = None
     body: list[bytes] = attrs.field(factory=list)
     outcome: LegOutcome | None = None
@@ -182,6 +188,9 @@ class _Leg:
     streaming: bool = False
     got_bytes: bool = False
     fresh_retry: bool = False
+    #: A prefill leg left running after its client went away, so that the KV
+    #: it may already hold can be named and released.
+    orphan: bool = False
 
 
 @attrs.define(eq=False)
@@ -207,12 +216,14 @@ class _Request:
     first_byte: float | None = None
     relay: SseRelay | None = None
     retry_phase: Phase = PREFILL
+    #: ``cached_tokens`` of the prefill whose KV the decode leg pulled.
+    pulled_cached_tokens: int | None = None
     waiting_for_slot: bool = False
     terminal: Terminal | None = None
     status: int | None = None
     error: ErrorRecord | None = None
     usage: dict[str, Any] | None = None
-    timers: dict[str, int] = attrs.field(factory=dict)
+    timers: dict[str, list[Any]] = attrs.field(factory=dict)
 
 
 class Router:
@@ -259,6 +270,8 @@ class Router:
             if engine_api_key
             else ()
         )
+        #: The engine credential, scrubbed from anything an engine says.
+        self._secret: Final = engine_api_key.encode("latin-1") if engine_api_key else None
         self._pd: Final = self.fleet.pd
         self._mode: Final = "pd" if self._pd else "single"
         self._first_phase: Final[Phase] = PREFILL if self._pd else DECODE
@@ -267,7 +280,10 @@ class Router:
         self._legs: dict[str, _Leg] = {}
         self._controls: dict[str, tuple[str, Any]] = {}
         self._slot_waiters: dict[str, deque[str]] = {PREFILL: deque(), DECODE: deque()}
-        self._timers: list[tuple[float, int, str, Any]] = []
+        #: Heap of ``[when, seq, kind, owner]``; an owner of ``None`` marks an
+        #: entry cancelled (it is skipped, and dropped by compaction).
+        self._timers: list[list[Any]] = []
+        self._compact_at = _MIN_COMPACT
         self._seq = 0
         self._out: deque[Command] = deque()
         #: Connections whose response just finished: serve their next
@@ -300,6 +316,8 @@ class Router:
             conn = self._conns.pop(event.conn, None)
             if conn is not None:
                 conn.closed = True
+                self._disarm(conn.timer)
+                conn.timer = None
                 self._client_left(conn)
         elif isinstance(event, LegFailed):
             leg = self._legs.get(event.leg)
@@ -368,41 +386,55 @@ class Router:
 
     # --------------------------------------------------------------- timers
 
-    def _arm(self, kind: str, owner: Any, when: float) -> int:
+    def _arm(self, kind: str, owner: Any, when: float) -> list[Any]:
         self._seq += 1
-        heapq.heappush(self._timers, (when, self._seq, kind, owner))
-        return self._seq
+        entry = [when, self._seq, kind, owner]
+        timers = self._timers
+        heapq.heappush(timers, entry)
+        if len(timers) > self._compact_at:
+            # Cancelled entries would otherwise stay until their time comes.
+            timers[:] = [e for e in timers if self._timer_live(e)]
+            heapq.heapify(timers)
+            self._compact_at = max(_MIN_COMPACT, 4 * len(timers))
+        return entry
+
+    @staticmethod
+    def _disarm(entry: list[Any] | None) -> None:
+        # Drop the owner now, so a finished request or leg is not kept alive
+        # by its timer until the timer's time comes.
+        if entry is not None:
+            entry[3] = None
 
     def _arm_request(self, req: _Request, kind: str, when: float) -> None:
+        self._disarm(req.timers.get(kind))
         req.timers[kind] = self._arm(kind, req, when)
 
-    def _timer_live(self, entry: tuple[float, int, str, Any]) -> bool:
-        _, seq, kind, owner = entry
-        if kind == "conn":
-            return bool(owner.timer == seq and not owner.closed)
-        if kind == "leg":
-            return bool(owner.timer == seq and owner.open)
-        if kind == "probe":
-            return not self._draining
-        if kind == "shutdown":
-            return True
-        return bool(owner.timers.get(kind) == seq and owner.state is not State.DONE)
+    def _disarm_request(self, req: _Request, *kinds: str) -> None:
+        for kind in kinds or tuple(req.timers):
+            self._disarm(req.timers.pop(kind, None))
 
-    def _fire_timer(self, entry: tuple[float, int, str, Any]) -> None:
+    def _timer_live(self, entry: list[Any]) -> bool:
+        if entry[3] is None:
+            return False
+        return entry[2] != "probe" or not self._draining
+
+    def _fire_timer(self, entry: list[Any]) -> None:
         when, _, kind, owner = entry
         now = self._now
         if kind == "conn":
             conn: _Conn = owner
+            conn.timer = None
             if conn.rid is not None:
-                conn.timer = 0  # a request runs: its own deadlines apply
+                pass  # a request runs: its own deadlines apply
             elif conn.read_deadline > now:
-                conn.timer = self._arm("conn", conn, conn.read_deadline)
+                self._conn_deadline(conn, conn.read_deadline)
             else:
                 self._read_timeout(conn)
         elif kind == "leg":
             leg: _Leg = owner
+            leg.timer = None
             if leg.deadline > now:
-                leg.timer = self._arm("leg", leg, leg.deadline)
+                self._leg_deadline(leg, leg.deadline)
             else:
                 self._leg_broke(leg, "timeout")
         elif kind == "probe":
@@ -436,13 +468,27 @@ class Router:
         if self._draining:
             self._close(conn)
             return
-        conn.reading = True  # a new client must send its request promptly
-        self._wait_for_request(conn, i.header_timeout_s + i.body_timeout_s)
+        conn.reading = True  # a new client must send its request head promptly
+        self._wait_for_request(conn, i.header_timeout_s)
 
     def _wait_for_request(self, conn: _Conn, seconds: float) -> None:
-        conn.read_deadline = self._now + seconds
-        if conn.timer == 0:
-            conn.timer = self._arm("conn", conn, conn.read_deadline)
+        self._conn_deadline(conn, self._now + seconds)
+
+    def _conn_deadline(self, conn: _Conn, when: float) -> None:
+        # Deadlines move without touching the heap; a new entry is pushed only
+        # when the deadline comes earlier than the one already armed.
+        conn.read_deadline = when
+        if conn.timer is None or when < conn.armed:
+            self._disarm(conn.timer)
+            conn.armed = when
+            conn.timer = self._arm("conn", conn, when)
+
+    def _leg_deadline(self, leg: _Leg, when: float) -> None:
+        leg.deadline = when
+        if leg.timer is None or when < leg.armed:
+            self._disarm(leg.timer)
+            leg.armed = when
+            leg.timer = self._arm("leg", leg, when)
 
     def _read_timeout(self, conn: _Conn) -> None:
         # An idle keep-alive connection just closes; a half-sent request gets 408.
@@ -476,13 +522,16 @@ class Router:
                 self._bad_request(conn, exc)
                 return
             if event is NEED_DATA:
-                if not conn.reading and conn.codec.has_partial_request:
+                codec = conn.codec
+                if not conn.reading and codec.has_partial_request:
                     # The first bytes of a request: the client now has the
-                    # header and body timeouts, not the idle keep-alive one.
+                    # header timeout, not the idle keep-alive one...
                     conn.reading = True
-                    conn.read_deadline = self._now + i.header_timeout_s + i.body_timeout_s
-                    if conn.timer == 0:
-                        conn.timer = self._arm("conn", conn, conn.read_deadline)
+                    self._conn_deadline(conn, self._now + i.header_timeout_s)
+                if conn.reading and not conn.body_phase and codec.reading_body:
+                    # ...and once the head is in, the body timeout.
+                    conn.body_phase = True
+                    self._conn_deadline(conn, self._now + i.body_timeout_s)
                 return
             if isinstance(event, HttpRequest):
                 self._on_request(conn, event)
@@ -499,10 +548,20 @@ class Router:
             message = {413: "Request body too large.", 431: "Request header fields too large."}.get(
                 exc.status, "Malformed HTTP request."
             )
-            code = {413: "body_too_large", 431: "headers_too_large", 414: "uri_too_long"}.get(
-                exc.status, "bad_http_request"
-            )
+            code = {413: "body_too_large", 431: "headers_too_large"}.get(exc.status, "bad_http_request")
             rid = self._rid()
+            route = _COMPLETION_ROUTES.get((exc.target or "").partition("?")[0])
+            if route is not None:
+                # A completion request whose head parsed: journalled (SPEC §5).
+                conn.rid = rid
+                error = NarwhalError(message, status=exc.status, type="invalid_request_error", code=code)
+                wall = self._wall()
+                self._write_terminal(journal.TerminalRecord(
+                    ts=wall, rid=rid, client_rid=None, client=None, route=route, model=None,
+                    stream=False, mode=self._mode, terminal="invalid", status=exc.status,
+                    error=_error_record(error), legs=(), usage=None, received=wall,
+                    duration_ms=0.0, ttft_ms=None, stripped=(),
+                ))
             self._send(conn, conn.codec.send_error_response(
                 exc.status, self._error_headers(rid), _error_body(message, code)
             ))
@@ -523,22 +582,26 @@ class Router:
     def _on_request(self, conn: _Conn, request: HttpRequest) -> None:
         rid = self._rid()
         conn.rid = rid
-        conn.reading = False
+        conn.reading = conn.body_phase = False
         path = request.target.partition("?")[0]
         route = _COMPLETION_ROUTES.get(path)
         if route is not None:
             if request.method == "POST":
                 self._on_completion(conn, rid, route, request)
             else:
-                self._respond_plain(conn, rid, 405, _error_body(
-                    f"Method {request.method} is not allowed on {path}; use POST.", "method_not_allowed"
-                ), extra=((b"allow", b"POST"),))
+                # A completion route: journalled like every request to it (SPEC §5).
+                error = NarwhalError(
+                    f"Method {request.method} is not allowed on {path}; use POST.",
+                    status=405, type="invalid_request_error", code="method_not_allowed",
+                )
+                self._refuse(conn, rid, route, sanitize_client_rid(request.header(b"x-request-id")),
+                             None, "invalid", error, extra=((b"allow", b"POST"),))
             return
         if path in _GET_ROUTES:
-            if request.method != "GET":
+            if request.method not in ("GET", "HEAD"):
                 self._respond_plain(conn, rid, 405, _error_body(
                     f"Method {request.method} is not allowed on {path}; use GET.", "method_not_allowed"
-                ), extra=((b"allow", b"GET"),))
+                ), extra=((b"allow", b"GET, HEAD"),))
             elif path == "/health":
                 self._respond_plain(conn, rid, 200, b'{"status":"ok"}')
             elif path == "/ready":
@@ -655,6 +718,7 @@ class Router:
         *,
         retry_after: bool = False,
         accepted: AcceptedRequest | None = None,
+        extra: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
         """Answer a request that never reached admission, with its one terminal record."""
         conn.rid = rid
@@ -668,7 +732,8 @@ class Router:
             ttft_ms=None, stripped=() if accepted is None else accepted.stripped,
         )
         self._write_terminal(record)
-        extra = ((b"retry-after", self._retry_after),) if retry_after else ()
+        if retry_after:
+            extra += ((b"retry-after", self._retry_after),)
         if conn.codec.in_response or conn.closed:
             return
         self._respond_plain(conn, rid, exc.status, exc.body(), extra=extra)
@@ -700,6 +765,7 @@ class Router:
         self._log("internal_error", rid=req.rid, problem=why)
         if req.leg is not None:
             self._stop_leg(req.leg, "cancelled")
+        self._stop_orphans(req)
         req.pending_releases = 0
         self._end(req, "failed", NarwhalError("Internal router error.", status=500, code="internal_error"))
         req.state = State.DONE
@@ -800,6 +866,14 @@ class Router:
     def _cancel(self, req: _Request) -> State:
         if req.state is State.QUEUED:
             self.admission.leave_queue(req.rid, req.client)
+        leg = req.leg
+        if leg is not None and leg.phase == PREFILL and leg.open and self.config.engine.kv_release != "lease":
+            # Closing the leg now races the engine's answer: an engine that
+            # already prefilled would keep the KV until its lease ran out. Let
+            # the leg finish (its timeout bounds the wait) and release its KV.
+            leg.orphan = True
+            req.leg = None
+            req.pending_releases += 1
         self._stop(req)
         req.answered = True
         self._end(req, "cancelled", NarwhalError(
@@ -838,6 +912,7 @@ class Router:
         return State.DONE
 
     def _abandon_releases(self, req: _Request) -> State:
+        self._stop_orphans(req)
         for leg in req.legs:
             kv = leg.kv
             if kv is not None and kv.outcome is None:
@@ -909,8 +984,7 @@ class Router:
             self.admission.release(req.client)
             self._admit_from_queue()
         req.conn = None
-        for kind in ("deadline", "queue", "wake"):
-            req.timers.pop(kind, None)
+        self._disarm_request(req, "deadline", "queue", "wake")
         return State.RELEASING
 
     def _write_request_terminal(self, req: _Request) -> None:
@@ -934,6 +1008,7 @@ class Router:
         self._write_terminal(record)
         del self._requests[req.rid]
         req.state = State.DONE
+        self._disarm_request(req)
         self._check_shutdown()
 
     def _write_terminal(self, record: journal.TerminalRecord) -> None:
@@ -957,7 +1032,7 @@ class Router:
             if rid is None:
                 return
             req = self._requests[rid]
-            req.timers.pop("queue", None)
+            self._disarm_request(req, "queue")
             self._fire(req, Input.ADMIT)
 
     # ----------------------------------------------------------------- legs
@@ -990,9 +1065,9 @@ class Router:
         data = codec.send_request("POST", req.route, self._leg_headers(engine.address, bid), body)
         leg = _Leg(
             bid=bid, phase=phase, attempt=attempt, engine=engine, codec=codec, rid=req.rid,
-            started=self._now, data=data, deadline=self._now + timeout,
+            started=self._now, data=data, deadline=0.0,
         )
-        leg.timer = self._arm("leg", leg, leg.deadline)
+        self._leg_deadline(leg, self._now + timeout)
         self._legs[bid] = leg
         req.leg = leg
         req.legs.append(leg)
@@ -1031,16 +1106,20 @@ class Router:
                     leg.body.append(event.data)
             elif isinstance(event, ResponseHead):
                 leg.status = event.status
-                if leg.phase == DECODE and req.stream and 200 <= event.status < 300:
-                    leg.streaming = True
+                if leg.phase == DECODE and 200 <= event.status < 300:
                     kv = req.kv
-                    req.relay = SseRelay(
-                        route=req.route, model=self._model, pd=self._pd,
-                        cached_tokens=None if kv is None else kv.handoff.cached_tokens,
-                    )
+                    if req.stream:
+                        leg.streaming = True
+                        req.relay = SseRelay(
+                            route=req.route, model=self._model, pd=self._pd,
+                            cached_tokens=None if kv is None else kv.handoff.cached_tokens,
+                            redact=self._secret,
+                        )
                     if kv is not None:
-                        # The decode engine accepted the KV handoff.
+                        # A decode engine answers 2xx once it has the KV: the
+                        # handoff happened, whatever becomes of the body.
                         kv.outcome, kv.method = "pulled", "decode"
+                        req.pulled_cached_tokens = kv.handoff.cached_tokens
                         req.kv = None
             elif isinstance(event, ResponseEnd):
                 leg.open = False
@@ -1056,7 +1135,7 @@ class Router:
         except NarwhalError:
             self._leg_broke(leg, "bad_response")
             return
-        leg.deadline = self._now + self.config.engine.stream_idle_timeout_s
+        self._leg_deadline(leg, self._now + self.config.engine.stream_idle_timeout_s)
         if not out:
             return
         conn = self._live_conn(req)
@@ -1075,6 +1154,13 @@ class Router:
         status = leg.status or 0
         body = b"".join(leg.body)
         leg.body = []
+        secret = self._secret
+        if secret is not None and secret in body:
+            # An engine quoting the credential it was sent must not hand it on.
+            body = body.replace(secret, _REDACTED)
+        if leg.orphan:
+            self._orphan_answered(req, leg, status, body)
+            return
         if 200 <= status < 300:
             if leg.phase == PREFILL:
                 try:
@@ -1105,10 +1191,8 @@ class Router:
                     self._fire(req, Input.LEG_FAILED, reason="bad_response", leg=leg)
                     return
                 self._leg_done(leg, "ok")
-                kv = req.kv
                 normalise_answer(
-                    req.route, answer, self._model, pd=self._pd,
-                    cached_tokens=None if kv is None else kv.handoff.cached_tokens,
+                    req.route, answer, self._model, pd=self._pd, cached_tokens=req.pulled_cached_tokens,
                 )
                 self._fire(req, Input.LEG_OK, answer=answer)
         elif 400 <= status < 500:
@@ -1122,6 +1206,8 @@ class Router:
         """Account for a leg's end: engine load, health, the request's current leg."""
         leg.outcome = outcome
         leg.ended = self._now
+        self._disarm(leg.timer)
+        leg.timer = None
         self._legs.pop(leg.bid, None)
         engine = leg.engine
         self.fleet.leg_ended(engine)
@@ -1159,7 +1245,34 @@ class Router:
             self._out.append(CancelLeg(leg.bid))
         self._leg_done(leg, reason, failed=True)
         req = self._requests[leg.rid]
+        if leg.orphan:
+            self._orphan_settled(req)
+            return
         self._fire(req, Input.LEG_FAILED, reason=reason, leg=leg)
+
+    def _orphan_answered(self, req: _Request, leg: _Leg, status: int, body: bytes) -> None:
+        if 200 <= status < 300:
+            try:
+                handoff = check_prefill_answer(body, leg.bid, self.config.engine.kv_host_allowed)
+            except PrefillAnswerError:
+                self._leg_done(leg, "bad_kv", failed=True)
+            else:
+                self._leg_done(leg, "ok")
+                leg.kv = req.kv = _Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
+                self._release(req)
+        else:
+            self._leg_done(leg, "refused" if 400 <= status < 500 else "http_error", failed=status >= 500)
+        self._orphan_settled(req)
+
+    def _orphan_settled(self, req: _Request) -> None:
+        req.pending_releases -= 1
+        if req.pending_releases == 0 and req.state is State.RELEASING:
+            self._fire(req, Input.RELEASED)
+
+    def _stop_orphans(self, req: _Request) -> None:
+        for leg in req.legs:
+            if leg.orphan and leg.outcome is None:
+                self._stop_leg(leg, "cancelled")
 
     def _leg_connection_failed(self, leg: _Leg, event: LegFailed) -> None:
         if event.reused and not leg.got_bytes and not leg.fresh_retry:
@@ -1177,6 +1290,9 @@ class Router:
         reason: LegOutcome = "connect_failed" if event.reason != "dropped" else "dropped"
         self._leg_done(leg, reason, failed=True)
         req = self._requests[leg.rid]
+        if leg.orphan:
+            self._orphan_settled(req)
+            return
         self._fire(req, Input.LEG_FAILED, reason=event.reason if event.reason != "dropped" else "dropped", leg=leg)
 
     # ------------------------------------------------------------ KV release
@@ -1201,7 +1317,7 @@ class Router:
                 ((b"host", engine.authority), _JSON, *self._auth_header), body, timeout,
             )
         else:
-            target = self.fleet.pick(DECODE) or next(
+            target = self.fleet.pick(DECODE, req.failed_on[DECODE]) or next(
                 (e for e in self.fleet.engines[DECODE] if e.healthy), None
             )
             if target is None:
@@ -1279,7 +1395,7 @@ class Router:
         for conn in list(self._conns.values()):
             if conn.rid is None and not conn.codec.in_response:
                 self._close(conn)
-        self._arm("shutdown", None, self._now + self.config.shutdown.grace_s)
+        self._arm("shutdown", self, self._now + self.config.shutdown.grace_s)
         self._check_shutdown()
 
     def _check_shutdown(self) -> None:
@@ -1320,13 +1436,15 @@ class Router:
             self._close(conn)
         else:
             conn.rid = None
-            conn.reading = False
+            conn.reading = conn.body_phase = False
             self._wait_for_request(conn, self.config.ingress.keepalive_timeout_s)
             self._pump.append(conn)
 
     def _close(self, conn: _Conn) -> None:
         if not conn.closed:
             conn.closed = True
+            self._disarm(conn.timer)
+            conn.timer = None
             self._conns.pop(conn.handle, None)
             self._out.append(CloseClient(conn.handle))
 

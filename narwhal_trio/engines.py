@@ -126,8 +126,16 @@ class Engines:
                 return
             try:
                 await stream.send_all(cmd.data)
+                fresh = True
                 while not leg.finished:
                     data = await stream.receive_some(READ_SIZE)
+                    if not data and fresh and reused:
+                        # A pooled connection the engine had closed while idle:
+                        # the router retries on a fresh one; not an engine fault.
+                        reported = True
+                        await self._feed(LegFailed(key, "dropped", True))
+                        return
+                    fresh = False
                     await self._feed(LegData(key, data))
                     if not data:
                         break
@@ -142,7 +150,8 @@ class Engines:
                     await self._feed(LegFailed(key, "dropped"))
             raise
         finally:
-            del self._legs[key]
+            if self._legs.get(key) is leg:  # a fresh-connection retry may reuse the key
+                del self._legs[key]
             if stream is not None:
                 pool = self._idle.setdefault(cmd.engine.url, [])
                 if leg.finished and leg.reusable and not leg.cancelled and len(pool) < self._pool_size:
@@ -166,10 +175,10 @@ class Engines:
                         self._http = httpx.AsyncClient(trust_env=False)
                     response = await self._http.request(
                         cmd.method, cmd.engine.url + cmd.target,
-                        headers=list(cmd.headers), content=cmd.body,
+                        headers=list(cmd.headers), content=cmd.body, timeout=cmd.timeout,
                     )
                     status = response.status_code
-        except trio.TooSlowError:
+        except (trio.TooSlowError, httpx.TimeoutException):
             error = "timeout"
         except (OSError, httpx.HTTPError, trio.BrokenResourceError) as exc:
             error = type(exc).__name__

@@ -75,6 +75,7 @@ class Server:
         self.router = router or build_router(config, now=trio.current_time())
         self.journal = JournalFile(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
         self._journal_ok = True
+        self._send_timeout = config.ingress.send_timeout_s
         self._clients: dict[int, _Client] = {}
         self._next_handle = 0
         self._dirty: list[_Client] = []
@@ -244,7 +245,12 @@ class Server:
                 data = out[0] if len(out) == 1 else b"".join(out)
                 client.out = []
                 client.buffered = 0
-                await client.stream.send_all(data)
+                with trio.move_on_after(self._send_timeout):
+                    await client.stream.send_all(data)
+                    continue
+                # The client left our bytes unread for send_timeout_s: drop it,
+                # so it cannot hold a connection slot (or a leg) forever.
+                raise trio.BrokenResourceError("send timeout")
             if client.close_after and not client.closed:
                 client.closed = True
                 client.stream.socket.close()

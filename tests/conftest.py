@@ -13,7 +13,7 @@ from narwhal_sim.testing import SimThread
 from .harness import Fleet, RouterThread, make_config
 
 #: The runtimes every end-to-end test runs on (the conformance suite).
-CONFORMANCE_RUNTIMES = ("trio",)
+CONFORMANCE_RUNTIMES = ("trio", "asyncio")
 
 
 @pytest.fixture(params=CONFORMANCE_RUNTIMES)

@@ -159,6 +159,7 @@ DEFAULTS: dict[str, object] = {
     "ingress.header_timeout_s": 10.0,
     "ingress.body_timeout_s": 60.0,
     "ingress.keepalive_timeout_s": 75.0,
+    "ingress.send_timeout_s": 30.0,
     "ingress.max_connections": 20000,
     "engine.prefill": (),
     "engine.engine_api_key_env": None,

@@ -1,4 +1,10 @@
-"""Tests of narwhal_core.http1: the client-facing and engine-facing HTTP/1.1 codecs."""
+"""Tests of the client-facing and engine-facing HTTP/1.1 codecs.
+
+Every test that takes the ``codec`` fixture runs against both codecs: the
+reference (``narwhal_core.http1``, h11) and the fast one
+(``narwhal_core.http1_fast``, llhttp). The differential tests at the end
+compare the two directly.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TypedDict, Unpack
 
 import attrs
+import h11
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,6 +36,7 @@ from narwhal_core.http1 import (
     ServerConnection,
     ServerEvent,
 )
+from narwhal_core.http1_fast import FAST_CODEC, FastEngineConnection, FastServerConnection
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -38,6 +46,15 @@ class Limits(TypedDict, total=False):
     max_header_bytes: int
     max_headers: int
     max_body_bytes: int
+
+
+#: Every test that takes ``codec`` runs against the reference (h11) and the fast (llhttp) codec.
+CODECS: dict[str, Codec] = {"h11": H11_CODEC, "fast": FAST_CODEC}
+
+
+@pytest.fixture(scope="module", params=sorted(CODECS))
+def codec(request: pytest.FixtureRequest) -> Codec:
+    return CODECS[request.param]
 
 
 SMALL_LIMITS: Limits = {
@@ -61,17 +78,17 @@ class Failed:
     reason: str
 
 
-def echo_response(conn: ServerConnection, request: HttpRequest) -> bytes:
+def echo_response(conn: ServerCodec, request: HttpRequest) -> bytes:
     return conn.send_response(
         200, [(b"x-echo", f"{request.method} {request.target}".encode("latin-1"))], request.body
     )
 
 
 def pump_server(
-    conn: ServerConnection,
+    conn: ServerCodec,
     log: list[object],
     out: bytearray,
-    respond: Callable[[ServerConnection, HttpRequest], bytes] = echo_response,
+    respond: Callable[[ServerCodec, HttpRequest], bytes] = echo_response,
 ) -> bool:
     """Drain events, answering each request at once; False once nothing more will come."""
     while True:
@@ -95,8 +112,10 @@ def pump_server(
             out += respond(conn, event)
 
 
-def run_server(pieces: Sequence[bytes], *, eof: bool = True, **limits: Unpack[Limits]) -> tuple[list[object], bytes]:
-    conn = ServerConnection(**limits)
+def run_server(
+    codec: Codec, pieces: Sequence[bytes], *, eof: bool = True, **limits: Unpack[Limits]
+) -> tuple[list[object], bytes]:
+    conn = codec.server_connection(**limits)
     log: list[object] = []
     out = bytearray()
     for piece in pieces:
@@ -109,16 +128,16 @@ def run_server(pieces: Sequence[bytes], *, eof: bool = True, **limits: Unpack[Li
     return log, bytes(out)
 
 
-def one_request(raw: bytes, **limits: Unpack[Limits]) -> HttpRequest:
-    conn = ServerConnection(**limits)
+def one_request(codec: Codec, raw: bytes, **limits: Unpack[Limits]) -> HttpRequest:
+    conn = codec.server_connection(**limits)
     conn.receive_data(raw)
     event = conn.next_event()
     assert isinstance(event, HttpRequest), event
     return event
 
 
-def server_error(raw: bytes, *, eof: bool = False, **limits: Unpack[Limits]) -> RemoteProtocolError:
-    conn = ServerConnection(**limits)
+def server_error(codec: Codec, raw: bytes, *, eof: bool = False, **limits: Unpack[Limits]) -> RemoteProtocolError:
+    conn = codec.server_connection(**limits)
     conn.receive_data(raw)
     if eof:
         conn.receive_data(b"")
@@ -128,8 +147,8 @@ def server_error(raw: bytes, *, eof: bool = False, **limits: Unpack[Limits]) -> 
     return info.value
 
 
-def bytewise_error(raw: bytes, **limits: Unpack[Limits]) -> RemoteProtocolError:
-    conn = ServerConnection(**limits)
+def bytewise_error(codec: Codec, raw: bytes, **limits: Unpack[Limits]) -> RemoteProtocolError:
+    conn = codec.server_connection(**limits)
     with pytest.raises(RemoteProtocolError) as info:
         for i in range(len(raw)):
             conn.receive_data(raw[i : i + 1])
@@ -141,9 +160,9 @@ def bytewise_error(raw: bytes, **limits: Unpack[Limits]) -> RemoteProtocolError:
 
 
 def engine_events(
-    pieces: Sequence[bytes], *, method: str = "POST", eof: bool = True, **limits: int | None
+    codec: Codec, pieces: Sequence[bytes], *, method: str = "POST", eof: bool = True, **limits: int | None
 ) -> list[object]:
-    conn = EngineConnection(**limits)  # type: ignore[arg-type]
+    conn = codec.engine_connection(**limits)  # type: ignore[arg-type]
     conn.send_request(method, "/v1/completions", [(b"host", b"engine:8100")], b"{}" if method == "POST" else b"")
     log: list[object] = []
     feed = list(pieces) + ([b""] if eof else [])
@@ -192,12 +211,18 @@ GET = b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n"
 # ---------------------------------------------------------------------------
 
 
-def test_reference_codec_satisfies_protocols() -> None:
-    codec: Codec = H11_CODEC
-    server: ServerCodec = codec.server_connection(max_body_bytes=10)
-    engine: EngineCodec = codec.engine_connection(max_body_bytes=None)
+def test_codecs_satisfy_protocols() -> None:
+    reference: Codec = H11_CODEC
+    fast: Codec = FAST_CODEC
+    server: ServerCodec = reference.server_connection(max_body_bytes=10)
+    engine: EngineCodec = reference.engine_connection(max_body_bytes=None)
     assert isinstance(server, ServerConnection)
     assert isinstance(engine, EngineConnection)
+    assert server.next_event() is NEED_DATA
+    server = fast.server_connection(max_body_bytes=10)
+    engine = fast.engine_connection(max_body_bytes=None)
+    assert isinstance(server, FastServerConnection)
+    assert isinstance(engine, FastEngineConnection)
     assert server.next_event() is NEED_DATA
 
 
@@ -208,8 +233,8 @@ def test_signals_are_distinct_and_readable() -> None:
     assert str(PAUSED) == "PAUSED"
 
 
-def test_event_values_are_frozen() -> None:
-    request = one_request(POST)
+def test_event_values_are_frozen(codec: Codec) -> None:
+    request = one_request(codec, POST)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         request.body = b""  # type: ignore[misc]
     assert request.header(b"content-type") == b"application/json"
@@ -221,8 +246,8 @@ def test_event_values_are_frozen() -> None:
 # ---------------------------------------------------------------------------
 
 
-def test_post_request() -> None:
-    conn = ServerConnection()
+def test_post_request(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(POST)
     request = conn.next_event()
     assert request == HttpRequest(
@@ -238,8 +263,8 @@ def test_post_request() -> None:
     assert not conn.in_response
 
 
-def test_need_data_until_complete() -> None:
-    conn = ServerConnection()
+def test_need_data_until_complete(codec: Codec) -> None:
+    conn = codec.server_connection()
     for i in range(len(POST) - 1):
         conn.receive_data(POST[i : i + 1])
         assert conn.next_event() is NEED_DATA
@@ -247,8 +272,9 @@ def test_need_data_until_complete() -> None:
     assert isinstance(conn.next_event(), HttpRequest)
 
 
-def test_header_values_stripped_names_lowercased_target_raw() -> None:
+def test_header_values_stripped_names_lowercased_target_raw(codec: Codec) -> None:
     request = one_request(
+        codec,
         b"GET /a%20b?x=1&y=%C3%A9 HTTP/1.1\r\nHOST:   router  \r\nX-Thing:\tv1 v2\t\r\nx-thing: v3\r\n\r\n"
     )
     assert request.target == "/a%20b?x=1&y=%C3%A9"
@@ -257,8 +283,8 @@ def test_header_values_stripped_names_lowercased_target_raw() -> None:
     assert request.body == b""
 
 
-def test_keep_alive_cycles() -> None:
-    conn = ServerConnection()
+def test_keep_alive_cycles(codec: Codec) -> None:
+    conn = codec.server_connection()
     for i in range(3):
         conn.receive_data(POST)
         request = conn.next_event()
@@ -273,8 +299,8 @@ def test_keep_alive_cycles() -> None:
     assert conn.next_event() == ConnectionClosed()
 
 
-def test_pipelined_requests_come_out_in_order_after_each_response() -> None:
-    conn = ServerConnection()
+def test_pipelined_requests_come_out_in_order_after_each_response(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(POST + GET)
     first = conn.next_event()
     assert isinstance(first, HttpRequest) and first.method == "POST"
@@ -288,8 +314,8 @@ def test_pipelined_requests_come_out_in_order_after_each_response() -> None:
     assert conn.next_event() is NEED_DATA
 
 
-def test_pipelined_request_waits_for_a_streamed_response() -> None:
-    conn = ServerConnection()
+def test_pipelined_request_waits_for_a_streamed_response(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(GET + GET)
     assert isinstance(conn.next_event(), HttpRequest)
     conn.send_stream_start(200, [(b"content-type", b"text/event-stream")])
@@ -302,8 +328,8 @@ def test_pipelined_request_waits_for_a_streamed_response() -> None:
     assert isinstance(conn.next_event(), HttpRequest)
 
 
-def test_http10_closes_by_default() -> None:
-    conn = ServerConnection()
+def test_http10_closes_by_default(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(b"GET /v1/models HTTP/1.0\r\n\r\n")
     request = conn.next_event()
     assert isinstance(request, HttpRequest)
@@ -315,8 +341,8 @@ def test_http10_closes_by_default() -> None:
     assert conn.next_event() is PAUSED
 
 
-def test_http10_keep_alive() -> None:
-    conn = ServerConnection()
+def test_http10_keep_alive(codec: Codec) -> None:
+    conn = codec.server_connection()
     raw = b"GET /health HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n"
     conn.receive_data(raw + raw)
     request = conn.next_event()
@@ -327,8 +353,8 @@ def test_http10_keep_alive() -> None:
     assert isinstance(conn.next_event(), HttpRequest)
 
 
-def test_http10_stream_is_close_delimited() -> None:
-    conn = ServerConnection()
+def test_http10_stream_is_close_delimited(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(b"GET /x HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
     assert isinstance(conn.next_event(), HttpRequest)
     head = conn.send_stream_start(200, [(b"content-type", b"text/event-stream")])
@@ -339,8 +365,8 @@ def test_http10_stream_is_close_delimited() -> None:
     assert conn.next_event() is PAUSED
 
 
-def test_connection_close_request() -> None:
-    conn = ServerConnection()
+def test_connection_close_request(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive, Close\r\n\r\n" + GET)
     request = conn.next_event()
     assert isinstance(request, HttpRequest) and not request.keep_alive
@@ -351,8 +377,8 @@ def test_connection_close_request() -> None:
     assert conn.next_event() is PAUSED
 
 
-def test_has_partial_request() -> None:
-    conn = ServerConnection()
+def test_has_partial_request(codec: Codec) -> None:
+    conn = codec.server_connection()
     assert not conn.has_partial_request
     conn.receive_data(POST[:10])
     assert conn.has_partial_request
@@ -375,14 +401,14 @@ def test_has_partial_request() -> None:
     assert conn.has_partial_request
 
 
-def test_leading_empty_lines_are_ignored() -> None:
-    request = one_request(b"\r\n\r\n" + GET)
+def test_leading_empty_lines_are_ignored(codec: Codec) -> None:
+    request = one_request(codec, b"\r\n\r\n" + GET)
     assert request.target == "/health"
-    log, _ = run_server([b"\r\n", b"\r", b"\n"])
+    log, _ = run_server(codec, [b"\r\n", b"\r", b"\n"])
     assert log == [ConnectionClosed()]
 
 
-def test_chunked_request_body() -> None:
+def test_chunked_request_body(codec: Codec) -> None:
     raw = (
         b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: Chunked\r\n\r\n"
         b"5;name=value;q=\"a \\\"b\\\"\"\r\nhello\r\n"
@@ -390,20 +416,20 @@ def test_chunked_request_body() -> None:
         b"6\r\nworld!\r\n"
         b"0\r\nX-Checksum: abc\r\n\r\n"
     )
-    request = one_request(raw + GET)
+    request = one_request(codec, raw + GET)
     assert request.body == b"hello world!"
     assert request.header(b"transfer-encoding") == b"chunked"
-    log, _ = run_server(bytewise(raw + GET))
+    log, _ = run_server(codec, bytewise(raw + GET))
     assert [type(e) for e in log] == [HttpRequest, HttpRequest, ConnectionClosed]
     assert isinstance(log[0], HttpRequest) and log[0].body == b"hello world!"
 
 
-def test_empty_chunked_body() -> None:
-    assert one_request(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n").body == b""
+def test_empty_chunked_body(codec: Codec) -> None:
+    assert one_request(codec, b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n").body == b""
 
 
-def test_head_response_has_no_body() -> None:
-    conn = ServerConnection()
+def test_head_response_has_no_body(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(b"HEAD /health HTTP/1.1\r\nHost: a\r\n\r\n")
     assert isinstance(conn.next_event(), HttpRequest)
     assert conn.send_response(200, [], b"hello") == b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
@@ -415,8 +441,8 @@ def test_head_response_has_no_body() -> None:
     assert not conn.must_close
 
 
-def test_no_content_responses() -> None:
-    conn = ServerConnection()
+def test_no_content_responses(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(GET)
     conn.next_event()
     with pytest.raises(LocalProtocolError):
@@ -426,8 +452,8 @@ def test_no_content_responses() -> None:
     assert conn.send_response(204, [], b"") == b"HTTP/1.1 204 No Content\r\n\r\n"
 
 
-def test_unknown_status_gets_empty_reason() -> None:
-    conn = ServerConnection()
+def test_unknown_status_gets_empty_reason(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(GET)
     conn.next_event()
     assert conn.send_response(299, [], b"").startswith(b"HTTP/1.1 299 \r\n")
@@ -438,8 +464,8 @@ def test_unknown_status_gets_empty_reason() -> None:
 EXPECT_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"
 
 
-def test_expect_continue_accepted() -> None:
-    conn = ServerConnection()
+def test_expect_continue_accepted(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(EXPECT_HEAD)
     event = conn.next_event()
     assert event == ContinueExpected(
@@ -461,8 +487,8 @@ def test_expect_continue_accepted() -> None:
     assert conn.next_event() is NEED_DATA
 
 
-def test_expect_continue_answered_at_once_closes() -> None:
-    conn = ServerConnection()
+def test_expect_continue_answered_at_once_closes(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(EXPECT_HEAD)
     assert isinstance(conn.next_event(), ContinueExpected)
     assert not conn.must_close
@@ -475,29 +501,29 @@ def test_expect_continue_answered_at_once_closes() -> None:
     assert conn.next_event() is PAUSED
 
 
-def test_expect_continue_once_per_request_even_when_body_is_there() -> None:
-    log, out = run_server([EXPECT_HEAD + b"hello" + EXPECT_HEAD + b"world"])
+def test_expect_continue_once_per_request_even_when_body_is_there(codec: Codec) -> None:
+    log, out = run_server(codec, [EXPECT_HEAD + b"hello" + EXPECT_HEAD + b"world"])
     assert [type(e) for e in log] == [ContinueExpected, HttpRequest, ContinueExpected, HttpRequest, ConnectionClosed]
     assert out.count(b"100 Continue") == 2
 
 
-def test_expect_continue_chunked_and_http10() -> None:
-    conn = ServerConnection()
+def test_expect_continue_chunked_and_http10(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(b"POST / HTTP/1.1\r\nHost: a\r\nExpect: 100-Continue\r\nTransfer-Encoding: chunked\r\n\r\n")
     event = conn.next_event()
     assert isinstance(event, ContinueExpected) and event.content_length is None
     # HTTP/1.0 expectations are ignored (RFC 9110 §10.1.1).
-    request = one_request(b"POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\nx")
+    request = one_request(codec, b"POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\nx")
     assert request.body == b"x"
 
 
-def test_expect_continue_over_limit_is_413_before_continue() -> None:
-    error = server_error(EXPECT_HEAD.replace(b"Content-Length: 5", b"Content-Length: 600"), **SMALL_LIMITS)
+def test_expect_continue_over_limit_is_413_before_continue(codec: Codec) -> None:
+    error = server_error(codec, EXPECT_HEAD.replace(b"Content-Length: 5", b"Content-Length: 600"), **SMALL_LIMITS)
     assert (error.status, error.reason) == (413, "too_large")
 
 
-def test_continue_only_after_continue_expected() -> None:
-    conn = ServerConnection()
+def test_continue_only_after_continue_expected(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(POST)
     conn.next_event()
     with pytest.raises(LocalProtocolError):
@@ -507,8 +533,8 @@ def test_continue_only_after_continue_expected() -> None:
 # -- EOF --------------------------------------------------------------------
 
 
-def test_eof_between_requests() -> None:
-    conn = ServerConnection()
+def test_eof_between_requests(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(b"")
     assert conn.next_event() == ConnectionClosed()
     assert conn.must_close
@@ -516,8 +542,8 @@ def test_eof_between_requests() -> None:
         conn.receive_data(b"more")
 
 
-def test_eof_after_request_while_responding() -> None:
-    conn = ServerConnection()
+def test_eof_after_request_while_responding(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(POST)
     conn.receive_data(b"")
     assert isinstance(conn.next_event(), HttpRequest)
@@ -538,8 +564,8 @@ def test_eof_after_request_while_responding() -> None:
         EXPECT_HEAD + b"hel",
     ],
 )
-def test_eof_mid_request_is_dropped(raw: bytes) -> None:
-    error = server_error(raw, eof=True)
+def test_eof_mid_request_is_dropped(codec: Codec, raw: bytes) -> None:
+    error = server_error(codec, raw, eof=True)
     assert (error.status, error.reason) == (400, "dropped")
 
 
@@ -604,80 +630,80 @@ SMUGGLING = {
 
 
 @pytest.mark.parametrize("name", sorted(SMUGGLING))
-def test_malformed_and_smuggling_shapes_are_400(name: str) -> None:
+def test_malformed_and_smuggling_shapes_are_400(codec: Codec, name: str) -> None:
     raw = SMUGGLING[name]
-    for error in (server_error(raw), bytewise_error(raw), server_error(raw, eof=True)):
+    for error in (server_error(codec, raw), bytewise_error(codec, raw), server_error(codec, raw, eof=True)):
         assert (error.status, error.reason) == (400, "malformed"), (name, error)
 
 
-def test_unsupported_http_versions_are_505() -> None:
+def test_unsupported_http_versions_are_505(codec: Codec) -> None:
     for raw in (b"GET / HTTP/1.2\r\nHost: a\r\n\r\n", b"GET / HTTP/2.0\r\nHost: a\r\n\r\n", b"GET / HTTP/0.9\r\n\r\n"):
-        assert server_error(raw).status == 505
+        assert server_error(codec, raw).status == 505
 
 
-def test_body_over_limit_from_content_length_is_413_without_the_body() -> None:
-    error = server_error(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 513\r\n\r\n", **SMALL_LIMITS)
+def test_body_over_limit_from_content_length_is_413_without_the_body(codec: Codec) -> None:
+    error = server_error(codec, b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 513\r\n\r\n", **SMALL_LIMITS)
     assert (error.status, error.reason) == (413, "too_large")
-    assert one_request(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 512\r\n\r\n" + b"x" * 512, **SMALL_LIMITS)
+    assert one_request(codec, b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 512\r\n\r\n" + b"x" * 512, **SMALL_LIMITS)
 
 
-def test_chunked_body_over_limit_is_413_from_the_chunk_size() -> None:
+def test_chunked_body_over_limit_is_413_from_the_chunk_size(codec: Codec) -> None:
     head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
-    error = server_error(head + b"200\r\n" + b"x" * 512 + b"\r\n1\r\n", **SMALL_LIMITS)
+    error = server_error(codec, head + b"200\r\n" + b"x" * 512 + b"\r\n1\r\n", **SMALL_LIMITS)
     assert (error.status, error.reason) == (413, "too_large")
-    error = server_error(head + b"fffffffffffffff\r\n", **SMALL_LIMITS)
+    error = server_error(codec, head + b"fffffffffffffff\r\n", **SMALL_LIMITS)
     assert error.status == 413
     ok = head + b"100\r\n" + b"x" * 256 + b"\r\n100\r\n" + b"y" * 256 + b"\r\n0\r\n\r\n"
-    assert len(one_request(ok, **SMALL_LIMITS).body) == 512
+    assert len(one_request(codec, ok, **SMALL_LIMITS).body) == 512
 
 
-def test_request_line_limit_is_431() -> None:
+def test_request_line_limit_is_431(codec: Codec) -> None:
     limit = SMALL_LIMITS["max_request_line_bytes"]
     line = b"GET /" + b"a" * (limit - len(b"GET / HTTP/1.1")) + b" HTTP/1.1"
     assert len(line) == limit
-    assert one_request(line + b"\r\nHost: a\r\n\r\n", **SMALL_LIMITS).method == "GET"
+    assert one_request(codec, line + b"\r\nHost: a\r\n\r\n", **SMALL_LIMITS).method == "GET"
     too_long = b"GET /a" + line[5:] + b"\r\nHost: a\r\n\r\n"
     for error in (
-        server_error(too_long, **SMALL_LIMITS),
-        bytewise_error(too_long, **SMALL_LIMITS),
+        server_error(codec, too_long, **SMALL_LIMITS),
+        bytewise_error(codec, too_long, **SMALL_LIMITS),
         # Refused before the line ends:
-        server_error(b"GET /" + b"a" * 200, **SMALL_LIMITS),
+        server_error(codec, b"GET /" + b"a" * 200, **SMALL_LIMITS),
     ):
         assert (error.status, error.reason) == (431, "too_large")
 
 
-def test_header_section_limit_is_431() -> None:
+def test_header_section_limit_is_431(codec: Codec) -> None:
     limit = SMALL_LIMITS["max_header_bytes"]
     fields = b"Host: a\r\n"
     filler = b"X-Fill: " + b"f" * (limit - len(fields) - len(b"X-Fill: \r\n\r\n")) + b"\r\n"
     head = b"GET / HTTP/1.1\r\n" + fields + filler + b"\r\n"
     assert len(head) - len(b"GET / HTTP/1.1\r\n") == limit
-    assert one_request(head, **SMALL_LIMITS)
+    assert one_request(codec, head, **SMALL_LIMITS)
     too_big = head.replace(b"X-Fill: ", b"X-Fill: f")
     for error in (
-        server_error(too_big, **SMALL_LIMITS),
-        bytewise_error(too_big, **SMALL_LIMITS),
-        server_error(b"GET / HTTP/1.1\r\nX: " + b"x" * 400, **SMALL_LIMITS),
+        server_error(codec, too_big, **SMALL_LIMITS),
+        bytewise_error(codec, too_big, **SMALL_LIMITS),
+        server_error(codec, b"GET / HTTP/1.1\r\nX: " + b"x" * 400, **SMALL_LIMITS),
     ):
         assert (error.status, error.reason) == (431, "too_large")
 
 
-def test_header_count_limit_is_431() -> None:
+def test_header_count_limit_is_431(codec: Codec) -> None:
     fields = b"".join(b"X-%d: v\r\n" % i for i in range(7))
-    assert one_request(b"GET / HTTP/1.1\r\nHost: a\r\n" + fields + b"\r\n", **SMALL_LIMITS)
-    error = server_error(b"GET / HTTP/1.1\r\nHost: a\r\n" + fields + b"X-8: v\r\n\r\n", **SMALL_LIMITS)
+    assert one_request(codec, b"GET / HTTP/1.1\r\nHost: a\r\n" + fields + b"\r\n", **SMALL_LIMITS)
+    error = server_error(codec, b"GET / HTTP/1.1\r\nHost: a\r\n" + fields + b"X-8: v\r\n\r\n", **SMALL_LIMITS)
     assert (error.status, error.reason) == (431, "too_large")
 
 
-def test_trailer_limits_are_431() -> None:
+def test_trailer_limits_are_431(codec: Codec) -> None:
     head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n"
     many = b"".join(b"X-%d: v\r\n" % i for i in range(9))
-    assert server_error(head + many + b"\r\n", **SMALL_LIMITS).status == 431
-    assert server_error(head + b"X: " + b"v" * 300 + b"\r\n\r\n", **SMALL_LIMITS).status == 431
+    assert server_error(codec, head + many + b"\r\n", **SMALL_LIMITS).status == 431
+    assert server_error(codec, head + b"X: " + b"v" * 300 + b"\r\n\r\n", **SMALL_LIMITS).status == 431
 
 
-def test_error_is_sticky_and_error_response_closes() -> None:
-    conn = ServerConnection()
+def test_error_is_sticky_and_error_response_closes(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(SMUGGLING["cl-and-te"])
     with pytest.raises(RemoteProtocolError) as first:
         conn.next_event()
@@ -696,15 +722,15 @@ def test_error_is_sticky_and_error_response_closes() -> None:
         conn.send_error_response(400, [], b"")
 
 
-def test_error_response_before_a_request_and_instead_of_a_response() -> None:
-    conn = ServerConnection()
+def test_error_response_before_a_request_and_instead_of_a_response(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(b"POST / HTTP/1.1\r\nHo")
     assert conn.next_event() is NEED_DATA
     out = conn.send_error_response(408, [], b"slow")
     assert out == b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 4\r\nconnection: close\r\n\r\nslow"
     assert conn.must_close
 
-    conn = ServerConnection()
+    conn = codec.server_connection()
     conn.receive_data(b"HEAD / HTTP/1.1\r\nHost: a\r\n\r\n")
     conn.next_event()
     assert conn.send_error_response(503, [], b"busy") == (
@@ -712,8 +738,8 @@ def test_error_response_before_a_request_and_instead_of_a_response() -> None:
     )
 
 
-def test_no_error_response_in_the_middle_of_a_stream() -> None:
-    conn = ServerConnection()
+def test_no_error_response_in_the_middle_of_a_stream(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(GET)
     conn.next_event()
     conn.send_stream_start(200, [])
@@ -735,8 +761,8 @@ def test_no_error_response_in_the_middle_of_a_stream() -> None:
         lambda c: c.send_continue(),
     ],
 )
-def test_sends_out_of_order_fail_closed(action: Callable[[ServerConnection], bytes]) -> None:
-    conn = ServerConnection()
+def test_sends_out_of_order_fail_closed(codec: Codec, action: Callable[[ServerCodec], bytes]) -> None:
+    conn = codec.server_connection()
     with pytest.raises(LocalProtocolError, match="IDLE"):
         action(conn)
     # Nothing changed: the connection still works.
@@ -761,8 +787,10 @@ def test_sends_out_of_order_fail_closed(action: Callable[[ServerConnection], byt
         (600, []),
     ],
 )
-def test_invalid_responses_are_refused_without_side_effects(status: int, headers: list[tuple[bytes, bytes]]) -> None:
-    conn = ServerConnection()
+def test_invalid_responses_are_refused_without_side_effects(
+    codec: Codec, status: int, headers: list[tuple[bytes, bytes]]
+) -> None:
+    conn = codec.server_connection()
     conn.receive_data(GET)
     conn.next_event()
     with pytest.raises(LocalProtocolError):
@@ -774,8 +802,8 @@ def test_invalid_responses_are_refused_without_side_effects(status: int, headers
     )
 
 
-def test_caller_can_ask_to_close() -> None:
-    conn = ServerConnection()
+def test_caller_can_ask_to_close(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(GET)
     conn.next_event()
     out = conn.send_response(200, [(b"Connection", b"close"), (b"x-request-id", b"r1")], b"")
@@ -783,8 +811,8 @@ def test_caller_can_ask_to_close() -> None:
     assert conn.must_close
 
 
-def test_send_failed_kills_the_connection() -> None:
-    conn = ServerConnection()
+def test_send_failed_kills_the_connection(codec: Codec) -> None:
+    conn = codec.server_connection()
     conn.receive_data(GET + GET)
     conn.next_event()
     conn.send_stream_start(200, [])
@@ -799,8 +827,8 @@ def test_send_failed_kills_the_connection() -> None:
         conn.next_event()
 
 
-def test_pipelined_data_is_bounded() -> None:
-    conn = ServerConnection(**SMALL_LIMITS)
+def test_pipelined_data_is_bounded(codec: Codec) -> None:
+    conn = codec.server_connection(**SMALL_LIMITS)
     conn.receive_data(GET)
     assert isinstance(conn.next_event(), HttpRequest)
     bound = 64 + 256 + 512 + 4
@@ -819,9 +847,9 @@ def test_pipelined_data_is_bounded() -> None:
     assert served == 1 + bound // len(GET)
 
 
-def test_pipelined_requests_within_the_bound_are_served() -> None:
+def test_pipelined_requests_within_the_bound_are_served(codec: Codec) -> None:
     raws = [b"POST /%d HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n" % i + b"x" * 100 for i in range(5)]
-    log, _ = run_server([b"".join(raws)], **SMALL_LIMITS)
+    log, _ = run_server(codec, [b"".join(raws)], **SMALL_LIMITS)
     assert [e.target for e in log if isinstance(e, HttpRequest)] == [f"/{i}" for i in range(5)]
 
 
@@ -924,20 +952,22 @@ def check_served(specs: list[RequestSpec], log: list[object]) -> None:
 
 @FAST
 @given(request_streams, st.data())
-def test_server_split_anywhere_gives_the_same_events(specs: list[RequestSpec], data: st.DataObject) -> None:
+def test_server_split_anywhere_gives_the_same_events(
+    codec: Codec, specs: list[RequestSpec], data: st.DataObject
+) -> None:
     stream = b"".join(serialize_request(s) for s in specs)
-    whole_log, whole_out = run_server([stream])
+    whole_log, whole_out = run_server(codec, [stream])
     check_served(specs, whole_log)
     assert whole_log[-1] == ConnectionClosed() or specs[-1].close
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=8))
-    assert run_server(split_at(stream, cuts)) == (whole_log, whole_out)
+    assert run_server(codec, split_at(stream, cuts)) == (whole_log, whole_out)
 
 
 @settings(max_examples=15, deadline=None)
 @given(request_streams)
-def test_server_byte_at_a_time_gives_the_same_events(specs: list[RequestSpec]) -> None:
+def test_server_byte_at_a_time_gives_the_same_events(codec: Codec, specs: list[RequestSpec]) -> None:
     stream = b"".join(serialize_request(s) for s in specs)
-    assert run_server(bytewise(stream)) == run_server([stream])
+    assert run_server(codec, bytewise(stream)) == run_server(codec, [stream])
 
 
 # ---------------------------------------------------------------------------
@@ -945,8 +975,8 @@ def test_server_byte_at_a_time_gives_the_same_events(specs: list[RequestSpec]) -
 # ---------------------------------------------------------------------------
 
 
-def test_engine_request_bytes() -> None:
-    conn = EngineConnection()
+def test_engine_request_bytes(codec: Codec) -> None:
+    conn = codec.engine_connection()
     out = conn.send_request(
         "POST", "/v1/completions", [(b"host", b"e:8100"), (b"x-request-id", b"r-p1")], b'{"a":1}'
     )
@@ -954,10 +984,10 @@ def test_engine_request_bytes() -> None:
         b"POST /v1/completions HTTP/1.1\r\nhost: e:8100\r\nx-request-id: r-p1\r\ncontent-length: 7\r\n\r\n"
         b'{"a":1}'
     )
-    assert EngineConnection().send_request("GET", "/health", [(b"host", b"e")], b"") == (
+    assert codec.engine_connection().send_request("GET", "/health", [(b"host", b"e")], b"") == (
         b"GET /health HTTP/1.1\r\nhost: e\r\n\r\n"
     )
-    assert b"content-length: 0\r\n" in EngineConnection().send_request("POST", "/abort", [(b"host", b"e")], b"")
+    assert b"content-length: 0\r\n" in codec.engine_connection().send_request("POST", "/abort", [(b"host", b"e")], b"")
 
 
 @pytest.mark.parametrize(
@@ -968,19 +998,23 @@ def test_engine_request_bytes() -> None:
         ("POST", "/", [(b"host", b"e"), (b"Transfer-Encoding", b"chunked")]),
         ("POST", "/", [(b"host", b"e"), (b"upgrade", b"h2c")]),
         ("POST", "/", [(b"host", b"e"), (b"x", b"a\r\nb: c")]),
+        ("POST", "/", [(b"host", b"e"), (b"x", b"a ")]),
+        ("POST", "/", [(b"host", b"e"), (b"x", b"\ta")]),
+        ("POST", "/", [(b"host", b"e"), (b"x", b"a\x00")]),
+        ("POST", "/", [(b"host", b"e"), (b"host", b"e")]),
         ("POST", "/é", [(b"host", b"e")]),
         ("POST", "/a b", [(b"host", b"e")]),
         ("P OST", "/", [(b"host", b"e")]),
         ("CONNECT", "e:443", [(b"host", b"e")]),
     ],
 )
-def test_engine_request_refused(method: str, target: str, headers: list[tuple[bytes, bytes]]) -> None:
+def test_engine_request_refused(codec: Codec, method: str, target: str, headers: list[tuple[bytes, bytes]]) -> None:
     with pytest.raises(LocalProtocolError):
-        EngineConnection().send_request(method, target, headers, b"{}")
+        codec.engine_connection().send_request(method, target, headers, b"{}")
 
 
-def test_engine_one_request_per_connection() -> None:
-    conn = EngineConnection()
+def test_engine_one_request_per_connection(codec: Codec) -> None:
+    conn = codec.engine_connection()
     with pytest.raises(LocalProtocolError):
         conn.next_event()
     conn.send_request("GET", "/", [(b"host", b"e")], b"")
@@ -988,21 +1022,21 @@ def test_engine_one_request_per_connection() -> None:
         conn.send_request("GET", "/", [(b"host", b"e")], b"")
 
 
-def test_engine_content_length_response() -> None:
+def test_engine_content_length_response(codec: Codec) -> None:
     raw = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
-    assert engine_events([raw], eof=False) == [
+    assert engine_events(codec, [raw], eof=False) == [
         ResponseHead(status=200, headers=((b"content-type", b"application/json"), (b"content-length", b"11"))),
         BodyData(data=b'{"ok":true}'),
         ResponseEnd(reusable=True),
     ]
 
 
-def test_engine_chunked_stream() -> None:
+def test_engine_chunked_stream(codec: Codec) -> None:
     raw = (
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"b\r\ndata: one\n\n\r\nb\r\ndata: two\n\n\r\n0\r\n\r\n"
     )
-    events = engine_events(split_at(raw, [len(raw) - 30, len(raw) - 10]), eof=False)
+    events = engine_events(codec, split_at(raw, [len(raw) - 30, len(raw) - 10]), eof=False)
     assert isinstance(events[0], ResponseHead) and events[0].status == 200
     assert events[-1] == ResponseEnd(reusable=True)
     pieces = [e.data for e in events if isinstance(e, BodyData)]
@@ -1010,22 +1044,22 @@ def test_engine_chunked_stream() -> None:
     assert b"".join(pieces) == b"data: one\n\ndata: two\n\n"
 
 
-def test_engine_close_delimited_response() -> None:
+def test_engine_close_delimited_response(codec: Codec) -> None:
     raw = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end"
-    events = engine_events([raw])
+    events = engine_events(codec, [raw])
     assert coalesce(events[1:]) == [BodyData(data=b"until the end"), ResponseEnd(reusable=False)]
-    assert engine_events([b"HTTP/1.0 200 OK\r\n\r\n"]) == [
+    assert engine_events(codec, [b"HTTP/1.0 200 OK\r\n\r\n"]) == [
         ResponseHead(status=200, headers=()),
         ResponseEnd(reusable=False),
     ]
 
 
-def test_engine_informational_responses_are_skipped() -> None:
+def test_engine_informational_responses_are_skipped(codec: Codec) -> None:
     raw = (
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
         b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n"
     )
-    assert engine_events(bytewise(raw), eof=False) == [
+    assert engine_events(codec, bytewise(raw), eof=False) == [
         ResponseHead(status=201, headers=((b"content-length", b"0"),)),
         ResponseEnd(reusable=True),
     ]
@@ -1042,8 +1076,8 @@ def test_engine_informational_responses_are_skipped() -> None:
         b"HTTP/1.1 100 Continue\r\n\r\n",
     ],
 )
-def test_engine_eof_before_the_end_is_dropped(raw: bytes) -> None:
-    assert engine_events([raw])[-1] == Failed(502, "dropped")
+def test_engine_eof_before_the_end_is_dropped(codec: Codec, raw: bytes) -> None:
+    assert engine_events(codec, [raw])[-1] == Failed(502, "dropped")
 
 
 @pytest.mark.parametrize(
@@ -1059,46 +1093,45 @@ def test_engine_eof_before_the_end_is_dropped(raw: bytes) -> None:
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
     ],
 )
-def test_engine_malformed_response(raw: bytes) -> None:
-    assert engine_events([raw], eof=False)[-1] == Failed(502, "malformed")
+def test_engine_malformed_response(codec: Codec, raw: bytes) -> None:
+    assert engine_events(codec, [raw], eof=False)[-1] == Failed(502, "malformed")
 
 
-def test_engine_limits() -> None:
+def test_engine_limits(codec: Codec) -> None:
     big = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 100
-    assert engine_events([big], max_body_bytes=99) == [Failed(502, "too_large")]
-    assert engine_events([big], max_body_bytes=100, eof=False)[-1] == ResponseEnd(reusable=True)
+    assert engine_events(codec, [big], max_body_bytes=99) == [Failed(502, "too_large")]
+    assert engine_events(codec, [big], max_body_bytes=100, eof=False)[-1] == ResponseEnd(reusable=True)
     chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"10\r\n" + b"x" * 16 + b"\r\n" * 8
-    assert engine_events([chunked], max_body_bytes=10)[-1] == Failed(502, "too_large")
+    assert engine_events(codec, [chunked], max_body_bytes=10)[-1] == Failed(502, "too_large")
     closing = b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 100
-    assert engine_events([closing], max_body_bytes=50)[-1] == Failed(502, "too_large")
-    assert engine_events([closing], max_body_bytes=None)[-1] == ResponseEnd(reusable=False)
+    assert engine_events(codec, [closing], max_body_bytes=50)[-1] == Failed(502, "too_large")
+    assert engine_events(codec, [closing], max_body_bytes=None)[-1] == ResponseEnd(reusable=False)
     head = b"HTTP/1.1 200 OK\r\nX: " + b"x" * 200 + b"\r\n\r\n"
-    assert engine_events([head], max_header_bytes=100, eof=False) == [Failed(502, "too_large")]
+    assert engine_events(codec, [head], max_header_bytes=100, eof=False) == [Failed(502, "too_large")]
     # A body limit does not apply to responses that cannot have a body.
-    assert engine_events([b"HTTP/1.1 304 Not Modified\r\nContent-Length: 100\r\n\r\n"], max_body_bytes=1, eof=False)[
-        -1
-    ] == ResponseEnd(reusable=True)
+    not_modified = b"HTTP/1.1 304 Not Modified\r\nContent-Length: 100\r\n\r\n"
+    assert engine_events(codec, [not_modified], max_body_bytes=1, eof=False)[-1] == ResponseEnd(reusable=True)
 
 
-def test_engine_head_request() -> None:
+def test_engine_head_request(codec: Codec) -> None:
     raw = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"
-    assert engine_events([raw], method="HEAD", eof=False) == [
+    assert engine_events(codec, [raw], method="HEAD", eof=False) == [
         ResponseHead(status=200, headers=((b"content-length", b"1000"),)),
         ResponseEnd(reusable=True),
     ]
 
 
-def test_engine_reusable_flag() -> None:
+def test_engine_reusable_flag(codec: Codec) -> None:
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-    assert engine_events([ok], eof=False)[-1] == ResponseEnd(reusable=True)
+    assert engine_events(codec, [ok], eof=False)[-1] == ResponseEnd(reusable=True)
     closing = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
-    assert engine_events([closing], eof=False)[-1] == ResponseEnd(reusable=False)
-    assert engine_events([ok + b"HTTP/1.1 200 OK\r\n"], eof=False)[-1] == ResponseEnd(reusable=False)
-    assert engine_events([b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"], eof=False)[-1] == ResponseEnd(
+    assert engine_events(codec, [closing], eof=False)[-1] == ResponseEnd(reusable=False)
+    assert engine_events(codec, [ok + b"HTTP/1.1 200 OK\r\n"], eof=False)[-1] == ResponseEnd(reusable=False)
+    assert engine_events(codec, [b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"], eof=False)[-1] == ResponseEnd(
         reusable=False
     )
     # EOF already seen when the end is parsed: the engine closed the socket.
-    conn = EngineConnection()
+    conn = codec.engine_connection()
     conn.send_request("GET", "/", [(b"host", b"e")], b"")
     conn.receive_data(ok)
     conn.receive_data(b"")
@@ -1108,8 +1141,8 @@ def test_engine_reusable_flag() -> None:
     assert conn.next_event() == ResponseEnd(reusable=False)
 
 
-def test_engine_error_is_sticky_and_eof_is_final() -> None:
-    conn = EngineConnection()
+def test_engine_error_is_sticky_and_eof_is_final(codec: Codec) -> None:
+    conn = codec.engine_connection()
     conn.send_request("GET", "/", [(b"host", b"e")], b"")
     conn.receive_data(b"garbage\r\n\r\n")
     with pytest.raises(RemoteProtocolError) as first:
@@ -1117,7 +1150,7 @@ def test_engine_error_is_sticky_and_eof_is_final() -> None:
     with pytest.raises(RemoteProtocolError) as second:
         conn.next_event()
     assert first.value is second.value
-    conn = EngineConnection()
+    conn = codec.engine_connection()
     conn.receive_data(b"")
     with pytest.raises(LocalProtocolError):
         conn.receive_data(b"x")
@@ -1177,19 +1210,19 @@ def check_response(spec: ResponseSpec, events: list[object]) -> None:
 
 @FAST
 @given(response_specs(), st.data())
-def test_engine_split_anywhere_gives_the_same_events(spec: ResponseSpec, data: st.DataObject) -> None:
+def test_engine_split_anywhere_gives_the_same_events(codec: Codec, spec: ResponseSpec, data: st.DataObject) -> None:
     raw = serialize_response(spec, data.draw(st.lists(st.integers(0, len(spec.body)), max_size=4)))
-    whole = engine_events([raw])
+    whole = engine_events(codec, [raw])
     check_response(spec, whole)
     cuts = data.draw(st.lists(st.integers(0, len(raw)), max_size=8))
-    assert coalesce(engine_events(split_at(raw, cuts))) == coalesce(whole)
+    assert coalesce(engine_events(codec, split_at(raw, cuts))) == coalesce(whole)
 
 
 @settings(max_examples=15, deadline=None)
 @given(response_specs())
-def test_engine_byte_at_a_time_gives_the_same_events(spec: ResponseSpec) -> None:
+def test_engine_byte_at_a_time_gives_the_same_events(codec: Codec, spec: ResponseSpec) -> None:
     raw = serialize_response(spec, [len(spec.body) // 2])
-    assert coalesce(engine_events(bytewise(raw))) == coalesce(engine_events([raw]))
+    assert coalesce(engine_events(codec, bytewise(raw))) == coalesce(engine_events(codec, [raw]))
 
 
 # ---------------------------------------------------------------------------
@@ -1205,10 +1238,11 @@ def test_engine_byte_at_a_time_gives_the_same_events(spec: ResponseSpec) -> None
     st.binary(max_size=300),
 )
 def test_engine_request_parses_back_on_the_server(
+    codec: Codec,
     method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
 ) -> None:
-    raw = EngineConnection().send_request(method, target, [(b"Host", b"engine:8100"), *headers], body)
-    request = one_request(raw)
+    raw = codec.engine_connection().send_request(method, target, [(b"Host", b"engine:8100"), *headers], body)
+    request = one_request(codec, raw)
     assert (request.method, request.target, request.body) == (method, target, body)
     assert request.keep_alive and request.http_version == "1.1"
     expected = [(b"host", b"engine:8100"), *[(n.lower(), v) for n, v in headers]]
@@ -1225,12 +1259,13 @@ def test_engine_request_parses_back_on_the_server(
     st.binary(max_size=300),
 )
 def test_server_response_parses_back_on_the_engine(
+    codec: Codec,
     method: str, status: int, headers: list[tuple[bytes, bytes]], body: bytes
 ) -> None:
     if status in (204, 304):
         body = b""
-    server = ServerConnection()
-    engine = EngineConnection()
+    server = codec.server_connection()
+    engine = codec.engine_connection()
     server.receive_data(engine.send_request(method, "/x", [(b"host", b"router")], b""))
     assert isinstance(server.next_event(), HttpRequest)
     engine.receive_data(server.send_response(status, headers, body))
@@ -1249,14 +1284,14 @@ def test_server_response_parses_back_on_the_engine(
 
 @FAST
 @given(st.lists(st.binary(max_size=100), max_size=6), st.sampled_from(["1.1", "1.0"]))
-def test_streamed_response_parses_back_on_the_engine(pieces: list[bytes], version: str) -> None:
-    server = ServerConnection()
+def test_streamed_response_parses_back_on_the_engine(codec: Codec, pieces: list[bytes], version: str) -> None:
+    server = codec.server_connection()
     server.receive_data(f"POST /v1/completions HTTP/{version}\r\nHost: a\r\nContent-Length: 0\r\n\r\n".encode())
     assert isinstance(server.next_event(), HttpRequest)
     wire = server.send_stream_start(200, [(b"content-type", b"text/event-stream")])
     wire += b"".join(server.send_stream_data(p) for p in pieces) + server.send_stream_end()
     assert server.must_close is (version == "1.0")
-    events = engine_events([wire], eof=server.must_close)
+    events = engine_events(codec, [wire], eof=server.must_close)
     assert b"".join(e.data for e in events if isinstance(e, BodyData)) == b"".join(pieces)
     assert events[-1] == ResponseEnd(reusable=version == "1.1")
 
@@ -1266,8 +1301,9 @@ def test_streamed_response_parses_back_on_the_engine(pieces: list[bytes], versio
 # ---------------------------------------------------------------------------
 
 
-def feed_server_checked(pieces: Sequence[bytes]) -> None:
-    conn = ServerConnection(**SMALL_LIMITS)
+def feed_server_checked(codec: Codec, pieces: Sequence[bytes]) -> None:
+    conn = codec.server_connection(**SMALL_LIMITS)
+    assert isinstance(conn, ServerConnection)  # FastServerConnection too: the buffer is the reference's
     bound = conn._max_buffered
     log: list[object] = []
     out = bytearray()
@@ -1283,13 +1319,13 @@ def feed_server_checked(pieces: Sequence[bytes]) -> None:
 
 @FUZZ
 @given(st.binary(max_size=1500), st.data())
-def test_server_arbitrary_bytes(blob: bytes, data: st.DataObject) -> None:
-    feed_server_checked(split_at(blob, data.draw(st.lists(st.integers(0, len(blob)), max_size=10))))
+def test_server_arbitrary_bytes(codec: Codec, blob: bytes, data: st.DataObject) -> None:
+    feed_server_checked(codec, split_at(blob, data.draw(st.lists(st.integers(0, len(blob)), max_size=10))))
 
 
 @FUZZ
 @given(request_streams, st.data())
-def test_server_mutated_requests(specs: list[RequestSpec], data: st.DataObject) -> None:
+def test_server_mutated_requests(codec: Codec, specs: list[RequestSpec], data: st.DataObject) -> None:
     stream = bytearray(b"".join(serialize_request(s) for s in specs))
     for _ in range(data.draw(st.integers(1, 4))):
         pos = data.draw(st.integers(0, len(stream)))
@@ -1302,20 +1338,29 @@ def test_server_mutated_requests(specs: list[RequestSpec], data: st.DataObject) 
         else:
             del stream[pos]
     raw = bytes(stream)
-    feed_server_checked(split_at(raw, data.draw(st.lists(st.integers(0, len(raw)), max_size=10))))
+    feed_server_checked(codec, split_at(raw, data.draw(st.lists(st.integers(0, len(raw)), max_size=10))))
 
 
-def feed_engine_checked(pieces: Sequence[bytes], **limits: int | None) -> None:
-    conn = EngineConnection(**limits)  # type: ignore[arg-type]
+def engine_buffered(conn: EngineCodec) -> int:
+    """Bytes an engine connection holds unparsed."""
+    if isinstance(conn, EngineConnection):
+        return len(conn._h11.trailing_data[0])
+    assert isinstance(conn, FastEngineConnection)
+    return len(conn._buf)
+
+
+def feed_engine_checked(codec: Codec, pieces: Sequence[bytes], **limits: int | None) -> None:
+    conn = codec.engine_connection(**limits)  # type: ignore[arg-type]
+    assert isinstance(conn, EngineConnection | FastEngineConnection)
     conn.send_request("POST", "/v1/completions", [(b"host", b"e")], b"{}")
     bound = conn._max_unparsed + (limits.get("max_header_bytes") or 0)
     try:
         for piece in [*pieces, b""]:
             conn.receive_data(piece)
-            assert len(conn._h11.trailing_data[0]) <= bound
+            assert engine_buffered(conn) <= bound
             while True:
                 event = conn.next_event()
-                assert len(conn._h11.trailing_data[0]) <= bound
+                assert engine_buffered(conn) <= bound
                 if event is NEED_DATA or isinstance(event, ResponseEnd):
                     break
                 assert isinstance(event, ResponseHead | BodyData)
@@ -1325,21 +1370,495 @@ def feed_engine_checked(pieces: Sequence[bytes], **limits: int | None) -> None:
 
 @FUZZ
 @given(st.binary(max_size=1500), st.data())
-def test_engine_arbitrary_bytes(blob: bytes, data: st.DataObject) -> None:
+def test_engine_arbitrary_bytes(codec: Codec, blob: bytes, data: st.DataObject) -> None:
     pieces = split_at(blob, data.draw(st.lists(st.integers(0, len(blob)), max_size=10)))
-    feed_engine_checked(pieces, max_header_bytes=256, max_body_bytes=512)
+    feed_engine_checked(codec, pieces, max_header_bytes=256, max_body_bytes=512)
 
 
 @FUZZ
 @given(response_specs(), st.data())
-def test_engine_mutated_responses(spec: ResponseSpec, data: st.DataObject) -> None:
+def test_engine_mutated_responses(codec: Codec, spec: ResponseSpec, data: st.DataObject) -> None:
     stream = bytearray(serialize_response(spec, [len(spec.body) // 3]))
     for _ in range(data.draw(st.integers(1, 4))):
         pos = data.draw(st.integers(0, len(stream) - 1))
         stream[pos] = data.draw(st.sampled_from([0, 10, 13, 32, 48, 58, 59, 70, 255]))
     raw = bytes(stream)
     pieces = split_at(raw, data.draw(st.lists(st.integers(0, len(raw)), max_size=10)))
-    feed_engine_checked(pieces, max_header_bytes=256, max_body_bytes=None)
+    feed_engine_checked(codec, pieces, max_header_bytes=256, max_body_bytes=None)
+
+
+# ---------------------------------------------------------------------------
+# The fast codec against the reference
+# ---------------------------------------------------------------------------
+#
+# Every test above runs against both codecs. These tests compare them
+# directly, on heads chosen where llhttp and h11 are known to differ and on
+# generated, mutated and HTTP-shaped byte streams, cut anywhere.
+
+
+def server_outcome(codec: Codec, raw: bytes, **limits: Unpack[Limits]) -> tuple[list[object], bytes]:
+    return run_server(codec, [raw], **limits)
+
+
+def assert_plain_bytes(events: Sequence[object]) -> None:
+    """Equality alone would let a bytearray pass for bytes."""
+    for event in events:
+        if isinstance(event, HttpRequest | ContinueExpected | ResponseHead):
+            assert all(type(name) is bytes and type(value) is bytes for name, value in event.headers)
+        if isinstance(event, HttpRequest | BodyData):
+            assert type(event.body if isinstance(event, HttpRequest) else event.data) is bytes
+
+
+def assert_same_server(*splits: Sequence[bytes], **limits: Unpack[Limits]) -> None:
+    """For each way of cutting the stream, the fast codec gives the reference's events and bytes."""
+    for pieces in splits:
+        fast = run_server(FAST_CODEC, pieces, **limits)
+        assert fast == run_server(H11_CODEC, pieces, **limits)
+        assert_plain_bytes(fast[0])
+
+
+def assert_same_engine(*splits: Sequence[bytes], method: str, eof: bool, **limits: int | None) -> None:
+    # Body pieces may be cut differently; whether a response is reusable
+    # depends on what is buffered when its end is parsed, so each cut is
+    # compared with the same cut.
+    for pieces in splits:
+        reference = coalesce(engine_events(H11_CODEC, pieces, method=method, eof=eof, **limits))
+        fast = engine_events(FAST_CODEC, pieces, method=method, eof=eof, **limits)
+        assert coalesce(fast) == reference
+        assert_plain_bytes(fast)
+
+
+#: Request heads on which llhttp, left to itself, would not agree with the
+#: reference: each must give the outcome noted, from both codecs.
+LLHTTP_REQUEST_DIFFERENCES: dict[str, tuple[bytes, object]] = {
+    "unknown-method": (b"FOO /x HTTP/1.1\r\nHost: a\r\n\r\n", "FOO"),
+    "lowercase-method": (b"get /x HTTP/1.1\r\nHost: a\r\n\r\n", "get"),
+    "connect-authority": (b"CONNECT a:443 HTTP/1.1\r\nHost: a\r\n\r\n", "CONNECT"),
+    "target-not-a-url": (b"GET /{a}|^`\\ HTTP/1.1\r\nHost: a\r\n\r\n", "GET"),
+    "target-asterisk": (b"OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n", "OPTIONS"),
+    "control-char-in-value": (b"GET / HTTP/1.1\r\nHost: a\r\nX-A: b\x01c\r\n\r\n", "GET"),
+    "del-in-value": (b"GET / HTTP/1.1\r\nHost: a\r\nX-A: b\x7f\r\n\r\n", "GET"),
+    "empty-value": (b"GET / HTTP/1.1\r\nHost: a\r\nX-A:\r\nX-B:  \r\n\r\n", "GET"),
+    "upgrade": (b"GET / HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n", "GET"),
+    "http10-without-host": (b"GET / HTTP/1.0\r\n\r\n", "GET"),
+    "cl-20-digits": (b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 00000000000000000002\r\n\r\nhi", "POST"),
+    "expect-in-a-list": (
+        b"POST / HTTP/1.1\r\nHost: a\r\nExpect: foo, 100-Continue\r\nContent-Length: 1\r\n\r\nx",
+        "POST",
+    ),
+    "missing-host": (b"GET / HTTP/1.1\r\n\r\n", Failed(400, "malformed")),
+    "two-hosts": (b"GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n", Failed(400, "malformed")),
+    "cl-21-digits": (
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 000000000000000000002\r\n\r\nhi",
+        Failed(400, "malformed"),
+    ),
+    "cl-past-2-64": (
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 99999999999999999999\r\n\r\n",
+        Failed(413, "too_large"),
+    ),
+    "cl-repeated-same": (
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx",
+        Failed(400, "malformed"),
+    ),
+    "te-gzip-chunked": (
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        Failed(400, "malformed"),
+    ),
+    "te-with-upgrade": (
+        b"GET / HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+        Failed(400, "malformed"),
+    ),
+    "version-1.2-with-cl-and-te": (
+        b"POST / HTTP/1.2\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+        Failed(505, "malformed"),
+    ),
+    "version-1.2-with-bad-field": (b"GET / HTTP/1.2\r\nX A: b\r\n\r\n", Failed(400, "malformed")),
+    "version-2.0-two-hosts": (b"GET / HTTP/2.0\r\nHost: a\r\nHost: b\r\n\r\n", Failed(400, "malformed")),
+    "nul-in-value": (b"GET / HTTP/1.1\r\nHost: a\r\nX-A: \x00\r\n\r\n", Failed(400, "malformed")),
+    "bare-lf-after-version": (b"GET / HTTP/1.10\nHost: a\r\n\r\n", Failed(400, "malformed")),
+    "http10-keep-alive-and-close": (
+        b"GET / HTTP/1.0\r\nConnection: keep-alive\r\nConnection: close\r\n\r\nGET / HTTP/1.0\r\n\r\n",
+        "GET",
+    ),
+    "vertical-tab-in-value": (b"GET / HTTP/1.1\r\nHost: a\r\nX-A: a\x0bb\r\n\r\n", Failed(400, "malformed")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLHTTP_REQUEST_DIFFERENCES))
+def test_fast_codec_agrees_where_llhttp_differs(name: str) -> None:
+    raw, expected = LLHTTP_REQUEST_DIFFERENCES[name]
+    reference = server_outcome(H11_CODEC, raw)
+    first = reference[0][0]
+    if isinstance(expected, Failed):
+        assert first == expected
+    else:
+        assert isinstance(first, HttpRequest | ContinueExpected) and first.method == expected
+    assert_same_server([raw], bytewise(raw))
+
+
+def test_fast_codec_strips_and_normalises_like_h11() -> None:
+    raw = b"POST / HTTP/1.1\r\nHost: a \t\r\nX-A: b  c\t \r\nTransfer-Encoding: CHUNKED\r\n\r\n0\r\n\r\n"
+    request = one_request(FAST_CODEC, raw)
+    assert request.headers == ((b"host", b"a"), (b"x-a", b"b  c"), (b"transfer-encoding", b"chunked"))
+    assert request == one_request(H11_CODEC, raw)
+
+
+#: Engine responses on which llhttp would not agree with h11 (the reference
+#: reads engine responses with h11, lenient where h11 is lenient).
+LLHTTP_RESPONSE_DIFFERENCES: dict[str, bytes] = {
+    "bare-lf-head": b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",
+    "mixed-line-ends": b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\r\nok",
+    "obs-fold": b"HTTP/1.1 200 OK\r\nX-A: b\r\n c\r\nContent-Length: 2\r\n\r\nok",
+    "obs-fold-first": b"HTTP/1.1 200 OK\r\n X-A: b\r\n\r\n",
+    "no-reason": b"HTTP/1.1 200\r\nContent-Length: 2\r\n\r\nok",
+    "empty-reason": b"HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\nok",
+    "control-in-reason": b"HTTP/1.1 200 O\x01K\r\nContent-Length: 2\r\n\r\nok",
+    "http-2.0": b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    "http-0.9": b"HTTP/0.9 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    "status-999": b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok",
+    "status-099": b"HTTP/1.1 099 Odd\r\n\r\n",
+    "status-101": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n",
+    "control-in-value": b"HTTP/1.1 200 OK\r\nX-A: \x01\r\nContent-Length: 2\r\n\r\nok",
+    "cl-repeated-same": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
+    "cl-list-same": b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok",
+    "cl-21-digits": b"HTTP/1.1 200 OK\r\nContent-Length: 000000000000000000002\r\n\r\nok",
+    "te-uppercase": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    "te-gzip": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nok",
+    "te-twice": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "te-and-cl-on-204": b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\nContent-Length: 0\r\n\r\n",
+    "chunk-ext-anything": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;\x00\r=\"\r\nok\r\n0\r\n\r\n",
+    "chunk-size-ows": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2 \t\r\nok\r\n0\r\n\r\n",
+    "chunk-size-20-digits": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"00000000000000000002\r\nok\r\n0\r\n\r\n"
+    ),
+    "chunk-size-21-digits": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"000000000000000000002\r\nok\r\n0\r\n\r\n"
+    ),
+    "chunk-line-bare-lf": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\nok\r\n0\r\n\r\n",
+    "chunk-data-bare-lf": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\n0\r\n\r\n",
+    "last-chunk-bare-lf": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\n",
+    "trailer-bare-lf": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-A: b\n\n",
+    "trailer-obs-fold": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-A: b\r\n c\r\n\r\n",
+    "trailer-bad-cl": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nContent-Length: x\r\n\r\n",
+    "trailer-te-gzip": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nTransfer-Encoding: gzip\r\n\r\n",
+    "status-line-bare-lf": b"HTTP/1.1 200 OK\nContent-Length: 2\r\n\r\nok",
+    "status-4-digits-bare-lf": b"HTTP/1.1 2000\nContent-Length: 2\r\n\r\nok",
+    "nul-in-reason-bare-lf": b"HTTP/1.1 200 OK\x00\nContent-Length: 2\r\n\r\nok",
+    "te-gzip-chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+    "leading-empty-line": b"\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    "leading-space": b" HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    "lone-cr-first": b"\r",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLHTTP_RESPONSE_DIFFERENCES))
+@pytest.mark.parametrize("eof", [False, True])
+def test_fast_engine_agrees_where_llhttp_differs(name: str, eof: bool) -> None:
+    raw = LLHTTP_RESPONSE_DIFFERENCES[name]
+    for method in ("POST", "HEAD"):
+        assert_same_engine([raw], bytewise(raw), method=method, eof=eof)
+
+
+def test_fast_codec_parses_clean_heads_without_h11(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path is the one taken for ordinary traffic: h11 is never consulted."""
+
+    def no_h11(*args: object, **kwargs: object) -> None:
+        raise AssertionError("h11 consulted")
+
+    monkeypatch.setattr(h11, "Connection", no_h11)
+    server = FAST_CODEC.server_connection()
+    server.receive_data(POST + b"GET /x HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    assert isinstance(server.next_event(), HttpRequest)
+    server.send_response(200, [], b"{}")
+    assert isinstance(server.next_event(), HttpRequest)
+    engine = FAST_CODEC.engine_connection()
+    engine.send_request("POST", "/v1/completions", [(b"host", b"e")], b"{}")
+    engine.receive_data(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+    assert [type(engine.next_event()) for _ in range(3)] == [ResponseHead, BodyData, ResponseEnd]
+    reference = ServerConnection()
+    reference.receive_data(POST)
+    with pytest.raises(AssertionError, match="h11 consulted"):
+        reference.next_event()
+
+
+# -- generated streams ------------------------------------------------------
+
+REQUEST_LINES = [
+    b"GET / HTTP/1.1", b"POST /v1/completions HTTP/1.1", b"PUT /x?y=1 HTTP/1.0", b"HEAD / HTTP/1.1",
+    b"FOO / HTTP/1.1", b"get / HTTP/1.1", b"CONNECT a:443 HTTP/1.1", b"OPTIONS * HTTP/1.1", b"GET /{}|^ HTTP/1.1",
+    b"GET / HTTP/1.2", b"GET / HTTP/2.0", b"GET / HTTP/0.9", b"GET / HTTP/1.", b"GET  / HTTP/1.1", b"GET /",
+    b"GET /\x80 HTTP/1.1", b"G\x00T / HTTP/1.1",
+]
+#: Field lines that every parser reads alike, and ones that tell parsers apart.
+PLAIN_REQUEST_FIELDS = [
+    b"Content-Type: application/json", b"Accept: */*", b"X-Request-Id: r1", b"Authorization: Bearer k",
+    b"Connection: keep-alive", b"Connection: close", b"Expect: 100-continue",
+]
+#: Odd, but the reference accepts them (mostly: a few depend on the framing).
+ODD_VALID_REQUEST_FIELDS = [
+    b"Content-Length:  0 ", b"Content-Length: 000", b"Content-Length: 00000000000000000000",
+    b"Transfer-Encoding: Chunked ", b"Expect: foo, 100-Continue", b"Expect: 100-continue-x", b"Expect: 100-continue, x",
+    b"Expect:", b"Connection: Upgrade", b"Connection: keep-alive, Close", b"Connection: closed", b"Connection: ,close,",
+    b"Connection: CLOSE", b"Upgrade: h2c", b"X-A: b\x01c", b"X-A: \x7f", b"X-A: \x80\xff", b"X-A:", b"X-A:   ",
+    b"X-A: a  b \t", b"X-A:\tb", b"x-a:b", b"X-A: " + b"v" * 200,
+]
+#: Refused by the reference.
+ODD_INVALID_REQUEST_FIELDS = [
+    b"Host: b", b"Host:", b"host:a \t", b"Content-Length: 2", b"Content-Length: 5, 5", b"Content-Length: 5,6",
+    b"Content-Length: 000000000000000000005", b"Content-Length: 99999999999999999999", b"Content-Length: 600",
+    b"Content-Length: +5", b"Content-Length:", b"Content-Length : 5", b"Transfer-Encoding: gzip, chunked",
+    b"Transfer-Encoding: chunked, chunked", b"Transfer-Encoding: gzip", b"Transfer-Encoding:",
+    b"X-A : b", b"X A: b", b": b", b"X-A", b"X-A: b\x00", b"X-A: \x0b", b"X-A: b\rc", b" X-A: b", b"\tc",
+    b"X-\x80: b", b"X-A: " + b"v" * 300,
+]
+odd_request_fields = st.one_of(
+    st.sampled_from(ODD_VALID_REQUEST_FIELDS), st.sampled_from(ODD_VALID_REQUEST_FIELDS),
+    st.sampled_from(ODD_INVALID_REQUEST_FIELDS),
+)
+CHUNKED_BODIES = [
+    b"", b"hello", b"0\r\n\r\n", b"5\r\nhello\r\n0\r\n\r\n", b"5;a=b\r\nhello\r\n0\r\n\r\n",
+    b"5 \r\nhello\r\n0\r\n\r\n", b"5;a\x00\r\nhello\r\n0\r\n\r\n", b"0000000000000005\r\nhello\r\n0\r\n\r\n",
+    b"00000000000000005\r\nhello\r\n0\r\n\r\n",
+    b"5\nhello\r\n0\r\n\r\n", b"5\r\nhello\n0\r\n\r\n", b"0\r\n\n", b"0\r\nX: y\r\n\r\n", b"0\r\nX: y\n\r\n",
+    b"0\r\n X: y\r\n\r\n", b"200\r\n" + b"x" * 512 + b"\r\n0\r\n\r\n", b"fffffffffffffff\r\n",
+]
+
+
+@st.composite
+def odd_requests(draw: st.DrawFn) -> bytes:
+    """A request with consistent framing and zero to two odd parts, so that most reach the field parsers."""
+    line = draw(st.one_of(st.sampled_from(REQUEST_LINES[:9]), st.sampled_from(REQUEST_LINES)))
+    fields = draw(st.lists(st.sampled_from(PLAIN_REQUEST_FIELDS), max_size=3))
+    framing = draw(st.sampled_from(["none", "length", "chunked"]))
+    body = b""
+    if framing == "length":
+        body = draw(st.binary(max_size=8))
+        fields.append(b"Content-Length: %d" % len(body))
+    elif framing == "chunked":
+        fields.append(b"Transfer-Encoding: chunked")
+        body = draw(st.sampled_from(CHUNKED_BODIES))
+    if draw(st.integers(0, 9)):
+        fields.insert(draw(st.integers(0, len(fields))), b"Host: a")
+    for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2]))):
+        fields.insert(draw(st.integers(0, len(fields))), draw(odd_request_fields))
+    lines = [line, *fields]
+    if draw(st.integers(0, 19)) == 0:  # one odd line end somewhere
+        eol = draw(st.sampled_from([b"\n", b"\r", b"\r\r\n"]))
+        i = draw(st.integers(0, len(lines)))
+        return b"\r\n".join(lines[:i]) + eol + b"\r\n".join(lines[i:]) + b"\r\n\r\n" + body
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+http_bytes = st.sampled_from(
+    [b"\r\n", b"\n", b"\r", b" ", b"\t", b":", b";", b",", b"0", b"5", b"a", b"\x00", b"\x01", b"\x7f", b"\x80",
+     b"\r\n\r\n", b"Host: a\r\n", b"Content-Length: 5\r\n", b"Transfer-Encoding: chunked\r\n", b"HTTP/1.1", b"GET / "]
+)
+
+
+@st.composite
+def mutated(draw: st.DrawFn, raw: bytes) -> bytes:
+    stream = bytearray(raw)
+    for _ in range(draw(st.integers(0, 3))):
+        pos = draw(st.integers(0, len(stream)))
+        action = draw(st.sampled_from(["insert", "replace", "delete"]))
+        if action == "insert" or pos == len(stream):
+            stream[pos:pos] = draw(http_bytes)
+        elif action == "replace":
+            stream[pos] = draw(st.integers(0, 255))
+        else:
+            del stream[pos : pos + draw(st.integers(1, 4))]
+    return bytes(stream)
+
+
+def cut(data: st.DataObject, raw: bytes) -> list[bytes]:
+    return split_at(raw, data.draw(st.lists(st.integers(0, len(raw)), max_size=8)))
+
+
+DIFF = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@DIFF
+@given(st.lists(odd_requests(), min_size=1, max_size=3), st.booleans(), st.data())
+def test_differential_odd_requests(requests: list[bytes], small: bool, data: st.DataObject) -> None:
+    raw = b"".join(requests)
+    limits: Limits = SMALL_LIMITS if small else {}
+    assert_same_server(cut(data, raw), cut(data, raw), **limits)
+    assert_same_server([raw], bytewise(raw), **limits)
+
+
+@DIFF
+@given(request_streams, st.booleans(), st.data())
+def test_differential_mutated_request_streams(specs: list[RequestSpec], small: bool, data: st.DataObject) -> None:
+    raw = data.draw(mutated(b"".join(serialize_request(s) for s in specs)))
+    limits: Limits = SMALL_LIMITS if small else {}
+    assert_same_server(cut(data, raw), cut(data, raw), **limits)
+
+
+@DIFF
+@given(st.lists(http_bytes, max_size=40).map(b"".join), st.data())
+def test_differential_http_shaped_bytes_to_the_server(raw: bytes, data: st.DataObject) -> None:
+    assert_same_server(cut(data, raw), bytewise(raw), **SMALL_LIMITS)
+
+
+STATUS_LINES = [
+    b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK", b"HTTP/1.0 200 OK", b"HTTP/1.1 200", b"HTTP/1.1 200 ", b"HTTP/2.0 200 OK",
+    b"HTTP/1.1 404 Not Found", b"HTTP/1.1 999 X", b"HTTP/1.1 099 X", b"HTTP/1.1 101 Switching", b"HTTP/1.1 204 No",
+    b"HTTP/1.1 304 NM", b"HTTP/1.1 2OO OK", b"HTTP/1.1 200 O\x01K", b"http/1.1 200 OK", b"HTTP/1.1  200 OK",
+    b"HTTP/1.1 100 Continue", b"HTTP/1.1 103 Early Hints",
+]
+PLAIN_RESPONSE_FIELDS = [
+    b"Content-Type: application/json", b"Server: uvicorn", b"Connection: close", b"Connection: keep-alive",
+]
+ODD_VALID_RESPONSE_FIELDS = [
+    b"Content-Length: 5, 5", b"Content-Length:  005 ", b"Transfer-Encoding: CHUNKED", b"Connection: Upgrade",
+    b"Connection: keep-alive, Close", b"Connection: closed", b"Connection: CLOSE", b"X-A: b\x01c", b"X-A: \x7f",
+    b"X-A:", b"X-A: a  b \t", b" c", b"\tc", b"Upgrade: h2c", b"Host: a", b"Host: b", b"X-B: " + b"v" * 200,
+]
+ODD_INVALID_RESPONSE_FIELDS = [
+    b"Content-Length: 5,6", b"Content-Length: 000000000000000000005", b"Content-Length: 99999999999999999999",
+    b"Content-Length: 600", b"Content-Length: x", b"Transfer-Encoding: gzip", b"Transfer-Encoding: chunked",
+    b"Transfer-Encoding: gzip, chunked", b"X-A : b", b": b", b"X-A", b"X-A: \x00", b"X-B: " + b"v" * 300,
+]
+odd_response_fields = st.one_of(
+    st.sampled_from(ODD_VALID_RESPONSE_FIELDS), st.sampled_from(ODD_VALID_RESPONSE_FIELDS),
+    st.sampled_from(ODD_INVALID_RESPONSE_FIELDS),
+)
+
+
+@st.composite
+def odd_responses(draw: st.DrawFn) -> bytes:
+    """Interim heads, then a final head with consistent framing and zero to two odd parts."""
+
+    def head(status_line: bytes, fields: list[bytes]) -> bytes:
+        lines = [status_line, *fields]
+        for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2]))):
+            lines.insert(draw(st.integers(1, len(lines))), draw(odd_response_fields))
+        eols = [draw(st.sampled_from([b"\r\n"] * 15 + [b"\n", b"\r"])) for _ in lines]
+        return b"".join(line + eol for line, eol in zip(lines, eols, strict=True)) + b"\r\n"
+
+    interim = [
+        head(draw(st.sampled_from([b"HTTP/1.1 100 Continue", b"HTTP/1.1 103 Early Hints"])), [])
+        for _ in range(draw(st.sampled_from([0, 0, 0, 1])))
+    ]
+    fields = draw(st.lists(st.sampled_from(PLAIN_RESPONSE_FIELDS), max_size=3))
+    framing = draw(st.sampled_from(["close", "length", "chunked"]))
+    if framing == "length":
+        body = draw(st.binary(max_size=8))
+        fields.append(b"Content-Length: %d" % len(body))
+    elif framing == "chunked":
+        fields.append(b"Transfer-Encoding: chunked")
+        body = draw(st.sampled_from(CHUNKED_BODIES))
+    else:
+        body = draw(st.binary(max_size=8))
+    final = head(draw(st.one_of(st.sampled_from(STATUS_LINES[:7]), st.sampled_from(STATUS_LINES))), fields)
+    return b"".join(interim) + final + body
+
+
+@DIFF
+@given(odd_responses(), st.sampled_from(["POST", "HEAD"]), st.booleans(), st.booleans(), st.data())
+def test_differential_odd_responses(raw: bytes, method: str, eof: bool, small: bool, data: st.DataObject) -> None:
+    limits: dict[str, int | None] = {"max_header_bytes": 256, "max_body_bytes": 512} if small else {}
+    assert_same_engine(cut(data, raw), bytewise(raw), method=method, eof=eof, **limits)
+
+
+@DIFF
+@given(response_specs(), st.sampled_from(["POST", "GET", "HEAD"]), st.booleans(), st.data())
+def test_differential_mutated_responses(spec: ResponseSpec, method: str, eof: bool, data: st.DataObject) -> None:
+    raw = data.draw(mutated(serialize_response(spec, [len(spec.body) // 3, len(spec.body) // 2])))
+    limits = data.draw(
+        st.sampled_from([{}, {"max_header_bytes": 256, "max_body_bytes": 200}, {"max_body_bytes": None}])
+    )
+    assert_same_engine(cut(data, raw), cut(data, raw), method=method, eof=eof, **limits)
+
+
+@DIFF
+@given(st.lists(http_bytes | st.sampled_from([b"HTTP/1.1 200 OK\r\n", b"0\r\n"]), max_size=40).map(b"".join), st.data())
+def test_differential_http_shaped_bytes_to_the_engine(raw: bytes, data: st.DataObject) -> None:
+    assert_same_engine(cut(data, raw), bytewise(raw), method="POST", eof=data.draw(st.booleans()), max_header_bytes=64)
+
+
+def test_differential_body_limit_cuts_at_the_same_piece() -> None:
+    # Four chunks in one read: the fast codec joins them, but must stop
+    # before the chunk that crosses the limit, as the reference does.
+    chunks = b"".join(b"%x\r\n%s\r\n" % (n, b"x" * n) for n in (10, 10, 10, 10)) + b"0\r\n\r\n"
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks
+    for limit in (0, 9, 10, 25, 30, 39, 40):
+        reference = coalesce(engine_events(H11_CODEC, [raw], max_body_bytes=limit))
+        assert coalesce(engine_events(FAST_CODEC, [raw], max_body_bytes=limit)) == reference
+
+
+def test_differential_size_limits_at_the_boundary() -> None:
+    for size in range(250, 262):
+        pad = b"x" * (size - len(b"HTTP/1.1 200 OK\r\nX: \r\nContent-Length: 2\r\n\r\n"))
+        head = b"HTTP/1.1 200 OK\r\nX: " + pad + b"\r\nContent-Length: 2\r\n\r\n"
+        assert len(head) == size
+        for raw in (head + b"ok", b"HTTP/1.1 100 Continue\r\n\r\n" + head + b"ok"):
+            assert_same_engine([raw], bytewise(raw), method="GET", eof=False, max_header_bytes=256)
+        chunk_line = b"2;" + b"e" * (size - 4) + b"\r\n"
+        raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk_line + b"ok\r\n0\r\n\r\n"
+        assert_same_engine([raw], bytewise(raw), method="GET", eof=False, max_header_bytes=256)
+    for size in range(60, 70):
+        line = b"GET /" + b"a" * (size - len(b"GET / HTTP/1.1")) + b" HTTP/1.1"
+        raw = line + b"\r\nHost: a\r\n\r\n"
+        assert_same_server([raw], bytewise(raw), **SMALL_LIMITS)
+    for size in range(250, 262):
+        fields = b"Host: a\r\nX: " + b"x" * (size - len(b"Host: a\r\nX: \r\n\r\n")) + b"\r\n\r\n"
+        assert_same_server([b"GET / HTTP/1.1\r\n" + fields], **SMALL_LIMITS)
+
+
+@st.composite
+def engine_requests(draw: st.DrawFn, *, odd: bool) -> tuple[str, str, list[tuple[bytes, bytes]], bytes]:
+    """Engine requests: well-formed ones, or (``odd``) ones with parts the codecs must refuse alike."""
+    names = [b"x-request-id", b"Connection", b"content-type", b"Authorization", b"Expect", b"X-Y"]
+    values = [b"e:8100", b"close", b"keep-alive, Close", b"a b", b"closed", b"x,close", b"CLOSE", b"\x01\x80", b""]
+    methods = ["GET", "POST", "HEAD", "PUT", "PATCH", "DELETE", "FOO"]
+    targets = ["/", "/v1/completions", "*", "/{|}"]
+    name = st.sampled_from(names)
+    value = st.sampled_from(values)
+    if odd:
+        names = [b"Content-Length", b"transfer-encoding", b"Upgrade", b"x a", b"", b"x:", b"\x80", b"Host"]
+        values = [b" a", b"a\t", b"\x00", b"\x7f", b"a\r\nb: c", b"\x0b"]
+        name |= st.sampled_from(names) | st.binary(max_size=2)
+        value |= st.sampled_from(values) | st.binary(max_size=2)
+        methods += ["G T", "", "CONNECT", "é"]
+        targets += ["/a b", "/é", "", "/\x7f"]
+    headers = draw(st.lists(st.tuples(name, value), max_size=4))
+    if not odd or draw(st.booleans()):
+        headers.insert(draw(st.integers(0, len(headers))), (draw(st.sampled_from([b"host", b"HOST"])), b"e"))
+    return draw(st.sampled_from(methods)), draw(st.sampled_from(targets)), headers, draw(st.binary(max_size=8))
+
+
+@DIFF
+@given(engine_requests(odd=False) | engine_requests(odd=True))
+def test_differential_engine_request_bytes(request: tuple[str, str, list[tuple[bytes, bytes]], bytes]) -> None:
+    method, target, headers, body = request
+    outcomes = []
+    for codec in (H11_CODEC, FAST_CODEC):
+        conn = codec.engine_connection()
+        try:
+            outcomes.append(conn.send_request(method, target, headers, body))
+        except LocalProtocolError:
+            outcomes.append(None)
+            # Nothing changed: a valid request can still be sent.
+            conn.send_request("GET", "/", [(b"host", b"e")], b"")
+    assert outcomes[0] == outcomes[1]
+    if outcomes[0] is not None:
+        # Same keep-alive decision: a response with nothing odd is reusable iff the request allows it.
+        ends = [
+            engine_events_after(codec, method, target, headers, body) for codec in (H11_CODEC, FAST_CODEC)
+        ]
+        assert ends[0] == ends[1]
+
+
+def engine_events_after(
+    codec: Codec, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
+) -> list[object]:
+    conn = codec.engine_connection()
+    conn.send_request(method, target, headers, body)
+    conn.receive_data(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    return [conn.next_event() for _ in range(4)]
 
 
 # Static check that the public event unions are what adapters dispatch on.

@@ -28,19 +28,22 @@ def test_speed_zero_never_sleeps(client: httpx.Client) -> None:
         started = time.perf_counter()
         answer = client.post(sim.url + "/v1/completions", json={"prompt": "z" * 4 * 100_000, "max_tokens": 500})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 500
-        # At speed 1 this is 8 s of prefill and 3.5 s of decode.
-        assert time.perf_counter() - started < 0.5
+        # At speed 1 this is 8 s of prefill and 3.5 s of decode; at speed 0 only
+        # CPU work (the bound is loose: a loaded machine must not fail it).
+        assert time.perf_counter() - started < 3.0
 
 
 def test_ttft_grows_with_prompt_and_shrinks_on_prefix_hits(client: httpx.Client) -> None:
+    # Wall-clock checks are lower bounds only (a sleep never ends early; a loaded
+    # machine can make anything slower): the model's figures are tested exactly
+    # in test_sim_model.py, and the prefix hit is read from the counters.
     with SimThread("mixed", speed=20) as sim:
-        short = ttft(client, sim.url, "s" * 4 * 64)  # (15 + 5) / 20 = 1 ms
         long_prompt = "l" * 4 * 40_000
         long = ttft(client, sim.url, long_prompt)  # (15 + 3200) / 20 = 161 ms
-        cached = ttft(client, sim.url, long_prompt)  # 39,984 tokens hit: ~1 ms
-        assert 0.16 < long < 2.0
-        assert long > short + 0.06
-        assert cached < long / 3
+        assert long >= 0.16
+        before = sim.stats()["cached_tokens"]
+        ttft(client, sim.url, long_prompt)  # 39,984 tokens hit: charged ~1 ms of prefill
+        assert sim.stats()["cached_tokens"] - before >= 39_984
 
 
 def test_itl_grows_with_the_running_batch() -> None:
@@ -57,7 +60,7 @@ def test_itl_grows_with_the_running_batch() -> None:
         with ThreadPoolExecutor(20) as pool:
             together = sorted(pool.map(run, range(20)))
         # Sleeps follow deadlines, so the model's times are lower bounds; the upper bounds are loose.
-        assert 0.04 <= alone < 0.25  # 20 steps of 2 ms
+        assert 0.04 <= alone < 2.0  # 20 steps of 2 ms (a loose upper bound: the machine may be loaded)
         assert together[10] > 0.3  # median of 20 concurrent: ~20 steps of ~21 ms (0.42 s)
 
 

@@ -1,0 +1,465 @@
+"""Narwhal on asyncio: protocols, the timer and signals around the core router.
+
+The adapter pumps, synchronously: a transport's ``data_received`` feeds the
+router, the commands are drained and acted on at once — legs are written to
+pooled engine connections, journal lines are written, bytes for a client are
+gathered and written to its transport in one call when the drain ends — and
+the one ``call_at`` timer is re-armed if the router's deadline moved earlier. No task runs per request: tasks only open
+new engine connections and run control requests. Backpressure: when a
+client's transport stops taking bytes (``pause_writing``), the server stops
+reading from that client and from every engine leg relaying to it, until
+``resume_writing``. uvloop runs the loop when it is installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from narwhal.app import build_router, load_authenticator
+from narwhal.log import log_event
+from narwhal_core import (
+    AuthenticatorChanged,
+    ConfigError,
+    CancelLeg,
+    ClientConnected,
+    ClientData,
+    ClientGone,
+    CloseClient,
+    Config,
+    Event,
+    FinishLeg,
+    JournalHealth,
+    Log,
+    Router,
+    ShutdownComplete,
+    ShutdownRequested,
+    StartControl,
+    StartLeg,
+    Transmit,
+    WriteJournal,
+)
+
+from .engines import Engines
+from .journal_file import JournalFile
+
+__all__ = ["Server", "run", "run_demo", "new_event_loop", "RUNTIME"]
+
+RUNTIME = "asyncio"
+#: Bytes queued for one client beyond which its legs stop reading (as on trio).
+HIGH_WATER = 1 << 20
+#: Listen backlog (the kernel caps it at ``somaxconn``), as trio asks for.
+BACKLOG = 0xFFFF
+#: Seconds the last client connections get to flush at exit.
+EXIT_FLUSH_S = 1.0
+#: Timers fire this much after the router's deadline: uvloop schedules in
+#: whole milliseconds and may otherwise fire a little early, only to re-arm.
+TIMER_SLACK_S = 0.001
+#: The router's clock: ``loop.time()`` of asyncio's own loop, at microsecond
+#: resolution under uvloop too (whose ``loop.time()`` counts milliseconds).
+clock = time.monotonic
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop's when it is installed, asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class _Client(asyncio.Protocol):
+    """One client connection; it is its own handle in the router's events and commands."""
+
+    __slots__ = ("server", "transport", "out", "closed", "lost", "write_paused", "relays", "waiting", "stall")
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
+        #: Bytes transmitted during the current drain, written when it ends.
+        self.out: list[bytes] = []
+        #: The router no longer knows this connection (it closed it, or heard it is gone).
+        self.closed = False
+        self.lost = False
+        self.write_paused = False
+        #: Engine leg connections relaying to this client (paused with it).
+        self.relays: set[Any] = set()
+        #: Bytes read while waiting for a connection slot (``None`` once admitted).
+        self.waiting: list[bytes] | None = None
+        #: Fires when the client has left our bytes unread for ``send_timeout_s``.
+        self.stall: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server._accepted(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.waiting is None:
+            self.server.feed(ClientData(self, data))
+        else:
+            self.waiting.append(data)
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        if self.waiting is not None:
+            self.waiting.append(b"")
+            return True
+        self.server._client_eof(self)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.server._client_lost(self)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self.transport.pause_reading()  # no next request either, until this one is read
+        for leg in self.relays:
+            leg.pause()
+        if self.stall is None:
+            # A client that never reads must not hold its connection (or its legs) forever.
+            self.stall = asyncio.get_running_loop().call_later(
+                self.server.config.ingress.send_timeout_s, _abort_unless_lost, self
+            )
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+        if not self.closed:
+            self.transport.resume_reading()
+        for leg in self.relays:
+            leg.resume()
+
+
+class Server:
+    """One router serving on asyncio. Run :meth:`serve` on the running loop."""
+
+    def __init__(self, config: Config, *, router: Router | None = None) -> None:
+        self.config = config
+        self.router = router or build_router(config, now=clock())
+        self.journal = JournalFile(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
+        self._journal_ok = True
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._clients: set[_Client] = set()
+        self._dirty: list[_Client] = []
+        self._waiting: deque[_Client] = deque()
+        self._max_clients = config.ingress.max_connections
+        self._armed = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+        self._drained: asyncio.Future[None] | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self._stopping = False
+        self.engines: Engines | None = None
+        #: The address the server listens on, once started.
+        self.address: tuple[str, int] | None = None
+
+    # ------------------------------------------------------------------ run
+
+    async def serve(self, *, started: Callable[[tuple[str, int]], object] | None = None) -> None:
+        """Listen, serve until a shutdown drains, then close the journal.
+
+        ``started`` receives the bound ``(host, port)``.
+        """
+        loop = self._loop = asyncio.get_running_loop()
+        self._drained = loop.create_future()
+        i = self.config.ingress
+        listener = await loop.create_server(
+            lambda: _Client(self), i.listen_host, i.listen_port, backlog=BACKLOG, reuse_address=True
+        )
+        host, port = listener.sockets[0].getsockname()[:2]
+        self.address = (host, port)
+        sync_task: asyncio.Task[None] | None = None
+        try:
+            self._listener = listener
+            self.engines = Engines(loop, self.feed, pool_size=self.config.engine.pool_connections_per_engine)
+            if self.config.journal.fsync == "interval":
+                sync_task = loop.create_task(self.journal.run_sync_timer())
+            self._drain()
+            log_event("listening", host=host, port=port, runtime=RUNTIME,
+                      model=self.config.model.name, journal=self.config.journal.path)
+            if started is not None:
+                started((host, port))
+            if self._stopping:  # a signal came while starting
+                self._stopping = False
+                self.shutdown()
+            await self._drained
+        finally:
+            self._stop_listening()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if sync_task is not None:
+                sync_task.cancel()
+                await asyncio.gather(sync_task, return_exceptions=True)
+            if self.engines is not None:
+                await self.engines.aclose()
+            await self._close_clients()
+            await self.journal.aclose()
+            log_event("stopped", runtime=RUNTIME)
+
+    def shutdown(self) -> None:
+        """Begin a graceful shutdown: stop accepting, drain, then :meth:`serve` returns."""
+        if self.engines is None:
+            self._stopping = True  # serve() shuts down as soon as it listens
+            return
+        self._stop_listening()
+        self.feed(ShutdownRequested())
+
+    def reload_keys(self) -> None:
+        """Re-read the API keys file (SIGHUP); a bad file keeps the old keys and logs why."""
+        try:
+            authenticator = load_authenticator(self.config)
+        except ConfigError as exc:
+            log_event("keys_reload_failed", error=exc.message)
+            return
+        self.feed(AuthenticatorChanged(authenticator))
+
+    def _stop_listening(self) -> None:
+        self._stopping = True
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        while self._waiting:
+            self._waiting.popleft().transport.abort()
+
+    async def _close_clients(self) -> None:
+        # After a drain the router has closed every connection; give the last
+        # bytes a moment to leave, then cut what is left. (If serve() was
+        # cancelled instead, connection_lost tells the router of each client.)
+        for client in list(self._clients):
+            client.transport.close()
+        deadline = clock() + EXIT_FLUSH_S
+        while self._clients and clock() < deadline:
+            await asyncio.sleep(0.01)
+        for client in list(self._clients):
+            client.transport.abort()
+        await asyncio.sleep(0)  # let connection_lost run
+
+    # ----------------------------------------------------------------- pump
+
+    def feed(self, event: Event) -> None:
+        """Feed one event and act on the commands (synchronously)."""
+        try:
+            self.router.receive(event, now=clock())
+        except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
+            # The router failed closed (it journals and queues what it must);
+            # act on whatever it queued before the error.
+            log_event("router_error", level="error", error=f"{type(exc).__name__}: {exc}",
+                      event=type(event).__name__)
+        self._drain()
+
+    def _drain(self) -> None:
+        router = self.router
+        next_output = router.next_output
+        engines = self.engines
+        assert engines is not None
+        dirty = self._dirty
+        while (cmd := next_output()) is not None:
+            kind = type(cmd)
+            if kind is Transmit:
+                # Coalesced per client: one write(2) per drain, not one per SSE event.
+                client: _Client = cmd.conn  # type: ignore[union-attr,assignment]
+                if not client.closed:
+                    out = client.out
+                    if not out:
+                        dirty.append(client)
+                    out.append(cmd.data)  # type: ignore[union-attr]
+            elif kind is WriteJournal:
+                ok = self.journal.write(cmd.line)  # type: ignore[union-attr]
+                if ok != self._journal_ok:
+                    self._journal_ok = ok
+                    router.receive(JournalHealth(ok, self.journal.writer.error), now=clock())
+            elif kind is StartLeg:
+                engines.start_leg(cmd)  # type: ignore[arg-type]
+            elif kind is FinishLeg:
+                engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
+            elif kind is CloseClient:
+                client = cmd.conn  # type: ignore[union-attr,assignment]
+                if not client.closed:
+                    _write(client)  # what was transmitted before the close
+                    client.closed = True
+                    self._close(client)
+            elif kind is CancelLeg:
+                engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
+            elif kind is StartControl:
+                engines.start_control(cmd)  # type: ignore[arg-type]
+            elif kind is Log:
+                log_event(cmd.event, **cmd.fields)  # type: ignore[union-attr]
+            elif kind is ShutdownComplete:
+                if self._drained is not None and not self._drained.done():
+                    self._drained.set_result(None)
+        if dirty:
+            for client in dirty:
+                _write(client)
+            dirty.clear()
+        deadline = router.get_deadline()
+        if deadline is not None and deadline < self._armed:
+            # Only an earlier deadline re-arms; a later one waits for this one to fire.
+            if self._timer is not None:
+                self._timer.cancel()
+            self._armed = deadline
+            assert self._loop is not None
+            self._timer = self._loop.call_at(deadline + TIMER_SLACK_S, self._on_timer)
+
+    def _on_timer(self) -> None:
+        # The armed deadline is due (were it not, nothing would fire and the
+        # drain would re-arm the same deadline).
+        self._timer = None
+        self._armed = math.inf
+        try:
+            self.router.handle_deadline(now=clock())
+        except Exception as exc:  # noqa: BLE001
+            log_event("router_error", level="error", error=f"{type(exc).__name__}: {exc}", event="timer")
+        self._drain()
+
+    # -------------------------------------------------------------- clients
+
+    def _accepted(self, client: _Client) -> None:
+        if self._stopping:
+            client.transport.abort()
+            return
+        client.transport.set_write_buffer_limits(high=HIGH_WATER)
+        if len(self._clients) >= self._max_clients:
+            # At the connection limit: hold it unread until a slot frees (like
+            # a connection waiting in the backlog on trio), within a bound.
+            if len(self._waiting) >= self._max_clients:
+                client.transport.abort()
+                return
+            client.waiting = []
+            client.transport.pause_reading()
+            self._waiting.append(client)
+            return
+        self._admit(client)
+
+    def _admit(self, client: _Client) -> None:
+        self._clients.add(client)
+        peer = client.transport.get_extra_info("peername")
+        if not peer:
+            self._clients.discard(client)
+            client.closed = True
+            client.transport.abort()
+            return
+        self.feed(ClientConnected(client, str(peer[0]), int(peer[1])))
+
+    def _client_eof(self, client: _Client) -> None:
+        if client.closed:
+            return
+        self.feed(ClientData(client, b""))
+        if not client.closed:
+            # The client closed its side and the router kept the connection:
+            # as on trio, the connection ends here and the router must hear it.
+            client.closed = True
+            self.feed(ClientGone(client))
+
+    def _client_lost(self, client: _Client) -> None:
+        if client.waiting is not None:
+            try:
+                self._waiting.remove(client)
+            except ValueError:
+                pass
+            return
+        self._clients.discard(client)
+        client.write_paused = False
+        for leg in client.relays:
+            leg.resume()
+        if not client.closed:
+            # The socket broke under us: the router must hear it.
+            client.closed = True
+            self.feed(ClientGone(client))
+        while self._waiting and len(self._clients) < self._max_clients:
+            self._admit_waiting(self._waiting.popleft())
+
+    def _admit_waiting(self, client: _Client) -> None:
+        early, client.waiting = client.waiting or [], None
+        self._admit(client)
+        for data in early:
+            if client.closed:
+                return
+            if data:
+                self.feed(ClientData(client, data))
+            else:
+                self._client_eof(client)
+                client.transport.close()
+                return
+        if not client.closed and not client.write_paused:
+            client.transport.resume_reading()
+
+    def _close(self, client: _Client) -> None:
+        transport = client.transport
+        transport.close()  # after the bytes written before it
+        if transport.get_write_buffer_size() and client.stall is None:
+            # A client that never reads must not hold its socket forever.
+            assert self._loop is not None
+            client.stall = self._loop.call_later(self.config.ingress.send_timeout_s, _abort_unless_lost, client)
+
+
+def _write(client: _Client) -> None:
+    out = client.out
+    if out and not client.closed:
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        try:
+            client.transport.write(data)
+        except RuntimeError:
+            pass  # uvloop: the socket just failed; connection_lost tells the router
+
+
+def _abort_unless_lost(client: _Client) -> None:
+    if not client.lost:
+        client.transport.abort()
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:
+    """``narwhal serve --runtime asyncio``: serve until SIGTERM/SIGINT, then drain and exit 0.
+
+    SIGHUP re-reads the API keys file without dropping traffic.
+    """
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = Server(config)
+
+        def on_signal(signum: int) -> None:
+            if signum == signal.SIGHUP:
+                if server.engines is not None:
+                    server.reload_keys()
+                return
+            # The first SIGTERM/SIGINT drains; from then on signals get their default action.
+            for sig in _SIGNALS:
+                loop.remove_signal_handler(sig)
+            log_event("signal", signal=signal.Signals(signum).name)
+            server.shutdown()
+
+        for sig in _SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            await server.serve(started=None if on_ready is None else (lambda address: on_ready(*address)))
+        finally:
+            for sig in _SIGNALS:
+                loop.remove_signal_handler(sig)
+        # serve() returns once draining completes (or the grace period ends).
+
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(main())
+    except OSError as exc:
+        print(f"narwhal: cannot listen on {config.ingress.listen}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_demo(config: Config, on_ready: Callable[[str, int], None]) -> int:
+    """``narwhal demo`` on asyncio: :func:`run`, telling ``on_ready`` where it listens."""
+    return run(config, on_ready)

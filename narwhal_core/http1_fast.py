@@ -1,0 +1,906 @@
+"""The fast HTTP/1.1 codec: llhttp (``httptools``) behind the codec protocols of :mod:`.http1`.
+
+:data:`FAST_CODEC` gives the same events, the same errors (status and
+``reason``) and the same response bytes as the reference codec
+:data:`~narwhal_core.http1.H11_CODEC`, for any bytes however they are
+split; ``tests/core/test_http1.py`` runs every codec test against both and
+compares them on generated and mutated byte streams. Only what costs time
+is done differently:
+
+* Field lines of a request or response head are tokenised by llhttp, in C,
+  instead of h11's per-line regexes and event machinery. llhttp is given
+  a fixed request line (``PUT / HTTP/1.1``) followed by the head's field
+  lines, and never the request or status line itself: its method table,
+  URL parser and version rules differ from h11's, so those lines are
+  matched here with h11's own grammar (RFC 9112 §3, §4).
+* Bodies (``Content-Length``, chunked, close-delimited) are framed here in
+  Python, on one buffer, without per-chunk event objects.
+
+**Client side** (:class:`FastServerConnection`). It extends
+:class:`~narwhal_core.http1.ServerConnection` and replaces only the h11
+parse of a request head: buffering, the head-size limits, the bare CR/LF
+and obs-fold checks, the strict chunked decoder, the state table and the
+response serialiser are the reference's own code. The fast path *only
+accepts*: a head it cannot prove the reference would accept with the same
+values -- llhttp refused it, or a check below fails -- is handed to the
+reference parse, which refuses it with its own status (400/413/431/505) or,
+rarely, accepts it. Where llhttp and the reference differ, and how that is
+reconciled:
+
+* framing is the reference's, on whole heads and whole lines: llhttp is
+  never left to find where a head or a chunk ends, because it reports a
+  bad byte at once where the reference waits for the line, so a stream cut
+  before the line ends and then closed would be "malformed" for one and
+  "dropped" for the other;
+* leading empty lines are skipped by the shared code; obsolete line
+  folding, bare CR and bare LF never pass the fast path: the request line
+  is matched here and must end in CRLF, and llhttp, with no leniency
+  enabled, refuses all three in field lines (it must also have reached the
+  empty line) -- the reference then refuses the head with its 400. Sizes
+  and the field count are compared here the same way;
+* methods (llhttp knows a fixed list, h11 any token), request targets
+  (llhttp's URL parser vs h11's ``VCHAR+``) and HTTP versions (llhttp
+  refuses 1.2 with a parse error, the reference answers 505 after
+  validating the fields): the request line is matched here with h11's
+  grammar and never given to llhttp; versions other than 1.0/1.1 go to the
+  reference, which decides between 400 and 505;
+* field values: llhttp refuses control characters that h11 accepts (0x01-
+  0x08, 0x0E-0x1F, 0x7F): such a head goes to the reference; llhttp keeps
+  trailing whitespace in a value, h11 strips it: stripped here;
+* ``Host``: llhttp does not check it; one is required for HTTP/1.1 and two
+  are refused (h11's rule) -- anything else goes to the reference;
+* ``Transfer-Encoding``: llhttp accepts ``gzip, chunked`` and repeated
+  fields; h11 accepts exactly one field equal to ``chunked`` (any case) and
+  stores it lowercased; anything else goes to the reference;
+* ``Content-Length``: llhttp refuses lists, repeats and values past 2**64
+  (the reference merges or 413s some of those) and accepts 21 digits with
+  leading zeros (h11 allows 20): anything but a single value of at most 20
+  digits within ``max_body_bytes`` goes to the reference;
+* ``Upgrade`` with ``Connection: upgrade``: llhttp stops with an upgrade
+  signal after the fields; they are complete then, and the request is
+  treated like any other, as in the reference.
+
+**Engine side** (:class:`FastEngineConnection`) is written here in full,
+and follows h11 0.16 -- the reference's engine-side parser -- rule for
+rule, including where h11 is lenient, since the two must agree on any
+bytes an engine may send:
+
+* heads end at the first empty line, CRLF or bare LF, and one that starts
+  with an empty line or a byte below 0x21 is refused at once, as h11 does;
+  when the status line (h11's grammar: any ``HTTP/d.d``, three digits, an
+  optional reason) ends in CRLF and llhttp accepts the field lines, those
+  are llhttp's, with the same reconciliations as above (``Host`` aside);
+  any other head -- bare LF line ends (h11 accepts them), obs-fold (h11
+  unfolds it), values llhttp refuses, a repeated identical
+  ``Content-Length`` (h11 merges it), ``gzip, chunked`` -- is read by the
+  h11-faithful Python reader (:func:`_decode_fields`), which is the
+  semantic authority of this side; 101 and statuses below 100 are refused
+  as h11 refuses them;
+* the chunked decoder is h11's, laxer than llhttp and than the strict
+  client-side decoder: a chunk line ends at the first CRLF, size of 1-20
+  hex digits, any extension (anything but LF after ``;``), optional
+  trailing whitespace; CRLF after the data; trailer lines read like head
+  lines (a lone LF ends an empty trailer section); h11's
+  ``max_incomplete_event_size`` (431 -> ``too_large``) applies whenever
+  the parser waits for data;
+* body pieces may be cut differently (consecutive chunks come out as one
+  :class:`~narwhal_core.http1.BodyData`), which the protocol allows; the
+  body limit still refuses at the same piece, after the same bytes.
+
+The response serialiser and request writer produce byte-for-byte what the
+reference writes (h11's request layout: ``Host`` first, then the fields in
+order, then ``content-length``).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+import httptools
+
+from narwhal_core.errors import LocalProtocolError, RemoteProtocolError
+from narwhal_core.http1 import (
+    _BODY_METHODS,
+    _CODEC_FIELDS,
+    _ENGINE_ERROR_STATUS,
+    _ENGINE_STREAM_BUFFER_BYTES,
+    _HEAD_END_RE,
+    _NO_BODY_STATUSES,
+    DEFAULT_ENGINE_MAX_BODY_BYTES,
+    DEFAULT_ENGINE_MAX_HEADER_BYTES,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADERS,
+    DEFAULT_MAX_REQUEST_LINE_BYTES,
+    NEED_DATA,
+    BodyData,
+    Codec,
+    ContinueExpected,
+    EngineEvent,
+    NeedData,
+    ResponseEnd,
+    ResponseHead,
+    ServerConnection,
+    ServerEvent,
+    _EngineState,
+    _State,
+)
+
+__all__ = [
+    "FastServerConnection",
+    "FastEngineConnection",
+    "FastCodec",
+    "FAST_CODEC",
+]
+
+Fields = list[tuple[bytes, bytes]]
+
+
+# ---------------------------------------------------------------------------
+# h11's grammar (h11 0.16, ``_abnf.py``), which the reference applies
+# ---------------------------------------------------------------------------
+
+_H11_TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
+_H11_FIELD_VCHAR = rb"[^\x00\s]"  # h11 accepts every byte but NUL and whitespace
+_H11_FIELD_VALUE = rb"(?:" + _H11_FIELD_VCHAR + rb"+(?:[ \t]+" + _H11_FIELD_VCHAR + rb"+)*)?"
+_H11_FIELD_LINE_RE: Final = re.compile(rb"(" + _H11_TOKEN + rb"):[ \t]*(" + _H11_FIELD_VALUE + rb")[ \t]*")
+_REQUEST_LINE_RE: Final = re.compile(rb"(" + _H11_TOKEN + rb") ([\x21-\x7e]+) HTTP/([0-9]\.[0-9])")
+_STATUS_LINE_RE: Final = re.compile(
+    rb"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: (?:[ \t]|" + _H11_FIELD_VCHAR + rb")*)?"
+)
+_CHUNK_HEADER_RE: Final = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*\r\n")
+_DIGITS_RE: Final = re.compile(rb"[0-9]+")
+_CONTENT_LENGTH_MAX_DIGITS: Final = 20  # h11's bound; more is refused, not read as a number
+
+# The same rules as byte sets, for the request writer (no regex per field).
+_TCHARS: Final = bytes(b for b in range(256) if re.fullmatch(_H11_TOKEN, bytes([b])))
+_VALUE_BYTES: Final = bytes(b for b in range(256) if b not in b"\x00\n\r\x0b\x0c")  # SP/HTAB inside only
+_VCHARS: Final = bytes(range(0x21, 0x7F))
+# Request fields the writer looks at: Host goes first, Connection may close,
+# the rest are the codec's to write (the reference's rule).
+_REQUEST_SPECIAL_FIELDS: Final = frozenset({b"host", b"connection", b"upgrade"} | _CODEC_FIELDS)
+
+
+# ---------------------------------------------------------------------------
+# Field lines through llhttp
+# ---------------------------------------------------------------------------
+
+# The request line llhttp is given in front of a head's field lines.
+_FIELDS_PREFIX: Final = b"PUT / HTTP/1.1\r\n"
+_OWS: Final = b" \t"
+_CR: Final = 13
+# Fields that decide framing, keep-alive, the Host rule or 100-continue.
+_SPECIAL_FIELDS: Final = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect"})
+
+
+class _FieldSink:
+    """llhttp's callback object: the field lines of one head, as h11 stores them."""
+
+    __slots__ = ("fields", "special", "complete")
+
+    def __init__(self) -> None:
+        #: ``(lowercase name, value)`` in order, values stripped of OWS.
+        self.fields: Fields = []
+        #: The fields named in ``_SPECIAL_FIELDS``, in order.
+        self.special: Fields = []
+        #: llhttp reached the empty line that ends the fields.
+        self.complete = False
+
+    def on_headers_complete(self) -> None:
+        self.complete = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # llhttp drops the OWS before a value but keeps the OWS after it.
+        field = (name.lower(), value.rstrip(_OWS))
+        self.fields.append(field)
+        if field[0] in _SPECIAL_FIELDS:
+            self.special.append(field)
+
+
+def _llhttp_fields(head: bytes, start: int) -> _FieldSink | None:
+    """The field lines of ``head[start:]`` (field lines, then the empty line); None if llhttp refuses them.
+
+    llhttp is strict here (no leniency is enabled): every line must end in
+    CRLF, a CR or LF anywhere else is refused, and so is obs-fold -- what
+    the reference refuses (requests) or reads another way (responses).
+    """
+    sink = _FieldSink()
+    parser = httptools.HttpRequestParser(sink)
+    try:
+        parser.feed_data(_FIELDS_PREFIX)
+        parser.feed_data(memoryview(head)[start:])
+    except httptools.HttpParserUpgrade:
+        pass  # Upgrade + Connection: upgrade; every field was delivered.
+    except httptools.HttpParserError:
+        return None
+    return sink if sink.complete else None
+
+
+def _lowercase_transfer_coding(fields: Fields) -> Fields:
+    # h11 stores the one Transfer-Encoding value lowercased.
+    return [(name, value.lower() if name == b"transfer-encoding" else value) for name, value in fields]
+
+
+def _comma_tokens(value: bytes) -> list[bytes]:
+    """h11's ``get_comma_header`` for one value: lowercased, stripped, non-empty items."""
+    return [item for item in (part.strip() for part in value.lower().split(b",")) if item]
+
+
+# ---------------------------------------------------------------------------
+# Client-facing side
+# ---------------------------------------------------------------------------
+
+
+class FastServerConnection(ServerConnection):
+    """A :class:`~narwhal_core.http1.ServerConnection` whose request heads are parsed by llhttp.
+
+    Same constructor, limits, events, errors and bytes as the reference;
+    see the module docstring for what is different inside.
+    """
+
+    def _start_request(self, head: bytes) -> ServerEvent:
+        # Only accepts. A head that the shared checks refuse, or that this
+        # path cannot vouch for, is decided by the reference parse instead,
+        # which answers with its own status (400/413/431/505). The shared
+        # checks hold for a head accepted here: the request line is matched
+        # below and ends in CRLF, llhttp refuses bare CR, bare LF and obs-fold
+        # in the field lines, and the sizes and the field count are compared.
+        line_end = head.find(b"\n")
+        if (
+            line_end > self._max_line + 1
+            or len(head) - line_end - 1 > self._max_header_bytes
+            or head[line_end - 1] != _CR
+        ):
+            return super()._start_request(head)
+        request_line = _REQUEST_LINE_RE.fullmatch(head, 0, line_end - 1)
+        if request_line is None:
+            return super()._start_request(head)
+        raw_method, raw_target, raw_version = request_line.groups()
+        if raw_version == b"1.1":
+            version = "1.1"
+        elif raw_version == b"1.0":
+            version = "1.0"
+        else:
+            return super()._start_request(head)  # 505, or 400 if a field is bad too
+        sink = _llhttp_fields(head, line_end + 1)
+        if sink is None or len(sink.fields) > self._max_headers:
+            return super()._start_request(head)
+
+        fields = sink.fields
+        hosts = 0
+        content_length: bytes | None = None
+        chunked = False
+        connection = b""
+        expect = b""
+        for name, value in sink.special:
+            if name == b"host":
+                hosts += 1
+            elif name == b"content-length":
+                content_length = value  # llhttp refused a repeat or a list
+            elif name == b"transfer-encoding":
+                if chunked or value.lower() != b"chunked":
+                    return super()._start_request(head)
+                chunked = True
+                if value != b"chunked":
+                    fields = _lowercase_transfer_coding(fields)
+            elif name == b"connection":
+                connection += b"," + value.lower()
+            else:
+                expect += b"," + value
+        # h11's Host rule, and the reference's smuggling rules (RFC 9112 §6.3).
+        if hosts > 1 or (hosts == 0 and version == "1.1"):
+            return super()._start_request(head)
+        length = 0
+        if chunked:
+            if content_length is not None or version == "1.0":
+                return super()._start_request(head)
+        elif content_length is not None:
+            if len(content_length) > _CONTENT_LENGTH_MAX_DIGITS or not content_length.isdigit():
+                return super()._start_request(head)
+            length = int(content_length)
+            if length > self._max_body:
+                return super()._start_request(head)  # 413
+
+        if connection:
+            options = {option.strip() for option in connection.split(b",")}
+            if version == "1.1":
+                keep_alive = b"close" not in options
+            else:
+                keep_alive = b"keep-alive" in options and b"close" not in options
+        else:
+            keep_alive = version == "1.1"
+
+        self._method = method = raw_method.decode("ascii")
+        self._target = target = raw_target.decode("latin-1")
+        self._headers = headers = tuple(fields)
+        self._version = version
+        self._keep_alive = keep_alive
+        self._close = not keep_alive
+        self._chunked = chunked
+        self._content_length = length
+        # h11's rule: an HTTP/1.1 request whose Expect lists 100-continue.
+        if expect and version == "1.1" and b"100-continue" in _comma_tokens(expect):
+            self._state = _State.EXPECT
+            return ContinueExpected(
+                method=method, target=target, headers=headers, content_length=None if chunked else length
+            )
+        self._state = _State.BODY
+        return self._read_body()
+
+
+# ---------------------------------------------------------------------------
+# Engine side: h11's reading rules
+# ---------------------------------------------------------------------------
+
+
+class _Malformed(Exception):
+    """Raised by the h11-faithful readers; becomes ``RemoteProtocolError(reason="malformed")``."""
+
+
+def _split_lines(block: bytes) -> list[bytes]:
+    """h11's ``maybe_extract_lines`` on a block that ends with its empty line: LF-split, one CR stripped."""
+    lines = block.split(b"\n")
+    for i, line in enumerate(lines):
+        if line.endswith(b"\r"):
+            lines[i] = line[:-1]
+    del lines[-2:]
+    return lines
+
+
+def _decode_fields(lines: Sequence[bytes]) -> Fields:
+    """h11's reading of field lines: obs-fold unfolded, each line matched, then normalised.
+
+    Returns ``(lowercase name, value)`` pairs as h11 stores them: a
+    ``Content-Length`` list collapsed to its one value, repeats of the same
+    length dropped, ``Transfer-Encoding`` lowercased.
+    """
+    unfolded: list[bytes] = []
+    for line in lines:
+        if line[:1] in (b" ", b"\t"):
+            if not unfolded:
+                raise _Malformed("continuation line at start of the fields")
+            unfolded[-1] = unfolded[-1] + b" " + line.lstrip(_OWS)
+        else:
+            unfolded.append(line)
+    fields: Fields = []
+    seen_length: bytes | None = None
+    saw_chunked = False
+    for line in unfolded:
+        match = _H11_FIELD_LINE_RE.fullmatch(line)
+        if match is None:
+            raise _Malformed(f"illegal field line {line[:64]!r}")
+        name = match.group(1).lower()
+        value = match.group(2)
+        if name == b"content-length":
+            lengths = {part.strip() for part in value.split(b",")}
+            if len(lengths) != 1:
+                raise _Malformed("conflicting Content-Length values")
+            value = lengths.pop()
+            if _DIGITS_RE.fullmatch(value) is None or len(value) > _CONTENT_LENGTH_MAX_DIGITS:
+                raise _Malformed(f"bad Content-Length {value!r}")
+            if seen_length is not None:
+                if value != seen_length:
+                    raise _Malformed("conflicting Content-Length fields")
+                continue
+            seen_length = value
+        elif name == b"transfer-encoding":
+            value = value.lower()
+            if saw_chunked or value != b"chunked":
+                raise _Malformed("only one Transfer-Encoding: chunked is supported")
+            saw_chunked = True
+        fields.append((name, value))
+    return fields
+
+
+def _fast_fields(head: bytes, start: int) -> tuple[Fields, Fields] | None:
+    """What :func:`_decode_fields` gives for ``head[start:]``, via llhttp; None when unsure.
+
+    Returns all fields and the special ones.
+    """
+    sink = _llhttp_fields(head, start)
+    if sink is None:
+        return None
+    fields = sink.fields
+    saw_length = saw_chunked = False
+    for name, value in sink.special:
+        if name == b"content-length":
+            # llhttp refused lists, repeats and signs; h11 caps the digits.
+            if saw_length or len(value) > _CONTENT_LENGTH_MAX_DIGITS or not value.isdigit():
+                return None
+            saw_length = True
+        elif name == b"transfer-encoding":
+            if saw_chunked or value.lower() != b"chunked":
+                return None
+            saw_chunked = True
+            if value != b"chunked":
+                fields = _lowercase_transfer_coding(fields)
+                return fields, [field for field in fields if field[0] in _SPECIAL_FIELDS]
+    return fields, sink.special
+
+
+def _parse_response_head(head: bytes) -> tuple[int, bytes, Fields, Fields]:
+    """Status, HTTP version, fields and special fields of one response head, as h11 reads it."""
+    # Fast path: a CRLF status line, then field lines llhttp accepts (so
+    # CRLF-only and unfolded, where h11's line rules and llhttp's agree).
+    line_end = head.find(b"\n")
+    if head[line_end - 1] == _CR:
+        status_line = _STATUS_LINE_RE.fullmatch(head, 0, line_end - 1)
+        if status_line is not None:
+            parsed = _fast_fields(head, line_end + 1)
+            if parsed is not None:
+                status = int(status_line.group(2))
+                if status >= 100 and status != 101:
+                    return status, status_line.group(1), parsed[0], parsed[1]
+    lines = _split_lines(head)
+    status_line = _STATUS_LINE_RE.fullmatch(lines[0])
+    if status_line is None:
+        raise _Malformed(f"illegal status line {lines[0][:64]!r}")
+    status = int(status_line.group(2))
+    fields = _decode_fields(lines[1:])
+    if status < 100:
+        raise _Malformed(f"status {status} is not an HTTP status")
+    if status == 101:
+        # h11: a protocol switch nobody asked for (RFC 9110 §15.2.2).
+        raise _Malformed("101 Switching Protocols without an Upgrade request")
+    return status, status_line.group(1), fields, [field for field in fields if field[0] in _SPECIAL_FIELDS]
+
+
+# ---------------------------------------------------------------------------
+# Engine side: FastEngineConnection
+# ---------------------------------------------------------------------------
+
+
+class _Framing(enum.Enum):
+    NONE = "no body"
+    LENGTH = "content-length"
+    CHUNKED = "chunked"
+    CLOSE = "close-delimited"
+
+
+class _Chunk(enum.Enum):
+    SIZE = "chunk size line"
+    DATA = "chunk data"
+    CRLF = "CRLF after chunk data"
+    TRAILER = "trailer section"
+
+
+_NEW: Final = _EngineState.NEW
+_HEAD: Final = _EngineState.HEAD
+_BODY: Final = _EngineState.BODY
+_DONE: Final = _EngineState.DONE
+_ERROR: Final = _EngineState.ERROR
+_LENGTH: Final = _Framing.LENGTH
+_CHUNKED: Final = _Framing.CHUNKED
+_CLOSE: Final = _Framing.CLOSE
+_SIZE: Final = _Chunk.SIZE
+_DATA: Final = _Chunk.DATA
+_CRLF_AFTER_DATA: Final = _Chunk.CRLF
+_CHUNK_END: Final = b"\r\n"
+
+
+class FastEngineConnection:
+    """One request/response exchange with an engine, behaving as :class:`~narwhal_core.http1.EngineConnection`.
+
+    Same constructor, limits, events and errors (status 502, ``reason``
+    ``"dropped"``, ``"malformed"`` or ``"too_large"``); body pieces may be
+    cut differently. See the module docstring.
+    """
+
+    __slots__ = (
+        "_max_header_bytes",
+        "_max_body",
+        "_max_unparsed",
+        "_buf",
+        "_unparsed",
+        "_scan",
+        "_eof",
+        "_overflow",
+        "_state",
+        "_error",
+        "_end",
+        "_head_request",
+        "_request_close",
+        "_keep_alive",
+        "_framing",
+        "_remaining",
+        "_chunk",
+        "_crlf_left",
+        "_received",
+    )
+
+    def __init__(
+        self,
+        *,
+        max_header_bytes: int = DEFAULT_ENGINE_MAX_HEADER_BYTES,
+        max_body_bytes: int | None = DEFAULT_ENGINE_MAX_BODY_BYTES,
+    ) -> None:
+        if max_header_bytes < 0 or (max_body_bytes is not None and max_body_bytes < 0):
+            raise ValueError("limits must not be negative")
+        self._max_header_bytes = max_header_bytes
+        self._max_body = max_body_bytes
+        self._max_unparsed = max_header_bytes + (
+            max_body_bytes if max_body_bytes is not None else _ENGINE_STREAM_BUFFER_BYTES
+        )
+        self._buf = bytearray()  # what h11's receive buffer would hold
+        self._unparsed = 0  # bytes received since the parser last ran dry
+        self._scan = 0  # where the search for the end of the head resumes
+        self._eof = False
+        self._overflow = False
+        self._state = _NEW
+        self._error: RemoteProtocolError | None = None
+        self._end: ResponseEnd | None = None
+        self._head_request = False
+        self._request_close = False
+        self._keep_alive = False
+        self._framing = _Framing.NONE
+        self._remaining = 0  # body bytes left: of the Content-Length, or of the current chunk
+        self._chunk = _SIZE
+        self._crlf_left = b""
+        self._received = 0  # body bytes returned so far
+
+    # -- writing ------------------------------------------------------------
+
+    def send_request(self, method: str, target: str, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bytes:
+        """The whole request as bytes to write; call once.
+
+        ``headers`` must include ``host`` and no framing or upgrade fields;
+        the codec adds ``content-length`` (for a body, or always for POST,
+        PUT and PATCH).
+        """
+        if self._state is not _NEW:
+            raise LocalProtocolError(f"send_request() in state {self._state.value}: one request per EngineConnection")
+        host = b""
+        hosts = 0
+        lines: list[bytes] = []
+        close = False
+        for name, value in headers:
+            lowered = name.lower()
+            if lowered in _REQUEST_SPECIAL_FIELDS:
+                if lowered == b"host":
+                    hosts += 1
+                elif lowered == b"connection":
+                    close = close or b"close" in _comma_tokens(value)
+                else:
+                    raise LocalProtocolError(f"{name!r} is not allowed; the codec frames the request")
+            # h11's token and field-value rules.
+            if (
+                not name
+                or name.translate(None, _TCHARS)
+                or (value and (value.translate(None, _VALUE_BYTES) or value[0] in _OWS or value[-1] in _OWS))
+            ):
+                raise LocalProtocolError(f"cannot send this request: illegal header {name!r}: {value!r}")
+            if lowered == b"host":
+                host = b"%s: %s\r\n" % (name, value)
+            else:
+                lines.append(b"%s: %s\r\n" % (name, value))
+        if not hosts:
+            raise LocalProtocolError("an engine request needs a host header")
+        if hosts > 1:
+            raise LocalProtocolError("cannot send this request: more than one host header")
+        try:
+            raw_method = method.encode("ascii")
+            raw_target = target.encode("ascii")
+        except UnicodeEncodeError:
+            raise LocalProtocolError(f"non-ASCII method or target: {method!r} {target!r}") from None
+        if raw_method == b"CONNECT":
+            raise LocalProtocolError("CONNECT is not supported")
+        if (
+            not raw_method
+            or raw_method.translate(None, _TCHARS)
+            or not raw_target
+            or raw_target.translate(None, _VCHARS)
+        ):
+            raise LocalProtocolError(f"cannot send this request: illegal method or target {method!r} {target!r}")
+        if body or raw_method in _BODY_METHODS:
+            lines.append(b"content-length: %d\r\n" % len(body))
+        self._head_request = raw_method == b"HEAD"
+        self._request_close = close
+        self._state = _HEAD
+        # h11's layout: request line, Host first, the other fields in order.
+        return b"%s %s HTTP/1.1\r\n%s%s\r\n%s" % (raw_method, raw_target, host, b"".join(lines), body)
+
+    # -- reading ------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        """Buffer bytes from the engine; ``b""`` means the engine closed (EOF)."""
+        if not data:
+            self._eof = True
+            return
+        if self._eof:
+            raise LocalProtocolError("receive_data() after EOF")
+        state = self._state
+        if self._overflow or state is _DONE or state is _ERROR:
+            return
+        if self._unparsed + len(data) > self._max_unparsed:
+            self._overflow = True
+            return
+        self._unparsed += len(data)
+        self._buf += data
+
+    def next_event(self) -> EngineEvent:
+        """The next response event or :data:`NEED_DATA`.
+
+        Informational (1xx) responses are skipped. After
+        :class:`ResponseEnd` the same value is returned again; bytes that
+        were already buffered after the response make it non-reusable.
+        """
+        state = self._state
+        if state is _BODY:
+            framing = self._framing
+            if framing is _LENGTH:
+                return self._read_length()
+            if framing is _CHUNKED:
+                return self._read_chunked()
+            if framing is _CLOSE:
+                return self._read_until_close()
+            return self._finish()
+        if state is _HEAD:
+            return self._read_head()
+        if state is _DONE:
+            assert self._end is not None
+            return self._end
+        if state is _ERROR:
+            assert self._error is not None
+            raise self._error.with_traceback(None)
+        raise LocalProtocolError("next_event() before send_request()")
+
+    def _fail(self, message: str, reason: str) -> RemoteProtocolError:
+        error = RemoteProtocolError(message, status=_ENGINE_ERROR_STATUS, reason=reason)
+        self._error = error
+        self._state = _ERROR
+        self._buf = bytearray()
+        return error
+
+    def _starved(self) -> NeedData | ResponseEnd:
+        """What the reference does when h11 wants more bytes."""
+        if len(self._buf) > self._max_header_bytes:
+            # h11's max_incomplete_event_size: an unfinished head, chunk line or trailer section.
+            raise self._fail(f"more than {self._max_header_bytes} bytes of an unfinished head", "too_large")
+        self._unparsed = 0
+        if self._overflow:
+            raise self._fail("too many bytes buffered before parsing", "too_large")
+        if not self._eof:
+            return NEED_DATA
+        if self._state is _BODY and self._framing is _CLOSE:
+            # The one body whose end is the EOF (RFC 9112 §6.3 p8).
+            return self._finish()
+        raise self._fail("engine closed the connection before the response was complete", "dropped")
+
+    def _finish(self) -> ResponseEnd:
+        end = ResponseEnd(reusable=self._keep_alive and not self._eof and not self._overflow and not self._buf)
+        self._end = end
+        self._state = _DONE
+        return end
+
+    def _read_head(self) -> EngineEvent:
+        buf = self._buf
+        while True:
+            # h11: a head starting with an empty line is refused at once...
+            if buf[:1] == b"\n" or buf[:2] == b"\r\n":
+                raise self._fail("empty line where a status line was expected", "malformed")
+            match = _HEAD_END_RE.search(buf, self._scan)
+            if match is None:
+                self._scan = max(0, len(buf) - 2)
+                # ...and so is one that cannot start with "HTTP/".
+                if buf and buf[0] < 0x21:
+                    raise self._fail(f"not an HTTP response: {bytes(buf[:16])!r}", "malformed")
+                starved = self._starved()
+                assert starved is NEED_DATA
+                return starved
+            end = match.end()
+            head = bytes(buf[:end])
+            del buf[:end]
+            self._scan = 0
+            try:
+                status, version, fields, special = _parse_response_head(head)
+            except _Malformed as exc:
+                raise self._fail(f"malformed response: {exc}", "malformed") from None
+            if end > self._max_header_bytes:
+                raise self._fail(f"response head larger than {self._max_header_bytes} bytes", "too_large")
+            if status >= 200:
+                return self._response_head(status, version, fields, special)
+
+    def _response_head(self, status: int, version: bytes, fields: Fields, special: Fields) -> ResponseHead:
+        length: int | None = None
+        chunked = False
+        close = False
+        for name, value in special:
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = True
+            elif name == b"connection" and b"close" in _comma_tokens(value):
+                close = True
+        has_body = not self._head_request and status not in _NO_BODY_STATUSES
+        if chunked and length is not None:
+            raise self._fail("both Content-Length and Transfer-Encoding", "malformed")
+        max_body = self._max_body
+        if has_body and length is not None and max_body is not None and length > max_body:
+            raise self._fail(f"response body of {length} bytes is over {max_body}", "too_large")
+        # h11's keep-alive rule, for the request we sent and for this response.
+        self._keep_alive = not close and not self._request_close and version >= b"1.1"
+        if not has_body:
+            self._framing = _Framing.NONE
+        elif chunked:
+            self._framing = _CHUNKED
+        elif length is not None:
+            self._framing = _LENGTH
+            self._remaining = length
+        else:
+            self._framing = _CLOSE
+        self._state = _BODY
+        return ResponseHead(status=status, headers=tuple(fields))
+
+    def _over_limit(self, size: int) -> bool:
+        max_body = self._max_body
+        return max_body is not None and self._received + size > max_body
+
+    def _body_too_large(self) -> RemoteProtocolError:
+        return self._fail(f"response body over {self._max_body} bytes", "too_large")
+
+    def _read_length(self) -> EngineEvent:
+        # The head refused a Content-Length over the limit: no check here.
+        remaining = self._remaining
+        if not remaining:
+            return self._finish()
+        buf = self._buf
+        size = len(buf)
+        if not size:
+            return self._starved()
+        if size <= remaining:
+            data = bytes(buf)
+            buf.clear()
+        else:
+            size = remaining
+            data = bytes(memoryview(buf)[:size])
+            del buf[:size]
+        self._remaining = remaining - size
+        self._received += size
+        return BodyData(data=data)
+
+    def _read_until_close(self) -> EngineEvent:
+        buf = self._buf
+        if not buf:
+            return self._starved()
+        if self._over_limit(len(buf)):
+            raise self._body_too_large()
+        self._received += len(buf)
+        data = bytes(buf)
+        buf.clear()
+        return BodyData(data=data)
+
+    def _read_chunked(self) -> EngineEvent:
+        # h11's ChunkedReader, one piece per chunk (or per part of a chunk
+        # that has arrived), run until the buffer is dry; the pieces come out
+        # as one BodyData. A step that would fail, or end the message, waits
+        # for the next call when pieces are pending, so the pieces the
+        # reference would have returned first still come out first.
+        buf = self._buf
+        pos = 0
+        spans: list[tuple[int, int]] = []
+        while True:
+            phase = self._chunk
+            if phase is _DATA:
+                size = min(self._remaining, len(buf) - pos)
+                if not size:
+                    break
+                if self._over_limit(size):
+                    if spans:
+                        break
+                    raise self._body_too_large()
+                self._received += size
+                spans.append((pos, pos + size))
+                pos += size
+                self._remaining -= size
+                if self._remaining:
+                    break
+                self._chunk = _CRLF_AFTER_DATA
+                self._crlf_left = _CHUNK_END
+            elif phase is _SIZE:
+                line_end = buf.find(b"\r\n", pos)
+                if line_end == -1:
+                    break
+                match = _CHUNK_HEADER_RE.fullmatch(buf, pos, line_end + 2)
+                if match is None:
+                    if spans:
+                        break
+                    raise self._fail(f"malformed chunk size line {bytes(buf[pos : line_end + 2])[:64]!r}", "malformed")
+                size = int(match.group(1), 16)
+                if size == 0 and spans:
+                    break
+                pos = line_end + 2
+                if size == 0:
+                    self._chunk = _Chunk.TRAILER
+                else:
+                    self._remaining = size
+                    self._chunk = _DATA
+            elif phase is _CRLF_AFTER_DATA:
+                expected = self._crlf_left
+                got = bytes(buf[pos : pos + len(expected)])
+                if not got:
+                    break
+                if not expected.startswith(got):
+                    if spans:
+                        break
+                    raise self._fail(f"chunk data followed by {got!r}, not CRLF", "malformed")
+                pos += len(got)
+                self._crlf_left = expected[len(got) :]
+                if self._crlf_left:
+                    break
+                self._chunk = _SIZE
+            else:
+                return self._read_trailer(pos)
+        if spans:
+            view = memoryview(buf)
+            if len(spans) == 1:
+                start, stop = spans[0]
+                data = bytes(view[start:stop])
+            else:
+                data = b"".join([view[start:stop] for start, stop in spans])
+            view.release()
+            del buf[:pos]
+            return BodyData(data=data)
+        del buf[:pos]
+        return self._starved()
+
+    def _read_trailer(self, pos: int) -> EngineEvent:
+        # h11's maybe_extract_lines: a leading LF or CRLF is an empty section.
+        buf = self._buf
+        if buf[pos : pos + 1] == b"\n":
+            end = pos + 1
+        elif buf[pos : pos + 2] == b"\r\n":
+            end = pos + 2
+        else:
+            match = _HEAD_END_RE.search(buf, pos)
+            if match is None:
+                del buf[:pos]
+                return self._starved()
+            end = match.end()
+            try:
+                _decode_fields(_split_lines(bytes(buf[pos:end])))
+            except _Malformed as exc:
+                raise self._fail(f"malformed trailer section: {exc}", "malformed") from None
+        del buf[:end]
+        return self._finish()
+
+
+# ---------------------------------------------------------------------------
+# The codec
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class FastCodec:
+    """The llhttp-based codec; behaves exactly as :data:`~narwhal_core.http1.H11_CODEC`."""
+
+    def server_connection(
+        self,
+        *,
+        max_request_line_bytes: int = DEFAULT_MAX_REQUEST_LINE_BYTES,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        max_headers: int = DEFAULT_MAX_HEADERS,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> FastServerConnection:
+        """A new :class:`FastServerConnection`."""
+        return FastServerConnection(
+            max_request_line_bytes=max_request_line_bytes,
+            max_header_bytes=max_header_bytes,
+            max_headers=max_headers,
+            max_body_bytes=max_body_bytes,
+        )
+
+    def engine_connection(
+        self,
+        *,
+        max_header_bytes: int = DEFAULT_ENGINE_MAX_HEADER_BYTES,
+        max_body_bytes: int | None = DEFAULT_ENGINE_MAX_BODY_BYTES,
+    ) -> FastEngineConnection:
+        """A new :class:`FastEngineConnection`."""
+        return FastEngineConnection(max_header_bytes=max_header_bytes, max_body_bytes=max_body_bytes)
+
+
+FAST_CODEC: Final[Codec] = FastCodec()

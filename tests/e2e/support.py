@@ -1,0 +1,460 @@
+"""Helpers of the end-to-end conformance suite (SPEC §2-§8 over real sockets).
+
+Everything here is synchronous and bounded: raw HTTP/1.1 over a loopback
+socket for what httpx will not send (``Expect: 100-continue``, hand-made
+chunked bodies, oversized heads), readers for what the engines received and
+for Server-Sent Events, a capture of the router's process log, and a
+``narwhal serve`` subprocess whose stderr is read line by line.
+"""
+
+from __future__ import annotations
+
+import decimal
+import io
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+
+import narwhal.log
+
+from ..harness import MODEL, Fleet, read_journal
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: The completion routes (SPEC §2).
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+COMPLETION_PATHS = (COMPLETIONS, CHAT)
+
+#: The body of a minimal valid request on each route.
+BASE_BODY: dict[str, dict[str, Any]] = {
+    COMPLETIONS: {"prompt": "The narwhal is"},
+    CHAT: {"messages": [{"role": "user", "content": "Tell me about narwhals."}]},
+}
+
+#: What a router request ID looks like (SPEC §3 IDs; at most 100 of [A-Za-z0-9-]).
+RID_RE = re.compile(r"[A-Za-z0-9-]{1,100}\Z")
+#: A backend ID: at most 128 characters of [A-Za-z0-9-].
+BACKEND_ID_RE = re.compile(r"[A-Za-z0-9-]{1,128}\Z")
+
+#: A plain-HTTP client for the tests: no TLS context to build (httpx spends ~50 ms on one per
+#: client), no pooled connections (each request opens its own, as a fresh client would).
+http = httpx.Client(timeout=10, verify=False, limits=httpx.Limits(max_keepalive_connections=0))
+
+#: Header names Narwhal may write on a leg: everything else would be forwarded client state.
+LEG_HEADERS = frozenset({"host", "content-type", "content-length", "x-request-id", "authorization"})
+
+
+# ----------------------------------------------------------------- engines
+
+
+def completion_records(fleet: Fleet | Iterable[Any]) -> list[dict[str, Any]]:
+    """Every completion request the engines of ``fleet`` received (probes and control requests left out)."""
+    engines = fleet.all() if isinstance(fleet, Fleet) else fleet
+    out: list[dict[str, Any]] = []
+    for engine in engines:
+        out.extend(r for r in engine.requests() if r["path"].split("?")[0] in COMPLETION_PATHS)
+    return out
+
+
+def header_pairs(record: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The headers an engine received, names lowercased, in order."""
+    return [(name.lower(), value) for name, value in record["headers"]]
+
+
+def header_values(record: Mapping[str, Any], name: str) -> list[str]:
+    """Every value of one header an engine received."""
+    return [value for n, value in header_pairs(record) if n == name.lower()]
+
+
+def exact_json(text: str | bytes) -> Any:
+    """Parse JSON keeping every number's exact decimal value and every key's order."""
+    return json.loads(text, parse_float=decimal.Decimal, parse_int=int)
+
+
+# --------------------------------------------------------------- responses
+
+
+def assert_envelope(
+    response: httpx.Response,
+    status: int,
+    *,
+    type: str,
+    code: str | None | object = ...,
+    param: str | None | object = ...,
+) -> dict[str, Any]:
+    """Check an OpenAI error envelope (SPEC §2.1) and return its ``error`` object."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert error["type"] == type, error
+    if code is not ...:
+        assert error["code"] == code, error
+    if param is not ...:
+        assert error["param"] == param, error
+    return error  # type: ignore[no-any-return]
+
+
+def rid_of(response: httpx.Response) -> str:
+    """The router request ID a response carries; it must look like one (SPEC §2)."""
+    rid = response.headers.get("x-request-id")
+    assert rid is not None, f"no x-request-id on {response.status_code} {response.request.url}"
+    assert RID_RE.match(rid), rid
+    return rid
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The ``data:`` payloads of an SSE answer, checking its framing (SPEC §2.3).
+
+    Every event is exactly one ``data: ...`` line followed by a blank line;
+    the last one is ``data: [DONE]`` and nothing follows it.
+    """
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].split(";")[0].strip() == "text/event-stream", response.headers
+    text = response.text
+    assert text.endswith("data: [DONE]\n\n"), text[-300:]
+    events = text.split("\n\n")
+    assert events[-1] == "", events[-1]
+    payloads = []
+    for event in events[:-1]:
+        lines = event.split("\n")
+        assert len(lines) == 1 and lines[0].startswith("data: "), event
+        payloads.append(lines[0][len("data: "):])
+    assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1], payloads
+    return payloads
+
+
+def sse_chunks(response: httpx.Response) -> list[dict[str, Any]]:
+    """The JSON chunks of an SSE answer (every event but ``[DONE]``, each an object)."""
+    chunks = [json.loads(p) for p in sse_events(response)[:-1]]
+    assert all(isinstance(c, dict) for c in chunks), chunks
+    return chunks
+
+
+def streamed_text(chunks: Sequence[Mapping[str, Any]], *, chat: bool) -> str:
+    """The text of a streamed answer, joined from its chunks."""
+    out = []
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            if chat:
+                out.append(choice.get("delta", {}).get("content") or "")
+            else:
+                out.append(choice.get("text") or "")
+    return "".join(out)
+
+
+def poll(predicate: Any, *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:
+    """Call ``predicate`` until it returns something truthy; that value, or TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout} s (last: {value!r})")
+        time.sleep(interval)
+
+
+def journal_terminal(journal_path: str | os.PathLike[str], rid: str, timeout: float = 10.0) -> dict[str, Any]:
+    """Wait for the terminal record of ``rid``; check it is its only one and its last record (SPEC §5)."""
+
+    def find() -> list[dict[str, Any]] | None:
+        records = [r for r in read_journal(journal_path) if r.get("rid") == rid]
+        return records if any(r.get("terminal") is not None for r in records) else None
+
+    records = poll(find, timeout=timeout, what=f"terminal record of {rid}")
+    terminals = [r for r in records if r.get("terminal") is not None]
+    assert len(terminals) == 1, terminals
+    assert records[-1] is terminals[0], records
+    return terminals[0]
+
+
+# ----------------------------------------------------------- raw HTTP/1.1
+
+
+@attrs.define
+class RawResponse:
+    """One HTTP/1.1 response read off a raw socket."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        for n, v in self.headers:
+            if n == name.lower():
+                return v
+        return None
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def request_bytes(
+    method: str,
+    target: str,
+    body: bytes | None = None,
+    *,
+    headers: Sequence[tuple[str, str]] = (),
+    host: str = "127.0.0.1",
+) -> bytes:
+    """A request as bytes, with ``host`` and (when there is a body) ``content-length``."""
+    lines = [f"{method} {target} HTTP/1.1", f"host: {host}"]
+    names = {n.lower() for n, _ in headers}
+    if body is not None and "content-length" not in names and "transfer-encoding" not in names:
+        lines.append(f"content-length: {len(body)}")
+    lines += [f"{n}: {v}" for n, v in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+
+
+def chunked(*pieces: bytes) -> bytes:
+    """A chunked request body made of ``pieces``."""
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p) + b"0\r\n\r\n"
+
+
+class RawConnection:
+    """One client connection over a plain socket, reading responses by hand."""
+
+    def __init__(self, address: tuple[str, int], timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection(address, timeout=timeout)
+        self._buf = b""
+
+    def __enter__(self) -> RawConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise EOFError(f"connection closed; unread: {self._buf[:200]!r}")
+        self._buf += data
+
+    def _take_until(self, marker: bytes) -> bytes:
+        while marker not in self._buf:
+            self._fill()
+        head, _, self._buf = self._buf.partition(marker)
+        return head
+
+    def _take(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            self._fill()
+        out, self._buf = self._buf[:n], self._buf[n:]
+        return out
+
+    def read_response(self) -> RawResponse:
+        """Read one response (an interim ``100 Continue`` counts as one)."""
+        head = self._take_until(b"\r\n\r\n").decode("latin-1")
+        status_line, *lines = head.split("\r\n")
+        version, status, *_ = status_line.split(" ", 2)
+        assert version in ("HTTP/1.1", "HTTP/1.0"), status_line
+        headers = []
+        for line in lines:
+            name, _, value = line.partition(":")
+            headers.append((name.strip().lower(), value.strip()))
+        response = RawResponse(status=int(status), headers=headers, body=b"")
+        code = int(status)
+        if 100 <= code < 200 or code in (204, 304):
+            return response
+        length = response.header("content-length")
+        if response.header("transfer-encoding") == "chunked":
+            body = b""
+            while True:
+                size = int(self._take_until(b"\r\n").split(b";")[0], 16)
+                if size == 0:
+                    self._take_until(b"\r\n")  # no trailers
+                    break
+                body += self._take(size)
+                assert self._take(2) == b"\r\n"
+            response.body = body
+        elif length is not None:
+            response.body = self._take(int(length))
+        else:
+            while True:
+                try:
+                    self._fill()
+                except EOFError:
+                    break
+            response.body, self._buf = self._buf, b""
+        return response
+
+    def peer_closed(self, timeout: float = 5.0) -> bool:
+        """Whether the server closes the connection (EOF or reset) within ``timeout``."""
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    return True
+                self._buf += data
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+
+# ------------------------------------------------------------- process log
+
+
+class LogCapture:
+    """The router's process log (``narwhal.log``) captured in memory."""
+
+    def __init__(self) -> None:
+        self.stream = io.BytesIO()
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> LogCapture:
+        narwhal.log.set_stream(self.stream)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        narwhal.log.set_stream(None)
+
+    def text(self) -> str:
+        return self.stream.getvalue().decode("utf-8", "replace")
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- configs
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def toml_config(sections: Mapping[str, Mapping[str, Any]]) -> str:
+    """A Narwhal config file's text from ``{section: {key: value}}``."""
+    out = []
+    for section, keys in sections.items():
+        out.append(f"[{section}]")
+        out += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def serve_config(
+    journal: str | os.PathLike[str],
+    *,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    **sections: Mapping[str, Any],
+) -> str:
+    """The TOML of a ``narwhal serve`` config for tests: loopback, port 0, fast probes."""
+    base: dict[str, dict[str, Any]] = {
+        "model": {"name": MODEL, "aliases": ["llama-3.1-8b"]},
+        "ingress": {"listen": "127.0.0.1:0", "auth": "none"},
+        "engine": {"prefill": list(prefill), "decode": list(decode)},
+        "health": {"probe_interval_s": 0.2, "probe_timeout_s": 1.0},
+        "journal": {"path": os.fspath(journal), "fsync": "always"},
+        "shutdown": {"grace_s": 20.0},
+    }
+    for name, keys in sections.items():
+        base.setdefault(name, {}).update(keys)
+    return toml_config(base)
+
+
+# ------------------------------------------------------- narwhal serve process
+
+
+class ServeProcess:
+    """``narwhal serve --config FILE --runtime R`` as a subprocess; stderr read line by line."""
+
+    def __init__(self, config_path: str | os.PathLike[str], runtime: str, env: Mapping[str, str] | None = None) -> None:
+        self.args = [sys.executable, "-m", "narwhal.cli", "serve", "--config", os.fspath(config_path),
+                     "--runtime", runtime]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._eof = False
+
+    def start(self) -> ServeProcess:
+        self.proc = subprocess.Popen(
+            self.args, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        threading.Thread(target=self._pump, name="narwhal-serve-stderr", daemon=True).start()
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            with self._cond:
+                self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        with self._cond:
+            lines = list(self.lines)
+        for line in lines:
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                yield value
+
+    def wait_for_event(self, name: str, timeout: float = 15.0) -> dict[str, Any]:
+        """The first log line of event ``name`` (waiting for it), or TimeoutError."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for event in self.events():
+                    if event.get("event") == name:
+                        return event
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    raise TimeoutError(f"no {name!r} line on stderr; got: {self.lines}")
+                self._cond.wait(left)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stderr_text(self, timeout: float = 5.0) -> str:
+        """All of stderr once the process has closed it."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._eof, timeout)
+            return "\n".join(self.lines)
+
+    def stop(self) -> None:
+        """Kill the process if a test left it running."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -1,0 +1,234 @@
+"""HTTP/1.1 at the ingress, over raw sockets (SPEC §2, §4 limits).
+
+Keep-alive and pipelining, ``Expect: 100-continue``, chunked request
+bodies, 413 for a body over ``ingress.max_body_bytes`` and 431 for an
+oversized head — each answer in the OpenAI envelope with ``x-request-id``,
+and nothing sent to the engines for what is refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ..harness import MODEL
+from .support import (
+    CHAT,
+    COMPLETIONS,
+    RID_RE,
+    RawConnection,
+    RawResponse,
+    chunked,
+    completion_records,
+    journal_terminal,
+    request_bytes,
+)
+
+JSON = ("content-type", "application/json")
+
+
+def _completion(prompt: str = "hi", **fields: object) -> bytes:
+    return json.dumps({"prompt": prompt, "max_tokens": 3, **fields}).encode()
+
+
+def _check_ok(response: RawResponse, journal_path, *, terminal: str = "completed") -> str:
+    assert response.status == 200, (response.status, response.body[:300])
+    rid = response.header("x-request-id")
+    assert rid and RID_RE.match(rid)
+    assert journal_terminal(journal_path, rid)["terminal"] == terminal
+    return rid
+
+
+def _check_error(response: RawResponse, status: int) -> dict:
+    assert response.status == status, (response.status, response.body[:300])
+    assert (response.header("content-type") or "").startswith("application/json")
+    rid = response.header("x-request-id")
+    assert rid and RID_RE.match(rid), response.headers
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    return error
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(start_router, journal_path) -> None:
+    router = start_router()
+    rids = []
+    with RawConnection(router.address) as conn:
+        for i in range(3):
+            conn.send(request_bytes("POST", COMPLETIONS, _completion(f"keep alive {i}"), headers=[JSON]))
+            response = conn.read_response()
+            assert response.header("connection") != "close"
+            rids.append(_check_ok(response, journal_path))
+            assert response.json()["model"] == MODEL
+        conn.send(request_bytes("POST", CHAT, json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode(), headers=[JSON]))
+        stream = conn.read_response()
+        rids.append(_check_ok(stream, journal_path))
+        assert stream.body.endswith(b"data: [DONE]\n\n")
+        conn.send(request_bytes("POST", COMPLETIONS, b"{", headers=[JSON]))
+        _check_error(conn.read_response(), 400)
+        conn.send(request_bytes("GET", "/health"))
+        assert conn.read_response().status == 200
+        conn.send(request_bytes("POST", COMPLETIONS, _completion("after all that"), headers=[JSON]))
+        rids.append(_check_ok(conn.read_response(), journal_path))
+    assert len(set(rids)) == len(rids)
+
+
+def test_pipelined_requests_are_answered_in_order(start_router, journal_path) -> None:
+    router = start_router()
+    with RawConnection(router.address) as conn:
+        conn.send(
+            request_bytes("POST", COMPLETIONS, _completion("first"), headers=[JSON])
+            + request_bytes("GET", "/nope")
+            + request_bytes("POST", COMPLETIONS, _completion("third", stream=True), headers=[JSON])
+        )
+        first, second, third = conn.read_response(), conn.read_response(), conn.read_response()
+    _check_ok(first, journal_path)
+    assert first.json()["object"] == "text_completion"
+    _check_error(second, 404)
+    _check_ok(third, journal_path)
+    assert third.body.endswith(b"data: [DONE]\n\n")
+
+
+def test_expect_100_continue(start_router, journal_path) -> None:
+    router = start_router()
+    body = _completion("continue")
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", COMPLETIONS, None, headers=[
+            JSON, ("content-length", str(len(body))), ("expect", "100-continue")]))
+        interim = conn.read_response()
+        assert interim.status == 100
+        conn.send(body)
+        _check_ok(conn.read_response(), journal_path)
+        # The connection stays usable.
+        conn.send(request_bytes("POST", COMPLETIONS, _completion("again"), headers=[JSON]))
+        _check_ok(conn.read_response(), journal_path)
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT], ids=["completions", "chat"])
+def test_chunked_request_body(start_router, fleet, journal_path, route) -> None:
+    router = start_router()
+    if route == COMPLETIONS:
+        body = _completion("a chunked prompt")
+    else:
+        body = json.dumps({"messages": [{"role": "user", "content": "chunked"}], "max_tokens": 3}).encode()
+    pieces = [body[:5], body[5:6], body[6:20], body[20:]]
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", route, chunked(*pieces), headers=[JSON, ("transfer-encoding", "chunked")]))
+        response = conn.read_response()
+        _check_ok(response, journal_path)
+        # Then a Content-Length request on the same connection.
+        conn.send(request_bytes("POST", route, body, headers=[JSON]))
+        _check_ok(conn.read_response(), journal_path)
+    sent = json.loads(body)
+    for leg in completion_records(fleet.prefill)[:1] + completion_records(fleet.decode)[:1]:
+        got = json.loads(leg["body"])
+        assert {k: got[k] for k in sent if k != "max_tokens"} == {k: v for k, v in sent.items() if k != "max_tokens"}
+
+
+def test_expect_100_continue_with_the_body_sent_at_once(start_router, journal_path) -> None:
+    """A client may send the body without waiting for ``100 Continue`` (RFC 9110 §10.1.1)."""
+    router = start_router()
+    body = _completion("eager")
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", COMPLETIONS, body, headers=[JSON, ("expect", "100-continue")]))
+        response = conn.read_response()
+        if response.status == 100:
+            response = conn.read_response()
+        _check_ok(response, journal_path)
+        conn.send(request_bytes("POST", COMPLETIONS, _completion("next"), headers=[JSON]))
+        _check_ok(conn.read_response(), journal_path)
+
+
+def test_chunked_body_with_expect_100_continue(start_router, journal_path) -> None:
+    router = start_router()
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", COMPLETIONS, None, headers=[
+            JSON, ("transfer-encoding", "chunked"), ("expect", "100-continue")]))
+        assert conn.read_response().status == 100
+        body = _completion("chunked continue")
+        conn.send(chunked(body[:10], body[10:]))
+        _check_ok(conn.read_response(), journal_path)
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_body_over_max_body_bytes_is_413(start_router, fleet, framing) -> None:
+    router = start_router(ingress={"max_body_bytes": 1024})
+    body = _completion("x" * 2000)
+    assert len(body) > 1024
+    with RawConnection(router.address) as conn:
+        if framing == "content-length":
+            conn.send(request_bytes("POST", COMPLETIONS, body, headers=[JSON]))
+        else:
+            conn.send(request_bytes("POST", COMPLETIONS, chunked(body[:600], body[600:]),
+                                    headers=[JSON, ("transfer-encoding", "chunked")]))
+        _check_error(conn.read_response(), 413)
+    router.wait_idle()
+    assert completion_records(fleet) == []
+
+
+def test_body_at_max_body_bytes_is_accepted(start_router, journal_path) -> None:
+    router = start_router(ingress={"max_body_bytes": 1024})
+    prefix = _completion("")
+    body = _completion("y" * (1024 - len(prefix)))
+    assert len(body) == 1024
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", COMPLETIONS, body, headers=[JSON]))
+        _check_ok(conn.read_response(), journal_path)
+
+
+def test_body_over_the_limit_with_expect_is_413_without_100(start_router, fleet) -> None:
+    router = start_router(ingress={"max_body_bytes": 1024})
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", COMPLETIONS, None, headers=[
+            JSON, ("content-length", "5000"), ("expect", "100-continue")]))
+        _check_error(conn.read_response(), 413)
+    assert completion_records(fleet) == []
+
+
+def test_oversized_body_request_is_journaled(start_router, fleet, journal_path) -> None:
+    """SPEC §5: every request to a completion route gets exactly one terminal record — a 413 one too."""
+    router = start_router(ingress={"max_body_bytes": 1024})
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", COMPLETIONS, _completion("z" * 2000), headers=[JSON]))
+        response = conn.read_response()
+    _check_error(response, 413)
+    record = journal_terminal(journal_path, response.header("x-request-id"), timeout=2)
+    assert record["status"] == 413 and record["route"] == COMPLETIONS
+    assert record["terminal"] in ("invalid", "rejected")
+
+
+@pytest.mark.parametrize("shape", ["one-big-header", "many-headers", "long-request-line"])
+def test_oversized_head_is_431(start_router, fleet, shape) -> None:
+    router = start_router()
+    target = COMPLETIONS
+    headers = [JSON]
+    if shape == "one-big-header":
+        headers.append(("x-padding", "p" * 20000))
+    elif shape == "many-headers":
+        headers += [(f"x-pad-{i}", "v" * 10) for i in range(200)]
+    else:
+        target = COMPLETIONS + "?" + "q" * 10000
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", target, _completion(), headers=headers))
+        response = conn.read_response()
+        # SPEC §4: header size -> 431; an over-long request line -> 431 or 400.
+        _check_error(response, 431 if shape != "long-request-line" or response.status == 431 else 400)
+        assert conn.peer_closed(), "the connection stays open after a 431"
+    router.wait_idle()
+    assert completion_records(fleet) == []
+
+
+def test_head_at_a_normal_size_with_a_big_header_still_works(start_router, journal_path) -> None:
+    router = start_router()
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", COMPLETIONS, _completion(), headers=[JSON, ("x-padding", "p" * 8000)]))
+        _check_ok(conn.read_response(), journal_path)
+
+
+def test_connection_close_is_honoured(start_router, journal_path) -> None:
+    router = start_router()
+    with RawConnection(router.address) as conn:
+        conn.send(request_bytes("POST", COMPLETIONS, _completion(), headers=[JSON, ("connection", "close")]))
+        _check_ok(conn.read_response(), journal_path)
+        assert conn.peer_closed()

@@ -1,0 +1,96 @@
+"""Each run uses the runtime it names (SPEC §1, §8: ``--runtime trio|asyncio``).
+
+The conformance suite runs every end-to-end test on both runtimes; these
+tests make sure that "asyncio" is not trio in disguise (or the reverse): the
+harness records the async library that runs the router's loop, the loop's
+own thread is inspected from inside, and ``narwhal serve --runtime R`` is run
+as a real process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import httpx
+import pytest
+import trio
+
+from ..harness import RUNTIMES, RouterThread, make_config, read_journal, terminals_by_rid
+from .support import ServeProcess, serve_config
+
+try:
+    import uvloop
+except ImportError:
+    uvloop = None  # type: ignore[assignment]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def test_router_loop_runs_the_named_runtime(start_router, runtime) -> None:
+    router = start_router()
+    # sniffio, asked by the harness from inside the router's loop.
+    assert router.loop_library == runtime
+    # The server object is the named runtime's.
+    assert type(router._server).__module__ == f"narwhal_{runtime}.server"
+    # And from inside the loop thread, now.
+    loop = router.call(_running_loop)
+    in_trio = router.call(trio.lowlevel.in_trio_run)
+    if runtime == "trio":
+        assert in_trio is True
+        assert loop is None, f"the trio runtime's thread runs an asyncio loop: {loop!r}"
+    else:
+        assert in_trio is False
+        assert loop is not None
+    # It serves, too.
+    assert httpx.get(router.url + "/health", timeout=10).status_code == 200
+
+
+def test_asyncio_runtime_runs_uvloop_when_installed(fleet, journal_path) -> None:
+    from narwhal_asyncio.server import new_event_loop
+
+    config = make_config(journal_path, prefill=fleet.prefill_urls, decode=fleet.decode_urls)
+    with RouterThread(config, "asyncio") as router:
+        loop_type = router.call(lambda: type(asyncio.get_running_loop()))
+    assert router.loop_library == "asyncio"
+    if uvloop is not None:
+        assert issubclass(loop_type, uvloop.Loop), loop_type
+    else:
+        assert loop_type.__module__.startswith("asyncio"), loop_type
+    fresh = new_event_loop()
+    try:
+        assert type(fresh) is loop_type
+    finally:
+        fresh.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("serve_runtime", RUNTIMES)
+def test_narwhal_serve_process_names_its_runtime(serve_runtime, signum, fleet, tmp_path) -> None:
+    journal = tmp_path / "journal.jsonl"
+    config = tmp_path / "narwhal.toml"
+    config.write_text(serve_config(journal, prefill=fleet.prefill_urls, decode=fleet.decode_urls))
+    process = ServeProcess(config, serve_runtime).start()
+    try:
+        listening = process.wait_for_event("listening")
+        assert listening["runtime"] == serve_runtime
+        url = f"http://{listening['host']}:{listening['port']}"
+        answer = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"]
+        rid = answer.headers["x-request-id"]
+        assert process.proc is not None
+        process.proc.send_signal(signum)
+        assert process.wait(20) == 0, process.stderr_text()
+        events = [e.get("event") for e in process.events()]
+        assert "signal" in events and "drained" in events and events[-1] == "stopped", events
+        stopped = next(e for e in process.events() if e.get("event") == "stopped")
+        assert stopped["runtime"] == serve_runtime
+        assert terminals_by_rid(read_journal(journal))[rid]["terminal"] == "completed"
+    finally:
+        process.stop()

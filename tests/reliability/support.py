@@ -1,0 +1,504 @@
+"""Helpers of the reliability fault matrix (SPEC §3 KV ownership, §4, §5).
+
+Everything is synchronous and bounded: clients over real loopback sockets
+(httpx, and raw sockets for clients that leave), checks of what every
+scenario must leave behind — one terminal record per request, capacity back
+to zero, KV accounted for on the simulated engines — and a ``narwhal serve``
+subprocess for the signal scenarios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ..harness import MODEL, RouterThread, read_journal
+
+REPO = Path(__file__).resolve().parents[2]
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ROUTES = (COMPLETIONS, CHAT)
+
+#: The three ways a router may release unpulled KV (SPEC §3, ``engine.kv_release``).
+KV_MODES = ("abort_endpoint", "decode_abort", "lease")
+
+#: Upper bound of every wait in this suite; the scenarios normally settle in well under a second.
+WAIT = 10.0
+
+
+# ------------------------------------------------------------------- requests
+
+
+def body(route: str = COMPLETIONS, *, stream: bool = False, max_tokens: int = 4,
+         text: str = "The narwhal is a whale", **fields: Any) -> dict[str, Any]:
+    """A valid request body for ``route``."""
+    if route == COMPLETIONS:
+        out: dict[str, Any] = {"model": MODEL, "prompt": text}
+    else:
+        out = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    out["max_tokens"] = max_tokens
+    if stream:
+        out["stream"] = True
+    out.update(fields)
+    return out
+
+
+def post(router: RouterThread, route: str = COMPLETIONS, *, headers: Mapping[str, str] | None = None,
+         timeout: float = WAIT, **fields: Any) -> httpx.Response:
+    """POST a completion request and read the whole answer."""
+    return httpx.post(router.url + route, json=body(route, **fields), headers=dict(headers or {}),
+                      timeout=timeout)
+
+
+def rid_of(response: httpx.Response) -> str:
+    rid = response.headers.get("x-request-id")
+    assert rid, f"no x-request-id on {response.status_code}"
+    return rid
+
+
+def assert_envelope(response: httpx.Response, status: int, *, code: str | None, type: str = "server_error",
+                    retry_after: bool | None = None) -> dict[str, Any]:
+    """Check an OpenAI error envelope answer; return its ``error`` object."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    data = response.json()
+    assert set(data) == {"error"}, data
+    error = data["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert error["type"] == type, error
+    assert error["code"] == code, error
+    if retry_after is True:
+        value = response.headers.get("retry-after")
+        assert value is not None and value.isdigit(), response.headers
+    elif retry_after is False:
+        assert "retry-after" not in response.headers, response.headers
+    return error  # type: ignore[no-any-return]
+
+
+def sse_payloads(text: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking that every event is one well-formed ``data:`` line."""
+    assert text.endswith("\n\n"), text[-300:]
+    payloads = []
+    for event in text.split("\n\n")[:-1]:
+        lines = event.split("\n")
+        assert len(lines) == 1 and lines[0].startswith("data: "), repr(event)
+        payloads.append(lines[0][len("data: "):])
+    return payloads
+
+
+def _event_json(payload: str) -> Any:
+    try:
+        return json.loads(payload)
+    except ValueError:
+        raise AssertionError(f"an SSE event relayed to the client is not JSON: {payload!r}") from None
+
+
+def assert_completed_stream(text: str) -> list[dict[str, Any]]:
+    """A stream that ended normally: JSON chunks, then ``[DONE]`` last; returns the chunks."""
+    payloads = sse_payloads(text)
+    assert payloads and payloads[-1] == "[DONE]", payloads[-3:]
+    chunks = [_event_json(p) for p in payloads[:-1]]
+    assert all(isinstance(c, dict) and "error" not in c for c in chunks), chunks
+    return chunks
+
+
+def assert_error_stream(text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A stream cut by a failure (SPEC §4): chunks, then ONE ``data: {"error": {...}}`` event that ends it.
+
+    Returns the chunks before the error and the error object.
+    """
+    payloads = sse_payloads(text)
+    if payloads and payloads[-1] == "[DONE]":  # tolerated after the error event, never before it
+        payloads = payloads[:-1]
+    assert "[DONE]" not in payloads, payloads
+    events = [_event_json(p) for p in payloads]
+    assert all(isinstance(e, dict) for e in events), events
+    errors = [i for i, e in enumerate(events) if "error" in e]
+    assert errors == [len(events) - 1], f"want exactly one error event, last: {payloads}"
+    envelope = events[-1]
+    assert set(envelope) == {"error"}, envelope
+    error = envelope["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert error["type"] == "server_error", error
+    return events[:-1], error
+
+
+class StreamClient:
+    """A streamed request read as it arrives (httpx), so a test can act between chunks."""
+
+    def __init__(self, router: RouterThread, route: str = COMPLETIONS, *,
+                 headers: Mapping[str, str] | None = None, timeout: float = WAIT, **fields: Any) -> None:
+        self._client = httpx.Client(timeout=timeout)
+        self._cm = self._client.stream("POST", router.url + route, json=body(route, stream=True, **fields),
+                                       headers=dict(headers or {}))
+        self.response = self._cm.__enter__()
+        self._iter = self.response.iter_raw()
+        self.text = ""
+
+    @property
+    def status(self) -> int:
+        return self.response.status_code
+
+    @property
+    def rid(self) -> str:
+        return rid_of(self.response)
+
+    def read_events(self, count: int) -> str:
+        """Read until at least ``count`` whole SSE events arrived."""
+        while self.text.count("\n\n") < count:
+            self.text += next(self._iter).decode()
+        return self.text
+
+    def read_all(self) -> str:
+        for piece in self._iter:
+            self.text += piece.decode()
+        return self.text
+
+    def close(self) -> None:
+        try:
+            self._cm.__exit__(None, None, None)
+        finally:
+            self._client.close()
+
+
+# ------------------------------------------------------------------ raw clients
+
+
+class RawClient:
+    """A completion request on a plain socket: send it, maybe read a little, then just close."""
+
+    def __init__(self, router: RouterThread, route: str = COMPLETIONS, *,
+                 headers: Sequence[tuple[str, str]] = (), **fields: Any) -> None:
+        data = json.dumps(body(route, **fields)).encode()
+        head = [f"POST {route} HTTP/1.1", "host: 127.0.0.1", "content-type: application/json",
+                f"content-length: {len(data)}", *(f"{n}: {v}" for n, v in headers)]
+        assert router.address is not None
+        self.sock = socket.create_connection(router.address, timeout=WAIT)
+        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+        self.received = b""
+
+    def read_until(self, marker: bytes, count: int = 1) -> bytes:
+        """Read until ``marker`` occurs ``count`` times in what was received."""
+        while self.received.count(marker) < count:
+            data = self.sock.recv(65536)
+            if not data:
+                raise EOFError(self.received[:500])
+            self.received += data
+        return self.received
+
+    @property
+    def rid(self) -> str:
+        head = self.read_until(b"\r\n\r\n").split(b"\r\n\r\n")[0].decode("latin-1")
+        for line in head.split("\r\n")[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "x-request-id":
+                return value.strip()
+        raise AssertionError(f"no x-request-id in {head!r}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# ---------------------------------------------------------------- the journal
+
+
+def terminal_of(journal_path: str | os.PathLike[str], rid: str, timeout: float = WAIT) -> dict[str, Any]:
+    """The terminal record of ``rid`` once written; it must be its only terminal record and its last record."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [r for r in read_journal(journal_path) if r.get("rid") == rid]
+        terminals = [r for r in records if r.get("terminal") is not None]
+        if terminals:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no terminal record for {rid}: {records}")
+        time.sleep(0.01)
+    assert len(terminals) == 1, terminals
+    assert records[-1] is terminals[0], records
+    return terminals[0]
+
+
+def wait_terminal_count(journal_path: str | os.PathLike[str], count: int,
+                        timeout: float = WAIT) -> list[dict[str, Any]]:
+    """Wait until the journal holds ``count`` terminal records; return every record."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_journal(journal_path)
+        n = sum(1 for r in records if r.get("terminal") is not None)
+        if n >= count:
+            return records
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n} terminal records, wanted {count}: {records}")
+        time.sleep(0.01)
+
+
+def only_terminals(journal_path: str | os.PathLike[str], count: int, timeout: float = WAIT) -> dict[str, dict[str, Any]]:
+    """Wait for ``count`` terminal records: every rid has exactly one, and it is its last record (SPEC §5)."""
+    records = wait_terminal_count(journal_path, count, timeout)
+    out: dict[str, dict[str, Any]] = {}
+    seen: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        seen.setdefault(record["rid"], []).append(record)
+    for rid, rs in seen.items():
+        terminals = [r for r in rs if r.get("terminal") is not None]
+        assert len(terminals) == 1, (rid, rs)
+        assert rs[-1] is terminals[0], (rid, rs)
+        out[rid] = terminals[0]
+    assert len(out) == count, (count, out)
+    return out
+
+
+def assert_failed(record: dict[str, Any], *, code: str, leg: str | None, engine: str | None,
+                  status: int, terminal: str = "failed") -> None:
+    """A terminal record that names its error, failing leg and engine (SPEC §4, §5)."""
+    assert record["terminal"] == terminal, record
+    assert record["status"] == status, record
+    error = record["error"]
+    assert error is not None and error["code"] == code, record
+    assert error["leg"] == leg, error
+    assert error["engine"] == engine, error
+
+
+def assert_backend_ids(record: dict[str, Any]) -> None:
+    """Each leg's backend ID is ``<rid>-p<n>`` / ``<rid>-d<n>`` and names exactly one attempt (SPEC §3 IDs)."""
+    rid = record["rid"]
+    seen = set()
+    for leg in record["legs"]:
+        letter = {"prefill": "p", "decode": "d"}[leg["phase"]]
+        assert leg["backend_id"] == f"{rid}-{letter}{leg['attempt']}", leg
+        assert leg["backend_id"] not in seen, record["legs"]
+        seen.add(leg["backend_id"])
+        kv = leg["kv"]
+        if kv is not None and kv.get("release_id"):
+            assert kv["release_id"] not in seen, record["legs"]
+            seen.add(kv["release_id"])
+
+
+# ------------------------------------------------------------------- capacity
+
+
+def assert_idle(router: RouterThread, timeout: float = WAIT) -> Any:
+    """Every request, leg, slot and queue place is given back (SPEC §4); return the statistics."""
+    stats = router.wait_idle(timeout)
+    assert stats.requests == 0 and stats.inflight == 0 and stats.queued == 0 and stats.legs == 0, stats
+    assert all(n == 0 for n in stats.engine_outstanding.values()), stats.engine_outstanding
+    return stats
+
+
+# -------------------------------------------------------------------------- KV
+
+
+def kv_counts(sim: Any) -> dict[str, int]:
+    s = sim.stats()
+    return {k: s[k] for k in ("kv_held", "kv_held_total", "kv_pulled", "kv_released", "kv_expired")}
+
+
+def wait_kv(sim: Any, predicate: Callable[[dict[str, Any]], bool], timeout: float = WAIT) -> dict[str, Any]:
+    return sim.wait_for(predicate, timeout=timeout)  # type: ignore[no-any-return]
+
+
+def prefill_kv_legs(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The prefill legs that left KV on their engine (they returned KV params)."""
+    return [leg for leg in record["legs"] if leg["phase"] == "prefill" and leg["kv"] is not None]
+
+
+def assert_unpulled_kv(record: dict[str, Any], leg: dict[str, Any], mode: str) -> None:
+    """The journal's outcome for KV a prefill leg left and no decode leg pulled (SPEC §3)."""
+    kv = leg["kv"]
+    assert kv is not None, leg
+    assert kv["owner"].startswith(leg["backend_id"]), kv  # the engine's key: the backend ID plus its suffix
+    assert kv["engine"] == leg["engine"], kv
+    if mode == "lease":
+        assert kv["outcome"] == "held_until_lease", kv
+        assert kv["method"] == "lease", kv
+    else:
+        assert kv["outcome"] == "released", kv
+        assert kv["method"] == mode, kv
+        assert kv["error"] is None, kv
+        if mode == "decode_abort":
+            assert kv["release_id"] is not None and kv["release_id"].startswith(record["rid"] + "-d"), kv
+
+
+def assert_kv_settled(prefill_sims: Iterable[Any], mode: str | None, *, unpulled: int = 0,
+                      expire: bool = True, timeout: float = WAIT) -> None:
+    """Every KV owner the prefill engines took is accounted for; none expired unless ``mode`` is ``lease``.
+
+    ``unpulled`` is how many owners no decode leg pulled. Under
+    ``abort_endpoint`` / ``decode_abort`` the router released each of them, so
+    ``kv_released`` grew by exactly that and ``kv_expired`` stayed 0. Under
+    ``lease`` (prefill sims with a short lease) the router could do nothing:
+    they expired (``expire=False`` where a decode engine's own abort may free
+    them first).
+    """
+    sims = list(prefill_sims)
+    for sim in sims:
+        wait_kv(sim, lambda s: s["kv_held"] == 0, timeout)
+    totals = [kv_counts(s) for s in sims]
+    for t in totals:
+        assert t["kv_held_total"] == t["kv_pulled"] + t["kv_released"] + t["kv_expired"], t
+    released = sum(t["kv_released"] for t in totals)
+    expired = sum(t["kv_expired"] for t in totals)
+    if mode == "lease":
+        assert released + expired == unpulled, totals
+        if expire:
+            assert expired == unpulled, totals
+    else:
+        assert expired == 0, totals
+        assert released == unpulled, totals
+
+
+# -------------------------------------------------------------------- polling
+
+
+def poll(predicate: Callable[[], Any], *, timeout: float = WAIT, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout} s (last: {value!r})")
+        time.sleep(0.01)
+
+
+def wait_sim_finished(sim: Any, request_id: str, timeout: float = WAIT) -> dict[str, Any]:
+    """Wait until the engine is done with the request it received as ``request_id``; its record."""
+    def done() -> dict[str, Any] | None:
+        found = [r for r in sim.requests() if r["request_id"] == request_id]
+        return found[0] if found and found[0]["duration_ms"] is not None else None
+    return poll(done, timeout=timeout, what=f"engine done with {request_id}")  # type: ignore[no-any-return]
+
+
+def sim_requests(sim: Any, *, route: str | None = None) -> list[dict[str, Any]]:
+    """Completion requests a sim received (releases included), oldest first."""
+    return [r for r in sim.requests() if r["path"].split("?")[0] in ((route,) if route else ROUTES)]
+
+
+# --------------------------------------------------------- narwhal serve process
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def write_config(path: Path, journal: Path, *, prefill: Sequence[str], decode: Sequence[str],
+                 **sections: Mapping[str, Any]) -> Path:
+    """A ``narwhal serve`` config file: loopback, port 0, fast probes, fsync always."""
+    base: dict[str, dict[str, Any]] = {
+        "model": {"name": MODEL},
+        "ingress": {"listen": "127.0.0.1:0", "auth": "none"},
+        "engine": {"prefill": list(prefill), "decode": list(decode)},
+        "health": {"probe_interval_s": 0.2, "probe_timeout_s": 1.0},
+        "journal": {"path": os.fspath(journal), "fsync": "always"},
+        "shutdown": {"grace_s": 20.0},
+    }
+    for name, keys in sections.items():
+        base.setdefault(name, {}).update(keys)
+    lines = []
+    for name, keys in base.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+class ServeProcess:
+    """``narwhal serve --config FILE --runtime R`` as a subprocess; its stderr read line by line."""
+
+    def __init__(self, config_path: Path, runtime: str) -> None:
+        self.args = [sys.executable, "-m", "narwhal.cli", "serve", "--config", os.fspath(config_path),
+                     "--runtime", runtime]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._eof = False
+        self.address: tuple[str, int] | None = None
+
+    def start(self, timeout: float = 20.0) -> ServeProcess:
+        self.proc = subprocess.Popen(self.args, cwd=REPO, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        threading.Thread(target=self._pump, name="narwhal-serve-stderr", daemon=True).start()
+        listening = self.wait_for_event("listening", timeout)
+        self.address = (str(listening["host"]), int(listening["port"]))
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.address is not None
+        return f"http://{self.address[0]}:{self.address[1]}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            with self._cond:
+                self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        with self._cond:
+            lines = list(self.lines)
+        for line in lines:
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                yield value
+
+    def wait_for_event(self, name: str, timeout: float = WAIT) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for event in self.events():
+                    if event.get("event") == name:
+                        return event
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    raise TimeoutError(f"no {name!r} line on stderr; got: {self.lines}")
+                self._cond.wait(left)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def run_journal_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[bytes]:
+    """``narwhal journal ARGS`` as a subprocess."""
+    return subprocess.run([sys.executable, "-m", "narwhal.cli", "journal", *args], cwd=REPO,
+                          capture_output=True, timeout=timeout, check=False)

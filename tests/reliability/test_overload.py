@@ -1,0 +1,106 @@
+"""Fault matrix: overload beyond the queue, and the per-client limit (SPEC §4).
+
+A prefill engine that takes 1.5 s per leg keeps the admitted request busy;
+``admission.max_inflight`` / ``queue_size`` / ``queue_timeout_s`` then decide
+the others: a full queue answers 503 at once, a queued request that waits
+too long answers 503, both with ``Retry-After`` and ``terminal: "rejected"``.
+A client over ``per_client_max_inflight`` gets 429 while another client is
+served.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+
+from .support import (
+    assert_envelope,
+    assert_idle,
+    assert_kv_settled,
+    only_terminals,
+    poll,
+    post,
+    rid_of,
+)
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # surfaced by the test
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _answer(thread: threading.Thread, box: list[Any]) -> httpx.Response:
+    thread.join(15)
+    assert box, "request did not finish"
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]  # type: ignore[no-any-return]
+
+
+def test_overload_beyond_the_queue(start_router, make_fleet, journal_path) -> None:
+    fleet = make_fleet(prefill=[{"delay_s": 1.5}], decode=[{}])
+    router = start_router(fleet_=fleet, admission={"max_inflight": 1, "queue_size": 1, "queue_timeout_s": 0.3})
+
+    first = _in_thread(lambda: post(router))
+    poll(lambda: router.statistics().inflight == 1, what="first request admitted")
+    queued = _in_thread(lambda: post(router))
+    poll(lambda: router.statistics().queued == 1, what="second request queued")
+
+    # The queue is full: refused at once.
+    full = post(router)
+    assert_envelope(full, 503, code="overloaded", retry_after=True)
+    # The queued one waits 0.3 s for a slot that stays busy for 1.5 s.
+    timed_out = _answer(*queued)
+    assert_envelope(timed_out, 503, code="overloaded", retry_after=True)
+    served = _answer(*first)
+    assert served.status_code == 200, served.text
+
+    records = only_terminals(journal_path, 3)
+    for answer in (full, timed_out):
+        record = records[rid_of(answer)]
+        assert record["terminal"] == "rejected", record
+        assert record["status"] == 503 and record["error"]["code"] == "overloaded", record
+        assert record["legs"] == [], record
+    assert records[rid_of(served)]["terminal"] == "completed"
+    assert_idle(router)
+    assert_kv_settled(fleet.prefill, None)
+
+
+def test_per_client_limit_answers_429(start_router, make_fleet, journal_path) -> None:
+    fleet = make_fleet(prefill=[{"delay_s": 1.5}], decode=[{}])
+    router = start_router(
+        fleet_=fleet,
+        ingress={"auth": "trusted_header", "trusted_proxies": ("127.0.0.0/8",)},
+        admission={"per_client_max_inflight": 1},
+    )
+    alice = {"x-narwhal-client": "alice"}
+    bob = {"x-narwhal-client": "bob"}
+
+    first = _in_thread(lambda: post(router, headers=alice))
+    poll(lambda: router.statistics().inflight == 1, what="alice's first request admitted")
+    other = _in_thread(lambda: post(router, headers=bob))
+    poll(lambda: router.statistics().inflight == 2, what="bob's request admitted")
+
+    limited = post(router, headers=alice)
+    assert_envelope(limited, 429, code="rate_limited", type="rate_limit_error", retry_after=True)
+    for answer in (_answer(*first), _answer(*other)):
+        assert answer.status_code == 200, answer.text
+
+    records = only_terminals(journal_path, 3)
+    record = records[rid_of(limited)]
+    assert record["terminal"] == "rejected" and record["status"] == 429, record
+    assert record["client"] == "alice" and record["legs"] == [], record
+    assert sorted(r["client"] for r in records.values() if r["terminal"] == "completed") == ["alice", "bob"]
+    assert_idle(router)
+    assert_kv_settled(fleet.prefill, None)

@@ -1,0 +1,498 @@
+"""Helpers of the security suite: hostile clients, fake engines, and what they leave behind.
+
+Everything is synchronous and bounded by explicit timeouts:
+
+* :class:`RawClient` -- one loopback socket that sends bytes as they are
+  (smuggling shapes, slow bytes, resets) and reads whatever responses come
+  back until the router closes the connection;
+* :func:`assert_still_serves` -- the check every hostile test ends with: a
+  normal request on a *new* connection gets its answer and its journal
+  record;
+* :class:`FakeEngine` -- a tiny threaded HTTP server on loopback whose
+  answers a test scripts (a forging prefill engine, an echoing engine) and
+  which records what it received;
+* :class:`Canary` -- a listener that only counts connections, to prove that
+  nothing a client sends makes Narwhal connect somewhere else;
+* :class:`LogCapture` -- the router's process log, in memory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+import narwhal.log
+from narwhal_core.auth import api_key_digest
+
+from ..harness import MODEL, read_journal
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+COMPLETION_PATHS = (COMPLETIONS, CHAT)
+
+#: Header names Narwhal may write on a leg; anything else would be forwarded client state.
+LEG_HEADERS = frozenset({"host", "content-type", "content-length", "x-request-id", "authorization"})
+
+#: SPEC §3.1: what the prefill leg asks of the engine.
+PREFILL_KV_REQUEST = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+
+
+def write_keys_file(path: Path, keys: dict[str, str]) -> Path:
+    """An api_keys file (SPEC §6) for ``{client: key}``: SHA-256 digests only."""
+    path.write_text("".join(
+        f'[[keys]]\nclient = "{client}"\nsha256 = "{api_key_digest(key)}"\n\n' for client, key in keys.items()
+    ))
+    return path
+
+
+def body_for(route: str, text: str = "The narwhal is", **fields: Any) -> dict[str, Any]:
+    """A minimal valid body for ``route``."""
+    if route == CHAT:
+        return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
+    return {"model": MODEL, "prompt": text, **fields}
+
+
+def request_bytes(
+    method: str,
+    target: str,
+    body: bytes | None = None,
+    *,
+    headers: Sequence[tuple[str, str]] = (),
+    version: str = "HTTP/1.1",
+) -> bytes:
+    """A well-formed request: ``host`` and, for a body, ``content-length`` are added."""
+    lines = [f"{method} {target} {version}", "host: 127.0.0.1"]
+    names = {n.lower() for n, _ in headers}
+    if body is not None and "content-length" not in names and "transfer-encoding" not in names:
+        lines.append(f"content-length: {len(body)}")
+    lines += [f"{n}: {v}" for n, v in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+
+
+def json_post(route: str, payload: Any, headers: Sequence[tuple[str, str]] = ()) -> bytes:
+    """A POST of ``payload`` (bytes are sent as they are)."""
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return request_bytes("POST", route, body, headers=[("content-type", "application/json"), *headers])
+
+
+# ------------------------------------------------------------ raw client
+
+
+@attrs.define
+class Response:
+    """One HTTP/1.x response as read off the socket."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        for n, v in self.headers:
+            if n == name:
+                return v
+        return None
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Closed(Exception):
+    """The router closed the connection (EOF or reset)."""
+
+
+class RawClient:
+    """One client socket that sends exactly the bytes it is given."""
+
+    def __init__(self, address: tuple[str, int], *, timeout: float = 10.0, source: str | None = None) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        if source is not None:
+            self.sock.bind((source, 0))
+        self.sock.connect(address)
+        self._buf = b""
+        self.closed = False
+        #: Every byte the router sent on this connection.
+        self.received = bytearray()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def reset(self) -> None:
+        """Abort the connection with a TCP RST (SO_LINGER 0), as a crashing client would."""
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
+
+    def send(self, data: bytes) -> bool:
+        """Send ``data``; False when the router already closed the connection."""
+        try:
+            self.sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.closed = True
+            return False
+        return True
+
+    def _fill(self, deadline: float | None = None) -> None:
+        if deadline is not None:
+            self.sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            data = self.sock.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            data = b""
+        if not data:
+            self.closed = True
+            raise Closed(self._buf[:200])
+        self.received += data
+        self._buf += data
+
+    def _take_until(self, marker: bytes) -> bytes:
+        while marker not in self._buf:
+            self._fill()
+        head, _, self._buf = self._buf.partition(marker)
+        return head
+
+    def _take(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            self._fill()
+        out, self._buf = self._buf[:n], self._buf[n:]
+        return out
+
+    def read_response(self, *, head_request: bool = False) -> Response:
+        """One whole response (raises :class:`Closed` if the connection ends first)."""
+        head = self._take_until(b"\r\n\r\n").decode("latin-1")
+        status_line, *lines = head.split("\r\n")
+        version, status, *_ = status_line.split(" ", 2)
+        assert version in ("HTTP/1.1", "HTTP/1.0"), status_line
+        headers = []
+        for line in lines:
+            name, _, value = line.partition(":")
+            headers.append((name.strip().lower(), value.strip()))
+        response = Response(status=int(status), headers=headers, body=b"")
+        if 100 <= response.status < 200 or response.status in (204, 304) or head_request:
+            return response
+        length = response.header("content-length")
+        if response.header("transfer-encoding") == "chunked":
+            body = b""
+            while True:
+                size = int(self._take_until(b"\r\n").split(b";")[0], 16)
+                if size == 0:
+                    self._take_until(b"\r\n")
+                    break
+                body += self._take(size)
+                assert self._take(2) == b"\r\n"
+            response.body = body
+        elif length is not None:
+            response.body = self._take(int(length))
+        else:
+            while True:
+                try:
+                    self._fill()
+                except Closed:
+                    break
+            response.body, self._buf = self._buf, b""
+        return response
+
+    def read_all(self, timeout: float = 5.0) -> list[Response]:
+        """Every response until the router closes the connection; TimeoutError if it never does."""
+        deadline = time.monotonic() + timeout
+        out = []
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                out.append(self.read_response())
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"connection still open after {timeout} s; got {out}")
+        except Closed:
+            return out
+        except (TimeoutError, socket.timeout):
+            raise TimeoutError(f"connection still open after {timeout} s; got {out}, unread {self._buf[:200]!r}")
+
+    def wait_closed(self, timeout: float) -> bytes:
+        """Wait for EOF/reset, returning what arrived meanwhile; TimeoutError if the socket stays open."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"connection still open after {timeout} s")
+            try:
+                self._fill(deadline)
+            except Closed:
+                return self._buf
+            except (TimeoutError, socket.timeout):
+                raise TimeoutError(f"connection still open after {timeout} s; got {self._buf[:200]!r}")
+
+
+def exchange(address: tuple[str, int], data: bytes, *, timeout: float = 5.0) -> list[Response]:
+    """Send ``data`` on a new connection, half-close nothing, and read until the router closes."""
+    with RawClient(address, timeout=timeout) as client:
+        client.send(data)
+        return client.read_all(timeout)
+
+
+# ---------------------------------------------------------------- journal
+
+
+def poll(predicate: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.01, what: str = "condition") -> Any:
+    """Call ``predicate`` until it returns something truthy; that value, or TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout} s (last: {value!r})")
+        time.sleep(interval)
+
+
+def journal_terminal(journal_path: str | os.PathLike[str], rid: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The one terminal record of ``rid``, which must also be its last record (SPEC §5)."""
+
+    def find() -> list[dict[str, Any]] | None:
+        records = [r for r in read_journal(journal_path) if r.get("rid") == rid]
+        return records if any(r.get("terminal") is not None for r in records) else None
+
+    records = poll(find, timeout=timeout, what=f"terminal record of {rid}")
+    terminals = [r for r in records if r.get("terminal") is not None]
+    assert len(terminals) == 1, terminals
+    assert records[-1] is terminals[0], records
+    return terminals[0]
+
+
+def terminal_records(journal_path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    return [r for r in read_journal(journal_path) if r.get("terminal") is not None]
+
+
+def assert_journal_consistent(journal_path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """Every rid in the journal has exactly one terminal record, and it is its last (SPEC §5)."""
+    last: dict[str, dict[str, Any]] = {}
+    terminal: dict[str, dict[str, Any]] = {}
+    for record in read_journal(journal_path):
+        rid = record["rid"]
+        assert rid not in terminal, f"a record after the terminal record of {rid}: {record}"
+        last[rid] = record
+        if record.get("terminal") is not None:
+            terminal[rid] = record
+    assert set(last) == set(terminal), f"rids without a terminal record: {set(last) - set(terminal)}"
+    return terminal
+
+
+def assert_still_serves(
+    address: tuple[str, int],
+    journal_path: str | os.PathLike[str],
+    *,
+    headers: Sequence[tuple[str, str]] = (),
+    timeout: float = 10.0,
+) -> dict[str, Any]:
+    """A normal request on a new connection is answered 200 and journaled ``completed``."""
+    with RawClient(address, timeout=timeout) as client:
+        client.send(json_post(COMPLETIONS, body_for(COMPLETIONS, max_tokens=2), headers))
+        response = client.read_response()
+    assert response.status == 200, (response.status, response.body[:300])
+    assert response.json()["object"] == "text_completion"
+    rid = response.header("x-request-id")
+    assert rid
+    record = journal_terminal(journal_path, rid)
+    assert record["terminal"] == "completed", record
+    return record
+
+
+def assert_envelope(response: Response, status: int, *, type: Any = "invalid_request_error",
+                    code: Any = ..., param: Any = ...) -> dict[str, Any]:
+    """An OpenAI error envelope (SPEC §2.1) with ``status``; returns its ``error`` object."""
+    assert response.status == status, (response.status, response.body[:300])
+    assert (response.header("content-type") or "").startswith("application/json"), response.headers
+    data = response.json()
+    assert set(data) == {"error"}, data
+    error = data["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    if type is not ...:
+        assert error["type"] == type, error
+    if code is not ...:
+        assert error["code"] == code, error
+    if param is not ...:
+        assert error["param"] == param, error
+    return error  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------- engines
+
+
+def completion_records(engines: Iterable[Any]) -> list[dict[str, Any]]:
+    """The completion requests the simulated ``engines`` received (probes and releases left out)."""
+    out: list[dict[str, Any]] = []
+    for engine in engines:
+        out.extend(r for r in engine.requests() if r["path"].split("?")[0] in COMPLETION_PATHS)
+    return out
+
+
+def header_names(record: Mapping[str, Any]) -> list[str]:
+    return [name.lower() for name, _ in record["headers"]]
+
+
+def header_values(record: Mapping[str, Any], name: str) -> list[str]:
+    return [value for n, value in record["headers"] if n.lower() == name]
+
+
+@attrs.define
+class Received:
+    """One request a :class:`FakeEngine` received."""
+
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+#: A fake engine's answer: (status, content-type, body bytes).
+Answer = tuple[int, str, bytes]
+
+
+class FakeEngine:
+    """A threaded HTTP/1.1 server on loopback whose answers come from ``handler(received)``.
+
+    ``GET /health`` answers 200 unless the handler says otherwise. Every
+    request is recorded in :attr:`received`.
+    """
+
+    def __init__(self, handler: Callable[[Received], Answer]) -> None:
+        self.handler = handler
+        self.received: list[Received] = []
+        self._lock = threading.Lock()
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - silence
+                pass
+
+            def _serve(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length) if length else b""
+                received = Received(self.command, self.path, list(self.headers.items()), body)
+                with engine._lock:
+                    engine.received.append(received)
+                if self.command == "GET" and self.path == "/health":
+                    status, ctype, data = 200, "application/json", b"{}"
+                else:
+                    status, ctype, data = engine.handler(received)
+                self.send_response(status)
+                self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _serve
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-engine", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def completions(self) -> list[Received]:
+        with self._lock:
+            return [r for r in self.received if r.path.split("?")[0] in COMPLETION_PATHS]
+
+    def __enter__(self) -> FakeEngine:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class Canary:
+    """A loopback listener that counts the connections made to it (and answers none)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.05)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="canary", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, socket.timeout, OSError):
+                continue
+            self.connections += 1
+            conn.close()
+
+    def __enter__(self) -> Canary:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+# ------------------------------------------------------------ process log
+
+
+class _LockedBytes(io.RawIOBase):
+    def __init__(self) -> None:
+        self._data = bytearray()
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        with self._lock:
+            self._data += bytes(b)
+        return len(b)
+
+    def getvalue(self) -> bytes:
+        with self._lock:
+            return bytes(self._data)
+
+
+class LogCapture:
+    """The router's process log (``narwhal.log``) captured in memory, thread-safely."""
+
+    def __init__(self) -> None:
+        self.stream = _LockedBytes()
+
+    def __enter__(self) -> LogCapture:
+        narwhal.log.set_stream(self.stream)  # type: ignore[arg-type]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        narwhal.log.set_stream(None)
+
+    def text(self) -> str:
+        return self.stream.getvalue().decode("utf-8", "replace")
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.text().splitlines() if line.strip()]
