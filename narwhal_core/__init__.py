@@ -44,6 +44,7 @@ from .events import (
     WriteJournal,
 )
 from .http1 import H11_CODEC, Codec
+from .http1_fast import FAST_CODEC
 from .ids import RidSource, backend_id, parse_backend_id
 from .router import Router, RouterStatistics
 
@@ -51,7 +52,7 @@ __all__ = [
     "AcceptedRequest", "ApiKeys", "AuthError", "Authenticator", "AuthenticatorChanged",
     "CancelLeg", "ClientConnected", "ClientData", "ClientGone", "CloseClient", "Codec",
     "Command", "Config", "ConfigError", "ContractError", "ControlDone", "EngineAddress",
-    "Event", "FinishLeg", "H11_CODEC", "JournalHealth", "LegData", "LegFailed",
+    "Event", "FAST_CODEC", "FinishLeg", "H11_CODEC", "JournalHealth", "LegData", "LegFailed",
     "LocalProtocolError", "Log", "NarwhalError", "ProtocolError", "RemoteProtocolError",
     "RidSource", "Router", "RouterStatistics", "ShutdownComplete", "ShutdownRequested",
     "StartControl", "StartLeg", "TransitionError", "Transmit", "WriteJournal",

@@ -141,7 +141,7 @@ def check_request(route: Route, body: bytes, model_names: Collection[str], model
                 raise _fail('only tools of type "function" are supported', f"tools[{i}].type")
     # Strip router-owned fields and install the configured model, in place so
     # that every other key keeps its position.
-    stripped = tuple(k for k in data if is_router_owned(k))
+    stripped = tuple(k for k in data if k in ROUTER_OWNED_FIELDS or k.startswith(_ROUTER_OWNED_PREFIXES))
     for key in stripped:
         del data[key]
     data["model"] = model

@@ -216,4 +216,4 @@ class TerminalRecord:
 
 def encode(record: ProgressRecord | TerminalRecord) -> bytes:
     """One journal line: the record as compact JSON and a newline."""
-    return wire.dumps(record.to_json()) + b"\n"
+    return wire.dumps_line(record.to_json())

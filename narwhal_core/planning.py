@@ -120,6 +120,7 @@ def check_prefill_answer(
     so a forged answer cannot point a decode engine elsewhere.
     """
     try:
+        # Exact decoding: the KV params go on to the decode leg verbatim.
         answer = wire.loads(body)
     except wire.JsonError as exc:
         raise PrefillAnswerError(f"prefill answer is not JSON: {exc}") from None
@@ -207,7 +208,7 @@ def engine_error(status: int, body: bytes) -> NarwhalError:
     param = None
     code = None
     try:
-        data = wire.loads(body)
+        data = wire.loads_answer(body)
     except wire.JsonError:
         data = None
     if isinstance(data, dict):
@@ -262,6 +263,8 @@ class SseRelay:
     usage: dict[str, Any] | None = None
     #: Number of events relayed.
     events: int = 0
+    #: When :meth:`feed` raised: the good events it had before the bad one.
+    good_before_error: bytes = b""
 
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return complete, normalised events to send to the client."""
@@ -280,15 +283,21 @@ class SseRelay:
         self._buffer = buf[end + 1 :]
         out = []
         lines = self._lines
-        for line in buf[:end].split(b"\n"):
-            if line:
-                lines.append(line)
-                self._check_size(len(line))
-            elif lines:
-                out.append(self._event(lines))
-                lines.clear()
-                self._event_size = 0
-        self._check_size(len(self._buffer))
+        try:
+            for line in buf[:end].split(b"\n"):
+                if line:
+                    lines.append(line)
+                    self._check_size(len(line))
+                elif lines:
+                    out.append(self._event(lines))
+                    lines.clear()
+                    self._event_size = 0
+            self._check_size(len(self._buffer))
+        except NarwhalError:
+            # The events before the bad one are relayed all the same, however
+            # the engine's bytes happened to be split into reads.
+            self.good_before_error = b"".join(out)
+            raise
         return b"".join(out)
 
     def _check_size(self, more: int) -> None:
@@ -310,7 +319,7 @@ class SseRelay:
             self.done = True
             return b"".join(line + b"\n" for line in others) + b"data: [DONE]\n\n"
         try:
-            obj = wire.loads(payload)
+            obj = wire.loads_answer(payload)
         except wire.JsonError:
             # Never relay what the engine garbled: the leg has failed.
             raise NarwhalError("the engine sent an event that is not JSON", status=502,

@@ -51,7 +51,6 @@ from .events import (
 )
 from .fleet import Admission, EngineState, Fleet
 from .http1 import (
-    H11_CODEC,
     NEED_DATA,
     BodyData,
     Codec,
@@ -63,6 +62,7 @@ from .http1 import (
     ResponseHead,
     ServerCodec,
 )
+from .http1_fast import FAST_CODEC
 from .ids import DECODE, PREFILL, Phase, backend_id, sanitize_client_rid
 from .journal import ErrorRecord, KvRecord, LegOutcome, LegRecord, Terminal
 from .lifecycle import TRANSITIONS, Input, State
@@ -238,7 +238,7 @@ class Router:
         engine_api_key: str | None = None,
         wall_offset: float = 0.0,
         now: float = 0.0,
-        codec: Codec = H11_CODEC,
+        codec: Codec = FAST_CODEC,
         render_metrics: Callable[[Router], bytes] | None = None,
     ) -> None:
         self.config: Final = config
@@ -867,10 +867,14 @@ class Router:
         if req.state is State.QUEUED:
             self.admission.leave_queue(req.rid, req.client)
         leg = req.leg
-        if leg is not None and leg.phase == PREFILL and leg.open and self.config.engine.kv_release != "lease":
-            # Closing the leg now races the engine's answer: an engine that
-            # already prefilled would keep the KV until its lease ran out. Let
-            # the leg finish (its timeout bounds the wait) and release its KV.
+        if (
+            leg is not None and leg.phase == PREFILL and leg.open and leg.got_bytes
+            and self.config.engine.kv_release != "lease"
+        ):
+            # The prefill's answer is already arriving: the engine has done the
+            # work and holds the KV, so cancelling saves nothing and would strand
+            # the KV until its lease. Read the answer (its timeout bounds the
+            # wait) and release the KV it names. Otherwise the leg is cancelled.
             leg.orphan = True
             req.leg = None
             req.pending_releases += 1
@@ -979,6 +983,7 @@ class Router:
     def _after_answer(self, req: _Request) -> State:
         """The client has its answer (or is gone): free the slot; the record waits for KV."""
         req.answered = True
+        req.waiting_for_slot = False
         if req.admitted:
             req.admitted = False
             self.admission.release(req.client)
@@ -1087,6 +1092,8 @@ class Router:
         )
 
     def _leg_data(self, leg: _Leg, data: bytes) -> None:
+        if data:
+            leg.got_bytes = True  # the engine saw the request: never re-send it
         codec = leg.codec
         codec.receive_data(data)
         req = self._requests[leg.rid]
@@ -1098,7 +1105,6 @@ class Router:
                 return
             if event is NEED_DATA:
                 return
-            leg.got_bytes = True
             if isinstance(event, BodyData):
                 if leg.streaming:
                     self._relay(req, leg, event.data)
@@ -1133,11 +1139,15 @@ class Router:
         try:
             out = relay.feed(data)
         except NarwhalError:
+            if relay.good_before_error:
+                self._relay_out(req, relay.good_before_error)
             self._leg_broke(leg, "bad_response")
             return
         self._leg_deadline(leg, self._now + self.config.engine.stream_idle_timeout_s)
-        if not out:
-            return
+        if out:
+            self._relay_out(req, out)
+
+    def _relay_out(self, req: _Request, out: bytes) -> None:
         conn = self._live_conn(req)
         if conn is None:
             return
@@ -1183,7 +1193,7 @@ class Router:
                     self._fire(req, Input.LEG_FAILED, reason="bad_response", leg=leg)
             else:
                 try:
-                    answer = wire.loads(body)
+                    answer = wire.loads_answer(body)
                 except wire.JsonError:
                     answer = None
                 if not isinstance(answer, dict):
@@ -1227,7 +1237,12 @@ class Router:
         waiters = self._slot_waiters[phase]
         while waiters:
             req = self._requests.get(waiters.popleft())
-            if req is not None and req.waiting_for_slot and req.retry_phase == phase:
+            if (
+                req is not None
+                and req.waiting_for_slot
+                and req.retry_phase == phase
+                and req.state in (State.PREFILL_WAIT, State.DECODE_WAIT)
+            ):
                 self._fire(req, Input.WAKE)
                 return
 
@@ -1393,7 +1408,7 @@ class Router:
         self._draining = True
         self._log("draining", requests=len(self._requests))
         for conn in list(self._conns.values()):
-            if conn.rid is None and not conn.codec.in_response:
+            if conn.rid is None and not conn.codec.in_response and not conn.codec.has_partial_request:
                 self._close(conn)
         self._arm("shutdown", self, self._now + self.config.shutdown.grace_s)
         self._check_shutdown()
@@ -1432,7 +1447,7 @@ class Router:
     def _finish(self, conn: _Conn, data: bytes) -> None:
         """Send the last bytes of a response; close or wait for the next request."""
         self._send(conn, data)
-        if conn.codec.must_close or self._draining:
+        if conn.codec.must_close or (self._draining and not conn.codec.has_partial_request):
             self._close(conn)
         else:
             conn.rid = None
@@ -1449,7 +1464,10 @@ class Router:
             self._out.append(CloseClient(conn.handle))
 
     def _closing(self, conn: _Conn) -> tuple[tuple[bytes, bytes], ...]:
-        return (_CLOSE,) if self._draining else ()
+        # While draining, a connection closes after its response, unless the
+        # client already sent (pipelined) its next request: that one gets its
+        # own answer (503 shutting_down) and record first.
+        return (_CLOSE,) if self._draining and not conn.codec.has_partial_request else ()
 
     def _error_headers(self, rid: str | None) -> tuple[tuple[bytes, bytes], ...]:
         headers: tuple[tuple[bytes, bytes], ...] = (_JSON,)

@@ -8,7 +8,7 @@ significant digits, of integers beyond 64 bits and of huge or tiny exponents
 (``1e400`` would even be refused). So bodies are decoded in two ways:
 
 * the fast path, ``orjson``, whenever the body holds no number-like text that
-  could lose precision (:data:`_RISKY`, a cheap conservative scan that may
+  could lose precision (:func:`_risky`, a cheap conservative scan that may
   also match inside strings, which only costs a slower parse);
 * the exact path, the standard library's decoder with every float and every
   large integer kept as its original text (:class:`RawFloat`,
@@ -25,12 +25,11 @@ body, the engines see exactly the value Narwhal validated.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Final
 
 import orjson
 
-__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "JsonError", "RawFloat", "RawInt", "loads", "dumps"]
+__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "JsonError", "RawFloat", "RawInt", "loads", "loads_answer", "dumps", "dumps_line"]
 
 #: Deepest nesting accepted. orjson's encoder stops at 254 levels and every
 #: body is re-encoded, so the limit sits well below that.
@@ -38,7 +37,29 @@ MAX_DEPTH: Final = 128
 #: Longest integer literal accepted (CPython refuses to convert longer ones).
 MAX_INT_DIGITS: Final = 4300
 
-_RISKY: Final = re.compile(rb"[0-9][0-9.]{15}|[eE][-+]?[0-9]{3}")
+def _number_classes() -> bytes:
+    table = bytearray(b" " * 256)
+    for b in b"0123456789.":
+        table[b] = ord("d")
+    for b in b"eE":
+        table[b] = ord("e")
+    for b in b"+-":
+        table[b] = ord("s")
+    for b in b"[{":
+        table[b] = ord("o")
+    return bytes(table)
+
+
+# The risky-number scan, done with C-speed bytes operations: map every byte to
+# its class (digit or dot, exponent letter, sign, other), then look for 16
+# digits-or-dots in a row or an exponent with 3 digits. It errs on the side of
+# the exact path (dots, words like "e100" inside strings).
+_CLASSES: Final = _number_classes()
+_LONG_RUN: Final = b"d" * 16
+
+
+def _risky(classes: bytes) -> bool:
+    return _LONG_RUN in classes or b"eddd" in classes or b"esddd" in classes
 _OPTIONS: Final = orjson.OPT_PASSTHROUGH_SUBCLASS
 
 
@@ -119,16 +140,34 @@ def _depth_ok(data: bytes) -> bool:
 
 def loads(data: bytes) -> Any:
     """Decode a JSON document exactly; raise :class:`JsonError` if it is not JSON."""
-    # Counting brackets is C-fast; only a body with many of them needs the
-    # string-aware depth scan.
-    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and not _depth_ok(data):
+    # One C-speed pass classifies every byte; counting openers is the cheap
+    # bound on depth (only a body with many needs the string-aware scan).
+    classes = data.translate(_CLASSES)
+    if classes.count(b"o") > MAX_DEPTH and not _depth_ok(data):
         raise JsonError(f"JSON nesting deeper than {MAX_DEPTH} levels")
-    if not _RISKY.search(data):
+    if not _risky(classes):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise JsonError(_describe(exc)) from None
     return _loads_exact(data)
+
+
+def loads_answer(data: bytes) -> Any:
+    """Decode an engine's answer (or one stream event): orjson first.
+
+    The exactness :func:`loads` guarantees is owed to what clients send
+    (SPEC §2.1); an engine's numbers were written by a JSON encoder from
+    doubles, and orjson reads them back to the same doubles and writes the
+    same shortest text. Anything orjson refuses (``1e400``, or not JSON at
+    all) goes through :func:`loads`, for its exactness or its error.
+    """
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and not _depth_ok(data):
+        raise JsonError(f"JSON nesting deeper than {MAX_DEPTH} levels")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return _loads_exact(data)
 
 
 def _loads_exact(data: bytes) -> Any:
@@ -169,6 +208,16 @@ def dumps(value: Any) -> bytes:
             raise
     # Plain ints beyond 64 bits (not from loads, which keeps their text).
     return orjson.dumps(_wide_ints(value), default=_default, option=_OPTIONS)
+
+
+def dumps_line(value: Any) -> bytes:
+    """:func:`dumps` followed by a newline (one JSON Lines record)."""
+    try:
+        return orjson.dumps(value, default=_default, option=_OPTIONS | orjson.OPT_APPEND_NEWLINE)
+    except orjson.JSONEncodeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+    return dumps(value) + b"\n"
 
 
 def _wide_ints(value: Any) -> Any:

@@ -72,7 +72,7 @@ def test_disconnect_while_queued(start_router, make_fleet, journal_path) -> None
 def test_disconnect_during_prefill(start_router, make_fleet, journal_path) -> None:
     fleet = make_fleet(prefill=[{"delay_s": 1.5}], decode=[{}])
     (prefill,), (decode,) = fleet.prefill, fleet.decode
-    router = start_router(fleet_=fleet, engine={"kv_release": "abort_endpoint"})
+    router = start_router(fleet_=fleet)
 
     client = RawClient(router)
     poll(lambda: len(sim_requests(prefill)) == 1 and router.statistics().legs == 1, what="prefill leg running")
@@ -80,13 +80,12 @@ def test_disconnect_during_prefill(start_router, make_fleet, journal_path) -> No
 
     (record,) = only_terminals(journal_path, 1).values()
     _assert_cancelled(record)
-    # Hanging up on the prefill engine would race its answer (an engine that
-    # already prefilled keeps the KV until its lease runs out), so the router
-    # lets the leg finish, names the KV it got and releases it.
-    assert _phases(record) == [("prefill", "ok")]
-    assert record["legs"][0]["kv"]["outcome"] == "released"
+    assert _phases(record) == [("prefill", "cancelled")]
+    assert record["legs"][0]["kv"] is None
     assert_idle(router)
-    assert_kv_settled(fleet.prefill, "abort_endpoint", unpulled=1)
+    # The router hung up on the prefill engine, which therefore holds nothing for it.
+    wait_kv(prefill, lambda s: s["client_gone"] == 1, timeout=5)
+    assert_kv_settled(fleet.prefill, None)
     assert sim_requests(decode) == []
 
 

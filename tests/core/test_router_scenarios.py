@@ -1,0 +1,893 @@
+"""Scenario tests of the router, one behaviour each, stepping time by hand (aioquic style).
+
+Every test builds a :class:`~tests.core.router_driver.Driver` (a router with
+fake clients, a fake fleet, a fake control executor and a manual clock),
+plays one story through ``Router.receive`` / ``handle_deadline`` with raw
+HTTP bytes on both sides, and checks what the client got, what the engines
+were sent, the journal, and that the driver's invariants hold at the end
+(one terminal record per rid, last; nothing emitted after it; capacity back
+to zero; every KV settled). Expected values come from SPEC.md, never from
+the router's code.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from narwhal_core import CancelLeg, FinishLeg, ShutdownComplete, StartLeg, WriteJournal
+from narwhal_core.planning import PREFILL_KV_REQUEST
+
+from .router_driver import (
+    ALIAS,
+    CHAT,
+    COMPLETIONS,
+    DECODE_URLS,
+    MODEL,
+    PREFILL_URLS,
+    Driver,
+    FakeClient,
+    SentRequest,
+    chat_body,
+    completion_body,
+    json_request,
+)
+
+TRUSTED = {"auth": "trusted_header", "trusted_proxies": ("127.0.0.0/8",)}
+#: A fixed backoff window: the retry starts between 0.5 s and 1.5 s later.
+SLOW_BACKOFF = {"backoff_base_s": 1.0, "backoff_max_s": 1.0}
+
+
+def finish(d: Driver) -> None:
+    """Answer everything still pending, settle every release, and check the invariants."""
+    d.serve_until_done()
+    d.complete_releases()
+    d.check_invariants(final=True)
+
+
+def only_rid(client: FakeClient) -> str:
+    rid = client.last.rid
+    assert rid is not None
+    return rid
+
+
+def error_of(client: FakeClient) -> dict[str, Any]:
+    response = client.last
+    assert response.complete
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    return body["error"]  # type: ignore[no-any-return]
+
+
+def new_starts(d: Driver, since: int) -> list[StartLeg]:
+    return [cmd for _, cmd in d.commands[since:] if type(cmd) is StartLeg]
+
+
+# ----------------------------------------------------------------- happy paths
+
+
+def test_pd_non_stream_completion() -> None:
+    d = Driver()
+    client = d.post(
+        COMPLETIONS,
+        completion_body(request_id="mine", kv_transfer_params={"remote_host": "evil"}, min_tokens=4),
+        headers=[("X-Request-Id", "client-42"), ("Authorization", "Bearer sk-secret"),
+                 ("X-Narwhal-Client", "mallory")],
+    )
+    prefill = d.leg("prefill")
+    rid = prefill.rid
+    # SPEC §3.1: the prefill leg.
+    assert prefill.bid == f"{rid}-p1"
+    assert prefill.engine.url == PREFILL_URLS[0]
+    assert (prefill.method, prefill.route) == ("POST", COMPLETIONS)
+    assert prefill.headers[b"x-request-id"] == prefill.bid.encode()
+    assert prefill.headers[b"host"] == b"10.0.0.1:8100"
+    assert not {b"authorization", b"x-narwhal-client"} & prefill.headers.keys()
+    assert list(prefill.body) == ["model", "prompt", "max_tokens", "temperature", "stream", "kv_transfer_params"]
+    assert prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
+    assert prefill.body["kv_transfer_params"] == PREFILL_KV_REQUEST
+    assert prefill.body["model"] == MODEL
+    # Nothing else happens until the prefill answers.
+    assert d.open_legs() == [prefill]
+    kv = d.answer_prefill(prefill.bid, cached_tokens=48)
+    assert FinishLeg(prefill.bid, True) in d.finished
+    # SPEC §3.3: the decode leg carries the client body and the KV params verbatim.
+    decode = d.leg("decode")
+    assert decode.bid == f"{rid}-d1"
+    assert decode.engine.url == DECODE_URLS[0]
+    assert decode.body["kv_transfer_params"] == kv
+    assert decode.body["max_tokens"] == 64 and decode.body["min_tokens"] == 4
+    assert "request_id" not in decode.body
+    d.answer_decode(decode.bid, cached_tokens=224)
+    response = client.last
+    assert response.complete and response.status == 200
+    assert response.rid == rid
+    answer = response.json()
+    assert answer["object"] == "text_completion" and answer["model"] == MODEL
+    assert "kv_transfer_params" not in answer
+    assert answer["choices"][0]["text"].startswith("Narwhals")
+    # SPEC §2.3: cached_tokens comes from the prefill leg.
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    records = d.records(rid)
+    assert [r["terminal"] for r in records] == [None, "completed"]
+    assert records[0]["event"] == "admitted"
+    record = records[-1]
+    assert record["status"] == 200 and record["error"] is None and record["mode"] == "pd"
+    assert record["client_rid"] == "client-42" and record["client"] == "anonymous"
+    assert record["stripped"] == ["request_id", "kv_transfer_params"]
+    assert [(leg["backend_id"], leg["outcome"], leg["status"]) for leg in record["legs"]] == [
+        (f"{rid}-p1", "ok", 200), (f"{rid}-d1", "ok", 200),
+    ]
+    assert record["legs"][0]["kv"]["outcome"] == "pulled"
+    assert record["legs"][0]["kv"]["owner"] == f"{rid}-p1-0"
+    assert record["usage"]["completion_tokens"] == 17
+    assert b"sk-secret" not in b"".join(cmd.line for _, cmd in d.commands if type(cmd) is WriteJournal)
+    d.check_invariants(final=True)
+
+
+def test_pd_stream_chat() -> None:
+    d = Driver()
+    client = d.post(CHAT, chat_body(stream=True, stream_options={"include_usage": True}))
+    prefill = d.leg("prefill")
+    assert prefill.body["stream"] is False and "stream_options" not in prefill.body
+    d.answer_prefill(prefill.bid, cached_tokens=32)
+    decode = d.leg("decode")
+    assert decode.body["stream"] is True and decode.body["stream_options"] == {"include_usage": True}
+    d.stream_head(decode.bid)
+    assert client.responses == []  # nothing is sent before the first event
+    d.advance(0.25)
+    d.stream_next(decode.bid)
+    response = client.last
+    assert response.status == 200 and response.is_sse and not response.complete
+    assert len(response.sse_data()) == 1
+    d.stream_rest(decode.bid)
+    assert response.complete and response.sse_problem() is None
+    data = response.sse_data()
+    assert data[-1] == b"[DONE]"
+    chunks = [json.loads(x) for x in data[:-1]]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"]) == "w0 w1 w2 "
+    assert all(c["model"] == MODEL for c in chunks)
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    record = d.terminal(response.rid or "")
+    assert record["terminal"] == "completed" and record["stream"] is True and record["status"] == 200
+    assert record["ttft_ms"] == 250.0
+    assert record["usage"]["completion_tokens"] == 3
+    d.check_invariants(final=True)
+
+
+def test_single_leg_mode_uses_the_decode_pool_only() -> None:
+    d = Driver(prefill=())
+    client = d.post(COMPLETIONS, completion_body())
+    decode = d.leg()
+    assert decode.phase == "decode" and decode.bid.endswith("-d1")
+    assert "kv_transfer_params" not in decode.body and decode.body["max_tokens"] == 64
+    d.answer_decode(decode.bid)
+    assert client.last.status == 200
+    records = d.records(only_rid(client))
+    assert [r["mode"] for r in records] == ["single", "single"]
+    assert [leg["phase"] for leg in records[-1]["legs"]] == ["decode"]
+    d.check_invariants(final=True)
+
+
+def test_pipelined_requests_on_one_connection_are_answered_in_order() -> None:
+    d = Driver()
+    client = d.connect()
+    client.send(
+        json_request(COMPLETIONS, completion_body(prompt="first"))
+        + json_request(CHAT, chat_body("second"))
+        + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        requests=[SentRequest("POST", COMPLETIONS, True), SentRequest("POST", CHAT, True),
+                  SentRequest("GET", "/health", True)],
+    )
+    first = d.leg()
+    assert first.body["prompt"] == "first"
+    d.serve(first.bid)
+    assert len(d.open_legs()) == 1  # the second waits for the first response
+    d.serve(d.leg("decode").bid)
+    second = d.leg()
+    assert second.route == CHAT and second.rid != first.rid
+    d.serve(second.bid)
+    d.serve(d.leg("decode").bid)
+    statuses = [(r.request, r.status) for r in client.responses]
+    assert statuses == [(("POST", COMPLETIONS), 200), (("POST", CHAT), 200), (("GET", "/health"), 200)]
+    assert client.responses[1].json()["object"] == "chat.completion"
+    assert len({r.rid for r in client.responses}) == 3
+    d.check_invariants(final=True)
+
+
+# ---------------------------------------------------------- §2.1 rejections
+
+REJECTIONS = [
+    ("not-json", COMPLETIONS, b'{"prompt": ', 400, None, None),
+    ("not-utf8", COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, None, None),
+    ("not-object", COMPLETIONS, b'["prompt"]', 400, None, None),
+    ("model-type", COMPLETIONS, {"model": 7, "prompt": "x"}, 400, "model", None),
+    ("stream-type", COMPLETIONS, {"prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ("n-bool", COMPLETIONS, {"prompt": "x", "n": True}, 400, "n", None),
+    ("max-tokens-float", COMPLETIONS, {"prompt": "x", "max_tokens": 1.0}, 400, "max_tokens", None),
+    ("prompt-type", COMPLETIONS, {"prompt": 5}, 400, "prompt", None),
+    ("messages-type", CHAT, {"messages": [{"role": "user", "content": "x"}, 3]}, 400, "messages", None),
+    ("no-prompt", COMPLETIONS, {"model": MODEL}, 400, "prompt", None),
+    ("no-messages", CHAT, {"model": MODEL, "prompt": "x"}, 400, "messages", None),
+    ("unknown-model", COMPLETIONS, {"model": "gpt-4o", "prompt": "x"}, 404, "model", "model_not_found"),
+    ("n-2", CHAT, {"messages": [], "n": 2}, 400, "n", None),
+    ("best-of-3", COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of", None),
+    ("audio", CHAT, {"messages": [], "audio": {"voice": "x"}}, 400, "audio", None),
+    ("modalities", CHAT, {"messages": [], "modalities": ["text", "audio"]}, 400, "modalities", None),
+    ("tools-type", CHAT, {"messages": [], "tools": {"type": "function"}}, 400, "tools", None),
+    ("tool-kind", CHAT, {"messages": [], "tools": [{"type": "function"}, {"type": "web"}]}, 400,
+     "tools[1].type", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param", "code"),
+    [pytest.param(*case[1:], id=case[0]) for case in REJECTIONS],
+)
+def test_contract_rejection_writes_one_invalid_record_and_starts_no_leg(
+    route: str, body: Any, status: int, param: str | None, code: str | None
+) -> None:
+    d = Driver()
+    client = d.post(route, body)
+    error = error_of(client)
+    assert client.last.status == status
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    rid = only_rid(client)
+    records = d.records(rid)
+    assert len(records) == 1 and records[0]["terminal"] == "invalid" and records[0]["status"] == status
+    assert records[0]["error"]["param"] == param and records[0]["legs"] == []
+    assert d.started_legs() == [] and d.pending_controls("release") == []
+    stats = d.router.statistics()
+    assert (stats.requests, stats.inflight, stats.queued) == (0, 0, 0)
+    d.check_invariants(final=True)
+
+
+def test_alias_is_accepted_and_the_engines_see_the_configured_name() -> None:
+    d = Driver()
+    client = d.post(COMPLETIONS, completion_body(model=ALIAS))
+    assert d.leg().body["model"] == MODEL
+    finish(d)
+    assert client.last.status == 200 and client.last.json()["model"] == MODEL
+
+
+def test_unauthenticated_request_is_denied_whatever_its_body() -> None:
+    d = Driver(ingress=TRUSTED)
+    client = d.post(COMPLETIONS, b"not json at all")
+    assert client.last.status == 401
+    assert error_of(client)["type"] == "authentication_error"
+    record = d.terminal(only_rid(client))
+    assert record["terminal"] == "denied" and record["client"] is None
+    assert d.started_legs() == []
+    d.check_invariants(final=True)
+
+
+# ----------------------------------------------------------------- admission
+
+
+def test_requests_beyond_max_inflight_queue_then_run_in_order() -> None:
+    d = Driver(admission={"max_inflight": 1, "queue_size": 2})
+    first = d.post(COMPLETIONS, completion_body(prompt="a"))
+    second = d.post(COMPLETIONS, completion_body(prompt="b"))
+    stats = d.router.statistics()
+    assert (stats.inflight, stats.queued, stats.requests) == (1, 1, 2)
+    assert len(d.open_legs()) == 1 and d.leg().body["prompt"] == "a"
+    # A queued request is not admitted yet: no progress record.
+    assert [e.record["rid"] for e in d.journal] == [d.leg().rid]
+    d.serve(d.leg().bid)
+    d.serve(d.leg().bid)
+    assert first.last.status == 200
+    assert d.leg().body["prompt"] == "b"
+    finish(d)
+    assert second.last.status == 200
+    assert [r["terminal"] for r in d.records(only_rid(second))] == [None, "completed"]
+
+
+def test_queue_full_gets_503_overloaded_with_retry_after() -> None:
+    d = Driver(admission={"max_inflight": 1, "queue_size": 1, "retry_after_s": 3})
+    d.post(COMPLETIONS, completion_body())
+    d.post(COMPLETIONS, completion_body())
+    third = d.post(COMPLETIONS, completion_body())
+    assert third.last.status == 503 and third.last.header(b"retry-after") == b"3"
+    error = error_of(third)
+    assert (error["type"], error["code"]) == ("server_error", "overloaded")
+    record = d.terminal(only_rid(third))
+    assert record["terminal"] == "rejected" and record["legs"] == []
+    assert len(d.records(only_rid(third))) == 1
+    finish(d)
+
+
+def test_queue_timeout_gets_503() -> None:
+    d = Driver(admission={"max_inflight": 1, "queue_timeout_s": 5.0})
+    first = d.post(COMPLETIONS, completion_body())
+    queued = d.post(COMPLETIONS, completion_body())
+    d.advance(4.9)
+    assert queued.responses == []
+    d.advance(0.2)
+    assert queued.last.status == 503 and queued.last.header(b"retry-after") == b"1"
+    assert error_of(queued)["code"] == "overloaded"
+    record = d.terminal(only_rid(queued))
+    assert record["terminal"] == "rejected" and record["legs"] == []
+    assert d.router.statistics().queued == 0
+    assert first.responses == []
+    finish(d)
+    assert first.last.status == 200
+
+
+def test_per_client_limit_gets_429_rate_limited() -> None:
+    d = Driver(ingress=TRUSTED, admission={"per_client_max_inflight": 1})
+    alice = [("X-Narwhal-Client", "alice")]
+    first = d.post(COMPLETIONS, completion_body(), alice)
+    second = d.post(COMPLETIONS, completion_body(), alice)
+    bob = d.post(COMPLETIONS, completion_body(), [("X-Narwhal-Client", "bob")])
+    assert second.last.status == 429 and second.last.header(b"retry-after") == b"1"
+    error = error_of(second)
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limited")
+    record = d.terminal(only_rid(second))
+    assert (record["terminal"], record["client"], record["legs"]) == ("rejected", "alice", [])
+    assert len(d.open_legs()) == 2  # alice's first and bob's
+    finish(d)
+    assert first.last.status == 200 and bob.last.status == 200
+    assert d.terminal(only_rid(bob))["client"] == "bob"
+
+
+# ------------------------------------------------------------------ retries
+
+
+def test_prefill_5xx_is_retried_on_the_other_engine_after_backoff() -> None:
+    d = Driver(retry=SLOW_BACKOFF)
+    client = d.post(COMPLETIONS, completion_body())
+    first = d.leg("prefill")
+    d.answer_status(first.bid, 503)
+    mark = len(d.commands)
+    d.advance(0.45)
+    assert new_starts(d, mark) == []  # still backing off
+    d.advance(1.1)
+    retry = d.leg("prefill")
+    assert retry.bid == f"{first.rid}-p2" and retry.headers[b"x-request-id"] == retry.bid.encode()
+    assert retry.engine != first.engine
+    assert retry.body == first.body
+    finish(d)
+    assert client.last.status == 200
+    legs = d.terminal(first.rid)["legs"]
+    assert [(leg["backend_id"], leg["outcome"], leg["status"]) for leg in legs] == [
+        (first.bid, "http_error", 503), (retry.bid, "ok", 200), (f"{first.rid}-d1", "ok", 200),
+    ]
+
+
+@pytest.mark.parametrize("answer", ["no-kv", "not-remote", "foreign-host", "bad-port"])
+def test_prefill_without_usable_kv_is_retried_then_502_prefill_failed(answer: str) -> None:
+    d = Driver(retry={"max_attempts": 3})
+    client = d.post(COMPLETIONS, completion_body())
+    rid = d.leg().rid
+    for attempt in (1, 2, 3):
+        leg = d.leg("prefill")
+        assert leg.bid == f"{rid}-p{attempt}"
+        if answer == "no-kv":
+            d.answer_without_kv(leg.bid)
+        elif answer == "not-remote":
+            d.answer_prefill(leg.bid, do_remote_prefill=False)
+        elif answer == "foreign-host":
+            d.answer_prefill(leg.bid, remote_host="203.0.113.9")
+        else:
+            d.answer_prefill(leg.bid, remote_port=0)
+        assert d.open_legs("decode") == []  # never a silent fallback
+        d.advance(5)
+    assert client.last.status == 502
+    error = error_of(client)
+    assert (error["type"], error["code"]) == ("server_error", "prefill_failed")
+    record = d.terminal(rid)
+    assert record["terminal"] == "failed" and record["error"]["leg"] == "prefill"
+    assert [leg["outcome"] for leg in record["legs"]] == ["bad_kv"] * 3
+    assert all(leg["kv"] is None for leg in record["legs"])
+    d.check_invariants(final=True)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("status", [400, 422])
+def test_engine_4xx_is_relayed_with_its_status_and_never_retried(phase: str, status: int) -> None:
+    d = Driver()
+    client = d.post(CHAT, chat_body())
+    if phase == "decode":
+        d.answer_prefill(d.leg("prefill").bid)
+    leg = d.leg(phase)
+    d.answer_status(leg.bid, status, json.dumps({
+        "object": "error", "message": "This model's maximum context length is 8192 tokens.",
+        "type": "BadRequestError", "param": "messages", "code": 400,
+    }).encode())
+    mark = len(d.commands)
+    d.advance(30)
+    assert new_starts(d, mark) == []
+    assert client.last.status == status
+    error = error_of(client)
+    assert error["message"] == "This model's maximum context length is 8192 tokens."
+    assert error["param"] == "messages"
+    if phase == "decode":
+        # The decode engine refused before pulling: the prefill KV is released.
+        assert [c.cmd.key for c in d.pending_controls("release")] == [f"release-{leg.rid}-p1"]
+        d.complete_releases()
+    record = d.terminal(leg.rid)
+    assert record["terminal"] == "failed" and record["status"] == status
+    assert record["legs"][-1]["outcome"] == "refused"
+    if phase == "decode":
+        assert record["legs"][0]["kv"]["outcome"] == "released"
+    finish(d)
+
+
+@pytest.mark.parametrize("mode", ["abort_endpoint", "decode_abort", "lease"])
+def test_decode_failure_before_handoff_releases_kv_then_prefills_again(mode: str) -> None:
+    d = Driver(engine={"kv_release": mode, "abort_path": "/v1/abort"}, retry=SLOW_BACKOFF)
+    client = d.post(COMPLETIONS, completion_body())
+    prefill = d.leg("prefill")
+    kv = d.answer_prefill(prefill.bid)
+    decode = d.leg("decode")
+    d.answer_status(decode.bid, 500)
+    releases = d.pending_controls("release")
+    if mode == "abort_endpoint":
+        (control,) = releases
+        cmd = control.cmd
+        # A control request naming the owner key, to the PREFILL engine that holds the KV.
+        assert (cmd.method, cmd.target, cmd.engine) == ("POST", "/v1/abort", prefill.engine)
+        assert json.loads(cmd.body) == {"request_id": kv["remote_request_id"]}
+        assert dict(cmd.headers)[b"host"] == b"10.0.0.1:8100"
+    elif mode == "decode_abort":
+        (control,) = releases
+        cmd = control.cmd
+        assert cmd.drop_after_send and cmd.engine.url in DECODE_URLS
+        assert control.parsed is not None
+        method, target, headers, body = control.parsed
+        assert (method, target) == ("POST", COMPLETIONS)
+        assert body["kv_transfer_params"] == kv
+        assert headers[b"x-request-id"].decode().startswith(prefill.rid + "-d")
+    else:
+        assert releases == []
+    d.complete_releases()
+    d.advance(1.5)
+    again = d.leg("prefill")
+    assert again.bid == f"{prefill.rid}-p2"
+    finish(d)
+    assert client.last.status == 200
+    legs = d.terminal(prefill.rid)["legs"]
+    first_kv = legs[0]["kv"]
+    expected = "held_until_lease" if mode == "lease" else "released"
+    assert (first_kv["outcome"], first_kv["owner"], first_kv["method"]) == (
+        expected, kv["remote_request_id"], mode,
+    )
+    assert [leg["kv"]["outcome"] for leg in legs if leg["phase"] == "prefill"] == [expected, "pulled"]
+
+
+def test_dropped_and_malformed_prefill_answers_are_retried() -> None:
+    d = Driver(retry={"max_attempts": 3})
+    client = d.post(COMPLETIONS, completion_body())
+    d.drop(d.leg().bid)
+    d.advance(1)
+    d.answer_garbage(d.leg().bid)
+    d.advance(1)
+    finish(d)
+    assert client.last.status == 200
+    legs = d.terminal(only_rid(client))["legs"]
+    assert [leg["outcome"] for leg in legs] == ["dropped", "bad_response", "ok", "ok"]
+
+
+def test_connection_failures_on_every_attempt_give_503_engine_unavailable() -> None:
+    d = Driver(retry={"max_attempts": 2})
+    client = d.post(COMPLETIONS, completion_body())
+    d.fail_leg(d.leg().bid, "connect_failed")
+    d.advance(1)
+    d.fail_leg(d.leg().bid, "connect_timeout")
+    assert client.last.status == 503
+    assert error_of(client)["code"] == "engine_unavailable"
+    assert [leg["outcome"] for leg in d.terminal(only_rid(client))["legs"]] == ["connect_failed"] * 2
+    d.check_invariants(final=True)
+
+
+def test_stale_pooled_connection_is_retried_once_on_a_fresh_connection() -> None:
+    d = Driver()
+    client = d.post(COMPLETIONS, completion_body())
+    leg = d.leg()
+    mark = len(d.commands)
+    d.fail_leg(leg.bid, "dropped", reused=True)
+    (restart,) = new_starts(d, mark)
+    # The same leg (same backend ID, same engine, same bytes), on a new socket.
+    assert restart.leg == leg.bid and restart.fresh_connection
+    assert restart.engine == leg.engine
+    assert CancelLeg(leg.bid) not in [cmd for _, cmd in d.commands[mark:]]
+    finish(d)
+    assert client.last.status == 200
+    legs = d.terminal(leg.rid)["legs"]
+    assert [(x["backend_id"], x["attempt"]) for x in legs] == [(leg.bid, 1), (f"{leg.rid}-d1", 1)]
+
+
+def test_a_second_stale_failure_is_a_real_failure() -> None:
+    d = Driver()
+    client = d.post(COMPLETIONS, completion_body())
+    leg = d.leg()
+    d.fail_leg(leg.bid, "dropped", reused=True)
+    d.fail_leg(leg.bid, "dropped", reused=True)
+    d.advance(1)
+    assert d.leg("prefill").bid == f"{leg.rid}-p2"
+    finish(d)
+    assert client.last.status == 200
+
+
+def test_a_pooled_connection_that_already_returned_bytes_is_not_resent() -> None:
+    # The engine answered part of the head: it saw the request, so sending the
+    # same backend ID again would give one KV two owners (SPEC §3 "IDs").
+    d = Driver()
+    client = d.post(COMPLETIONS, completion_body())
+    leg = d.leg()
+    d.send_leg(leg.bid, b"HTTP/1.1 200 OK\r\ncontent-type: appl")
+    mark = len(d.commands)
+    d.fail_leg(leg.bid, "dropped", reused=True)
+    assert [cmd.leg for cmd in new_starts(d, mark)] == []
+    d.advance(1)
+    retry = d.leg("prefill")
+    assert retry.bid == f"{leg.rid}-p2" and not retry.fresh_connection
+    finish(d)
+    assert client.last.status == 200
+    assert [x["outcome"] for x in d.terminal(leg.rid)["legs"]][:2] == ["dropped", "ok"]
+
+
+# -------------------------------------------------------------- client gone
+
+
+def _phase_queued(d: Driver) -> FakeClient:
+    d.post(COMPLETIONS, completion_body(prompt="holder"))
+    return d.post(COMPLETIONS, completion_body())
+
+
+def _phase_prefill(d: Driver) -> FakeClient:
+    return d.post(COMPLETIONS, completion_body())
+
+
+def _phase_backoff(d: Driver) -> FakeClient:
+    client = d.post(COMPLETIONS, completion_body())
+    d.answer_prefill(d.leg("prefill").bid)
+    d.answer_status(d.leg("decode").bid, 503)  # KV released, new prefill after backoff
+    d.complete_releases()
+    return client
+
+
+def _phase_decode_wait(d: Driver) -> FakeClient:
+    holder = d.post(COMPLETIONS, completion_body(prompt="holder"))
+    d.answer_prefill(d.leg("prefill", rid=None).bid)
+    assert holder.responses == []
+    client = d.post(COMPLETIONS, completion_body())
+    d.answer_prefill(d.open_legs("prefill")[0].bid)  # no decode slot: it waits, holding KV
+    return client
+
+
+def _phase_decode(d: Driver) -> FakeClient:
+    client = d.post(COMPLETIONS, completion_body())
+    d.answer_prefill(d.leg("prefill").bid)
+    return client
+
+
+def _phase_stream(d: Driver) -> FakeClient:
+    client = d.post(CHAT, chat_body(stream=True))
+    d.answer_prefill(d.leg("prefill").bid)
+    decode = d.leg("decode")
+    d.stream_next(decode.bid)
+    d.stream_next(decode.bid)
+    assert client.last.status == 200 and len(client.last.sse_data()) == 2
+    return client
+
+
+PHASES = {
+    "queued": (_phase_queued, {"admission": {"max_inflight": 1}}, "none"),
+    "prefill": (_phase_prefill, {}, "none"),
+    "backoff": (_phase_backoff, {"retry": {"backoff_base_s": 5.0, "backoff_max_s": 5.0}}, "released"),
+    "decode_wait": (
+        _phase_decode_wait,
+        {"engine": {"max_inflight_per_engine": 1}, "prefill": PREFILL_URLS[:1], "decode": DECODE_URLS[:1]},
+        "released",
+    ),
+    "decode": (_phase_decode, {}, "released"),
+    "mid_stream": (_phase_stream, {}, "pulled"),
+}
+
+
+@pytest.mark.parametrize("how", ["gone", "eof"])
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_client_gone_cancels_legs_releases_kv_and_frees_capacity(phase: str, how: str) -> None:
+    setup, sections, kv_expected = PHASES[phase]
+    d = Driver(**sections)
+    client = setup(d)
+    rid = d.issued[-1]  # the leaving client's request is the last one made
+    running = [leg.bid for leg in d.open_legs(rid=rid)]
+    mark = len(d.commands)
+    if how == "gone":
+        client.leave()
+    else:
+        client.eof()
+    emitted = [cmd for _, cmd in d.commands[mark:]]
+    for bid in running:
+        assert CancelLeg(bid) in emitted, f"{bid} not cancelled (SPEC §4: a client disconnect cancels the legs)"
+    releases = [c for c in d.pending_controls("release") if c.cmd.key.startswith(f"release-{rid}-")]
+    # Unpulled KV is released at once (in "backoff" it was released when the decode leg failed).
+    assert bool(releases) == (kv_expected == "released" and phase != "backoff")
+    d.complete_releases()
+    record = d.terminal(rid)
+    assert (record["terminal"], record["status"]) == ("cancelled", 499)
+    assert record["error"]["code"] == "client_disconnected"
+    assert [leg["outcome"] for leg in record["legs"] if leg["backend_id"] in running] == ["cancelled"] * len(running)
+    kv = [leg["kv"]["outcome"] for leg in record["legs"] if leg["kv"] is not None]
+    assert kv == {"none": [], "released": ["released"], "pulled": ["pulled"]}[kv_expected]
+    stats = d.router.statistics()
+    assert (stats.queued, stats.requests) == (0, 1 if phase in ("queued", "decode_wait") else 0)
+    finish(d)
+
+
+def test_slot_waiter_that_left_while_its_kv_release_runs_is_not_woken() -> None:
+    # A waits for a decode slot holding KV, its client leaves, the release is in
+    # flight (RELEASING); then the decode leg that held the slot ends.
+    d = Driver(prefill=PREFILL_URLS[:1], decode=DECODE_URLS[:1],
+               engine={"max_inflight_per_engine": 1, "kv_release": "abort_endpoint"})
+    holder = d.post(COMPLETIONS, completion_body(prompt="holder"))
+    d.answer_prefill(d.leg("prefill").bid)
+    busy = d.leg("decode")
+    waiter = d.post(COMPLETIONS, completion_body(prompt="waiter"))
+    d.answer_prefill(d.leg("prefill").bid)
+    assert d.open_legs() == [busy]
+    waiter.leave()
+    assert len(d.pending_controls("release")) == 1
+    d.answer_decode(busy.bid)  # frees the decode slot
+    assert holder.last.status == 200
+    d.complete_releases()
+    record = d.terminal(d.issued[1])
+    assert record["terminal"] == "cancelled"
+    assert record["legs"][0]["kv"]["outcome"] == "released"
+    finish(d)
+
+
+# ----------------------------------------------------------------- timeouts
+
+
+def test_prefill_leg_timeout_is_retried_then_504_engine_timeout() -> None:
+    d = Driver(engine={"prefill_timeout_s": 10.0}, retry={"max_attempts": 2})
+    client = d.post(COMPLETIONS, completion_body())
+    first = d.leg()
+    d.advance(9.9)
+    assert first.open
+    d.advance(0.2)
+    assert first.state == "cancelled"
+    d.advance(1)
+    second = d.leg()
+    assert second.bid.endswith("-p2")
+    d.advance(10)
+    assert second.state == "cancelled"
+    assert client.last.status == 504
+    assert error_of(client)["code"] == "engine_timeout"
+    record = d.terminal(first.rid)
+    assert [leg["outcome"] for leg in record["legs"]] == ["timeout", "timeout"]
+    d.check_invariants(final=True)
+
+
+def test_stream_idle_timeout_after_first_bytes_ends_the_stream_with_one_error_event() -> None:
+    d = Driver(engine={"stream_idle_timeout_s": 5.0})
+    client = d.post(COMPLETIONS, completion_body(stream=True))
+    d.answer_prefill(d.leg("prefill").bid)
+    decode = d.leg("decode")
+    d.stream_next(decode.bid)
+    d.advance(4)
+    d.stream_next(decode.bid)
+    d.advance(4)  # 4 s since the last chunk: still fine
+    assert decode.open and not client.last.complete
+    d.advance(1.5)
+    assert decode.state == "cancelled"
+    response = client.last
+    assert response.complete and response.status == 200 and response.sse_problem() is None
+    data = response.sse_data()
+    assert len(data) == 3 and b"[DONE]" not in data
+    error = json.loads(data[-1])["error"]
+    assert (error["type"], error["code"]) == ("server_error", "stream_idle_timeout")
+    record = d.terminal(decode.rid)
+    assert (record["terminal"], record["status"]) == ("failed", 200)
+    assert record["error"]["code"] == "stream_idle_timeout"
+    assert (record["error"]["leg"], record["error"]["engine"]) == ("decode", decode.engine.url)
+    assert record["legs"][-1]["outcome"] == "timeout"
+    assert record["legs"][0]["kv"]["outcome"] == "pulled"
+    d.check_invariants(final=True)
+
+
+def test_whole_request_deadline_gives_504_request_timeout() -> None:
+    d = Driver(admission={"request_timeout_s": 30.0}, engine={"prefill_timeout_s": 60.0})
+    client = d.post(COMPLETIONS, completion_body())
+    leg = d.leg()
+    d.advance(29.9)
+    assert client.responses == []
+    d.advance(0.2)
+    assert leg.state == "cancelled"
+    assert client.last.status == 504
+    assert error_of(client)["code"] == "request_timeout"
+    record = d.terminal(leg.rid)
+    assert record["terminal"] == "failed" and record["legs"][0]["outcome"] == "cancelled"
+    d.check_invariants(final=True)
+
+
+def test_slow_request_head_gets_408_after_the_header_timeout() -> None:
+    # ingress.header_timeout_s: "Time a client has to send the whole request head."
+    d = Driver(ingress={"header_timeout_s": 10.0, "body_timeout_s": 60.0})
+    client = d.connect()
+    client.send(b"POST /v1/completions HTTP/1.1\r\nHost: narwhal.test\r\n",
+                requests=[SentRequest("POST", COMPLETIONS, complete=False, well_formed=False)])
+    d.advance(10.5)
+    assert client.closed_by_router
+    assert client.last.status == 408
+
+
+def test_half_sent_request_on_a_keepalive_connection_gets_408_on_time() -> None:
+    # After a response the connection idles (keepalive_timeout_s); once bytes of
+    # a next request arrive, the read timeouts apply from then on -- not later.
+    d = Driver(ingress={"header_timeout_s": 10.0, "body_timeout_s": 20.0, "keepalive_timeout_s": 75.0})
+    client = d.connect()
+    client.request("GET", "/health")
+    assert client.last.status == 200
+    d.advance(1.0)
+    data = json_request(COMPLETIONS, completion_body())
+    client.send_incomplete(data[: len(data) // 2], "POST", COMPLETIONS)  # the head and half the body
+    d.advance(19.5)  # within body_timeout_s of the head
+    assert not client.closed_by_router
+    d.advance(11.0)  # past header_timeout_s + body_timeout_s since the first byte
+    assert client.closed_by_router and client.last.status == 408
+    assert d.started_legs() == [] and d.router.statistics().requests == 0
+    d.check_invariants(final=True)
+
+
+def test_expect_100_continue_gets_100_then_the_answer() -> None:
+    d = Driver()
+    client = d.connect()
+    data = json_request(COMPLETIONS, completion_body(), [("Expect", "100-continue")])
+    split = data.index(b"\r\n\r\n") + 4
+    info = SentRequest("POST", COMPLETIONS, complete=False)
+    client.send(data[:split], requests=[info])
+    assert client.raw.startswith(b"HTTP/1.1 100 Continue\r\n")
+    assert d.started_legs() == []
+    info.complete = True
+    client.send(data[split:])
+    finish(d)
+    assert client.last.status == 200
+    assert [r["terminal"] for r in d.records(only_rid(client))] == [None, "completed"]
+
+
+# ------------------------------------------------------------------- health
+
+
+def test_passive_failures_take_an_engine_out_and_probes_bring_it_back() -> None:
+    d = Driver(auto_probe=None, health={"unhealthy_after": 2, "healthy_after": 2, "probe_interval_s": 5.0},
+               retry={"backoff_base_s": 0.0, "backoff_max_s": 0.0})
+    bad = PREFILL_URLS[0]
+    failures = 0
+    while failures < 2:
+        client = d.post(COMPLETIONS, completion_body())
+        leg = d.leg("prefill")
+        if leg.engine.url == bad:
+            d.answer_status(leg.bid, 500)
+            failures += 1
+            d.fire()  # the zero backoff retry
+        finish(d)
+        assert client.last.status == 200
+    assert ("engine_down" in d.log_events())
+    assert d.router.statistics().engine_healthy[(bad, "prefill")] is False
+    for _ in range(4):
+        d.post(COMPLETIONS, completion_body())
+        assert d.leg("prefill").engine.url != bad
+        finish(d)
+    # Probes: every engine is probed; only successful probes bring it back.
+    probed = 0
+    while d.router.statistics().engine_healthy[(bad, "prefill")] is False:
+        d.advance(5)
+        for control in d.pending_controls("probe"):
+            cmd = control.cmd
+            assert (cmd.method, cmd.target) == ("GET", "/health")
+            if cmd.engine.url == bad:
+                probed += 1
+            d.complete_control(cmd.key, status=200)
+        assert probed <= 3
+    assert probed == 2
+    assert d.log_events().count("engine_up") == 1
+    used = set()
+    for _ in range(3):
+        d.post(COMPLETIONS, completion_body())
+        used.add(d.leg("prefill").engine.url)
+        finish(d)
+    assert bad in used
+
+
+def test_ready_is_503_when_every_engine_of_a_phase_is_down() -> None:
+    d = Driver(auto_probe=None, health={"unhealthy_after": 1, "probe_interval_s": 5.0})
+    client = d.connect()
+    client.request("GET", "/ready")
+    assert client.last.status == 200 and client.last.json()["ready"] is True
+    d.advance(5)
+    for control in d.pending_controls("probe"):
+        ok = control.cmd.engine.url not in DECODE_URLS
+        d.complete_control(control.cmd.key, status=200 if ok else None, error=None if ok else "ConnectError")
+    client.request("GET", "/ready")
+    assert client.last.status == 503
+    assert client.last.json()["problems"] == ["no healthy decode engine"]
+    assert not d.router.statistics().ready
+    rejected = d.post(COMPLETIONS, completion_body())
+    assert rejected.last.status == 503 and rejected.last.header(b"retry-after") is not None
+    assert error_of(rejected)["code"] == "engine_unavailable"
+    assert d.terminal(only_rid(rejected))["terminal"] == "rejected"
+    assert d.started_legs() == []
+    client.request("GET", "/health")
+    assert client.last.status == 200  # liveness does not depend on the fleet
+    d.check_invariants(final=True)
+
+
+# ----------------------------------------------------------------- shutdown
+
+
+def test_shutdown_lets_inflight_requests_finish_and_stops_accepting() -> None:
+    d = Driver()
+    idle = d.connect()
+    busy = d.post(COMPLETIONS, completion_body())
+    leg = d.leg()
+    d.shutdown()
+    assert idle.closed_by_router and not busy.closed_by_router
+    assert d.router.statistics().draining and not d.router.statistics().ready
+    late = d.connect()
+    assert late.closed_by_router and late.responses == []
+    assert d.shutdown_complete == []
+    d.serve(leg.bid)
+    d.serve(d.leg().bid)
+    assert busy.last.status == 200 and busy.last.header(b"connection") == b"close"
+    assert busy.closed_by_router
+    assert len(d.shutdown_complete) == 1
+    kinds = [type(cmd) for _, cmd in d.commands]
+    last_terminal = max(i for i, (_, cmd) in enumerate(d.commands) if type(cmd) is WriteJournal and cmd.terminal)
+    assert kinds.index(ShutdownComplete) > last_terminal
+    d.check_invariants(final=True)
+
+
+def test_a_request_received_while_draining_gets_503_shutting_down() -> None:
+    # The second request is in the router's hands (pipelined behind the first)
+    # when shutdown begins: it must be answered and journaled, not dropped.
+    d = Driver()
+    client = d.connect()
+    client.send(
+        json_request(COMPLETIONS, completion_body(prompt="first"))
+        + json_request(COMPLETIONS, completion_body(prompt="second")),
+        requests=[SentRequest("POST", COMPLETIONS, True), SentRequest("POST", COMPLETIONS, True)],
+    )
+    d.shutdown()
+    d.serve_until_done()
+    statuses = [r.status for r in client.responses]
+    assert statuses == [200, 503]
+    assert error_of(client)["code"] == "shutting_down"
+    assert client.last.header(b"retry-after") is not None
+    assert d.terminal(only_rid(client))["terminal"] == "rejected"
+    assert len(d.shutdown_complete) == 1
+    d.check_invariants(final=True)
+
+
+def test_grace_expiry_abandons_the_rest_with_terminal_records() -> None:
+    d = Driver(shutdown={"grace_s": 15.0}, admission={"max_inflight": 3, "queue_timeout_s": 60.0})
+    streaming = d.post(CHAT, chat_body(stream=True))
+    d.answer_prefill(d.leg("prefill").bid)
+    d.stream_next(d.leg("decode").bid)
+    in_decode = d.post(COMPLETIONS, completion_body())
+    d.answer_prefill(d.leg("prefill").bid)
+    in_prefill = d.post(COMPLETIONS, completion_body())
+    queued = d.post(COMPLETIONS, completion_body())
+    rids = list(d.issued)
+    d.shutdown()
+    d.advance(14.9)
+    assert d.terminals() == []
+    d.advance(0.2)
+    assert d.open_legs() == []
+    for client in (in_decode, in_prefill, queued):
+        assert client.last.status == 503 and error_of(client)["code"] == "shutting_down"
+    stream = streaming.last
+    assert stream.complete and stream.sse_problem() is None
+    assert json.loads(stream.sse_data()[-1])["error"]["code"] == "shutting_down"
+    # The decode request's KV is released before its record closes.
+    d.complete_releases()
+    for rid in rids:
+        assert d.terminal(rid)["terminal"] == "failed"
+    assert len(d.shutdown_complete) == 1
+    d.check_invariants(final=True)
