@@ -24,6 +24,7 @@ from .support import (
     COMPLETIONS,
     KV_MODES,
     StreamClient,
+    poll,
     assert_backend_ids,
     assert_completed_stream,
     assert_envelope,
@@ -54,7 +55,14 @@ def _check_release_request(record: dict, leg: dict, mode: str, decode_engines: l
     if mode != "decode_abort":
         return
     release_id = leg["kv"]["release_id"]
-    seen = [r for d in decode_engines for r in sim_requests(d) if r["request_id"] == release_id]
+
+    def settled() -> list[dict]:
+        # decode_abort is fire-and-forget: the router journals once the bytes
+        # are sent; the engine settles the KV a moment later.
+        seen = [r for d in decode_engines for r in sim_requests(d) if r["request_id"] == release_id]
+        return seen if seen and seen[0]["kv"]["outcome"] != "pending" else []
+
+    seen = poll(settled, what=f"the engine settled the release {release_id}")
     assert len(seen) == 1, (release_id, [sim_requests(d) for d in decode_engines])
     assert seen[0]["kv"]["outcome"] == "released", seen[0]
 
