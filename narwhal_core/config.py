@@ -583,6 +583,8 @@ class EngineConfig:
 
     def kv_host_allowed(self, host: str) -> bool:
         """Whether a prefill answer's ``remote_host`` names a host of this fleet."""
+        if host in self.allowed_kv_hosts:
+            return True  # already in normal form: the common case, without parsing
         normal = _normalize_host(host)
         return normal is not None and normal in self.allowed_kv_hosts
 

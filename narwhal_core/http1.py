@@ -289,6 +289,10 @@ def _encode_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[list[bytes],
 class _State(enum.Enum):
     """Where a client connection is; the names appear in error messages."""
 
+    # Members are singletons: identity hashing is correct and skips Enum's
+    # Python-level __hash__ on every table lookup.
+    __hash__ = object.__hash__
+
     IDLE = "IDLE"  # reading a request head (or waiting for one)
     BODY = "BODY"  # reading a request body
     EXPECT = "EXPECT"  # ContinueExpected returned; no 100 sent yet
@@ -304,6 +308,10 @@ class _State(enum.Enum):
 
 class _Send(enum.Enum):
     """What a caller can ask a ServerConnection to write."""
+
+    # Members are singletons: identity hashing is correct and skips Enum's
+    # Python-level __hash__ on every table lookup.
+    __hash__ = object.__hash__
 
     CONTINUE = "send_continue"
     RESPONSE = "send_response"

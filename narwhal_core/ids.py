@@ -92,6 +92,7 @@ class RidSource:
 
 
 _PRINTABLE: Final = frozenset(range(0x20, 0x7F)) - {ord("\\")}
+_SAFE_RID: Final = re.compile(rb"[\x20-\x5b\x5d-\x7e]*")
 
 
 def sanitize_client_rid(raw: bytes | None) -> str | None:
@@ -102,6 +103,8 @@ def sanitize_client_rid(raw: bytes | None) -> str | None:
     """
     if raw is None:
         return None
+    if len(raw) <= MAX_CLIENT_RID_LEN and _SAFE_RID.fullmatch(raw):
+        return raw.decode("ascii")  # the common case: nothing to escape
     out = []
     size = 0
     for b in raw:

@@ -30,6 +30,10 @@ __all__ = ["State", "Input", "TRANSITIONS"]
 class State(enum.Enum):
     """Where a completion request is."""
 
+    # Members are singletons: identity hashing is correct and skips Enum's
+    # Python-level __hash__ on every table lookup.
+    __hash__ = object.__hash__
+
     QUEUED = "queued"
     PREFILL = "prefill"
     PREFILL_WAIT = "prefill_wait"
@@ -42,6 +46,10 @@ class State(enum.Enum):
 
 class Input(enum.Enum):
     """What can happen to a completion request."""
+
+    # Members are singletons: identity hashing is correct and skips Enum's
+    # Python-level __hash__ on every table lookup.
+    __hash__ = object.__hash__
 
     #: A global admission slot was granted to a queued request.
     ADMIT = "admit"
