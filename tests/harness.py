@@ -240,6 +240,33 @@ def wait_for_terminals(
         time.sleep(0.01)
 
 
+def poll(predicate: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.01,
+         what: str = "condition") -> Any:
+    """Call ``predicate`` until it returns something truthy; that value, or TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout} s (last: {value!r})")
+        time.sleep(interval)
+
+
+def journal_terminal(journal_path: str | os.PathLike[str], rid: str, timeout: float = 10.0) -> dict[str, Any]:
+    """Wait for the terminal record of ``rid``; check it is its only one and its last record (SPEC §5)."""
+
+    def find() -> list[dict[str, Any]] | None:
+        records = [r for r in read_journal(journal_path) if r.get("rid") == rid]
+        return records if any(r.get("terminal") is not None for r in records) else None
+
+    records = poll(find, timeout=timeout, what=f"terminal record of {rid}")
+    terminals = [r for r in records if r.get("terminal") is not None]
+    assert len(terminals) == 1, terminals
+    assert records[-1] is terminals[0], records
+    return terminals[0]
+
+
 def terminals_by_rid(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The terminal record of each rid (asserting there is exactly one, and it is last)."""
     out: dict[str, dict[str, Any]] = {}

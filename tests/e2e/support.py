@@ -12,14 +12,10 @@ from __future__ import annotations
 import decimal
 import io
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +24,10 @@ import httpx
 
 import narwhal.log
 
-from ..harness import MODEL, Fleet, read_journal
+# Re-exported: the suite's tests import these from here.
+from ..harness import MODEL, Fleet, journal_terminal, poll, read_journal  # noqa: F401
+from ..serving import ServeProcess, serve_config, toml_config  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[2]
 
 #: The completion routes (SPEC §2).
 COMPLETIONS = "/v1/completions"
@@ -156,32 +153,6 @@ def streamed_text(chunks: Sequence[Mapping[str, Any]], *, chat: bool) -> str:
             else:
                 out.append(choice.get("text") or "")
     return "".join(out)
-
-
-def poll(predicate: Any, *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:
-    """Call ``predicate`` until it returns something truthy; that value, or TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s (last: {value!r})")
-        time.sleep(interval)
-
-
-def journal_terminal(journal_path: str | os.PathLike[str], rid: str, timeout: float = 10.0) -> dict[str, Any]:
-    """Wait for the terminal record of ``rid``; check it is its only one and its last record (SPEC §5)."""
-
-    def find() -> list[dict[str, Any]] | None:
-        records = [r for r in read_journal(journal_path) if r.get("rid") == rid]
-        return records if any(r.get("terminal") is not None for r in records) else None
-
-    records = poll(find, timeout=timeout, what=f"terminal record of {rid}")
-    terminals = [r for r in records if r.get("terminal") is not None]
-    assert len(terminals) == 1, terminals
-    assert records[-1] is terminals[0], records
-    return terminals[0]
 
 
 # ----------------------------------------------------------- raw HTTP/1.1
@@ -342,119 +313,3 @@ class LogCapture:
 # ---------------------------------------------------------------- configs
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(value)
-
-
-def toml_config(sections: Mapping[str, Mapping[str, Any]]) -> str:
-    """A Narwhal config file's text from ``{section: {key: value}}``."""
-    out = []
-    for section, keys in sections.items():
-        out.append(f"[{section}]")
-        out += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
-        out.append("")
-    return "\n".join(out)
-
-
-def serve_config(
-    journal: str | os.PathLike[str],
-    *,
-    prefill: Sequence[str],
-    decode: Sequence[str],
-    **sections: Mapping[str, Any],
-) -> str:
-    """The TOML of a ``narwhal serve`` config for tests: loopback, port 0, fast probes."""
-    base: dict[str, dict[str, Any]] = {
-        "model": {"name": MODEL, "aliases": ["llama-3.1-8b"]},
-        "ingress": {"listen": "127.0.0.1:0", "auth": "none"},
-        "engine": {"prefill": list(prefill), "decode": list(decode)},
-        "health": {"probe_interval_s": 0.2, "probe_timeout_s": 1.0},
-        "journal": {"path": os.fspath(journal), "fsync": "always"},
-        "shutdown": {"grace_s": 20.0},
-    }
-    for name, keys in sections.items():
-        base.setdefault(name, {}).update(keys)
-    return toml_config(base)
-
-
-# ------------------------------------------------------- narwhal serve process
-
-
-class ServeProcess:
-    """``narwhal serve --config FILE --runtime R`` as a subprocess; stderr read line by line."""
-
-    def __init__(self, config_path: str | os.PathLike[str], runtime: str, env: Mapping[str, str] | None = None) -> None:
-        self.args = [sys.executable, "-m", "narwhal.cli", "serve", "--config", os.fspath(config_path),
-                     "--runtime", runtime]
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._eof = False
-
-    def start(self) -> ServeProcess:
-        self.proc = subprocess.Popen(
-            self.args, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
-        threading.Thread(target=self._pump, name="narwhal-serve-stderr", daemon=True).start()
-        return self
-
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        for raw in self.proc.stderr:
-            with self._cond:
-                self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._eof = True
-            self._cond.notify_all()
-
-    def events(self) -> Iterator[dict[str, Any]]:
-        with self._cond:
-            lines = list(self.lines)
-        for line in lines:
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                yield value
-
-    def wait_for_event(self, name: str, timeout: float = 15.0) -> dict[str, Any]:
-        """The first log line of event ``name`` (waiting for it), or TimeoutError."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for event in self.events():
-                    if event.get("event") == name:
-                        return event
-                left = deadline - time.monotonic()
-                if self._eof or left <= 0:
-                    raise TimeoutError(f"no {name!r} line on stderr; got: {self.lines}")
-                self._cond.wait(left)
-
-    def wait(self, timeout: float) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout)
-
-    def stderr_text(self, timeout: float = 5.0) -> str:
-        """All of stderr once the process has closed it."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._eof, timeout)
-            return "\n".join(self.lines)
-
-    def stop(self) -> None:
-        """Kill the process if a test left it running."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(10)

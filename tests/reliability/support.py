@@ -14,15 +14,15 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from ..harness import MODEL, RouterThread, read_journal
+from ..harness import MODEL, RouterThread, poll, read_journal
+from ..serving import ServeProcess, write_config  # noqa: F401  (re-exported for the suite)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -363,17 +363,6 @@ def assert_kv_settled(prefill_sims: Iterable[Any], mode: str | None, *, unpulled
 # -------------------------------------------------------------------- polling
 
 
-def poll(predicate: Callable[[], Any], *, timeout: float = WAIT, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s (last: {value!r})")
-        time.sleep(0.01)
-
-
 def wait_sim_finished(sim: Any, request_id: str, timeout: float = WAIT) -> dict[str, Any]:
     """Wait until the engine is done with the request it received as ``request_id``; its record."""
     def done() -> dict[str, Any] | None:
@@ -390,112 +379,6 @@ def sim_requests(sim: Any, *, route: str | None = None) -> list[dict[str, Any]]:
 # --------------------------------------------------------- narwhal serve process
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(value)
-
-
-def write_config(path: Path, journal: Path, *, prefill: Sequence[str], decode: Sequence[str],
-                 **sections: Mapping[str, Any]) -> Path:
-    """A ``narwhal serve`` config file: loopback, port 0, fast probes, fsync always."""
-    base: dict[str, dict[str, Any]] = {
-        "model": {"name": MODEL},
-        "ingress": {"listen": "127.0.0.1:0", "auth": "none"},
-        "engine": {"prefill": list(prefill), "decode": list(decode)},
-        "health": {"probe_interval_s": 0.2, "probe_timeout_s": 1.0},
-        "journal": {"path": os.fspath(journal), "fsync": "always"},
-        "shutdown": {"grace_s": 20.0},
-    }
-    for name, keys in sections.items():
-        base.setdefault(name, {}).update(keys)
-    lines = []
-    for name, keys in base.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
-        lines.append("")
-    path.write_text("\n".join(lines))
-    return path
-
-
-class ServeProcess:
-    """``narwhal serve --config FILE --runtime R`` as a subprocess; its stderr read line by line."""
-
-    def __init__(self, config_path: Path, runtime: str) -> None:
-        self.args = [sys.executable, "-m", "narwhal.cli", "serve", "--config", os.fspath(config_path),
-                     "--runtime", runtime]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._eof = False
-        self.address: tuple[str, int] | None = None
-
-    def start(self, timeout: float = 20.0) -> ServeProcess:
-        self.proc = subprocess.Popen(self.args, cwd=REPO, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        threading.Thread(target=self._pump, name="narwhal-serve-stderr", daemon=True).start()
-        listening = self.wait_for_event("listening", timeout)
-        self.address = (str(listening["host"]), int(listening["port"]))
-        return self
-
-    @property
-    def url(self) -> str:
-        assert self.address is not None
-        return f"http://{self.address[0]}:{self.address[1]}"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        for raw in self.proc.stderr:
-            with self._cond:
-                self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._eof = True
-            self._cond.notify_all()
-
-    def events(self) -> Iterator[dict[str, Any]]:
-        with self._cond:
-            lines = list(self.lines)
-        for line in lines:
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                yield value
-
-    def wait_for_event(self, name: str, timeout: float = WAIT) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for event in self.events():
-                    if event.get("event") == name:
-                        return event
-                left = deadline - time.monotonic()
-                if self._eof or left <= 0:
-                    raise TimeoutError(f"no {name!r} line on stderr; got: {self.lines}")
-                self._cond.wait(left)
-
-    def wait(self, timeout: float) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 def run_journal_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[bytes]:

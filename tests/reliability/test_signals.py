@@ -47,7 +47,7 @@ def test_sigterm_lets_in_flight_streams_finish(runtime, sims, tmp_path) -> None:
     decode = sims("decode", speed=1.0)
     journal = tmp_path / "journal.jsonl"
     config = write_config(tmp_path / "narwhal.toml", journal, prefill=[prefill.url], decode=[decode.url])
-    server = ServeProcess(config, runtime).start()
+    server = ServeProcess(config, runtime).start(listening_timeout=20)
     streams: list[StreamClient] = []
     try:
         for route in (COMPLETIONS, CHAT, COMPLETIONS):
@@ -93,7 +93,7 @@ def test_sigkill_leaves_unfinished_requests_listed(runtime, sims, tmp_path) -> N
     decode = sims("decode")
     journal = tmp_path / "journal.jsonl"
     config = write_config(tmp_path / "narwhal.toml", journal, prefill=[prefill.url], decode=[decode.url])
-    server = ServeProcess(config, runtime).start()
+    server = ServeProcess(config, runtime).start(listening_timeout=20)
     threads: list[threading.Thread] = []
     try:
         done = post(server)  # type: ignore[arg-type]
@@ -142,7 +142,7 @@ def test_sigkill_leaves_unfinished_requests_listed(runtime, sims, tmp_path) -> N
 
     # A router restarted on the torn journal keeps appending readable records.
     prefill.set_faults()
-    server = ServeProcess(config, runtime).start()
+    server = ServeProcess(config, runtime).start(listening_timeout=20)
     try:
         again = post(server)  # type: ignore[arg-type]
         assert again.status_code == 200, again.text

@@ -35,7 +35,7 @@ import attrs
 import narwhal.log
 from narwhal_core.auth import api_key_digest
 
-from ..harness import MODEL, read_journal
+from ..harness import MODEL, journal_terminal, poll, read_journal  # noqa: F401  (re-exported for the suite)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -248,32 +248,6 @@ def exchange(address: tuple[str, int], data: bytes, *, timeout: float = 5.0) -> 
 
 
 # ---------------------------------------------------------------- journal
-
-
-def poll(predicate: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.01, what: str = "condition") -> Any:
-    """Call ``predicate`` until it returns something truthy; that value, or TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s (last: {value!r})")
-        time.sleep(interval)
-
-
-def journal_terminal(journal_path: str | os.PathLike[str], rid: str, timeout: float = 10.0) -> dict[str, Any]:
-    """The one terminal record of ``rid``, which must also be its last record (SPEC §5)."""
-
-    def find() -> list[dict[str, Any]] | None:
-        records = [r for r in read_journal(journal_path) if r.get("rid") == rid]
-        return records if any(r.get("terminal") is not None for r in records) else None
-
-    records = poll(find, timeout=timeout, what=f"terminal record of {rid}")
-    terminals = [r for r in records if r.get("terminal") is not None]
-    assert len(terminals) == 1, terminals
-    assert records[-1] is terminals[0], records
-    return terminals[0]
 
 
 def terminal_records(journal_path: str | os.PathLike[str]) -> list[dict[str, Any]]:
