@@ -16,7 +16,6 @@ import re
 import socket
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
