@@ -1,11 +1,15 @@
-"""The journal file: JSON Lines appended one record per write (SPEC §5).
+"""The journal file: JSON Lines appended with ``write(2)`` of whole lines (SPEC §5).
 
-Each record is one ``write(2)`` of a whole line on a file opened for
-appending without a user-space buffer, so a record is flushed as soon as it
-is written and a crash can tear at most the last line. ``fsync`` follows
-``journal.fsync``: ``always`` after every record, ``interval`` from the
-runtime's timer (:meth:`JournalWriter.fsync_now`, which may run in a worker
-thread), ``never`` leaves it to the OS.
+The file is opened for appending without a user-space buffer: what
+:meth:`JournalWriter.write` (one record) or :meth:`JournalWriter.write_lines`
+(the records of one event-loop iteration, in one ``write(2)``) is given is in
+the file when the call returns, and a crash can tear at most the last line.
+When each runtime calls them is its business, within this guarantee: every
+record is in the file before the loop waits for I/O again, and before any
+socket bytes the router produced after it (the answer or the leg the record
+describes). ``fsync`` follows ``journal.fsync``: ``always`` after every
+write, ``interval`` from the runtime's timer (:meth:`JournalWriter.fsync_now`,
+which may run in a worker thread), ``never`` leaves it to the OS.
 
 A failed write (full disk, I/O error) keeps the line in a pending buffer
 that is retried before the next record and on every :meth:`sync`, so order
@@ -64,17 +68,24 @@ class JournalWriter:
 
     def write(self, line: bytes) -> bool:
         """Append one record; return whether the journal is healthy afterwards."""
+        return self._append(line, 1)
+
+    def write_lines(self, lines: list[bytes]) -> bool:
+        """Append several records (whole lines) with one ``write(2)``; return whether the journal is healthy."""
+        return self._append(lines[0] if len(lines) == 1 else b"".join(lines), len(lines))
+
+    def _append(self, data: bytes, records: int) -> bool:
         if self._pending:
-            self._enqueue(line)
+            self._enqueue(data)
             self._retry()
             return self.ok
         try:
-            self._write_all(line)
+            self._write_all(data)
         except _ShortWrite as short:
             self._failed(short.error)
             self._enqueue(short.rest)
             return False
-        self.written += 1
+        self.written += records
         if self.fsync == "always":
             self._fsync()
         else:
@@ -123,8 +134,9 @@ class JournalWriter:
 
     def _enqueue(self, line: bytes) -> None:
         if self._pending_bytes + len(line) > MAX_PENDING_BYTES:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
+            before = self.dropped
+            self.dropped += line.count(b"\n")  # a batch holds several records
+            if before == 0 or before // 1000 != self.dropped // 1000:
                 log_event("journal_records_dropped", level="error", dropped=self.dropped, path=self.path)
             return
         self._pending.append(line)
@@ -142,7 +154,7 @@ class JournalWriter:
                 return
             self._pending.popleft()
             self._pending_bytes -= len(line)
-            self.written += 1
+            self.written += line.count(b"\n")
             self._dirty = True
         if self.error is not None:
             self.error = None

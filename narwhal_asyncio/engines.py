@@ -4,7 +4,10 @@ Legs run on pooled HTTP/1.1 connections, each an :class:`asyncio.Protocol`:
 write the request bytes the router built, feed every read back as
 ``LegData`` straight from ``data_received``, and return the connection to
 the pool when the router says the answer is complete and the connection
-reusable. A task runs only to open a new connection. A leg's connection
+reusable. A leg on a pooled connection is written when the server flushes
+the loop iteration (after the journal: :meth:`Engines.write_unsent`); one
+on a new connection as soon as it is open. A task runs only to open a new
+connection. A leg's connection
 stops reading while the client it relays to cannot take more bytes (the
 server pauses and resumes the legs linked to a client). Control requests
 (health probes, KV releases) use httpx; a ``decode_abort`` release writes a
@@ -38,7 +41,7 @@ class _Connecting:
 class _LegConnection(asyncio.Protocol):
     """One keep-alive connection to an engine: idle in the pool, or carrying one leg."""
 
-    __slots__ = ("_engines", "url", "transport", "leg", "client", "reused", "got_bytes", "lost", "paused")
+    __slots__ = ("_engines", "url", "transport", "leg", "client", "reused", "got_bytes", "lost", "paused", "unsent")
 
     def __init__(self, engines: Engines, url: str) -> None:
         self._engines = engines
@@ -53,6 +56,8 @@ class _LegConnection(asyncio.Protocol):
         self.got_bytes = False
         self.lost = False
         self.paused = False
+        #: The leg's request, until :meth:`Engines.write_unsent` writes it.
+        self.unsent = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -117,6 +122,8 @@ class Engines:
         self._tasks: set[asyncio.Task[None]] = set()
         self._http: httpx.AsyncClient | None = None
         self._closed = False
+        #: Pooled connections given a leg whose request is not written yet.
+        self.unsent: list[_LegConnection] = []
 
     # commands from the router (synchronous: they only write, flag or start things)
 
@@ -130,6 +137,8 @@ class Engines:
             if not conn.lost and not conn.transport.is_closing():
                 conn.reused = True
                 self._attach(conn, cmd)
+                conn.unsent = cmd.data
+                self.unsent.append(conn)
                 return
         pending = _Connecting()
         self._legs[cmd.leg] = pending
@@ -167,6 +176,14 @@ class Engines:
                 pool.append(conn)
                 return
         conn.transport.close()
+
+    def write_unsent(self) -> None:
+        """Write the requests of legs started on pooled connections since the last call."""
+        unsent, self.unsent = self.unsent, []
+        for conn in unsent:
+            data, conn.unsent = conn.unsent, b""
+            if data and conn.leg is not None and not conn.lost:
+                conn.transport.write(data)
 
     def start_control(self, cmd: StartControl) -> None:
         """Run a control request in its own task."""
@@ -209,7 +226,6 @@ class Engines:
             client.relays.add(conn)  # type: ignore[attr-defined]
             if client.write_paused:  # type: ignore[attr-defined]
                 conn.pause()
-        conn.transport.write(cmd.data)
 
     def _unlink(self, conn: _LegConnection) -> None:
         client = conn.client
@@ -266,6 +282,8 @@ class Engines:
             self._feed(LegFailed(key, "dropped"))
             return
         self._attach(conn, cmd)
+        # Its journal line was flushed with the iteration that started the leg.
+        transport.write(cmd.data)
 
     # control requests
 

@@ -163,6 +163,33 @@ _VCHARS: Final = bytes(range(0x21, 0x7F))
 # Request fields the writer looks at: Host goes first, Connection may close,
 # the rest are the codec's to write (the reference's rule).
 _REQUEST_SPECIAL_FIELDS: Final = frozenset({b"host", b"connection", b"upgrade"} | _CODEC_FIELDS)
+# Request fields that passed the writer's checks, as the line it wrote for
+# them: the fields a router sends on every leg are checked once. Filled up
+# to a bound and never evicted (a leg's X-Request-Id is new every time; the
+# fields that repeat arrive first).
+_CHECKED_FIELDS: Final[dict[tuple[bytes, bytes], tuple[bool, bytes]]] = {}
+_MAX_CHECKED_FIELDS: Final = 256
+# The same for (method, target) pairs: their checked bytes.
+_CHECKED_REQUEST_LINES: Final[dict[tuple[str, str], tuple[bytes, bytes]]] = {}
+
+
+def _request_line(method: str, target: str) -> tuple[bytes, bytes]:
+    """The method and target as the request writer sends them; raises if h11 would refuse them."""
+    try:
+        raw_method = method.encode("ascii")
+        raw_target = target.encode("ascii")
+    except UnicodeEncodeError:
+        raise LocalProtocolError(f"non-ASCII method or target: {method!r} {target!r}") from None
+    if raw_method == b"CONNECT":
+        raise LocalProtocolError("CONNECT is not supported")
+    if (
+        not raw_method
+        or raw_method.translate(None, _TCHARS)
+        or not raw_target
+        or raw_target.translate(None, _VCHARS)
+    ):
+        raise LocalProtocolError(f"cannot send this request: illegal method or target {method!r} {target!r}")
+    return raw_method, raw_target
 
 
 # ---------------------------------------------------------------------------
@@ -557,7 +584,19 @@ class FastEngineConnection:
         hosts = 0
         lines: list[bytes] = []
         close = False
+        checked = _CHECKED_FIELDS
         for name, value in headers:
+            known = checked.get((name, value))
+            if known is not None:
+                # Checked before: the engine's Host, the content type, the
+                # credential are the same on every leg.
+                is_host, line = known
+                if is_host:
+                    hosts += 1
+                    host = line
+                else:
+                    lines.append(line)
+                continue
             lowered = name.lower()
             if lowered in _REQUEST_SPECIAL_FIELDS:
                 if lowered == b"host":
@@ -573,28 +612,23 @@ class FastEngineConnection:
                 or (value and (value.translate(None, _VALUE_BYTES) or value[0] in _OWS or value[-1] in _OWS))
             ):
                 raise LocalProtocolError(f"cannot send this request: illegal header {name!r}: {value!r}")
+            line = b"%s: %s\r\n" % (name, value)
             if lowered == b"host":
-                host = b"%s: %s\r\n" % (name, value)
+                host = line
             else:
-                lines.append(b"%s: %s\r\n" % (name, value))
+                lines.append(line)
+            if lowered != b"connection" and len(checked) < _MAX_CHECKED_FIELDS:
+                checked[(name, value)] = (lowered == b"host", line)
         if not hosts:
             raise LocalProtocolError("an engine request needs a host header")
         if hosts > 1:
             raise LocalProtocolError("cannot send this request: more than one host header")
-        try:
-            raw_method = method.encode("ascii")
-            raw_target = target.encode("ascii")
-        except UnicodeEncodeError:
-            raise LocalProtocolError(f"non-ASCII method or target: {method!r} {target!r}") from None
-        if raw_method == b"CONNECT":
-            raise LocalProtocolError("CONNECT is not supported")
-        if (
-            not raw_method
-            or raw_method.translate(None, _TCHARS)
-            or not raw_target
-            or raw_target.translate(None, _VCHARS)
-        ):
-            raise LocalProtocolError(f"cannot send this request: illegal method or target {method!r} {target!r}")
+        raw = _CHECKED_REQUEST_LINES.get((method, target))
+        if raw is None:
+            raw = _request_line(method, target)
+            if len(_CHECKED_REQUEST_LINES) < _MAX_CHECKED_FIELDS:
+                _CHECKED_REQUEST_LINES[(method, target)] = raw
+        raw_method, raw_target = raw
         if body or raw_method in _BODY_METHODS:
             lines.append(b"content-length: %d\r\n" % len(body))
         self._head_request = raw_method == b"HEAD"

@@ -295,6 +295,10 @@ class Router:
         self._journal_problem: str | None = None
         self._probe_seq = 0
         self._retry_after: Final = str(a.retry_after_s).encode()
+        #: The lifecycle table with its handlers bound once, not looked up per input.
+        self._transitions: Final = {
+            key: (getattr(self, handler), handler, allowed) for key, (handler, allowed) in TRANSITIONS.items()
+        }
         interval = config.health.probe_interval_s
         for engine in self.fleet.all():
             self._arm("probe", engine, now + interval * engine.index / max(1, len(self.fleet.all())))
@@ -741,15 +745,15 @@ class Router:
     # ----------------------------------------------------------- lifecycle
 
     def _fire(self, req: _Request, event: Input, **info: Any) -> None:
-        row = TRANSITIONS.get((req.state, event))
+        row = self._transitions.get((req.state, event))
         if row is None:
             state = req.state
             if state is State.DONE:
                 return
             self._force_end(req, f"no transition for {state.value} on {event.value}")
             raise TransitionError(f"request {req.rid}: no transition for state {state.value} on input {event.value}")
-        handler, allowed = row
-        new_state: State = getattr(self, handler)(req, **info)
+        method, handler, allowed = row
+        new_state: State = method(req, **info)
         if new_state not in allowed:
             self._force_end(req, f"{handler} left {req.state.value} for {new_state.value} on {event.value}")
             raise TransitionError(
@@ -1005,7 +1009,7 @@ class Router:
             ts=wall, rid=req.rid, client_rid=req.client_rid, client=req.client, route=req.route,
             model=req.accepted.requested_model or self._model, stream=req.stream, mode=self._mode,
             terminal=req.terminal, status=req.status, error=req.error,
-            legs=tuple(self._leg_record(leg) for leg in req.legs),
+            legs=tuple([self._leg_record(leg) for leg in req.legs]),
             usage=req.usage, received=received, duration_ms=_ms(wall - received),
             ttft_ms=None if req.first_byte is None else _ms(req.first_byte - req.received),
             stripped=req.accepted.stripped,
@@ -1105,14 +1109,16 @@ class Router:
                 return
             if event is NEED_DATA:
                 return
-            if isinstance(event, BodyData):
+            kind = type(event)
+            if kind is BodyData:
                 if leg.streaming:
-                    self._relay(req, leg, event.data)
+                    self._relay(req, leg, event.data)  # type: ignore[union-attr]
                 else:
-                    leg.body.append(event.data)
-            elif isinstance(event, ResponseHead):
-                leg.status = event.status
-                if leg.phase == DECODE and 200 <= event.status < 300:
+                    leg.body.append(event.data)  # type: ignore[union-attr]
+            elif kind is ResponseHead:
+                status: int = event.status  # type: ignore[union-attr]
+                leg.status = status
+                if leg.phase == DECODE and 200 <= status < 300:
                     kv = req.kv
                     if req.stream:
                         leg.streaming = True
@@ -1127,9 +1133,9 @@ class Router:
                         kv.outcome, kv.method = "pulled", "decode"
                         req.pulled_cached_tokens = kv.handoff.cached_tokens
                         req.kv = None
-            elif isinstance(event, ResponseEnd):
+            elif kind is ResponseEnd:
                 leg.open = False
-                self._out.append(FinishLeg(leg.bid, event.reusable))
+                self._out.append(FinishLeg(leg.bid, event.reusable))  # type: ignore[union-attr]
                 self._leg_answered(req, leg)
                 return
 
@@ -1221,17 +1227,17 @@ class Router:
         self._legs.pop(leg.bid, None)
         engine = leg.engine
         self.fleet.leg_ended(engine)
+        req = self._requests.get(leg.rid)
         if failed:
             self._engine_failed(engine)
-            req = self._requests.get(leg.rid)
             if req is not None:
                 req.failed_on[leg.phase].append(engine)
         elif outcome != "cancelled":
             self.fleet.record_success(engine, probe=False)
-        req = self._requests.get(leg.rid)
         if req is not None and req.leg is leg:
             req.leg = None
-        self._wake_slot_waiter(leg.phase)
+        if self._slot_waiters[leg.phase]:
+            self._wake_slot_waiter(leg.phase)
 
     def _wake_slot_waiter(self, phase: Phase) -> None:
         waiters = self._slot_waiters[phase]

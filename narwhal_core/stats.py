@@ -66,20 +66,22 @@ class Stats:
         """Account for one terminal record."""
         route = record.route
         self.requests[(route, record.terminal, str(record.status))] += 1
-        _hist(self.request_seconds, route).observe(record.duration_ms / 1000.0)
+        hists = self.request_seconds
+        (hists.get(route) or _new(hists, route)).observe(record.duration_ms / 1000.0)
         if record.ttft_ms is not None:
-            _hist(self.ttft_seconds, route).observe(record.ttft_ms / 1000.0)
+            hists = self.ttft_seconds
+            (hists.get(route) or _new(hists, route)).observe(record.ttft_ms / 1000.0)
+        hists = self.leg_seconds
         for leg in record.legs:
-            _hist(self.leg_seconds, leg.phase).observe(leg.duration_ms / 1000.0)
-            self.legs[(leg.phase, leg.outcome)] += 1
+            phase = leg.phase
+            (hists.get(phase) or _new(hists, phase)).observe(leg.duration_ms / 1000.0)
+            self.legs[(phase, leg.outcome)] += 1
             if leg.attempt > 1:
-                self.retries[leg.phase] += 1
+                self.retries[phase] += 1
             if leg.kv is not None:
                 self.kv[(leg.kv.outcome, leg.kv.method)] += 1
 
 
-def _hist(table: dict[str, Histogram], key: str) -> Histogram:
-    h = table.get(key)
-    if h is None:
-        h = table[key] = Histogram()
+def _new(table: dict[str, Histogram], key: str) -> Histogram:
+    h = table[key] = Histogram()
     return h
