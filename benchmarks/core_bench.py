@@ -304,7 +304,7 @@ def measure(run: Callable[[int], None], iterations: int, repeat: int) -> dict[st
     }
 
 
-def profile(run: Callable[[int], None], iterations: int, top: int = 15) -> str:
+def profile(run: Callable[[int], None], iterations: int, top: int = 40) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
     run(iterations)

@@ -36,7 +36,7 @@ CHAT: Final = "/v1/chat/completions"
 #: Body fields that engines treat as internal routing state: a client may not
 #: set them (SPEC §2.2; sglang's ``bootstrap_*`` are matched by prefix).
 ROUTER_OWNED_FIELDS: Final = frozenset({"kv_transfer_params", "request_id"})
-_ROUTER_OWNED_PREFIXES: Final = ("bootstrap_",)
+_ROUTER_OWNED_PREFIXES: Final = ("bootstrap_",)  # the pre-check in check_request knows it
 
 # Check 3, in the order of the seed's table: (field, predicate name, message).
 _INTEGER_FIELDS: Final = ("n", "best_of", "max_tokens")
@@ -141,9 +141,12 @@ def check_request(route: Route, body: bytes, model_names: Collection[str], model
                 raise _fail('only tools of type "function" are supported', f"tools[{i}].type")
     # Strip router-owned fields and install the configured model, in place so
     # that every other key keeps its position.
-    stripped = tuple(k for k in data if k in ROUTER_OWNED_FIELDS or k.startswith(_ROUTER_OWNED_PREFIXES))
-    for key in stripped:
-        del data[key]
+    stripped: tuple[str, ...] = ()
+    # (A cheap pre-check first: most bodies carry no router-owned field.)
+    if not ROUTER_OWNED_FIELDS.isdisjoint(data) or "bootstrap_" in "\0".join(data):
+        stripped = tuple(k for k in data if k in ROUTER_OWNED_FIELDS or k.startswith(_ROUTER_OWNED_PREFIXES))
+        for key in stripped:
+            del data[key]
     data["model"] = model
     return AcceptedRequest(
         route=route,

@@ -44,7 +44,11 @@ LegOutcome = Literal[
 ]
 
 
-@attrs.frozen(kw_only=True)
+#: Records are plain slotted attrs classes, not frozen ones: each is built
+#: once per leg or request and encoded at once, and a frozen class's
+#: ``__init__`` (``object.__setattr__`` per field) made building a terminal
+#: record cost twice as much. Treat them as values all the same.
+@attrs.define(kw_only=True)
 class KvRecord:
     """What became of the KV blocks a prefill leg left on its engine (SPEC §3)."""
 
@@ -71,7 +75,7 @@ class KvRecord:
         }
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class LegRecord:
     """One engine attempt of one phase."""
 
@@ -104,7 +108,7 @@ class LegRecord:
         }
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class ErrorRecord:
     """The error a request ended with, as sent to the client."""
 
@@ -129,7 +133,7 @@ class ErrorRecord:
         }
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class ProgressRecord:
     """A request is under way (``terminal: null``); written at least once per admitted request."""
 
@@ -159,7 +163,7 @@ class ProgressRecord:
         }
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class TerminalRecord:
     """How a request ended: the last record for its ``rid``."""
 

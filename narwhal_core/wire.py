@@ -4,8 +4,8 @@ SPEC §2.1 asks that fields Narwhal does not interpret reach the engines as
 the same JSON value the client sent: numbers by exact decimal value, strings
 by code point. ``orjson`` is fast but parses every number into a C double or
 a 64-bit integer, which changes the value of numbers with more than 15
-significant digits, of integers beyond 64 bits and of huge or tiny exponents
-(``1e400`` would even be refused). So bodies are decoded in two ways:
+significant digits, of integers beyond 64 bits and of tiny exponents
+(``1e-400`` becomes ``0.0``; ``1e400`` is even refused). So bodies are decoded in two ways:
 
 * the fast path, ``orjson``, whenever the body holds no number-like text that
   could lose precision (:func:`_risky`, a cheap conservative scan that may
@@ -43,23 +43,31 @@ def _number_classes() -> bytes:
         table[b] = ord("d")
     for b in b"eE":
         table[b] = ord("e")
-    for b in b"+-":
-        table[b] = ord("s")
+    table[ord("-")] = ord("m")
     for b in b"[{":
         table[b] = ord("o")
     return bytes(table)
 
 
 # The risky-number scan, done with C-speed bytes operations: map every byte to
-# its class (digit or dot, exponent letter, sign, other), then look for 16
-# digits-or-dots in a row or an exponent with 3 digits. It errs on the side of
-# the exact path (dots, words like "e100" inside strings).
+# its class (digit or dot, exponent letter, minus, other), then look for what
+# orjson would not give back by value:
+# * 16 digits-or-dots in a row: more significant digits than a double keeps,
+#   or an integer beyond 64 bits (which orjson turns into a float);
+# * a negative exponent of 3 digits or more: a subnormal or an underflow to
+#   0.0 (``4.9e-324`` comes back as ``5e-324``, ``1e-400`` as ``0.0``).
+# Positive exponents are safe: up to ``e308`` a number of at most 15
+# significant digits comes back as the same decimal value, beyond it orjson
+# refuses the number (infinity) and the exact path takes the body. The scan
+# errs on the side of the exact path (words like "e-100" inside strings).
+# "mddd" is rare in text and fast to look for; only then is "emddd" (slower:
+# "e" is a common letter) looked for.
 _CLASSES: Final = _number_classes()
 _LONG_RUN: Final = b"d" * 16
 
 
 def _risky(classes: bytes) -> bool:
-    return _LONG_RUN in classes or b"eddd" in classes or b"esddd" in classes
+    return _LONG_RUN in classes or (b"mddd" in classes and b"emddd" in classes)
 _OPTIONS: Final = orjson.OPT_PASSTHROUGH_SUBCLASS
 
 
@@ -149,7 +157,9 @@ def loads(data: bytes) -> Any:
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError as exc:
-            raise JsonError(_describe(exc)) from None
+            if "infinity" not in exc.msg:
+                raise JsonError(_describe(exc)) from None
+            # A huge exponent (1e400): valid JSON, kept exactly by the exact path.
     return _loads_exact(data)
 
 

@@ -590,6 +590,10 @@ def test_almost_json_bytes(route: str, body: bytes) -> None:
 EXACT_NUMBERS = [
     "1e400", "-1e400", "1e-400", "0.1000000000000000055511151231257827", "123456789012345678901234567890",
     "-0.0", "-0", "5e-324", "1.7976931348623159e308", "9007199254740993", "1" * 4300,
+    # Subnormals and underflows (orjson: 5e-324 and 0.0), in every spelling of the exponent.
+    "4.9e-324", "1E-400", "-2.5e-310", "7e-0000000000000000000400",
+    # Exponents orjson keeps by value (written back as 1e+308) or refuses (the exact path).
+    "1e308", "1e+308", "-1E+309", "12e0000000000000000000005",
 ]
 
 
