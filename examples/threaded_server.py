@@ -53,6 +53,7 @@ from narwhal_core import (
     StartLeg,
     Transmit,
     WriteJournal,
+    local_failure,
 )
 from narwhal_core.config import EngineConfig, IngressConfig, JournalConfig, ModelConfig
 
@@ -146,8 +147,9 @@ class Embedded:
     def _leg(self, cmd: StartLeg) -> None:
         try:
             sock = socket.create_connection((cmd.engine.host, cmd.engine.port), timeout=cmd.connect_timeout)
-        except OSError:
-            self.feed(LegFailed(cmd.leg, "connect_failed"))
+        except OSError as exc:
+            # Out of file descriptors or ports is Narwhal's shortage, not the engine's fault.
+            self.feed(LegFailed(cmd.leg, "local_error" if local_failure(exc) else "connect_failed"))
             return
         sock.settimeout(None)
         with self.lock:
@@ -168,6 +170,7 @@ class Embedded:
     def _control(self, cmd: StartControl) -> None:
         status: int | None = None
         error: str | None = None
+        local = False
         try:
             if cmd.drop_after_send:
                 with socket.create_connection((cmd.engine.host, cmd.engine.port), timeout=cmd.timeout) as sock:
@@ -185,7 +188,8 @@ class Embedded:
             status = exc.code
         except OSError as exc:
             error = type(exc).__name__
-        self.feed(ControlDone(cmd.key, status, error))
+            local = local_failure(exc)
+        self.feed(ControlDone(cmd.key, status, error, local))
 
 
 class _Handler(socketserver.BaseRequestHandler):

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from narwhal_core import ControlDone, Event, LegData, LegFailed, StartControl, StartLeg
+from narwhal_core import ControlDone, Event, LegData, LegFailed, StartControl, StartLeg, local_failure
 
 __all__ = ["Engines"]
 
@@ -266,8 +266,8 @@ class Engines:
         except TimeoutError:  # before OSError, of which it is a subclass
             self._connect_failed(key, pending, "connect_timeout")
             return
-        except OSError:
-            self._connect_failed(key, pending, "connect_failed")
+        except OSError as exc:
+            self._connect_failed(key, pending, "local_error" if local_failure(exc) else "connect_failed")
             return
         except BaseException:
             # CancelLeg: the router knows. Anything else (shutdown): tell it.
@@ -290,6 +290,7 @@ class Engines:
     async def _run_control(self, cmd: StartControl) -> None:
         status: int | None = None
         error: str | None = None
+        local = False
         try:
             async with asyncio.timeout(cmd.timeout):
                 if cmd.drop_after_send:
@@ -312,7 +313,8 @@ class Engines:
             error = "timeout"
         except (OSError, httpx.HTTPError) as exc:
             error = type(exc).__name__
+            local = local_failure(exc)
         except BaseException:
             self._feed(ControlDone(cmd.key, None, "cancelled"))
             raise
-        self._feed(ControlDone(cmd.key, status, error))
+        self._feed(ControlDone(cmd.key, status, error, local))

@@ -42,6 +42,7 @@ from .events import (
     StartLeg,
     Transmit,
     WriteJournal,
+    local_failure,
 )
 from .http1 import H11_CODEC, Codec
 from .http1_fast import FAST_CODEC
@@ -57,5 +58,5 @@ __all__ = [
     "RidSource", "Router", "RouterStatistics", "ShutdownComplete", "ShutdownRequested",
     "StartControl", "StartLeg", "TransitionError", "Transmit", "WriteJournal",
     "api_key_digest", "backend_id", "check_request", "config_from_dict", "parse_api_keys",
-    "parse_backend_id", "parse_config",
+    "parse_backend_id", "parse_config", "local_failure",
 ]

@@ -9,8 +9,9 @@ requests are named by string keys the router chose.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Hashable
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import attrs
 
@@ -22,7 +23,7 @@ __all__ = [
     "Event",
     "Transmit", "CloseClient", "StartLeg", "CancelLeg", "FinishLeg",
     "StartControl", "WriteJournal", "Log", "ShutdownComplete", "Command",
-    "LegFailure",
+    "LegFailure", "LOCAL_ERRNOS", "local_failure",
 ]
 
 # ----------------------------------------------------------------- events in
@@ -58,8 +59,40 @@ class ClientGone:
     conn: Hashable
 
 
-#: Why a leg's connection failed, as the adapter saw it.
-LegFailure = Literal["connect_failed", "connect_timeout", "dropped"]
+#: Why a leg's connection failed, as the adapter saw it. ``local_error``:
+#: Narwhal itself could not open the connection (:func:`local_failure`), which
+#: says nothing about the engine.
+LegFailure = Literal["connect_failed", "connect_timeout", "dropped", "local_error"]
+
+#: ``errno`` values of a failed connect that are the router's own shortage, not
+#: the engine's fault: out of file descriptors (process or system), of buffer
+#: space or memory, of local ports.
+LOCAL_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
+
+
+def local_failure(exc: BaseException) -> bool:
+    """Whether a failed connect (or control request) failed for want of local resources.
+
+    Looks through the exception, its causes and contexts, and the members of
+    exception groups (trio's ``open_tcp_stream``, httpx's ``ConnectError``
+    wrap the ``OSError`` of the socket call), for an ``OSError`` whose
+    ``errno`` is in :data:`LOCAL_ERRNOS`.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen or len(seen) > 64:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in LOCAL_ERRNOS:
+            return True
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        for linked in (e.__cause__, e.__context__):
+            if linked is not None:
+                todo.append(linked)
+    return False
 
 
 @attrs.frozen
@@ -95,6 +128,9 @@ class ControlDone:
     status: int | None
     #: Why there was no answer, if there was none.
     error: str | None = None
+    #: It failed for want of local resources (:func:`local_failure`): no
+    #: verdict on the engine's health.
+    local: bool = False
 
 
 @attrs.frozen

@@ -37,10 +37,12 @@ KvOutcome = Literal["pulled", "released", "held_until_lease"]
 #: How a leg ended: ``ok`` (2xx), ``refused`` (engine 4xx), ``http_error``
 #: (5xx), ``connect_failed``, ``dropped``, ``timeout``, ``bad_kv`` (prefill
 #: answer without usable KV params), ``bad_response`` (not HTTP or not JSON),
-#: ``cancelled`` (Narwhal stopped it: client gone, deadline, shutdown).
+#: ``cancelled`` (Narwhal stopped it: client gone, deadline, shutdown),
+#: ``local_error`` (Narwhal could not open the connection: out of file
+#: descriptors, memory or local ports; not charged to the engine).
 LegOutcome = Literal[
     "ok", "refused", "http_error", "connect_failed", "dropped", "timeout",
-    "bad_kv", "bad_response", "cancelled",
+    "bad_kv", "bad_response", "cancelled", "local_error",
 ]
 
 

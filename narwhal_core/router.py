@@ -97,7 +97,10 @@ _GIVE_UP: Final[dict[str, tuple[int, str]]] = {
     "timeout": (504, "engine_timeout"),
     "connect_failed": (503, "engine_unavailable"),
     "connect_timeout": (503, "engine_unavailable"),
+    "local_error": (503, "router_resources_exhausted"),
 }
+# Leg outcomes that say nothing about the engine's health.
+_NO_VERDICT: Final = frozenset({"cancelled", "local_error"})
 
 
 @attrs.frozen(kw_only=True)
@@ -854,6 +857,11 @@ class Router:
             message = f"The {phase} engine did not answer in time."
         elif reason in ("connect_failed", "connect_timeout"):
             message = f"Could not connect to a {phase} engine."
+        elif reason == "local_error":
+            message = (
+                f"Narwhal could not open a connection to a {phase} engine: it is out of file "
+                "descriptors, memory or local ports."
+            )
         else:
             message = f"The {phase} leg failed ({reason}) after {req.attempts[phase]} attempt(s)."
         return self._fail(req, NarwhalError(message, status=status, code=code), leg=leg)
@@ -943,7 +951,7 @@ class Router:
     def _fail(self, req: _Request, error: NarwhalError, *, leg: _Leg | None = None) -> State:
         self._stop(req)
         self._end(req, "failed", error, leg=leg, sent=req.bytes_sent)
-        self._send_error(req)
+        self._send_error(req, retry_after=error.status == 503)
         return self._after_answer(req)
 
     def _end(
@@ -1232,7 +1240,7 @@ class Router:
             self._engine_failed(engine)
             if req is not None:
                 req.failed_on[leg.phase].append(engine)
-        elif outcome != "cancelled":
+        elif outcome not in _NO_VERDICT:
             self.fleet.record_success(engine, probe=False)
         if req is not None and req.leg is leg:
             req.leg = None
@@ -1308,8 +1316,11 @@ class Router:
             ))
             return
         leg.open = False
-        reason: LegOutcome = "connect_failed" if event.reason != "dropped" else "dropped"
-        self._leg_done(leg, reason, failed=True)
+        if event.reason == "local_error":
+            # Narwhal's own shortage (file descriptors...): not the engine's fault.
+            self._leg_done(leg, "local_error")
+        else:
+            self._leg_done(leg, "connect_failed" if event.reason != "dropped" else "dropped", failed=True)
         req = self._requests[leg.rid]
         if leg.orphan:
             self._orphan_settled(req)
@@ -1368,7 +1379,9 @@ class Router:
         ok = event.error is None and (event.status is None or 200 <= event.status < 300)
         if kind == "probe":
             engine: EngineState = owner
-            if ok and event.status is not None:
+            if event.local:
+                change = None  # Narwhal's own shortage: no verdict on the engine
+            elif ok and event.status is not None:
                 change = self.fleet.record_success(engine, probe=True)
             else:
                 change = self._engine_failed(engine)

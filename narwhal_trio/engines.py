@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import trio
 
-from narwhal_core import ControlDone, EngineAddress, Event, LegData, LegFailed, StartControl, StartLeg
+from narwhal_core import ControlDone, EngineAddress, Event, LegData, LegFailed, StartControl, StartLeg, local_failure
 
 __all__ = ["Engines", "plain_socket", "close_socket"]
 
@@ -202,8 +202,9 @@ class Engines:
             except trio.TooSlowError:
                 await self._report(conn, LegFailed(key, "connect_timeout"))
                 return
-            except OSError:
-                await self._report(conn, LegFailed(key, "connect_failed"))
+            except OSError as exc:
+                reason = "local_error" if local_failure(exc) else "connect_failed"
+                await self._report(conn, LegFailed(key, reason))
                 return
             conn.scope = None
             if scope.cancelled_caught:
@@ -282,6 +283,7 @@ class Engines:
     async def _run_control(self, cmd: StartControl) -> None:
         status: int | None = None
         error: str | None = None
+        local = False
         try:
             with trio.fail_after(cmd.timeout):
                 if cmd.drop_after_send:
@@ -302,8 +304,9 @@ class Engines:
             error = "timeout"
         except (OSError, httpx.HTTPError, trio.BrokenResourceError) as exc:
             error = type(exc).__name__
+            local = local_failure(exc)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self._feed(ControlDone(cmd.key, None, "cancelled"))
             raise
-        await self._feed(ControlDone(cmd.key, status, error))
+        await self._feed(ControlDone(cmd.key, status, error, local))

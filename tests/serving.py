@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -76,10 +77,13 @@ def write_config(path: Path, journal: Path, *, prefill: Sequence[str], decode: S
 class ServeProcess:
     """``narwhal serve --config FILE --runtime R`` as a subprocess; stderr read line by line."""
 
-    def __init__(self, config_path: str | os.PathLike[str], runtime: str, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, config_path: str | os.PathLike[str], runtime: str, env: Mapping[str, str] | None = None,
+                 *, nofile: int | None = None) -> None:
         self.args = [sys.executable, "-m", "narwhal.cli", "serve", "--config", os.fspath(config_path),
                      "--runtime", runtime]
         self.env = {**os.environ, **(env or {})}
+        #: A soft RLIMIT_NOFILE for the process (file-descriptor exhaustion tests).
+        self.nofile = nofile
         self.proc: subprocess.Popen[bytes] | None = None
         self.lines: list[str] = []
         self.address: tuple[str, int] | None = None
@@ -90,13 +94,19 @@ class ServeProcess:
         """Start the process; with ``listening_timeout``, also wait for its ``listening`` line."""
         self.proc = subprocess.Popen(
             self.args, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=self._limit,
         )
         threading.Thread(target=self._pump, name="narwhal-serve-stderr", daemon=True).start()
         if listening_timeout is not None:
             listening = self.wait_for_event("listening", listening_timeout)
             self.address = (str(listening["host"]), int(listening["port"]))
         return self
+
+    def _limit(self) -> None:
+        # In the child, before exec.
+        if self.nofile is not None:
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, hard))
 
     @property
     def url(self) -> str:

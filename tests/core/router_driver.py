@@ -1007,7 +1007,8 @@ class Driver:
         """Control requests not answered yet."""
         return [c for c in self.controls.values() if not c.done and (kind is None or c.kind == kind)]
 
-    def complete_control(self, key: str, *, status: int | None = 200, error: str | None = None) -> None:
+    def complete_control(self, key: str, *, status: int | None = 200, error: str | None = None,
+                         local: bool = False) -> None:
         """The control executor reports a result (``drop_after_send`` ones have no status)."""
         control = self.controls[key]
         assert not control.done, f"control {key} answered twice"
@@ -1015,7 +1016,7 @@ class Driver:
         if control.cmd.drop_after_send and error is None:
             status = None
         control.status, control.error = status, error
-        self.feed(ControlDone(key, status, error))
+        self.feed(ControlDone(key, status, error, local))
 
     def complete_releases(self, *, ok: bool = True) -> None:
         """Answer every pending KV release."""

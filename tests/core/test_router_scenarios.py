@@ -796,6 +796,40 @@ def test_passive_failures_take_an_engine_out_and_probes_bring_it_back() -> None:
     assert bad in used
 
 
+def test_local_connect_failures_are_not_charged_to_the_engine() -> None:
+    # Out of file descriptors (or ports): Narwhal's shortage. The request ends
+    # 503 with its own code after its retries, and no engine leaves rotation.
+    d = Driver(auto_probe=None, health={"unhealthy_after": 1, "probe_interval_s": 5.0},
+               retry={"max_attempts": 2, "backoff_base_s": 0.0, "backoff_max_s": 0.0})
+    client = d.post(COMPLETIONS, completion_body())
+    d.fail_leg(d.leg().bid, "local_error")
+    d.fire()  # the zero backoff retry
+    d.fail_leg(d.leg().bid, "local_error")
+    assert client.last.status == 503
+    assert client.last.header(b"retry-after") is not None
+    error = error_of(client)
+    assert error["code"] == "router_resources_exhausted"
+    assert "file descriptors" in error["message"]
+    record = d.terminal(only_rid(client))
+    assert record["terminal"] == "failed" and record["error"]["code"] == "router_resources_exhausted"
+    assert [leg["outcome"] for leg in record["legs"]] == ["local_error"] * 2
+    assert "engine_down" not in d.log_events()
+    assert all(d.router.statistics().engine_healthy.values())
+    # Probes that fail for the same reason give no verdict either; a real
+    # failure still does.
+    d.advance(5)
+    probes = d.pending_controls("probe")
+    assert probes
+    for control in probes:
+        d.complete_control(control.cmd.key, status=None, error="ConnectError", local=True)
+    assert all(d.router.statistics().engine_healthy.values())
+    d.advance(5)
+    for control in d.pending_controls("probe"):
+        d.complete_control(control.cmd.key, status=None, error="ConnectError")
+    assert not any(d.router.statistics().engine_healthy.values())
+    d.check_invariants(final=True)
+
+
 def test_ready_is_503_when_every_engine_of_a_phase_is_down() -> None:
     d = Driver(auto_probe=None, health={"unhealthy_after": 1, "probe_interval_s": 5.0})
     client = d.connect()
