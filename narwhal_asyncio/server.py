@@ -20,7 +20,6 @@ reading from that client and from every engine leg relaying to it, until
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 import signal
 import sys
@@ -29,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from narwhal.app import build_router, load_authenticator
+from narwhal.app import build_router, load_authenticator, settle_gc
 from narwhal.log import log_event
 from narwhal_core import (
     AuthenticatorChanged,
@@ -71,11 +70,6 @@ TIMER_SLACK_S = 0.001
 #: The router's clock: ``loop.time()`` of asyncio's own loop, at microsecond
 #: resolution under uvloop too (whose ``loop.time()`` counts milliseconds).
 clock = time.monotonic
-#: The cyclic GC's thresholds once serving (Python's default: 700, 10, 10): see
-#: :func:`settle_gc`. With 9,000 slow streams open, trio spends about a fifth
-#: less CPU; much higher, garbage cycles (cancelled legs...) pile up between
-#: collections and the soak run's RSS no longer stays flat.
-GC_THRESHOLDS = (5_000, 10, 10)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -461,22 +455,6 @@ def _abort_unless_lost(client: _Client) -> None:
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def settle_gc() -> None:
-    """Once serving: hide start-up objects from the cyclic GC and let it run less often.
-
-    Reference counting frees nearly everything a request allocates; the
-    collector only looks for cycles, and with Python's default threshold
-    (700 allocations) it walks the objects of every open stream again and
-    again: with thousands of streams open, a large share of the process's
-    time. The objects made at start-up (modules, config, the router) live
-    as long as the process: :func:`gc.freeze` leaves them out of every
-    collection.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
-
-
 def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:
     """``narwhal serve --runtime asyncio``: serve until SIGTERM/SIGINT, then drain and exit 0.
 
@@ -500,6 +478,7 @@ def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> i
 
         for sig in _SIGNALS:
             loop.add_signal_handler(sig, on_signal, sig)
+
         def started(address: tuple[str, int]) -> None:
             settle_gc()
             if on_ready is not None:

@@ -19,7 +19,6 @@ once and waits only when the socket cannot take the bytes.
 
 from __future__ import annotations
 
-import gc
 import math
 import signal
 import socket
@@ -29,7 +28,7 @@ from typing import Any
 
 import trio
 
-from narwhal.app import build_router, load_authenticator
+from narwhal.app import build_router, load_authenticator, settle_gc
 from narwhal.log import log_event
 from narwhal_core import (
     AuthenticatorChanged,
@@ -62,11 +61,6 @@ RUNTIME = "trio"
 READ_SIZE = 65536
 #: Bytes queued for one client beyond which a writer waits for the socket.
 HIGH_WATER = 1 << 20
-#: The cyclic GC's thresholds once serving (Python's default: 700, 10, 10): see
-#: :func:`settle_gc`. With 9,000 slow streams open, trio spends about a fifth
-#: less CPU; much higher, garbage cycles (cancelled legs...) pile up between
-#: collections and the soak run's RSS no longer stays flat.
-GC_THRESHOLDS = (5_000, 10, 10)
 
 
 class _Client:
@@ -352,22 +346,6 @@ class Server:
             client.closed = True
             close_socket(sock)
             limit.release()
-
-
-def settle_gc() -> None:
-    """Once serving: hide start-up objects from the cyclic GC and let it run less often.
-
-    Reference counting frees nearly everything a request allocates; the
-    collector only looks for cycles, and with Python's default threshold
-    (700 allocations) it walks the objects of every open stream again and
-    again: with thousands of streams open, a large share of the process's
-    time. The objects made at start-up (modules, config, the router) live
-    as long as the process: :func:`gc.freeze` leaves them out of every
-    collection.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:
