@@ -64,7 +64,7 @@ def test_out_of_file_descriptors_fails_the_request_not_the_engines(runtime, sims
         rid = headers["x-request-id"]
         # The engines are as healthy as before.
         status, _, ready = _request(control, "GET", "/ready")
-        assert status == 200 and ready["ready"] is True, ready
+        assert status == 200 and ready["ready"] is True, (ready, server.lines[-30:])
 
         for filler in fillers:
             filler.close()
