@@ -258,6 +258,18 @@ _NO_BODY_STATUSES: Final = frozenset({204, 304})
 _CODEC_FIELDS: Final = frozenset({b"content-length", b"transfer-encoding"})
 
 
+def _encode_request_line(method: str, target: str) -> tuple[bytes, bytes]:
+    """An engine request's method and target as bytes; raises for non-ASCII text or ``CONNECT``."""
+    try:
+        raw_method = method.encode("ascii")
+        raw_target = target.encode("ascii")
+    except UnicodeEncodeError:
+        raise LocalProtocolError(f"non-ASCII method or target: {method!r} {target!r}") from None
+    if raw_method == b"CONNECT":
+        raise LocalProtocolError("CONNECT is not supported")
+    return raw_method, raw_target
+
+
 def _encode_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[list[bytes], bool]:
     """Validated ``name: value`` lines, and whether the caller asked to close."""
     lines: list[bytes] = []
@@ -992,13 +1004,7 @@ class EngineConnection:
                 has_host = True
         if not has_host:
             raise LocalProtocolError("an engine request needs a host header")
-        try:
-            raw_method = method.encode("ascii")
-            raw_target = target.encode("ascii")
-        except UnicodeEncodeError:
-            raise LocalProtocolError(f"non-ASCII method or target: {method!r} {target!r}") from None
-        if raw_method == b"CONNECT":
-            raise LocalProtocolError("CONNECT is not supported")
+        raw_method, raw_target = _encode_request_line(method, target)
         fields = list(headers)
         if body or raw_method in _BODY_METHODS:
             fields.append((b"content-length", b"%d" % len(body)))

@@ -126,6 +126,7 @@ from narwhal_core.http1 import (
     ResponseHead,
     ServerConnection,
     ServerEvent,
+    _encode_request_line,
     _EngineState,
     _State,
 )
@@ -175,13 +176,7 @@ _CHECKED_REQUEST_LINES: Final[dict[tuple[str, str], tuple[bytes, bytes]]] = {}
 
 def _request_line(method: str, target: str) -> tuple[bytes, bytes]:
     """The method and target as the request writer sends them; raises if h11 would refuse them."""
-    try:
-        raw_method = method.encode("ascii")
-        raw_target = target.encode("ascii")
-    except UnicodeEncodeError:
-        raise LocalProtocolError(f"non-ASCII method or target: {method!r} {target!r}") from None
-    if raw_method == b"CONNECT":
-        raise LocalProtocolError("CONNECT is not supported")
+    raw_method, raw_target = _encode_request_line(method, target)
     if (
         not raw_method
         or raw_method.translate(None, _TCHARS)
