@@ -15,6 +15,7 @@ adapters move bytes only. Each completion request walks the table in
 from __future__ import annotations
 
 import heapq
+import math
 import zlib
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -297,6 +298,9 @@ class Router:
         self._journal_ok = True
         self._journal_problem: str | None = None
         self._probe_seq = 0
+        #: Local shortages (out of descriptors...) since the last log line about them, and its time.
+        self._shortages = 0
+        self._shortage_logged = -math.inf
         self._retry_after: Final = str(a.retry_after_s).encode()
         #: The lifecycle table with its handlers bound once, not looked up per input.
         self._transitions: Final = {
@@ -1318,6 +1322,7 @@ class Router:
         leg.open = False
         if event.reason == "local_error":
             # Narwhal's own shortage (file descriptors...): not the engine's fault.
+            self._shortage(f"{leg.phase} leg")
             self._leg_done(leg, "local_error")
         else:
             self._leg_done(leg, "connect_failed" if event.reason != "dropped" else "dropped", failed=True)
@@ -1381,6 +1386,7 @@ class Router:
             engine: EngineState = owner
             if event.local:
                 change = None  # Narwhal's own shortage: no verdict on the engine
+                self._shortage("health probe")
             elif ok and event.status is not None:
                 change = self.fleet.record_success(engine, probe=True)
             else:
@@ -1445,6 +1451,14 @@ class Router:
 
     def _log(self, event: str, **fields: Any) -> None:
         self._out.append(Log(event, fields))
+
+    def _shortage(self, what: str) -> None:
+        """Log Narwhal's own shortages (out of descriptors, memory, ports), at most once a second."""
+        self._shortages += 1
+        if self._now - self._shortage_logged >= 1.0:
+            self._log("local_resources_exhausted", level="error", failed=what, count=self._shortages)
+            self._shortages = 0
+            self._shortage_logged = self._now
 
     def _live_conn(self, req: _Request) -> _Conn | None:
         conn = req.conn

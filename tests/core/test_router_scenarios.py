@@ -814,6 +814,9 @@ def test_local_connect_failures_are_not_charged_to_the_engine() -> None:
     assert record["terminal"] == "failed" and record["error"]["code"] == "router_resources_exhausted"
     assert [leg["outcome"] for leg in record["legs"]] == ["local_error"] * 2
     assert "engine_down" not in d.log_events()
+    # One log line for the two failures (at most one a second), counting them.
+    shortages = [log for log in d.logs if log.event == "local_resources_exhausted"]
+    assert [(c.fields["failed"], c.fields["count"]) for c in shortages] == [("prefill leg", 1)]
     assert all(d.router.statistics().engine_healthy.values())
     # Probes that fail for the same reason give no verdict either; a real
     # failure still does.
@@ -823,6 +826,8 @@ def test_local_connect_failures_are_not_charged_to_the_engine() -> None:
     for control in probes:
         d.complete_control(control.cmd.key, status=None, error="ConnectError", local=True)
     assert all(d.router.statistics().engine_healthy.values())
+    shortages = [log for log in d.logs if log.event == "local_resources_exhausted"]
+    assert [(c.fields["failed"], c.fields["count"]) for c in shortages] == [("prefill leg", 1), ("health probe", 2)]
     d.advance(5)
     for control in d.pending_controls("probe"):
         d.complete_control(control.cmd.key, status=None, error="ConnectError")
