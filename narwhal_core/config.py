@@ -473,6 +473,12 @@ class IngressConfig:
         30.0, "How long a client may leave written bytes unread before its connection is dropped."
     )
     max_connections: int = _count(20000, "Most client connections open at once.", minimum=1)
+    max_buffered_bytes: int = _count(
+        536870912,
+        "Most bytes of unfinished requests held across all client connections; past it, the "
+        "connection that grows the total gets 503 overloaded.",
+        minimum=1,
+    )
 
     listen_host: str = attrs.field(init=False, eq=False, repr=False, metadata=_doc("Host part of listen."))
     listen_port: int = attrs.field(init=False, eq=False, repr=False, metadata=_doc("Port part of listen."))
@@ -490,6 +496,11 @@ class IngressConfig:
         if self.auth == "none" and not _is_loopback(host):
             raise ConfigError(
                 "ingress.auth", f'auth = "none" is only allowed on a loopback listen address, not {host}'
+            )
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ConfigError(
+                "ingress.max_buffered_bytes",
+                f"must be at least ingress.max_body_bytes ({self.max_body_bytes}), got {self.max_buffered_bytes}",
             )
         if self.auth == "api_keys" and self.api_keys_file is None:
             raise ConfigError("ingress.api_keys_file", 'is required when auth = "api_keys"')

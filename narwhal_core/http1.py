@@ -924,6 +924,16 @@ class ServerConnection:
         state = self._state
         return state is _State.BODY or state is _State.EXPECT or state is _State.CONTINUED
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes this connection holds of requests not yet returned (head, body so far, pipelined)."""
+        return len(self._buf) + len(self._body)
+
+    @property
+    def partial_target(self) -> str | None:
+        """The target of the request whose body is being read, if one is."""
+        return self._target if self.reading_body else None
+
 
 # ---------------------------------------------------------------------------
 # Engine side: EngineConnection
@@ -1179,6 +1189,14 @@ class ServerCodec(Protocol):
     @property
     def reading_body(self) -> bool:
         """The current request's head is parsed and its body is not complete."""
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held of requests not yet returned."""
+
+    @property
+    def partial_target(self) -> str | None:
+        """The target of the request whose body is being read, if one is."""
 
 
 class EngineCodec(Protocol):

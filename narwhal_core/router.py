@@ -128,6 +128,8 @@ class RouterStatistics:
     draining: bool
     #: Whether ``/ready`` would answer 200.
     ready: bool
+    #: Bytes of unfinished requests held across client connections.
+    buffered_bytes: int = 0
 
 
 @attrs.define(eq=False)
@@ -145,6 +147,8 @@ class _Conn:
     reading: bool = False
     #: Its head is parsed: the body timeout now applies.
     body_phase: bool = False
+    #: Bytes of unfinished requests its codec holds, as last counted.
+    buffered: int = 0
 
 
 @attrs.define(eq=False)
@@ -298,6 +302,9 @@ class Router:
         self._journal_ok = True
         self._journal_problem: str | None = None
         self._probe_seq = 0
+        #: Bytes of unfinished requests held across client connections, and their bound.
+        self._buffered = 0
+        self._max_buffered: Final = config.ingress.max_buffered_bytes
         #: Local shortages (out of descriptors...) since the last log line about them, and its time.
         self._shortages = 0
         self._shortage_logged = -math.inf
@@ -327,6 +334,7 @@ class Router:
             conn = self._conns.pop(event.conn, None)
             if conn is not None:
                 conn.closed = True
+                self._count_buffered(conn)
                 self._disarm(conn.timer)
                 conn.timer = None
                 self._client_left(conn)
@@ -379,6 +387,7 @@ class Router:
             conn = self._pump.pop()
             if conn.rid is None and not conn.closed:
                 self._next_request(conn)
+                self._count_buffered(conn)
 
     def statistics(self) -> RouterStatistics:
         """A snapshot of the live counters."""
@@ -393,6 +402,7 @@ class Router:
             engine_healthy={(e.url, e.phase): e.healthy for e in self.fleet.all()},
             draining=self._draining,
             ready=not self._ready_problems(),
+            buffered_bytes=self._buffered,
         )
 
     # --------------------------------------------------------------- timers
@@ -523,6 +533,7 @@ class Router:
         conn.codec.receive_data(data)
         if conn.rid is None:
             self._next_request(conn)
+        self._count_buffered(conn)
 
     def _next_request(self, conn: _Conn) -> None:
         i = self.config.ingress
@@ -553,6 +564,37 @@ class Router:
                 return
             else:  # PAUSED cannot happen while no request runs
                 return
+
+    def _count_buffered(self, conn: _Conn) -> None:
+        """Recount what ``conn``'s codec holds; past ``ingress.max_buffered_bytes``, refuse it."""
+        held = 0 if conn.closed else conn.codec.buffered_bytes
+        self._buffered += held - conn.buffered
+        conn.buffered = held
+        if held and conn.rid is None and not conn.closed and self._buffered > self._max_buffered:
+            self._over_budget(conn)
+
+    def _over_budget(self, conn: _Conn) -> None:
+        # The connection whose unfinished request pushed the total past the
+        # bound gets 503 and is closed: memory stays bounded whatever the
+        # number of slow uploads. A completion request whose head is parsed
+        # is journalled, as a 413 is.
+        message = "Narwhal holds too many unfinished requests; retry later."
+        error = NarwhalError(message, status=503, code="overloaded")
+        rid = self._rid()
+        route = _COMPLETION_ROUTES.get((conn.codec.partial_target or "").partition("?")[0])
+        if route is not None:
+            conn.rid = rid
+            wall = self._wall()
+            self._write_terminal(journal.TerminalRecord(
+                ts=wall, rid=rid, client_rid=None, client=None, route=route, model=None,
+                stream=False, mode=self._mode, terminal="rejected", status=503,
+                error=_error_record(error), legs=(), usage=None, received=wall,
+                duration_ms=0.0, ttft_ms=None, stripped=(),
+            ))
+        self._send(conn, conn.codec.send_error_response(
+            503, (*self._error_headers(rid), (b"retry-after", self._retry_after)), _error_body(message, "overloaded")
+        ))
+        self._close(conn)
 
     def _bad_request(self, conn: _Conn, exc: RemoteProtocolError) -> None:
         if exc.reason != "dropped":
@@ -1491,6 +1533,7 @@ class Router:
     def _close(self, conn: _Conn) -> None:
         if not conn.closed:
             conn.closed = True
+            self._count_buffered(conn)
             self._disarm(conn.timer)
             conn.timer = None
             self._conns.pop(conn.handle, None)

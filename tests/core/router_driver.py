@@ -1151,7 +1151,12 @@ class Driver:
                 f"requests = {stats.requests}, inflight = {stats.inflight}, queued = {stats.queued}, "
                 f"rids seen without a terminal record = {live}"
             )
+        held = sum(conn.buffered for conn in self.router._conns.values())  # noqa: SLF001
+        if stats.buffered_bytes != held or stats.buffered_bytes < 0:
+            problems.append(f"buffered_bytes = {stats.buffered_bytes}, open connections hold {held}")
         if final:
+            if not self.router._conns and stats.buffered_bytes:  # noqa: SLF001
+                problems.append(f"no connection left but buffered_bytes = {stats.buffered_bytes}")
             for name in ("requests", "inflight", "queued", "legs"):
                 if getattr(stats, name):
                     problems.append(f"at the end statistics().{name} = {getattr(stats, name)}")

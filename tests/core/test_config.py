@@ -161,6 +161,7 @@ DEFAULTS: dict[str, object] = {
     "ingress.keepalive_timeout_s": 75.0,
     "ingress.send_timeout_s": 30.0,
     "ingress.max_connections": 20000,
+    "ingress.max_buffered_bytes": 536870912,
     "engine.prefill": (),
     "engine.engine_api_key_env": None,
     "engine.kv_release": "decode_abort",
@@ -615,7 +616,16 @@ MINIMUMS = {
 
 def test_minimums_table_covers_every_integer_key() -> None:
     ints = {f"{s}.{a.name}" for s, a in all_keys() if a.type is int}
-    assert set(MINIMUMS) | {"retry.max_attempts"} == ints
+    assert set(MINIMUMS) | {"retry.max_attempts", "ingress.max_buffered_bytes"} == ints
+
+
+def test_max_buffered_bytes_is_at_least_max_body_bytes() -> None:
+    data = with_values(ingress={"max_body_bytes": 1000, "max_buffered_bytes": 1000})
+    assert config_from_dict(data, env={}).ingress.max_buffered_bytes == 1000
+    error = error_of(with_values(ingress={"max_body_bytes": 1000, "max_buffered_bytes": 999}))
+    assert str(error) == "ingress.max_buffered_bytes: must be at least ingress.max_body_bytes (1000), got 999"
+    error = error_of(with_values(ingress={"max_buffered_bytes": 0}))
+    assert str(error) == "ingress.max_buffered_bytes: must be at least 1, got 0"
 
 
 @pytest.mark.parametrize("key", sorted(MINIMUMS))

@@ -930,3 +930,32 @@ def test_grace_expiry_abandons_the_rest_with_terminal_records() -> None:
         assert d.terminal(rid)["terminal"] == "failed"
     assert len(d.shutdown_complete) == 1
     d.check_invariants(final=True)
+
+
+# ------------------------------------------------------- buffered memory
+
+
+def test_unfinished_requests_past_max_buffered_bytes_get_503_and_the_rest_go_on() -> None:
+    # Slow uploads hold their bytes in the codecs; past ingress.max_buffered_bytes
+    # the connection that grows the total is refused and closed, so memory stays
+    # bounded whatever the number of slow clients.
+    d = Driver(ingress={"max_body_bytes": 4000, "max_buffered_bytes": 5000})
+    big = json_request(COMPLETIONS, completion_body("x" * 3000))
+    first, second, third = d.connect(), d.connect(), d.connect()
+    first.send_incomplete(big[:-200], "POST", COMPLETIONS)
+    held = d.router.statistics().buffered_bytes
+    assert len(big) - 200 - 150 <= held <= len(big) - 200  # the body so far (its head is parsed out)
+    second.send_incomplete(big[:2500], "POST", COMPLETIONS)  # past 5,000 in all
+    assert second.last.status == 503 and not second.alive
+    assert second.last.header(b"retry-after") is not None
+    assert second.last.json()["error"]["code"] == "overloaded"
+    record = d.terminal(second.last.rid)  # a completion request whose head was in: journalled
+    assert (record["terminal"], record["status"], record["route"]) == ("rejected", 503, COMPLETIONS)
+    assert d.router.statistics().buffered_bytes == held
+    # Small requests still fit; the first upload completes and is served.
+    third.post(COMPLETIONS, completion_body())
+    first.send(big[-200:])
+    d.serve_until_done()
+    assert [c.last.status for c in (first, third)] == [200, 200]
+    assert d.router.statistics().buffered_bytes == 0
+    finish(d)

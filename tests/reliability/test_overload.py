@@ -10,12 +10,16 @@ served.
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 from typing import Any
 
 import httpx
 
 from .support import (
+    MODEL,
+    WAIT,
     assert_envelope,
     assert_idle,
     assert_kv_settled,
@@ -104,3 +108,67 @@ def test_per_client_limit_answers_429(start_router, make_fleet, journal_path) ->
     assert sorted(r["client"] for r in records.values() if r["terminal"] == "completed") == ["alice", "bob"]
     assert_idle(router)
     assert_kv_settled(fleet.prefill, None)
+
+
+def _upload_head(size: int) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: narwhal.test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % size)
+
+
+def test_slow_uploads_past_max_buffered_bytes_get_503(start_router, fleet, journal_path) -> None:
+    """Unfinished request bodies are bounded across connections (``ingress.max_buffered_bytes``)."""
+    router = start_router(ingress={"max_body_bytes": 100_000, "max_buffered_bytes": 150_000})
+    prompt = "narwhal " * 11_000
+    payload = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2}).encode()
+    assert 80_000 < len(payload) < 100_000
+    first = socket.create_connection(router.address, timeout=WAIT)  # type: ignore[arg-type]
+    second = socket.create_connection(router.address, timeout=WAIT)  # type: ignore[arg-type]
+    try:
+        first.sendall(_upload_head(len(payload)) + payload[:-10])
+        held = len(payload) - 10
+        assert poll(lambda: router.statistics().buffered_bytes == held, timeout=WAIT)
+        second.sendall(_upload_head(len(payload)) + payload[:40_000])
+        assert poll(lambda: router.statistics().buffered_bytes == held + 40_000, timeout=WAIT)
+        # The next 30,000 bytes cross 150,000. One send, read whole: the router
+        # closes a socket with nothing unread, so the client reads the 503
+        # (closing with unread bytes would reset the connection first).
+        second.sendall(payload[40_000:70_000])
+        refused = _read_until_closed(second)
+        assert refused.startswith(b"HTTP/1.1 503 "), refused[:200]
+        head, _, text = refused.partition(b"\r\n\r\n")
+        assert b"\r\nretry-after: " in head.lower() and b"\r\nconnection: close" in head.lower()
+        assert json.loads(text)["error"]["code"] == "overloaded"
+        # A small request still fits beside the first upload, which then completes.
+        assert post(router).status_code == 200
+        first.sendall(payload[-10:])
+        answer = _read_response(first)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    finally:
+        first.close()
+        second.close()
+    records = only_terminals(journal_path, 3)
+    assert sorted((r["terminal"], r["status"]) for r in records.values()) == [
+        ("completed", 200), ("completed", 200), ("rejected", 503)
+    ]
+    rejected = next(r for r in records.values() if r["status"] == 503)
+    assert rejected["error"]["code"] == "overloaded" and rejected["route"] == "/v1/completions"
+    assert_idle(router)
+    assert poll(lambda: router.statistics().buffered_bytes == 0, timeout=WAIT)
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return data
