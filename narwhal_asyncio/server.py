@@ -72,6 +72,14 @@ ACCEPT_RETRY_S = 0.1
 _ACCEPT_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: Seconds the last client connections get to flush at exit.
 EXIT_FLUSH_S = 1.0
+#: After Narwhal closes a connection (an error answer, ``connection: close``):
+#: how long, and for how many bytes, it goes on reading and discarding what
+#: the client still sends, its own side already shut, before closing the
+#: socket. Closing with unread bytes makes the kernel reset the connection,
+#: and the client could lose the answer (a 413 or 503 in the middle of an
+#: upload) before reading it.
+LINGER_S = 2.0
+LINGER_BYTES = 4 << 20
 #: Timers fire this much after the router's deadline: uvloop schedules in
 #: whole milliseconds and may otherwise fire a little early, only to re-arm.
 TIMER_SLACK_S = 0.001
@@ -94,6 +102,7 @@ class _Client(asyncio.Protocol):
 
     __slots__ = (
         "server", "transport", "out", "closed", "close_after", "lost", "write_paused", "relays", "waiting", "stall",
+        "linger", "discarded",
     )
 
     def __init__(self, server: Server) -> None:
@@ -113,12 +122,22 @@ class _Client(asyncio.Protocol):
         self.waiting: list[bytes] | None = None
         #: Fires when the client has left our bytes unread for ``send_timeout_s``.
         self.stall: asyncio.TimerHandle | None = None
+        #: Closes the socket at the end of the lingering close (see :data:`LINGER_S`).
+        self.linger: asyncio.TimerHandle | None = None
+        #: Bytes read and dropped since Narwhal closed its side.
+        self.discarded = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server._accepted(self)
 
     def data_received(self, data: bytes) -> None:
+        if self.linger is not None:
+            # Lingering close: the router is done with this client.
+            self.discarded += len(data)
+            if self.discarded > LINGER_BYTES:
+                self.transport.close()
+            return
         if self.waiting is None:
             self.server.feed(ClientData(self, data))
         else:
@@ -134,6 +153,8 @@ class _Client(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self.linger is not None:
+            self.linger.cancel()
         self.server._client_lost(self)
 
     def pause_writing(self) -> None:
@@ -256,6 +277,8 @@ class Server:
         self._journal_ok = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: set[_Client] = set()
+        #: Connections Narwhal closed, dropping what their clients still send (:data:`LINGER_S`).
+        self._lingering: set[_Client] = set()
         #: Clients with bytes (or a close) waiting for the end of the loop iteration.
         self._dirty: list[_Client] = []
         #: Journal lines waiting for the end of the loop iteration.
@@ -344,6 +367,8 @@ class Server:
         # After a drain the router has closed every connection; give the last
         # bytes a moment to leave, then cut what is left. (If serve() was
         # cancelled instead, connection_lost tells the router of each client.)
+        for client in list(self._lingering):
+            client.transport.abort()
         for client in list(self._clients):
             client.transport.close()
         deadline = clock() + EXIT_FLUSH_S
@@ -489,6 +514,7 @@ class Server:
             self.feed(ClientGone(client))
 
     def _client_lost(self, client: _Client) -> None:
+        self._lingering.discard(client)
         if client.waiting is not None:
             try:
                 self._waiting.remove(client)
@@ -523,7 +549,21 @@ class Server:
 
     def _close(self, client: _Client) -> None:
         transport = client.transport
-        transport.close()  # after the bytes written before it
+        assert self._loop is not None
+        if client.linger is None and not transport.is_closing() and transport.can_write_eof():
+            # Lingering close: our side shuts once the bytes written before
+            # are out; what the client still sends is read and dropped, for a
+            # while, before the socket closes.
+            transport.write_eof()
+            transport.resume_reading()
+            client.linger = self._loop.call_later(LINGER_S, transport.close)
+            # The router is done with it: its connection slot is free.
+            self._clients.discard(client)
+            self._lingering.add(client)
+            while self._waiting and len(self._clients) < self._max_clients:
+                self._admit_waiting(self._waiting.popleft())
+        else:
+            transport.close()  # after the bytes written before it
         if transport.get_write_buffer_size() and client.stall is None:
             # A client that never reads must not hold its socket forever.
             assert self._loop is not None

@@ -389,8 +389,9 @@ class ServerConnection:
       any body byte is read, or from each chunk size as it arrives.
     * All buffered, unparsed bytes are bounded by
       ``max_request_line_bytes + max_header_bytes + max_body_bytes + 4``;
-      bytes past that are dropped, and when parsing reaches the gap
-      ``next_event`` raises 400. This is what bounds pipelined data while a
+      bytes past that are dropped (those that fit are kept, however the
+      reads were split), and when parsing reaches the gap ``next_event``
+      raises 400. This is what bounds pipelined data while a
       response is pending (an adapter should stop reading while
       :data:`PAUSED` anyway).
 
@@ -459,9 +460,12 @@ class ServerConnection:
             raise LocalProtocolError("receive_data() after EOF")
         if self._overflow or self._state in _ALWAYS_CLOSE:
             return
-        if len(self._buf) + len(data) > self._max_buffered:
+        room = self._max_buffered - len(self._buf)
+        if len(data) > room:
+            # Keep what fits: a head that came in the same read as too much
+            # body is still parsed (and gets its 413), whatever the split.
             self._overflow = True
-            return
+            data = data[:room]
         self._buf += data
 
     def next_event(self) -> ServerEvent:

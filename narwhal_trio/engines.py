@@ -203,8 +203,7 @@ class Engines:
                 await self._report(conn, LegFailed(key, "connect_timeout"))
                 return
             except OSError as exc:
-                reason = "local_error" if local_failure(exc) else "connect_failed"
-                await self._report(conn, LegFailed(key, reason))
+                await self._report(conn, LegFailed(key, "local_error" if local_failure(exc) else "connect_failed"))
                 return
             conn.scope = None
             if scope.cancelled_caught:

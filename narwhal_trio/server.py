@@ -61,13 +61,23 @@ RUNTIME = "trio"
 READ_SIZE = 65536
 #: Bytes queued for one client beyond which a writer waits for the socket.
 HIGH_WATER = 1 << 20
+#: After Narwhal closes a connection (an error answer, ``connection: close``):
+#: how long, and for how many bytes, it goes on reading and discarding what
+#: the client still sends, its own side already shut, before closing the
+#: socket. Closing with unread bytes makes the kernel reset the connection,
+#: and the client could lose the answer (a 413 or 503 in the middle of an
+#: upload) before reading it.
+LINGER_S = 2.0
+LINGER_BYTES = 4 << 20
 
 
 class _Client:
-    __slots__ = ("sock", "out", "buffered", "writing", "close_after", "closed", "drained")
+    __slots__ = ("sock", "out", "buffered", "writing", "close_after", "closed", "drained", "release")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        #: Frees the connection's slot (``ingress.max_connections``) once; set by its task.
+        self.release: Callable[[], None] | None = None
         self.out: list[bytes] = []
         self.buffered = 0
         self.writing = False
@@ -196,7 +206,7 @@ class Server:
         while (cmd := router.next_output()) is not None:
             kind = type(cmd)
             if kind is Transmit:
-                client = self._clients.get(cmd.conn)  # type: ignore[union-attr]
+                client = self._clients.get(cmd.conn)  # type: ignore[union-attr,arg-type]
                 if client is not None and not client.closed:
                     client.out.append(cmd.data)  # type: ignore[union-attr]
                     client.buffered += len(cmd.data)  # type: ignore[union-attr]
@@ -210,7 +220,7 @@ class Server:
             elif kind is FinishLeg:
                 engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
             elif kind is CloseClient:
-                client = self._clients.get(cmd.conn)  # type: ignore[union-attr]
+                client = self._clients.get(cmd.conn)  # type: ignore[union-attr,arg-type]
                 if client is not None:
                     client.close_after = True
                     self._dirty.append(client)
@@ -283,7 +293,9 @@ class Server:
                 raise trio.BrokenResourceError("send timeout")
             if client.close_after and not client.closed:
                 client.closed = True
-                close_socket(sock)
+                if client.release is not None:
+                    client.release()  # the router is done with it: its slot is free
+                self._shut(sock)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             # The reader task notices the dead socket and tells the router.
             client.closed = True
@@ -294,6 +306,37 @@ class Server:
             if client.drained is not None:
                 client.drained.set()
                 client.drained = None
+
+    def _shut(self, sock: socket.socket) -> None:
+        # Lingering close: shut our side (the answer is out), let the reader
+        # task drop what the client still sends, close after LINGER_S at most.
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            close_socket(sock)
+            return
+        assert self._nursery is not None
+        self._nursery.start_soon(self._end_linger, sock)
+
+    @staticmethod
+    async def _end_linger(sock: socket.socket) -> None:
+        await trio.sleep(LINGER_S)
+        close_socket(sock)  # wakes a reader still lingering; nothing if it is closed
+
+    @staticmethod
+    async def _linger(sock: socket.socket) -> None:
+        left = LINGER_BYTES
+        while left > 0 and sock.fileno() != -1:  # closed already: a failed write, or LINGER_S is over
+            try:
+                await trio.lowlevel.wait_readable(sock)
+                data = sock.recv(READ_SIZE)
+            except BlockingIOError:
+                continue
+            except (trio.ClosedResourceError, OSError):
+                return
+            if not data:
+                return
+            left -= len(data)
 
     async def _timer_loop(self) -> None:
         while True:
@@ -318,6 +361,14 @@ class Server:
         sock = plain_socket(stream)
         client = _Client(sock)
         self._clients[handle] = client
+
+        def release() -> None:
+            if client.release is not None:
+                client.release = None
+                del self._clients[handle]
+                limit.release()
+
+        client.release = release
         try:
             try:
                 peer = sock.getpeername()
@@ -338,14 +389,15 @@ class Server:
                 await self.feed(ClientData(handle, data))
                 if not data:
                     break
+            if client.close_after:
+                await self._linger(sock)  # Narwhal closed it: drop what the client still sends
         finally:
-            del self._clients[handle]
             if not client.close_after:
                 # The socket broke under us: the router must hear it.
                 self._feed_now(ClientGone(handle))
+            release()
             client.closed = True
             close_socket(sock)
-            limit.release()
 
 
 def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:

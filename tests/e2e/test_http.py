@@ -232,3 +232,29 @@ def test_connection_close_is_honoured(start_router, journal_path) -> None:
         conn.send(request_bytes("POST", COMPLETIONS, _completion(), headers=[JSON, ("connection", "close")]))
         _check_ok(conn.read_response(), journal_path)
         assert conn.peer_closed()
+
+
+def test_an_error_answer_mid_upload_reaches_the_client(start_router, journal_path) -> None:
+    """Lingering close: the client still uploading when Narwhal answers 413 reads the answer.
+
+    Closing a socket with unread bytes resets the connection, and the client
+    would lose the 413 it has not read yet; Narwhal shuts its side, drops
+    what the client still sends for a while, then closes.
+    """
+    import socket
+
+    router = start_router(ingress={"max_body_bytes": 1000})
+    sock = socket.create_connection(router.address, timeout=10)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: narwhal.test\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 400000\r\n\r\n")
+        sock.sendall(b"x" * 400_000)  # the router answered 413 after the head; it keeps reading
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "body_too_large"
