@@ -97,6 +97,11 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def loop_name(loop: asyncio.AbstractEventLoop) -> str:
+    """``"uvloop"`` or ``"asyncio"``: which event loop implementation runs the server."""
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
 class _Client(asyncio.Protocol):
     """One client connection; it is its own handle in the router's events and commands."""
 
@@ -315,7 +320,7 @@ class Server:
             if self.config.journal.fsync == "interval":
                 sync_task = loop.create_task(self.journal.run_sync_timer())
             self._drain()
-            log_event("listening", host=host, port=port, runtime=RUNTIME,
+            log_event("listening", host=host, port=port, runtime=RUNTIME, loop=loop_name(loop),
                       model=self.config.model.name, journal=self.config.journal.path)
             if started is not None:
                 started((host, port))

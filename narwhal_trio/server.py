@@ -130,7 +130,7 @@ class Server:
                     nursery.start_soon(self.journal.run_sync_timer)
                 nursery.start_soon(self._accept_loop, listeners)
                 self._drain()
-                log_event("listening", host=host, port=port, runtime=RUNTIME,
+                log_event("listening", host=host, port=port, runtime=RUNTIME, loop="trio",
                           model=self.config.model.name, journal=self.config.journal.path)
                 task_status.started((host, port))
                 await self._drained.wait()

@@ -1,8 +1,11 @@
 """End-to-end harness: a real router on loopback, on the runtime a test names.
 
 The router runs on its own event loop in a background thread — ``trio.run``
-for the trio runtime, ``asyncio.run`` (uvloop when installed) for the
-asyncio one — so every end-to-end test is a plain synchronous test that talks
+for the trio runtime, the standard library's asyncio loop for the asyncio
+one (what a plain ``pip install`` serves with; ``narwhal serve``
+subprocesses, in the tests that start them, run uvloop when it is installed,
+as the test extra installs it: so both loops are exercised) — so every
+end-to-end test is a plain synchronous test that talks
 to it over real sockets with real clients (httpx, the ``openai`` package,
 raw sockets). Each loop records which async library actually ran it
 (:attr:`RouterThread.loop_library`), so a test can prove the runtime.
@@ -195,9 +198,7 @@ class RouterThread:
             self._ready.set()
 
     def _asyncio_run(self) -> None:
-        from narwhal_asyncio.server import new_event_loop
-
-        loop = new_event_loop()
+        loop = asyncio.new_event_loop()  # the standard loop, uvloop installed or not
         try:
             loop.run_until_complete(self._asyncio_main())
         finally:
