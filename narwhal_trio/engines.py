@@ -30,9 +30,9 @@ from collections.abc import Awaitable, Callable
 import httpx
 import trio
 
-from narwhal_core import ControlDone, EngineAddress, Event, LegData, LegFailed, StartControl, StartLeg, local_failure
+from narwhal_core import ControlDone, Event, LegData, LegFailed, StartControl, StartLeg, local_failure
 
-__all__ = ["Engines", "plain_socket", "close_socket"]
+__all__ = ["Engines", "plain_socket", "close_socket", "send_all", "receive"]
 
 READ_SIZE = 65536
 
@@ -50,6 +50,18 @@ def close_socket(sock: socket.socket) -> None:
     if sock.fileno() != -1:
         trio.lowlevel.notify_closing(sock)
         sock.close()
+
+
+async def receive(sock: socket.socket) -> bytes | None:
+    """The next bytes from ``sock`` (``b""`` at EOF), once some arrive; ``None`` once it is closed or broken."""
+    while True:
+        try:
+            await trio.lowlevel.wait_readable(sock)
+            return sock.recv(READ_SIZE)
+        except BlockingIOError:
+            continue
+        except (trio.ClosedResourceError, OSError):
+            return None
 
 
 async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
@@ -241,15 +253,9 @@ class Engines:
         assert sock is not None
         try:
             while not conn.closed:
-                try:
-                    await trio.lowlevel.wait_readable(sock)
-                    data: bytes | None = sock.recv(READ_SIZE)
-                except BlockingIOError:
-                    continue
-                except (trio.ClosedResourceError, OSError):
-                    if conn.closed:
-                        return  # we closed it: the router knows why
-                    data = None
+                data = await receive(sock)
+                if data is None and conn.closed:
+                    return  # we closed it: the router knows why
                 key = conn.leg
                 if key is None:
                     # An idle connection has nothing to say: bytes or a close

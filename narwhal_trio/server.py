@@ -52,13 +52,12 @@ from narwhal_core import (
     WriteJournal,
 )
 
-from .engines import Engines, close_socket, plain_socket, send_all
+from .engines import Engines, close_socket, plain_socket, receive, send_all
 from .journal_file import JournalFile
 
 __all__ = ["Server", "run", "RUNTIME"]
 
 RUNTIME = "trio"
-READ_SIZE = 65536
 #: Bytes queued for one client beyond which a writer waits for the socket.
 HIGH_WATER = 1 << 20
 #: After Narwhal closes a connection (an error answer, ``connection: close``):
@@ -327,15 +326,9 @@ class Server:
     async def _linger(sock: socket.socket) -> None:
         left = LINGER_BYTES
         while left > 0 and sock.fileno() != -1:  # closed already: a failed write, or LINGER_S is over
-            try:
-                await trio.lowlevel.wait_readable(sock)
-                data = sock.recv(READ_SIZE)
-            except BlockingIOError:
-                continue
-            except (trio.ClosedResourceError, OSError):
-                return
+            data = await receive(sock)
             if not data:
-                return
+                return  # EOF, or closed
             left -= len(data)
 
     async def _timer_loop(self) -> None:
@@ -379,12 +372,8 @@ class Server:
                 # Wait first: a client sends its next request only once it
                 # has the answer to this one, so reading at once would
                 # nearly always come back empty-handed.
-                try:
-                    await trio.lowlevel.wait_readable(sock)
-                    data = sock.recv(READ_SIZE)
-                except BlockingIOError:
-                    continue
-                except (trio.ClosedResourceError, OSError):
+                data = await receive(sock)
+                if data is None:
                     break
                 await self.feed(ClientData(handle, data))
                 if not data:
