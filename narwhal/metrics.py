@@ -74,6 +74,10 @@ class _RouterCollector:
         yield GaugeMetricFamily("narwhal_inflight_requests", "Requests holding an admission slot.", value=live.inflight)
         yield GaugeMetricFamily("narwhal_queued_requests", "Requests waiting for admission.", value=live.queued)
         yield GaugeMetricFamily("narwhal_open_connections", "Open client connections.", value=live.connections)
+        yield GaugeMetricFamily(
+            "narwhal_buffered_request_bytes", "Bytes of unfinished requests held (ingress.max_buffered_bytes).",
+            value=live.buffered_bytes,
+        )
         yield GaugeMetricFamily("narwhal_ready", "1 when /ready answers 200.", value=int(live.ready))
         healthy = GaugeMetricFamily("narwhal_engine_healthy", "1 when the engine is in rotation.", labels=["engine", "phase"])
         outstanding = GaugeMetricFamily("narwhal_engine_outstanding_legs", "Legs running per engine.", labels=["engine", "phase"])

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from ..harness import MODEL, RouterThread, poll, read_journal
 from ..serving import ServeProcess, write_config  # noqa: F401  (re-exported for the suite)
@@ -288,6 +289,16 @@ def assert_backend_ids(record: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------- capacity
+
+
+def metric(router: RouterThread, name: str, **labels: str) -> float:
+    """One sample of the router's ``/metrics``."""
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"no {name} {labels} in /metrics:\n{text}")
 
 
 def assert_idle(router: RouterThread, timeout: float = WAIT) -> Any:

@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal_sim.testing import SimProcess
 
@@ -26,6 +25,7 @@ from .support import (
     assert_failed,
     assert_idle,
     assert_kv_settled,
+    metric,
     poll,
     post,
     rid_of,
@@ -47,16 +47,6 @@ def processes() -> Iterator[Any]:
     yield start
     for sim in started:
         sim.stop()
-
-
-def metric(router: Any, name: str, **labels: str) -> float:
-    """One sample of the router's ``/metrics``."""
-    text = httpx.get(router.url + "/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    raise AssertionError(f"no {name} {labels} in /metrics:\n{text}")
 
 
 def healthy(router: Any, url: str, phase: str) -> bool:

@@ -23,6 +23,7 @@ from .support import (
     assert_envelope,
     assert_idle,
     assert_kv_settled,
+    metric,
     only_terminals,
     poll,
     post,
@@ -127,6 +128,7 @@ def test_slow_uploads_past_max_buffered_bytes_get_503(start_router, fleet, journ
         first.sendall(_upload_head(len(payload)) + payload[:-10])
         held = len(payload) - 10
         assert poll(lambda: router.statistics().buffered_bytes == held, timeout=WAIT)
+        assert metric(router, "narwhal_buffered_request_bytes") == held
         second.sendall(_upload_head(len(payload)) + payload[:40_000])
         assert poll(lambda: router.statistics().buffered_bytes == held + 40_000, timeout=WAIT)
         # The next 30,000 bytes cross 150,000. One send, read whole: the router
