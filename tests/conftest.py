@@ -10,7 +10,10 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from .harness import Fleet, RouterThread, make_config
+from .harness import Fleet, LogCapture, RouterThread, make_config
+
+#: The environment variable the routers of ``start_secure_router`` read the engine credential from.
+ENGINE_KEY_ENV = "NARWHAL_TEST_ENGINE_KEY"
 
 #: The runtimes every end-to-end test runs on (the conformance suite).
 CONFORMANCE_RUNTIMES = ("trio", "asyncio")
@@ -53,3 +56,38 @@ def start_router(
     yield start
     for router in started:
         router.stop()
+
+
+# The engine credential: ``engine_key`` is each suite's own fixture (the
+# security suite wants a key with a distinctive prefix to search for).
+
+
+@pytest.fixture
+def secure_fleet(engine_key: str) -> Iterator[Fleet]:
+    """A prefill and a decode engine that answer 401 without ``engine_key``."""
+    with SimThread(role="prefill", speed=0, api_key=engine_key) as prefill, SimThread(
+        role="decode", speed=0, api_key=engine_key
+    ) as decode:
+        yield Fleet(prefill=[prefill], decode=[decode])
+
+
+@pytest.fixture
+def start_secure_router(
+    start_router: Callable[..., RouterThread], secure_fleet: Fleet, engine_key: str
+) -> Callable[..., RouterThread]:
+    """Start a router in front of ``secure_fleet`` (or ``fleet_``) holding the engine credential."""
+
+    def start(*, fleet_: Fleet | None = None, **sections: Any) -> RouterThread:
+        engine = {"engine_api_key_env": ENGINE_KEY_ENV, **sections.pop("engine", {})}
+        return start_router(
+            env={ENGINE_KEY_ENV: engine_key}, fleet_=fleet_ or secure_fleet, engine=engine, **sections
+        )
+
+    return start
+
+
+@pytest.fixture
+def router_log() -> Iterator[LogCapture]:
+    """Everything the router logs while the test runs (restored afterwards)."""
+    with LogCapture() as capture:
+        yield capture

@@ -14,6 +14,7 @@ raw sockets). Each loop records which async library actually ran it
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import threading
@@ -26,6 +27,7 @@ import attrs
 import sniffio
 import trio
 
+import narwhal.log
 from narwhal.app import build_router
 from narwhal_core import Config
 from narwhal_core.config import (
@@ -302,3 +304,44 @@ class Fleet:
     def all(self) -> Iterator[Any]:
         yield from self.prefill
         yield from self.decode
+
+
+# ------------------------------------------------------------- process log
+
+
+class _LockedBytes(io.RawIOBase):
+    def __init__(self) -> None:
+        self._data = bytearray()
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        with self._lock:
+            self._data += bytes(b)
+        return len(b)
+
+    def getvalue(self) -> bytes:
+        with self._lock:
+            return bytes(self._data)
+
+
+class LogCapture:
+    """The router's process log (``narwhal.log``) captured in memory, thread-safely."""
+
+    def __init__(self) -> None:
+        self.stream = _LockedBytes()
+
+    def __enter__(self) -> LogCapture:
+        narwhal.log.set_stream(self.stream)  # type: ignore[arg-type]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        narwhal.log.set_stream(None)
+
+    def text(self) -> str:
+        return self.stream.getvalue().decode("utf-8", "replace")
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.text().splitlines() if line.strip()]

@@ -10,18 +10,15 @@ for Server-Sent Events, a capture of the router's process log, and a
 from __future__ import annotations
 
 import decimal
-import io
 import json
 import re
 import socket
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import httpx
 
-import narwhal.log
 
 # Re-exported: the suite's tests import these from here.
 from ..harness import MODEL, Fleet, journal_terminal, poll, read_journal  # noqa: F401
@@ -286,27 +283,6 @@ class RawConnection:
 
 
 # ------------------------------------------------------------- process log
-
-
-class LogCapture:
-    """The router's process log (``narwhal.log``) captured in memory."""
-
-    def __init__(self) -> None:
-        self.stream = io.BytesIO()
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> LogCapture:
-        narwhal.log.set_stream(self.stream)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        narwhal.log.set_stream(None)
-
-    def text(self) -> str:
-        return self.stream.getvalue().decode("utf-8", "replace")
-
-    def events(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.text().splitlines() if line.strip()]
 
 
 # ---------------------------------------------------------------- configs

@@ -18,7 +18,6 @@ Everything is synchronous and bounded by explicit timeouts:
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import socket
@@ -32,7 +31,6 @@ from typing import Any
 
 import attrs
 
-import narwhal.log
 from narwhal_core.auth import api_key_digest
 
 from ..harness import MODEL, journal_terminal, poll, read_journal  # noqa: F401  (re-exported for the suite)
@@ -432,41 +430,3 @@ class Canary:
 
 
 # ------------------------------------------------------------ process log
-
-
-class _LockedBytes(io.RawIOBase):
-    def __init__(self) -> None:
-        self._data = bytearray()
-        self._lock = threading.Lock()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        with self._lock:
-            self._data += bytes(b)
-        return len(b)
-
-    def getvalue(self) -> bytes:
-        with self._lock:
-            return bytes(self._data)
-
-
-class LogCapture:
-    """The router's process log (``narwhal.log``) captured in memory, thread-safely."""
-
-    def __init__(self) -> None:
-        self.stream = _LockedBytes()
-
-    def __enter__(self) -> LogCapture:
-        narwhal.log.set_stream(self.stream)  # type: ignore[arg-type]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        narwhal.log.set_stream(None)
-
-    def text(self) -> str:
-        return self.stream.getvalue().decode("utf-8", "replace")
-
-    def events(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.text().splitlines() if line.strip()]
