@@ -5,6 +5,12 @@ and executes the :class:`Command` values it drains from
 ``Router.next_output()``. Connection handles (``conn``) are whatever
 hashable object the adapter uses for a client socket; legs and control
 requests are named by string keys the router chose.
+
+Every value is immutable by contract. The ones that pass once or more per
+request (``ClientData``, ``LegData``, ``Transmit``, ``StartLeg``,
+``FinishLeg``, ``WriteJournal``) are plain slotted attrs classes rather than
+frozen ones, because a frozen class's ``__init__`` sets each field through
+``object.__setattr__`` (three times the cost); nothing may assign to them.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ class ClientConnected:
     peer_port: int
 
 
-@attrs.frozen
+@attrs.define
 class ClientData:
     """Bytes arrived from a client; ``b""`` means it closed its side (EOF)."""
 
@@ -95,7 +101,7 @@ def local_failure(exc: BaseException) -> bool:
     return False
 
 
-@attrs.frozen
+@attrs.define
 class LegData:
     """Bytes arrived from an engine on a leg; ``b""`` means the engine closed (EOF)."""
 
@@ -164,7 +170,7 @@ Event = (
 # -------------------------------------------------------------- commands out
 
 
-@attrs.frozen
+@attrs.define
 class Transmit:
     """Write ``data`` to a client socket, after anything written before it."""
 
@@ -182,7 +188,7 @@ class CloseClient:
     conn: Hashable
 
 
-@attrs.frozen
+@attrs.define
 class StartLeg:
     """Send a leg's request to an engine and feed its answer back as :class:`LegData`."""
 
@@ -208,7 +214,7 @@ class CancelLeg:
     leg: str
 
 
-@attrs.frozen
+@attrs.define
 class FinishLeg:
     """A leg's answer is complete: return its connection to the pool, or close it."""
 
@@ -243,7 +249,7 @@ class StartControl:
     data: bytes = b""
 
 
-@attrs.frozen
+@attrs.define
 class WriteJournal:
     """Append one record to the journal (one line, flushed)."""
 

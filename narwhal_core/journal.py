@@ -29,6 +29,10 @@ __all__ = [
     "ProgressRecord",
     "TerminalRecord",
     "encode",
+    "kv_json",
+    "leg_json",
+    "progress_line",
+    "terminal_line",
 ]
 
 Terminal = Literal["completed", "invalid", "denied", "rejected", "failed", "cancelled"]
@@ -71,10 +75,7 @@ class KvRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
-        return {
-            "outcome": self.outcome, "owner": self.owner, "engine": self.engine,
-            "method": self.method, "error": self.error, "release_id": self.release_id,
-        }
+        return kv_json(self.outcome, self.owner, self.engine, self.method, self.error, self.release_id)
 
 
 @attrs.define(kw_only=True)
@@ -102,12 +103,10 @@ class LegRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
-        return {
-            "phase": self.phase, "attempt": self.attempt, "backend_id": self.backend_id,
-            "engine": self.engine, "status": self.status, "outcome": self.outcome,
-            "started": self.started, "duration_ms": self.duration_ms,
-            "kv": None if self.kv is None else self.kv.to_json(),
-        }
+        return leg_json(
+            self.phase, self.attempt, self.backend_id, self.engine, self.status, self.outcome,
+            self.started, self.duration_ms, None if self.kv is None else self.kv.to_json(),
+        )
 
 
 @attrs.define(kw_only=True)
@@ -158,11 +157,9 @@ class ProgressRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
-        return {
-            "ts": self.ts, "rid": self.rid, "terminal": None, "event": self.event,
-            "route": self.route, "client": self.client, "client_rid": self.client_rid,
-            "mode": self.mode, "stream": self.stream,
-        }
+        return _progress_json(
+            self.ts, self.rid, self.event, self.route, self.client, self.client_rid, self.mode, self.stream
+        )
 
 
 @attrs.define(kw_only=True)
@@ -207,19 +204,90 @@ class TerminalRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
-        return {
-            "ts": self.ts, "rid": self.rid, "client_rid": self.client_rid,
-            "client": self.client, "route": self.route, "model": self.model,
-            "stream": self.stream, "mode": self.mode, "terminal": self.terminal,
-            "status": self.status,
-            "error": None if self.error is None else self.error.to_json(),
-            "legs": [leg.to_json() for leg in self.legs],
-            "usage": self.usage, "received": self.received,
-            "duration_ms": self.duration_ms, "ttft_ms": self.ttft_ms,
-            "stripped": list(self.stripped),
-        }
+        return _terminal_json(
+            self.ts, self.rid, self.client_rid, self.client, self.route, self.model, self.stream, self.mode,
+            self.terminal, self.status, self.error, [leg.to_json() for leg in self.legs], self.usage,
+            self.received, self.duration_ms, self.ttft_ms, self.stripped,
+        )
 
 
 def encode(record: ProgressRecord | TerminalRecord) -> bytes:
     """One journal line: the record as compact JSON and a newline."""
     return wire.dumps_line(record.to_json())
+
+
+# The JSON shape of each record, in one place. The records above encode
+# through these, and so does the router's hot path, which writes the lines of
+# admitted requests straight from its own state (positional arguments, in
+# field order: no record object is built only to be encoded and dropped).
+
+
+def kv_json(
+    outcome: KvOutcome, owner: str, engine: str, method: str, error: str | None, release_id: str | None
+) -> dict[str, Any]:
+    """A :class:`KvRecord` as a JSON object, from its fields in order."""
+    return {
+        "outcome": outcome, "owner": owner, "engine": engine,
+        "method": method, "error": error, "release_id": release_id,
+    }
+
+
+def leg_json(
+    phase: str, attempt: int, backend_id: str, engine: str, status: int | None, outcome: LegOutcome,
+    started: float, duration_ms: float, kv: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A :class:`LegRecord` as a JSON object, from its fields in order (``kv`` from :func:`kv_json`)."""
+    return {
+        "phase": phase, "attempt": attempt, "backend_id": backend_id,
+        "engine": engine, "status": status, "outcome": outcome,
+        "started": started, "duration_ms": duration_ms, "kv": kv,
+    }
+
+
+def _progress_json(
+    ts: float, rid: str, event: str, route: str, client: str, client_rid: str | None, mode: str, stream: bool
+) -> dict[str, Any]:
+    return {
+        "ts": ts, "rid": rid, "terminal": None, "event": event,
+        "route": route, "client": client, "client_rid": client_rid,
+        "mode": mode, "stream": stream,
+    }
+
+
+def progress_line(
+    ts: float, rid: str, event: str, route: str, client: str, client_rid: str | None, mode: str, stream: bool
+) -> bytes:
+    """:func:`encode` of a :class:`ProgressRecord`, from its fields in order."""
+    return wire.dumps_line(_progress_json(ts, rid, event, route, client, client_rid, mode, stream))
+
+
+def _terminal_json(
+    ts: float, rid: str, client_rid: str | None, client: str | None, route: str, model: str | None,
+    stream: bool, mode: str, terminal: Terminal, status: int | None, error: ErrorRecord | None,
+    legs: list[dict[str, Any]], usage: dict[str, Any] | None, received: float, duration_ms: float,
+    ttft_ms: float | None, stripped: tuple[str, ...],
+) -> dict[str, Any]:
+    return {
+        "ts": ts, "rid": rid, "client_rid": client_rid,
+        "client": client, "route": route, "model": model,
+        "stream": stream, "mode": mode, "terminal": terminal,
+        "status": status,
+        "error": None if error is None else error.to_json(),
+        "legs": legs,
+        "usage": usage, "received": received,
+        "duration_ms": duration_ms, "ttft_ms": ttft_ms,
+        "stripped": list(stripped),
+    }
+
+
+def terminal_line(
+    ts: float, rid: str, client_rid: str | None, client: str | None, route: str, model: str | None,
+    stream: bool, mode: str, terminal: Terminal, status: int | None, error: ErrorRecord | None,
+    legs: list[dict[str, Any]], usage: dict[str, Any] | None, received: float, duration_ms: float,
+    ttft_ms: float | None, stripped: tuple[str, ...],
+) -> bytes:
+    """:func:`encode` of a :class:`TerminalRecord`, from its fields in order (``legs`` from :func:`leg_json`)."""
+    return wire.dumps_line(_terminal_json(
+        ts, rid, client_rid, client, route, model, stream, mode, terminal, status, error, legs, usage,
+        received, duration_ms, ttft_ms, stripped,
+    ))

@@ -65,7 +65,7 @@ from .http1 import (
 )
 from .http1_fast import FAST_CODEC
 from .ids import DECODE, PREFILL, Phase, backend_id, sanitize_client_rid
-from .journal import ErrorRecord, KvRecord, LegOutcome, LegRecord, Terminal
+from .journal import ErrorRecord, LegOutcome, Terminal
 from .lifecycle import TRANSITIONS, Input, State
 from .planning import (
     KvHandoff,
@@ -160,18 +160,6 @@ class _Kv:
     method: str | None = None
     error: str | None = None
     release_id: str | None = None
-
-    def record(self) -> KvRecord | None:
-        if self.outcome is None:
-            return None
-        return KvRecord(
-            outcome=self.outcome,  # type: ignore[arg-type]
-            owner=self.handoff.owner,
-            engine=self.engine.url,
-            method=self.method or "",
-            error=self.error,
-            release_id=self.release_id,
-        )
 
 
 @attrs.define(eq=False)
@@ -829,10 +817,9 @@ class Router:
     def _begin(self, req: _Request) -> State:
         req.admitted = True
         self.stats.journal_records["progress"] += 1
-        self._out.append(WriteJournal(journal.encode(journal.ProgressRecord(
-            ts=self._wall(), rid=req.rid, event="admitted", route=req.route, client=req.client,
-            client_rid=req.client_rid, mode=self._mode, stream=req.stream,
-        )), False))
+        self._out.append(WriteJournal(journal.progress_line(
+            self._wall(), req.rid, "admitted", req.route, req.client, req.client_rid, self._mode, req.stream,
+        ), False))
         return self._start_leg(req, self._first_phase)
 
     def _resume(self, req: _Request) -> State:
@@ -1053,22 +1040,42 @@ class Router:
     def _write_request_terminal(self, req: _Request) -> None:
         if req.terminal is None:
             return
-        for leg in req.legs:
-            if leg.kv is not None and leg.kv.outcome is None:
-                # Never left unsettled in a terminal record.
-                leg.kv.outcome, leg.kv.method = "held_until_lease", "lease"
+        # The record's line and its metrics, straight from the request's
+        # state (journal.terminal_line: the TerminalRecord's own shape).
         wall = self._wall()
-        received = req.received + self._wall_offset
-        record = journal.TerminalRecord(
-            ts=wall, rid=req.rid, client_rid=req.client_rid, client=req.client, route=req.route,
-            model=req.accepted.requested_model or self._model, stream=req.stream, mode=self._mode,
-            terminal=req.terminal, status=req.status, error=req.error,
-            legs=tuple([self._leg_record(leg) for leg in req.legs]),
-            usage=req.usage, received=received, duration_ms=_ms(wall - received),
-            ttft_ms=None if req.first_byte is None else _ms(req.first_byte - req.received),
-            stripped=req.accepted.stripped,
-        )
-        self._write_terminal(record)
+        offset = self._wall_offset
+        now = self._now
+        stats = self.stats
+        legs = []
+        for leg in req.legs:
+            kv = leg.kv
+            kv_line = kv_counted = None
+            if kv is not None:
+                if kv.outcome is None:
+                    # Never left unsettled in a terminal record.
+                    kv.outcome, kv.method = "held_until_lease", "lease"
+                method = kv.method or ""
+                kv_line = journal.kv_json(
+                    kv.outcome, kv.handoff.owner, kv.engine.url, method, kv.error, kv.release_id  # type: ignore[arg-type]
+                )
+                kv_counted = (kv.outcome, method)
+            outcome: LegOutcome = leg.outcome or "cancelled"
+            duration = _ms((now if leg.ended is None else leg.ended) - leg.started)
+            legs.append(journal.leg_json(
+                leg.phase, leg.attempt, leg.bid, leg.engine.url, leg.status, outcome,
+                leg.started + offset, duration, kv_line,
+            ))
+            stats.observe_leg(leg.phase, outcome, leg.attempt, duration, kv_counted)
+        received = req.received + offset
+        duration = _ms(wall - received)
+        ttft = None if req.first_byte is None else _ms(req.first_byte - req.received)
+        stats.observe_request(req.route, req.terminal, req.status, duration, ttft)
+        stats.journal_records["terminal"] += 1
+        self._out.append(WriteJournal(journal.terminal_line(
+            wall, req.rid, req.client_rid, req.client, req.route, req.accepted.requested_model or self._model,
+            req.stream, self._mode, req.terminal, req.status, req.error, legs, req.usage, received, duration,
+            ttft, req.accepted.stripped,
+        ), True))
         del self._requests[req.rid]
         req.state = State.DONE
         self._disarm_request(req)
@@ -1078,16 +1085,6 @@ class Router:
         self.stats.observe(record)
         self.stats.journal_records["terminal"] += 1
         self._out.append(WriteJournal(journal.encode(record), True))
-
-    def _leg_record(self, leg: _Leg) -> LegRecord:
-        started = leg.started + self._wall_offset
-        ended = leg.ended if leg.ended is not None else self._now
-        return LegRecord(
-            phase=leg.phase, attempt=leg.attempt, backend_id=leg.bid, engine=leg.engine.url,
-            status=leg.status, outcome=leg.outcome or "cancelled", started=started,
-            duration_ms=_ms(ended - leg.started),
-            kv=None if leg.kv is None else leg.kv.record(),
-        )
 
     def _admit_from_queue(self) -> None:
         while True:

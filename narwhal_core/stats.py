@@ -64,22 +64,36 @@ class Stats:
 
     def observe(self, record: TerminalRecord) -> None:
         """Account for one terminal record."""
-        route = record.route
-        self.requests[(route, record.terminal, str(record.status))] += 1
-        hists = self.request_seconds
-        (hists.get(route) or _new(hists, route)).observe(record.duration_ms / 1000.0)
-        if record.ttft_ms is not None:
-            hists = self.ttft_seconds
-            (hists.get(route) or _new(hists, route)).observe(record.ttft_ms / 1000.0)
-        hists = self.leg_seconds
+        self.observe_request(record.route, record.terminal, record.status, record.duration_ms, record.ttft_ms)
         for leg in record.legs:
-            phase = leg.phase
-            (hists.get(phase) or _new(hists, phase)).observe(leg.duration_ms / 1000.0)
-            self.legs[(phase, leg.outcome)] += 1
-            if leg.attempt > 1:
-                self.retries[phase] += 1
-            if leg.kv is not None:
-                self.kv[(leg.kv.outcome, leg.kv.method)] += 1
+            kv = leg.kv
+            self.observe_leg(
+                leg.phase, leg.outcome, leg.attempt, leg.duration_ms,
+                None if kv is None else (kv.outcome, kv.method),
+            )
+
+    def observe_request(
+        self, route: str, terminal: str, status: int | None, duration_ms: float, ttft_ms: float | None
+    ) -> None:
+        """Account for a terminal record's request fields (its legs: :meth:`observe_leg`)."""
+        self.requests[(route, terminal, str(status))] += 1
+        hists = self.request_seconds
+        (hists.get(route) or _new(hists, route)).observe(duration_ms / 1000.0)
+        if ttft_ms is not None:
+            hists = self.ttft_seconds
+            (hists.get(route) or _new(hists, route)).observe(ttft_ms / 1000.0)
+
+    def observe_leg(
+        self, phase: str, outcome: str, attempt: int, duration_ms: float, kv: tuple[str, str] | None
+    ) -> None:
+        """Account for one leg of a terminal record (``kv``: its KV outcome and method)."""
+        hists = self.leg_seconds
+        (hists.get(phase) or _new(hists, phase)).observe(duration_ms / 1000.0)
+        self.legs[(phase, outcome)] += 1
+        if attempt > 1:
+            self.retries[phase] += 1
+        if kv is not None:
+            self.kv[kv] += 1
 
 
 def _new(table: dict[str, Histogram], key: str) -> Histogram:

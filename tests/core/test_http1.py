@@ -233,10 +233,10 @@ def test_signals_are_distinct_and_readable() -> None:
     assert str(PAUSED) == "PAUSED"
 
 
-def test_event_values_are_frozen(codec: Codec) -> None:
+def test_request_header_lookup(codec: Codec) -> None:
+    # The event values are plain slotted classes, not frozen ones (see the
+    # comment above HttpRequest): immutable by contract, not by enforcement.
     request = one_request(codec, POST)
-    with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        request.body = b""  # type: ignore[misc]
     assert request.header(b"content-type") == b"application/json"
     assert request.header(b"missing") is None
 
