@@ -48,9 +48,13 @@ def is_router_owned(key: str) -> bool:
     return key in ROUTER_OWNED_FIELDS or key.startswith(_ROUTER_OWNED_PREFIXES)
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class AcceptedRequest:
-    """A completion request that passed the contract."""
+    """A completion request that passed the contract.
+
+    Made once per request on the hot path: a plain slotted class, not a
+    frozen one (see :mod:`narwhal_core.events`); treat it as a value.
+    """
 
     #: The route it came in on.
     route: Route

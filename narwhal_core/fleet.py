@@ -83,7 +83,10 @@ class Fleet:
 
     def has_healthy(self, phase: Phase) -> bool:
         """Whether any engine of ``phase`` is in rotation."""
-        return any(e.healthy for e in self.engines[phase])
+        for e in self.engines[phase]:  # (a loop, not any(): this runs for every request)
+            if e.healthy:
+                return True
+        return False
 
     def pick(self, phase: Phase, avoid: Collection[EngineState] = ()) -> EngineState | None:
         """The healthy engine of ``phase`` with the fewest outstanding legs and a free slot.

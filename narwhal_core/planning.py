@@ -77,9 +77,9 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
     return out
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class KvHandoff:
-    """What a successful prefill leg hands to the decode leg."""
+    """What a successful prefill leg hands to the decode leg (a value; not frozen, see AcceptedRequest)."""
 
     #: The prefill answer's ``kv_transfer_params``, passed on verbatim.
     params: dict[str, Any]

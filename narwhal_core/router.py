@@ -271,6 +271,8 @@ class Router:
         self._pd: Final = self.fleet.pd
         self._mode: Final = "pd" if self._pd else "single"
         self._first_phase: Final[Phase] = PREFILL if self._pd else DECODE
+        #: The phases a request needs an engine for.
+        self._phases: Final[tuple[Phase, ...]] = (PREFILL, DECODE) if self._pd else (DECODE,)
         self._conns: dict[Hashable, _Conn] = {}
         self._requests: dict[str, _Request] = {}
         self._legs: dict[str, _Leg] = {}
@@ -689,8 +691,7 @@ class Router:
             problems.append("shutting down")
         if not self._journal_ok:
             problems.append(f"journal: {self._journal_problem or 'write failed'}")
-        phases: tuple[Phase, ...] = (PREFILL, DECODE) if self._pd else (DECODE,)
-        for phase in phases:
+        for phase in self._phases:
             if not self.fleet.has_healthy(phase):
                 problems.append(f"no healthy {phase} engine")
         return problems
@@ -714,7 +715,7 @@ class Router:
                 "Narwhal is shutting down; retry on another instance.", status=503, code="shutting_down"
             ), retry_after=True, accepted=accepted)
             return
-        for phase in ((PREFILL, DECODE) if self._pd else (DECODE,)):
+        for phase in self._phases:
             if not self.fleet.has_healthy(phase):
                 self._refuse(conn, rid, route, client_rid, client, "rejected", NarwhalError(
                     f"No healthy {phase} engine is available.", status=503, code="engine_unavailable"
