@@ -112,32 +112,45 @@ class Engines:
         self._idle: dict[str, list[_Connection]] = {}
         self._legs: dict[str, _Connection] = {}
         self._http: httpx.AsyncClient | None = None
+        #: Leg requests for pooled connections, written by :meth:`write_unsent`.
+        self.unsent: list[tuple[_Connection, str, bytes]] = []
 
     # commands from the router (synchronous: they only write, flag or start things)
 
     def start_leg(self, cmd: StartLeg) -> None:
-        """Write the leg on a pooled connection, or open one in a task."""
+        """Queue the leg on a pooled connection (see :meth:`write_unsent`), or open one in a task."""
         idle = None if cmd.fresh_connection else self._idle.get(cmd.engine.url)
         while idle:
             conn = idle.pop()
             if not conn.closed:
                 conn.reused = True
                 self._attach(conn, cmd.leg)
-                assert conn.sock is not None
-                try:
-                    sent = conn.sock.send(cmd.data)
-                except BlockingIOError:
-                    sent = 0
-                except OSError:
-                    # A broken socket: its task wakes up to the error and
-                    # reports the leg (the router retries a stale connection).
-                    return
-                if sent < len(cmd.data):
-                    self._nursery.start_soon(self._send_rest, conn, cmd.leg, memoryview(cmd.data)[sent:])
+                self.unsent.append((conn, cmd.leg, cmd.data))
                 return
         conn = _Connection(cmd.engine.url)
         self._attach(conn, cmd.leg)
         self._nursery.start_soon(self._connect, conn, cmd)
+
+    def write_unsent(self) -> bool:
+        """Write the queued leg requests; return whether a task was started to finish one."""
+        unsent, self.unsent = self.unsent, []
+        started = False
+        for conn, key, data in unsent:
+            if conn.closed or conn.leg != key:
+                continue  # cancelled, or its connection failed, before it went out
+            assert conn.sock is not None
+            try:
+                sent = conn.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                # A broken socket: its task wakes up to the error and
+                # reports the leg (the router retries a stale connection).
+                continue
+            if sent < len(data):
+                self._nursery.start_soon(self._send_rest, conn, key, memoryview(data)[sent:])
+                started = True
+        return started
 
     def cancel_leg(self, key: str) -> None:
         """Stop a leg: closing its connection makes the engine abort the request."""
