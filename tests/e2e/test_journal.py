@@ -158,3 +158,30 @@ def test_secrets_stay_out_of_the_log_when_engines_fail(
     assert down["engine"] == decode.url
     for text in (journal_path.read_text(), router_log.text(), answer.text):
         assert engine_key not in text and key not in text
+
+
+def test_the_record_is_in_the_file_when_the_answer_arrives(start_router, journal_path) -> None:
+    # SPEC §5 and narwhal/journal_writer.py: a record reaches the file before
+    # the bytes it describes leave the process. So a client that has its
+    # answer finds the terminal record at once, with no waiting, whether the
+    # router writes at the end of each drain (one client at a time) or once
+    # per batch or loop iteration (several clients at once).
+    router = start_router()
+    missing: list[str] = []
+
+    def client_session(i: int) -> None:
+        with httpx.Client(timeout=10) as client:
+            for n in range(12):
+                stream = n % 3 == 2
+                payload = {**BASE_BODY[COMPLETIONS], "prompt": f"order {i}-{n}", "max_tokens": 2, "stream": stream}
+                answer = client.post(router.url + COMPLETIONS, json=payload)
+                assert answer.status_code == 200, answer.text
+                rid = rid_of(answer)
+                on_file = {r["rid"] for r in read_journal(journal_path) if r.get("terminal") is not None}
+                if rid not in on_file:
+                    missing.append(f"{rid} (stream={stream})")
+
+    client_session(0)  # alone: light load
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(client_session, range(1, 9)))
+    assert not missing, f"answers that arrived before their terminal record was in the file: {missing}"
