@@ -221,12 +221,13 @@ class RouterThread:
 
 
 def read_journal(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every complete record of a journal file."""
+    """Every complete record of a journal file (a line still being written, after the last newline, is left out)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         return []
-    return [json.loads(line) for line in data.split(b"\n") if line.strip()]
+    complete = data[: data.rfind(b"\n") + 1]
+    return [json.loads(line) for line in complete.split(b"\n") if line.strip()]
 
 
 def wait_for_terminals(
