@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from narwhal_core import CancelLeg, FinishLeg, ShutdownComplete, StartLeg, WriteJournal
+from narwhal_core import CancelLeg, FinishLeg, ShutdownComplete, StartLeg, WriteJournal, journal
+from narwhal_core.journal import ErrorRecord, KvRecord, LegRecord, TerminalRecord
 from narwhal_core.planning import PREFILL_KV_REQUEST
 
 from .router_driver import (
@@ -38,6 +39,27 @@ from .router_driver import (
 TRUSTED = {"auth": "trusted_header", "trusted_proxies": ("127.0.0.0/8",)}
 #: A fixed backoff window: the retry starts between 0.5 s and 1.5 s later.
 SLOW_BACKOFF = {"backoff_base_s": 1.0, "backoff_max_s": 1.0}
+
+
+def assert_line_is_the_records_encoding(d: Any, rid: str) -> None:
+    """The router writes a request's terminal line straight from its state: it must be, byte for
+    byte, what the journal's record classes encode for the same values (one shape, SPEC §5)."""
+    lines = [cmd.line for _, cmd in d.commands if type(cmd) is WriteJournal and cmd.terminal
+             and json.loads(cmd.line)["rid"] == rid]
+    assert len(lines) == 1, lines
+    record = json.loads(lines[0])
+    legs = tuple(
+        LegRecord(**{**leg, "kv": None if leg["kv"] is None else KvRecord(**leg["kv"])}) for leg in record["legs"]
+    )
+    error = None if record["error"] is None else ErrorRecord(**record["error"])
+    rebuilt = TerminalRecord(**{**record, "legs": legs, "error": error, "stripped": tuple(record["stripped"])})
+    assert journal.encode(rebuilt) == lines[0]
+    # And the times agree with each other: received <= each leg's span <= ts.
+    assert abs(record["duration_ms"] - (record["ts"] - record["received"]) * 1000) < 0.01, record
+    assert record["ttft_ms"] is None or 0 <= record["ttft_ms"] <= record["duration_ms"], record
+    for leg in record["legs"]:
+        assert record["received"] - 1e-6 <= leg["started"], (leg, record)
+        assert leg["started"] + leg["duration_ms"] / 1000 <= record["ts"] + 1e-6, (leg, record)
 
 
 def finish(d: Driver) -> None:
@@ -125,6 +147,7 @@ def test_pd_non_stream_completion() -> None:
     assert record["legs"][0]["kv"]["owner"] == f"{rid}-p1-0"
     assert record["usage"]["completion_tokens"] == 17
     assert b"sk-secret" not in b"".join(cmd.line for _, cmd in d.commands if type(cmd) is WriteJournal)
+    assert_line_is_the_records_encoding(d, rid)
     d.check_invariants(final=True)
 
 
@@ -382,6 +405,7 @@ def test_prefill_without_usable_kv_is_retried_then_502_prefill_failed(answer: st
     assert record["terminal"] == "failed" and record["error"]["leg"] == "prefill"
     assert [leg["outcome"] for leg in record["legs"]] == ["bad_kv"] * 3
     assert all(leg["kv"] is None for leg in record["legs"])
+    assert_line_is_the_records_encoding(d, rid)
     d.check_invariants(final=True)
 
 
