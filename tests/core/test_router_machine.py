@@ -453,6 +453,9 @@ RouterMachine.TestCase.settings = settings(
     stateful_step_count=STEPS,
     deadline=None,
     database=None,
+    # No database to replay from: a failure prints the blob that reproduces it
+    # (@reproduce_failure), so a rare one found by a single run is not lost.
+    print_blob=True,
     report_multiple_bugs=False,
     # No "explain" phase: it re-runs the failure under a tracer, for little here.
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],

@@ -90,6 +90,7 @@ def _settings(examples: int) -> settings:
         max_examples=_EXTRA or examples,
         derandomize=not _EXTRA,
         database=None,
+        print_blob=True,  # a failure prints what reproduces it (no database to replay from)
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
