@@ -1212,8 +1212,13 @@ class Router:
         if not req.bytes_sent:
             req.bytes_sent = True
             req.first_byte = self._now
+            # No "connection: close" here, even while draining: a stream's head
+            # goes out long before its end, and a request the client pipelines
+            # meanwhile must still get its own answer (503 shutting_down) and
+            # record. _finish decides at the end, as for a stream begun before
+            # the shutdown.
             self._send(conn, conn.codec.send_stream_start(200, (
-                *_SSE_HEADERS, (b"x-request-id", req.rid.encode()), *self._closing(conn),
+                *_SSE_HEADERS, (b"x-request-id", req.rid.encode()),
             )))
             self._fire(req, Input.FIRST_BYTES)
         self._send(conn, conn.codec.send_stream_data(out))

@@ -928,6 +928,47 @@ def test_a_request_received_while_draining_gets_503_shutting_down() -> None:
     d.check_invariants(final=True)
 
 
+def test_a_request_pipelined_behind_a_stream_begun_while_draining_gets_503() -> None:
+    # Found by the state machine: a stream whose head went out after the
+    # shutdown carried "connection: close", so a request the client pipelined
+    # while the stream ran was never answered nor journaled. The head no longer
+    # announces the close; the end of the stream decides, as for a stream begun
+    # before the shutdown.
+    d = Driver()
+    client = d.post(COMPLETIONS, completion_body(stream=True))
+    d.answer_prefill(d.leg("prefill").bid)
+    d.shutdown()
+    decode = d.leg("decode")
+    d.stream_head(decode.bid)
+    d.stream_next(decode.bid)
+    stream = client.last
+    assert stream.status == 200 and stream.header(b"connection") is None and not stream.complete
+    client.post(COMPLETIONS, completion_body(prompt="pipelined"))
+    d.stream_rest(decode.bid)
+    d.serve_until_done()
+    assert [r.status for r in client.responses] == [200, 503]
+    assert stream.complete and stream.sse_problem() is None
+    assert error_of(client)["code"] == "shutting_down"
+    assert client.last.header(b"connection") == b"close" and client.closed_by_router
+    assert d.terminal(client.last.rid)["terminal"] == "rejected"
+    assert len(d.shutdown_complete) == 1
+    d.check_invariants(final=True)
+
+
+def test_a_stream_begun_while_draining_closes_its_connection_at_its_end() -> None:
+    d = Driver()
+    client = d.post(COMPLETIONS, completion_body(stream=True))
+    d.answer_prefill(d.leg("prefill").bid)
+    d.shutdown()
+    decode = d.leg("decode")
+    d.stream_head(decode.bid)
+    d.stream_rest(decode.bid)
+    assert client.last.complete and client.last.status == 200
+    assert client.closed_by_router
+    assert len(d.shutdown_complete) == 1
+    d.check_invariants(final=True)
+
+
 def test_grace_expiry_abandons_the_rest_with_terminal_records() -> None:
     d = Driver(shutdown={"grace_s": 15.0}, admission={"max_inflight": 3, "queue_timeout_s": 60.0})
     streaming = d.post(CHAT, chat_body(stream=True))
