@@ -928,18 +928,24 @@ def test_a_request_received_while_draining_gets_503_shutting_down() -> None:
     d.check_invariants(final=True)
 
 
-def test_a_request_pipelined_behind_a_stream_begun_while_draining_gets_503() -> None:
-    # Found by the state machine: a stream whose head went out after the
-    # shutdown carried "connection: close", so a request the client pipelined
-    # while the stream ran was never answered nor journaled. The head no longer
-    # announces the close; the end of the stream decides, as for a stream begun
-    # before the shutdown.
+def _stream_begun_while_draining() -> tuple[Driver, Any, Any]:
+    """A streamed completion whose decode leg answers (head only) after shutdown began."""
     d = Driver()
     client = d.post(COMPLETIONS, completion_body(stream=True))
     d.answer_prefill(d.leg("prefill").bid)
     d.shutdown()
     decode = d.leg("decode")
     d.stream_head(decode.bid)
+    return d, client, decode
+
+
+def test_a_request_pipelined_behind_a_stream_begun_while_draining_gets_503() -> None:
+    # Found by the state machine: a stream whose head went out after the
+    # shutdown carried "connection: close", so a request the client pipelined
+    # while the stream ran was never answered nor journaled. The head no longer
+    # announces the close; the end of the stream decides, as for a stream begun
+    # before the shutdown.
+    d, client, decode = _stream_begun_while_draining()
     d.stream_next(decode.bid)
     stream = client.last
     assert stream.status == 200 and stream.header(b"connection") is None and not stream.complete
@@ -956,12 +962,7 @@ def test_a_request_pipelined_behind_a_stream_begun_while_draining_gets_503() -> 
 
 
 def test_a_stream_begun_while_draining_closes_its_connection_at_its_end() -> None:
-    d = Driver()
-    client = d.post(COMPLETIONS, completion_body(stream=True))
-    d.answer_prefill(d.leg("prefill").bid)
-    d.shutdown()
-    decode = d.leg("decode")
-    d.stream_head(decode.bid)
+    d, client, decode = _stream_begun_while_draining()
     d.stream_rest(decode.bid)
     assert client.last.complete and client.last.status == 200
     assert client.closed_by_router
