@@ -22,7 +22,25 @@ from narwhal_core.errors import ConfigError
 
 from .metrics import render
 
-__all__ = ["load_config", "load_authenticator", "build_router", "settle_gc", "GC_THRESHOLDS"]
+__all__ = [
+    "load_config", "load_authenticator", "build_router", "settle_gc", "GC_THRESHOLDS",
+    "HIGH_WATER", "LINGER_S", "LINGER_BYTES",
+]
+
+# Client-socket policy both runtimes follow.
+
+#: Bytes queued for one client beyond which what feeds it (an engine leg
+#: relaying a stream) waits: trio's feeding task waits for the writer,
+#: asyncio stops reading the legs.
+HIGH_WATER = 1 << 20
+#: After Narwhal closes a connection (an error answer, ``connection: close``):
+#: how long, and for how many bytes, it goes on reading and discarding what
+#: the client still sends, its own side already shut, before closing the
+#: socket. Closing with unread bytes makes the kernel reset the connection,
+#: and the client could lose the answer (a 413 or 503 in the middle of an
+#: upload) before reading it.
+LINGER_S = 2.0
+LINGER_BYTES = 4 << 20
 
 #: The cyclic GC's thresholds once serving (Python's default: 700, 10, 10): see
 #: :func:`settle_gc`. With 9,000 slow streams open, trio spends about a fifth

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from narwhal.app import build_router, load_authenticator, settle_gc
+from narwhal.app import HIGH_WATER, LINGER_BYTES, LINGER_S, build_router, load_authenticator, settle_gc
 from narwhal.log import log_event
 from narwhal_core import (
     AuthenticatorChanged,
@@ -60,8 +60,6 @@ from .journal_file import JournalFile
 __all__ = ["Server", "run", "run_demo", "new_event_loop", "RUNTIME"]
 
 RUNTIME = "asyncio"
-#: Bytes queued for one client beyond which its legs stop reading (as on trio).
-HIGH_WATER = 1 << 20
 #: Listen backlog (the kernel caps it at ``somaxconn``), as trio asks for.
 BACKLOG = 0xFFFF
 #: Connections accepted per readiness of the listening socket, at most.
@@ -72,14 +70,6 @@ ACCEPT_RETRY_S = 0.1
 _ACCEPT_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: Seconds the last client connections get to flush at exit.
 EXIT_FLUSH_S = 1.0
-#: After Narwhal closes a connection (an error answer, ``connection: close``):
-#: how long, and for how many bytes, it goes on reading and discarding what
-#: the client still sends, its own side already shut, before closing the
-#: socket. Closing with unread bytes makes the kernel reset the connection,
-#: and the client could lose the answer (a 413 or 503 in the middle of an
-#: upload) before reading it.
-LINGER_S = 2.0
-LINGER_BYTES = 4 << 20
 #: Timers fire this much after the router's deadline: uvloop schedules in
 #: whole milliseconds and may otherwise fire a little early, only to re-arm.
 TIMER_SLACK_S = 0.001

@@ -37,7 +37,7 @@ from typing import Any
 
 import trio
 
-from narwhal.app import build_router, load_authenticator, settle_gc
+from narwhal.app import HIGH_WATER, LINGER_BYTES, LINGER_S, build_router, load_authenticator, settle_gc
 from narwhal.log import log_event
 from narwhal_core import (
     AuthenticatorChanged,
@@ -67,16 +67,6 @@ from .journal_file import JournalFile
 __all__ = ["Server", "run", "RUNTIME"]
 
 RUNTIME = "trio"
-#: Bytes queued for one client beyond which a writer waits for the socket.
-HIGH_WATER = 1 << 20
-#: After Narwhal closes a connection (an error answer, ``connection: close``):
-#: how long, and for how many bytes, it goes on reading and discarding what
-#: the client still sends, its own side already shut, before closing the
-#: socket. Closing with unread bytes makes the kernel reset the connection,
-#: and the client could lose the answer (a 413 or 503 in the middle of an
-#: upload) before reading it.
-LINGER_S = 2.0
-LINGER_BYTES = 4 << 20
 
 
 class _Client:
