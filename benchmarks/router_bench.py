@@ -925,7 +925,9 @@ def machine_conditions(args: argparse.Namespace) -> str:
     except (OSError, StopIteration):
         model = "?"
     load = os.getloadavg()
-    return (f"{os.cpu_count()} CPUs ({model}), Linux {os.uname().release}, Python {sys.version.split()[0]}, "
+    # The interpreter's build matters (see benchmarks/README.md): name the binary.
+    python = f"Python {sys.version.split()[0]} ({os.path.realpath(sys.executable)})"
+    return (f"{os.cpu_count()} CPUs ({model}), Linux {os.uname().release}, {python}, "
             f"loadavg {load[0]:.2f}; router core {args.router_core}, load core {args.load_core}, nice {args.nice}; "
             f"busy with other work before the start: {args.busy_before:.0f} %; {args.code_at_start}"
             + ("" if code_state() == args.code_at_start else f" (at the end: {code_state()})"))  # fmt: skip
