@@ -1,0 +1,173 @@
+"""A client that reads a stream slower than its engine writes it: the router must slow the engine down.
+
+The router reads an engine's stream only as fast as its client takes the
+relayed bytes (on trio: a writer more than ``narwhal.app.HIGH_WATER`` behind
+makes the leg wait; on asyncio: the client transport's write-buffer limits
+pause the engine transport). Without that, one slow client would make the
+router hold a whole answer in memory. The decode engine here is a plain
+socket server that writes a large SSE stream as fast as its socket takes it
+and counts what it wrote, so the test sees the engine being held back.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from narwhal_sim.testing import SimThread
+
+from ..harness import MODEL, Fleet, RouterThread
+from .support import WAIT, terminal_of
+
+#: What the engine streams in all: well above what the sockets' kernel
+#: buffers and the router's own high-water mark can hold between them.
+TOTAL_BYTES = 128 * 1024 * 1024
+#: The content of one SSE event.
+EVENT_CONTENT = 32 * 1024
+
+
+class StreamingEngine:
+    """A decode engine that streams ``TOTAL_BYTES`` of SSE as fast as its socket takes them."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = "http://127.0.0.1:%d" % self._server.getsockname()[1]
+        #: Bytes of the stream written to the socket so far, and the events among them.
+        self.written = 0
+        self.events = 0
+        self.finished = threading.Event()
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                length = 0
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                buf = buf[length:]
+                if lines[0].startswith(b"GET "):  # the router's health probes
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    continue
+                self._stream(conn)
+                return
+        except OSError:
+            return
+
+    def _stream(self, conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = b"data: " + json.dumps({
+            "id": "chatcmpl-slow", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+            "choices": [{"index": 0, "delta": {"content": "x" * EVENT_CONTENT}, "finish_reason": None}],
+        }).encode() + b"\n\n"
+        chunk = b"%x\r\n%s\r\n" % (len(event), event)
+        while self.written < TOTAL_BYTES:
+            conn.sendall(chunk)  # blocks while the router does not read
+            self.written += len(chunk)
+            self.events += 1
+        done = b"data: [DONE]\n\n"
+        conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+        self.finished.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+        for conn in self._conns:
+            conn.close()
+
+
+@pytest.fixture
+def streaming_engine() -> Iterator[StreamingEngine]:
+    engine = StreamingEngine()
+    yield engine
+    engine.close()
+
+
+def written_settles(engine: StreamingEngine, *, quiet: float = 0.5, timeout: float = 20.0) -> int:
+    """What the engine has written once it has written nothing more for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = engine.written, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = engine.written
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return now
+    raise AssertionError(f"the engine kept writing for {timeout} s ({last} bytes)")
+
+
+def test_a_slow_reader_holds_its_engine_back_and_still_gets_the_whole_stream(
+    start_router: Callable[..., RouterThread], fleet: Fleet, streaming_engine: StreamingEngine, journal_path: Any
+) -> None:
+    router = start_router(
+        fleet_=Fleet(prefill=fleet.prefill, decode=[streaming_engine]),
+        engine={"max_response_bytes": 2 * TOTAL_BYTES},
+    )
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}],
+                       "stream": True, "max_tokens": 16}).encode()
+    assert router.address is not None
+    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # and no autotuning: it is set
+    client.settimeout(WAIT)
+    client.connect(router.address)
+    try:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        # The client reads nothing: the engine must stall well before the end
+        # of its stream (kernel buffers on both sockets plus the router's
+        # high-water mark hold a few tens of MiB at most on loopback).
+        held = written_settles(streaming_engine)
+        assert not streaming_engine.finished.is_set()
+        assert held < TOTAL_BYTES // 2, f"the router read {held} bytes of the engine's stream for a client that reads nothing"
+
+        # Now the client reads: the whole stream arrives, in order, and ends properly.
+        received = bytearray()
+        while not received.endswith(b"\r\n0\r\n\r\n"):
+            data = client.recv(1 << 20)
+            assert data, f"the router closed the stream after {len(received)} bytes"
+            received += data
+    finally:
+        client.close()
+    head, _, stream = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head[:200]
+    assert streaming_engine.finished.is_set()
+    # Every event the engine wrote, then [DONE]: nothing lost or dropped while held back.
+    assert stream.count(b"data: ") == streaming_engine.events + 1
+    assert stream.count(b"x" * EVENT_CONTENT) == streaming_engine.events
+    assert stream.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    rid = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+               if line.lower().startswith(b"x-request-id:"))
+    record = terminal_of(journal_path, rid)
+    assert (record["terminal"], record["status"]) == ("completed", 200)
