@@ -12,16 +12,15 @@ from __future__ import annotations
 import decimal
 import json
 import re
-import socket
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import httpx
 
 
 # Re-exported: the suite's tests import these from here.
 from ..harness import MODEL, Fleet, journal_terminal, poll, read_journal  # noqa: F401
+from ..rawhttp import Closed, RawClient, Response, chunked, request_bytes  # noqa: F401  (re-exported for the suite)
 from ..serving import ServeProcess, serve_config, toml_config  # noqa: F401
 
 
@@ -149,137 +148,6 @@ def streamed_text(chunks: Sequence[Mapping[str, Any]], *, chat: bool) -> str:
             else:
                 out.append(choice.get("text") or "")
     return "".join(out)
-
-
-# ----------------------------------------------------------- raw HTTP/1.1
-
-
-@attrs.define
-class RawResponse:
-    """One HTTP/1.1 response read off a raw socket."""
-
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        for n, v in self.headers:
-            if n == name.lower():
-                return v
-        return None
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-def request_bytes(
-    method: str,
-    target: str,
-    body: bytes | None = None,
-    *,
-    headers: Sequence[tuple[str, str]] = (),
-    host: str = "127.0.0.1",
-) -> bytes:
-    """A request as bytes, with ``host`` and (when there is a body) ``content-length``."""
-    lines = [f"{method} {target} HTTP/1.1", f"host: {host}"]
-    names = {n.lower() for n, _ in headers}
-    if body is not None and "content-length" not in names and "transfer-encoding" not in names:
-        lines.append(f"content-length: {len(body)}")
-    lines += [f"{n}: {v}" for n, v in headers]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
-
-
-def chunked(*pieces: bytes) -> bytes:
-    """A chunked request body made of ``pieces``."""
-    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p) + b"0\r\n\r\n"
-
-
-class RawConnection:
-    """One client connection over a plain socket, reading responses by hand."""
-
-    def __init__(self, address: tuple[str, int], timeout: float = 10.0) -> None:
-        self.sock = socket.create_connection(address, timeout=timeout)
-        self._buf = b""
-
-    def __enter__(self) -> RawConnection:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def _fill(self) -> None:
-        data = self.sock.recv(65536)
-        if not data:
-            raise EOFError(f"connection closed; unread: {self._buf[:200]!r}")
-        self._buf += data
-
-    def _take_until(self, marker: bytes) -> bytes:
-        while marker not in self._buf:
-            self._fill()
-        head, _, self._buf = self._buf.partition(marker)
-        return head
-
-    def _take(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            self._fill()
-        out, self._buf = self._buf[:n], self._buf[n:]
-        return out
-
-    def read_response(self) -> RawResponse:
-        """Read one response (an interim ``100 Continue`` counts as one)."""
-        head = self._take_until(b"\r\n\r\n").decode("latin-1")
-        status_line, *lines = head.split("\r\n")
-        version, status, *_ = status_line.split(" ", 2)
-        assert version in ("HTTP/1.1", "HTTP/1.0"), status_line
-        headers = []
-        for line in lines:
-            name, _, value = line.partition(":")
-            headers.append((name.strip().lower(), value.strip()))
-        response = RawResponse(status=int(status), headers=headers, body=b"")
-        code = int(status)
-        if 100 <= code < 200 or code in (204, 304):
-            return response
-        length = response.header("content-length")
-        if response.header("transfer-encoding") == "chunked":
-            body = b""
-            while True:
-                size = int(self._take_until(b"\r\n").split(b";")[0], 16)
-                if size == 0:
-                    self._take_until(b"\r\n")  # no trailers
-                    break
-                body += self._take(size)
-                assert self._take(2) == b"\r\n"
-            response.body = body
-        elif length is not None:
-            response.body = self._take(int(length))
-        else:
-            while True:
-                try:
-                    self._fill()
-                except EOFError:
-                    break
-            response.body, self._buf = self._buf, b""
-        return response
-
-    def peer_closed(self, timeout: float = 5.0) -> bool:
-        """Whether the server closes the connection (EOF or reset) within ``timeout``."""
-        self.sock.settimeout(timeout)
-        try:
-            while True:
-                data = self.sock.recv(65536)
-                if not data:
-                    return True
-                self._buf += data
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-        except TimeoutError:
-            return False
 
 
 # ------------------------------------------------------------- process log

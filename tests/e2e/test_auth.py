@@ -12,7 +12,7 @@ from .support import (
     BASE_BODY,
     CHAT,
     COMPLETIONS,
-    RawConnection,
+    RawClient,
     ServeProcess,
     assert_envelope,
     completion_records,
@@ -115,7 +115,7 @@ def test_unauthenticated_request_gets_401_whatever_its_body(keyed_router, fleet,
 
 def test_unauthenticated_expect_100_continue_is_401(keyed_router, fleet, journal_path) -> None:
     body = json.dumps(BASE_BODY[COMPLETIONS]).encode()
-    with RawConnection(keyed_router.address) as conn:
+    with RawClient(keyed_router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, None, headers=[
             ("content-type", "application/json"), ("content-length", str(len(body))), ("expect", "100-continue")]))
         response = conn.read_response()
@@ -131,7 +131,7 @@ def test_unauthenticated_expect_100_continue_is_401(keyed_router, fleet, journal
 
 def test_authenticated_expect_100_continue_is_served(keyed_router, api_keys, journal_path) -> None:
     body = json.dumps(BASE_BODY[COMPLETIONS]).encode()
-    with RawConnection(keyed_router.address) as conn:
+    with RawClient(keyed_router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, None, headers=[
             ("content-type", "application/json"), ("content-length", str(len(body))), ("expect", "100-continue"),
             ("authorization", "Bearer " + api_keys.keys["team-a"])]))

@@ -17,8 +17,8 @@ from .support import (
     CHAT,
     COMPLETIONS,
     RID_RE,
-    RawConnection,
-    RawResponse,
+    RawClient,
+    Response,
     chunked,
     completion_records,
     journal_terminal,
@@ -32,7 +32,7 @@ def _completion(prompt: str = "hi", **fields: object) -> bytes:
     return json.dumps({"prompt": prompt, "max_tokens": 3, **fields}).encode()
 
 
-def _check_ok(response: RawResponse, journal_path, *, terminal: str = "completed") -> str:
+def _check_ok(response: Response, journal_path, *, terminal: str = "completed") -> str:
     assert response.status == 200, (response.status, response.body[:300])
     rid = response.header("x-request-id")
     assert rid and RID_RE.match(rid)
@@ -40,7 +40,7 @@ def _check_ok(response: RawResponse, journal_path, *, terminal: str = "completed
     return rid
 
 
-def _check_error(response: RawResponse, status: int) -> dict:
+def _check_error(response: Response, status: int) -> dict:
     assert response.status == status, (response.status, response.body[:300])
     assert (response.header("content-type") or "").startswith("application/json")
     rid = response.header("x-request-id")
@@ -53,7 +53,7 @@ def _check_error(response: RawResponse, status: int) -> dict:
 def test_keep_alive_serves_several_requests_on_one_connection(start_router, journal_path) -> None:
     router = start_router()
     rids = []
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         for i in range(3):
             conn.send(request_bytes("POST", COMPLETIONS, _completion(f"keep alive {i}"), headers=[JSON]))
             response = conn.read_response()
@@ -76,7 +76,7 @@ def test_keep_alive_serves_several_requests_on_one_connection(start_router, jour
 
 def test_pipelined_requests_are_answered_in_order(start_router, journal_path) -> None:
     router = start_router()
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(
             request_bytes("POST", COMPLETIONS, _completion("first"), headers=[JSON])
             + request_bytes("GET", "/nope")
@@ -93,7 +93,7 @@ def test_pipelined_requests_are_answered_in_order(start_router, journal_path) ->
 def test_expect_100_continue(start_router, journal_path) -> None:
     router = start_router()
     body = _completion("continue")
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, None, headers=[
             JSON, ("content-length", str(len(body))), ("expect", "100-continue")]))
         interim = conn.read_response()
@@ -113,7 +113,7 @@ def test_chunked_request_body(start_router, fleet, journal_path, route) -> None:
     else:
         body = json.dumps({"messages": [{"role": "user", "content": "chunked"}], "max_tokens": 3}).encode()
     pieces = [body[:5], body[5:6], body[6:20], body[20:]]
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", route, chunked(*pieces), headers=[JSON, ("transfer-encoding", "chunked")]))
         response = conn.read_response()
         _check_ok(response, journal_path)
@@ -130,7 +130,7 @@ def test_expect_100_continue_with_the_body_sent_at_once(start_router, journal_pa
     """A client may send the body without waiting for ``100 Continue`` (RFC 9110 §10.1.1)."""
     router = start_router()
     body = _completion("eager")
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, body, headers=[JSON, ("expect", "100-continue")]))
         response = conn.read_response()
         if response.status == 100:
@@ -142,7 +142,7 @@ def test_expect_100_continue_with_the_body_sent_at_once(start_router, journal_pa
 
 def test_chunked_body_with_expect_100_continue(start_router, journal_path) -> None:
     router = start_router()
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, None, headers=[
             JSON, ("transfer-encoding", "chunked"), ("expect", "100-continue")]))
         assert conn.read_response().status == 100
@@ -156,7 +156,7 @@ def test_body_over_max_body_bytes_is_413(start_router, fleet, framing) -> None:
     router = start_router(ingress={"max_body_bytes": 1024})
     body = _completion("x" * 2000)
     assert len(body) > 1024
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         if framing == "content-length":
             conn.send(request_bytes("POST", COMPLETIONS, body, headers=[JSON]))
         else:
@@ -172,14 +172,14 @@ def test_body_at_max_body_bytes_is_accepted(start_router, journal_path) -> None:
     prefix = _completion("")
     body = _completion("y" * (1024 - len(prefix)))
     assert len(body) == 1024
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, body, headers=[JSON]))
         _check_ok(conn.read_response(), journal_path)
 
 
 def test_body_over_the_limit_with_expect_is_413_without_100(start_router, fleet) -> None:
     router = start_router(ingress={"max_body_bytes": 1024})
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, None, headers=[
             JSON, ("content-length", "5000"), ("expect", "100-continue")]))
         _check_error(conn.read_response(), 413)
@@ -189,7 +189,7 @@ def test_body_over_the_limit_with_expect_is_413_without_100(start_router, fleet)
 def test_oversized_body_request_is_journaled(start_router, fleet, journal_path) -> None:
     """SPEC §5: every request to a completion route gets exactly one terminal record — a 413 one too."""
     router = start_router(ingress={"max_body_bytes": 1024})
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, _completion("z" * 2000), headers=[JSON]))
         response = conn.read_response()
     _check_error(response, 413)
@@ -209,7 +209,7 @@ def test_oversized_head_is_431(start_router, fleet, shape) -> None:
         headers += [(f"x-pad-{i}", "v" * 10) for i in range(200)]
     else:
         target = COMPLETIONS + "?" + "q" * 10000
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", target, _completion(), headers=headers))
         response = conn.read_response()
         # SPEC §4: header size -> 431; an over-long request line -> 431 or 400.
@@ -221,14 +221,14 @@ def test_oversized_head_is_431(start_router, fleet, shape) -> None:
 
 def test_head_at_a_normal_size_with_a_big_header_still_works(start_router, journal_path) -> None:
     router = start_router()
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, _completion(), headers=[JSON, ("x-padding", "p" * 8000)]))
         _check_ok(conn.read_response(), journal_path)
 
 
 def test_connection_close_is_honoured(start_router, journal_path) -> None:
     router = start_router()
-    with RawConnection(router.address) as conn:
+    with RawClient(router.address) as conn:
         conn.send(request_bytes("POST", COMPLETIONS, _completion(), headers=[JSON, ("connection", "close")]))
         _check_ok(conn.read_response(), journal_path)
         assert conn.peer_closed()

@@ -25,7 +25,7 @@ from ..harness import read_journal, terminals_by_rid
 from .support import (
     CHAT,
     COMPLETIONS,
-    RawConnection,
+    RawClient,
     ServeProcess,
     http,
     poll,
@@ -77,7 +77,7 @@ def test_signal_drains_in_flight_requests_and_exits_0(tmp_path, runtime, signum)
             decode.wait_for(lambda s: s["running"] >= len(plan), timeout=15)
             assert not results, results
             # An idle keep-alive connection, opened before the signal.
-            idle = RawConnection(("127.0.0.1", listening["port"]))
+            idle = RawClient(("127.0.0.1", listening["port"]))
             idle.send(request_bytes("GET", "/health"))
             assert idle.read_response().status == 200
 
@@ -120,7 +120,7 @@ def test_signal_drains_in_flight_requests_and_exits_0(tmp_path, runtime, signum)
             assert terminals[rid]["terminal"] == "rejected"
 
 
-def _request_on_idle_connection(conn: RawConnection) -> str | None:
+def _request_on_idle_connection(conn: RawClient) -> str | None:
     """A request on a connection left idle across the signal: closed unanswered, or a 503."""
     try:
         with conn:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..harness import MODEL, RouterThread, poll, read_journal
+from ..rawhttp import RawClient, request_bytes
 from ..serving import ServeProcess, write_config  # noqa: F401  (re-exported for the suite)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,27 +178,21 @@ class StreamClient:
 # ------------------------------------------------------------------ raw clients
 
 
-class RawClient:
+class CompletionClient(RawClient):
     """A completion request on a plain socket: send it, maybe read a little, then just close."""
 
     def __init__(self, router: RouterThread, route: str = COMPLETIONS, *,
                  headers: Sequence[tuple[str, str]] = (), **fields: Any) -> None:
-        data = json.dumps(body(route, **fields)).encode()
-        head = [f"POST {route} HTTP/1.1", "host: 127.0.0.1", "content-type: application/json",
-                f"content-length: {len(data)}", *(f"{n}: {v}" for n, v in headers)]
         assert router.address is not None
-        self.sock = socket.create_connection(router.address, timeout=WAIT)
-        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
-        self.received = b""
+        super().__init__(router.address, timeout=WAIT)
+        self.send(request_bytes("POST", route, json.dumps(body(route, **fields)).encode(),
+                                headers=[("content-type", "application/json"), *headers]))
 
     def read_until(self, marker: bytes, count: int = 1) -> bytes:
-        """Read until ``marker`` occurs ``count`` times in what was received."""
+        """Read until ``marker`` occurs ``count`` times in what was received (EOFError if it closes first)."""
         while self.received.count(marker) < count:
-            data = self.sock.recv(65536)
-            if not data:
-                raise EOFError(self.received[:500])
-            self.received += data
-        return self.received
+            self._fill()
+        return bytes(self.received)
 
     @property
     def rid(self) -> str:
@@ -208,9 +202,6 @@ class RawClient:
             if name.strip().lower() == "x-request-id":
                 return value.strip()
         raise AssertionError(f"no x-request-id in {head!r}")
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 # ---------------------------------------------------------------- the journal

@@ -17,7 +17,7 @@ import pytest
 
 from .support import (
     KV_MODES,
-    RawClient,
+    CompletionClient,
     assert_idle,
     assert_kv_settled,
     assert_unpulled_kv,
@@ -51,7 +51,7 @@ def test_disconnect_while_queued(start_router, make_fleet, journal_path) -> None
     holder.start()
     poll(lambda: router.statistics().inflight == 1, what="first request admitted")
 
-    queued = RawClient(router)
+    queued = CompletionClient(router)
     poll(lambda: router.statistics().queued == 1, what="second request queued")
     queued.close()
     poll(lambda: router.statistics().queued == 0, what="queue place given back")
@@ -74,7 +74,7 @@ def test_disconnect_during_prefill(start_router, make_fleet, journal_path) -> No
     (prefill,), (decode,) = fleet.prefill, fleet.decode
     router = start_router(fleet_=fleet)
 
-    client = RawClient(router)
+    client = CompletionClient(router)
     poll(lambda: len(sim_requests(prefill)) == 1 and router.statistics().legs == 1, what="prefill leg running")
     client.close()
 
@@ -97,9 +97,9 @@ def test_disconnect_between_legs_releases_kv(start_router, make_fleet, journal_p
     (prefill,), (decode,) = fleet.prefill, fleet.decode
     router = start_router(fleet_=fleet, engine={"kv_release": mode, "max_inflight_per_engine": 1})
 
-    holder = RawClient(router, stream=True, max_tokens=8)
+    holder = CompletionClient(router, stream=True, max_tokens=8)
     holder.read_until(b"data: ")
-    waiting = RawClient(router)
+    waiting = CompletionClient(router)
     poll(lambda: prefill.stats()["kv_held"] == 1, what="second prefill done")
     poll(lambda: (lambda s: s.requests == 2 and s.legs == 1)(router.statistics()), what="decode leg waiting")
     waiting.close()
@@ -127,7 +127,7 @@ def test_disconnect_during_decode_releases_kv(start_router, make_fleet, journal_
     (prefill,), (slow, _) = fleet.prefill, fleet.decode
     router = start_router(fleet_=fleet, engine={"kv_release": mode})
 
-    client = RawClient(router)
+    client = CompletionClient(router)
     poll(lambda: len(sim_requests(slow)) == 1 and router.statistics().legs == 1, what="decode leg running")
     client.close()
 
@@ -147,7 +147,7 @@ def test_disconnect_mid_stream(start_router, make_fleet, journal_path) -> None:
     (prefill,), (decode,) = fleet.prefill, fleet.decode
     router = start_router(fleet_=fleet)
 
-    client = RawClient(router, stream=True, max_tokens=8)
+    client = CompletionClient(router, stream=True, max_tokens=8)
     client.read_until(b"data: ", count=2)  # two chunks reached the client
     client.close()
 

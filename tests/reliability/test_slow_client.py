@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from narwhal_sim.testing import SimThread
 
 from ..harness import MODEL, Fleet, RouterThread
+from ..rawhttp import RawClient, request_bytes
 from .support import WAIT, terminal_of
 
 #: What the engine streams in all: well above what the sockets' kernel
@@ -138,13 +138,10 @@ def test_a_slow_reader_holds_its_engine_back_and_still_gets_the_whole_stream(
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}],
                        "stream": True, "max_tokens": 16}).encode()
     assert router.address is not None
-    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # and no autotuning: it is set
-    client.settimeout(WAIT)
-    client.connect(router.address)
+    client = RawClient(router.address, timeout=WAIT, receive_buffer=16384)
     try:
-        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        client.send(request_bytes("POST", "/v1/chat/completions", body,
+                                  headers=[("content-type", "application/json")]))
         # The client reads nothing: the engine must stall well before the end
         # of its stream (kernel buffers on both sockets plus the router's
         # high-water mark hold a few tens of MiB at most on loopback).
@@ -155,7 +152,7 @@ def test_a_slow_reader_holds_its_engine_back_and_still_gets_the_whole_stream(
         # Now the client reads: the whole stream arrives, in order, and ends properly.
         received = bytearray()
         while not received.endswith(b"\r\n0\r\n\r\n"):
-            data = client.recv(1 << 20)
+            data = client.sock.recv(1 << 20)
             assert data, f"the router closed the stream after {len(received)} bytes"
             received += data
     finally:

@@ -21,9 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import struct
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -34,6 +32,7 @@ import attrs
 from narwhal_core.auth import api_key_digest
 
 from ..harness import MODEL, journal_terminal, poll, read_journal  # noqa: F401  (re-exported for the suite)
+from ..rawhttp import Closed, RawClient, Response, request_bytes  # noqa: F401  (re-exported for the suite)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -64,23 +63,6 @@ def body_for(route: str, text: str = "The narwhal is", **fields: Any) -> dict[st
     return {"model": MODEL, "prompt": text, **fields}
 
 
-def request_bytes(
-    method: str,
-    target: str,
-    body: bytes | None = None,
-    *,
-    headers: Sequence[tuple[str, str]] = (),
-    version: str = "HTTP/1.1",
-) -> bytes:
-    """A well-formed request: ``host`` and, for a body, ``content-length`` are added."""
-    lines = [f"{method} {target} {version}", "host: 127.0.0.1"]
-    names = {n.lower() for n, _ in headers}
-    if body is not None and "content-length" not in names and "transfer-encoding" not in names:
-        lines.append(f"content-length: {len(body)}")
-    lines += [f"{n}: {v}" for n, v in headers]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
-
-
 def json_post(route: str, payload: Any, headers: Sequence[tuple[str, str]] = ()) -> bytes:
     """A POST of ``payload`` (bytes are sent as they are)."""
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -88,154 +70,6 @@ def json_post(route: str, payload: Any, headers: Sequence[tuple[str, str]] = ())
 
 
 # ------------------------------------------------------------ raw client
-
-
-@attrs.define
-class Response:
-    """One HTTP/1.x response as read off the socket."""
-
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        for n, v in self.headers:
-            if n == name:
-                return v
-        return None
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-class Closed(Exception):
-    """The router closed the connection (EOF or reset)."""
-
-
-class RawClient:
-    """One client socket that sends exactly the bytes it is given."""
-
-    def __init__(self, address: tuple[str, int], *, timeout: float = 10.0, source: str | None = None) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        if source is not None:
-            self.sock.bind((source, 0))
-        self.sock.connect(address)
-        self._buf = b""
-        self.closed = False
-        #: Every byte the router sent on this connection.
-        self.received = bytearray()
-
-    def __enter__(self) -> RawClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def reset(self) -> None:
-        """Abort the connection with a TCP RST (SO_LINGER 0), as a crashing client would."""
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.sock.close()
-
-    def send(self, data: bytes) -> bool:
-        """Send ``data``; False when the router already closed the connection."""
-        try:
-            self.sock.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):
-            self.closed = True
-            return False
-        return True
-
-    def _fill(self, deadline: float | None = None) -> None:
-        if deadline is not None:
-            self.sock.settimeout(max(0.001, deadline - time.monotonic()))
-        try:
-            data = self.sock.recv(65536)
-        except (ConnectionResetError, BrokenPipeError):
-            data = b""
-        if not data:
-            self.closed = True
-            raise Closed(self._buf[:200])
-        self.received += data
-        self._buf += data
-
-    def _take_until(self, marker: bytes) -> bytes:
-        while marker not in self._buf:
-            self._fill()
-        head, _, self._buf = self._buf.partition(marker)
-        return head
-
-    def _take(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            self._fill()
-        out, self._buf = self._buf[:n], self._buf[n:]
-        return out
-
-    def read_response(self, *, head_request: bool = False) -> Response:
-        """One whole response (raises :class:`Closed` if the connection ends first)."""
-        head = self._take_until(b"\r\n\r\n").decode("latin-1")
-        status_line, *lines = head.split("\r\n")
-        version, status, *_ = status_line.split(" ", 2)
-        assert version in ("HTTP/1.1", "HTTP/1.0"), status_line
-        headers = []
-        for line in lines:
-            name, _, value = line.partition(":")
-            headers.append((name.strip().lower(), value.strip()))
-        response = Response(status=int(status), headers=headers, body=b"")
-        if 100 <= response.status < 200 or response.status in (204, 304) or head_request:
-            return response
-        length = response.header("content-length")
-        if response.header("transfer-encoding") == "chunked":
-            body = b""
-            while True:
-                size = int(self._take_until(b"\r\n").split(b";")[0], 16)
-                if size == 0:
-                    self._take_until(b"\r\n")
-                    break
-                body += self._take(size)
-                assert self._take(2) == b"\r\n"
-            response.body = body
-        elif length is not None:
-            response.body = self._take(int(length))
-        else:
-            while True:
-                try:
-                    self._fill()
-                except Closed:
-                    break
-            response.body, self._buf = self._buf, b""
-        return response
-
-    def read_all(self, timeout: float = 5.0) -> list[Response]:
-        """Every response until the router closes the connection; TimeoutError if it never does."""
-        deadline = time.monotonic() + timeout
-        out = []
-        self.sock.settimeout(timeout)
-        try:
-            while True:
-                out.append(self.read_response())
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"connection still open after {timeout} s; got {out}")
-        except Closed:
-            return out
-        except (TimeoutError, socket.timeout):
-            raise TimeoutError(f"connection still open after {timeout} s; got {out}, unread {self._buf[:200]!r}")
-
-    def wait_closed(self, timeout: float) -> bytes:
-        """Wait for EOF/reset, returning what arrived meanwhile; TimeoutError if the socket stays open."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"connection still open after {timeout} s")
-            try:
-                self._fill(deadline)
-            except Closed:
-                return self._buf
-            except (TimeoutError, socket.timeout):
-                raise TimeoutError(f"connection still open after {timeout} s; got {self._buf[:200]!r}")
 
 
 def exchange(address: tuple[str, int], data: bytes, *, timeout: float = 5.0) -> list[Response]:
