@@ -71,7 +71,6 @@ __all__ = [
     "ResponseEnd",
     "EngineEvent",
     "EngineConnection",
-    "PreparedRequest",
     "ServerCodec",
     "EngineCodec",
     "Codec",
@@ -948,25 +947,6 @@ class ServerConnection:
 # ---------------------------------------------------------------------------
 
 
-@attrs.frozen
-class PreparedRequest:
-    """A request line and the fields every request to one engine carries, for many requests.
-
-    Made by :meth:`Codec.prepare_request`, sent by
-    :meth:`EngineCodec.send_prepared`; sending it with more fields gives
-    the same bytes, and the same errors, as
-    ``send_request(method, target, (*headers, *more), body)``. A codec may
-    keep its own form of the request in ``rendered`` (checked and encoded
-    once); the reference keeps nothing.
-    """
-
-    method: str
-    target: str
-    headers: tuple[tuple[bytes, bytes], ...]
-    #: The codec's own form, or ``None``.
-    rendered: object = None
-
-
 class _EngineState(enum.Enum):
     NEW = "NEW"  # send_request() not called yet
     HEAD = "HEAD"  # waiting for the final response head
@@ -1055,10 +1035,6 @@ class EngineConnection:
         self._head_request = raw_method == b"HEAD"
         self._state = _EngineState.HEAD
         return b"".join(out)
-
-    def send_prepared(self, prepared: PreparedRequest, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bytes:
-        """:meth:`send_request` for ``prepared`` with ``headers`` after its own fields."""
-        return self.send_request(prepared.method, prepared.target, (*prepared.headers, *headers), body)
 
     def receive_data(self, data: bytes) -> None:
         """Buffer bytes from the engine; ``b""`` means the engine closed (EOF)."""
@@ -1236,9 +1212,6 @@ class EngineCodec(Protocol):
     def send_request(self, method: str, target: str, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bytes:
         """The whole request as bytes to write."""
 
-    def send_prepared(self, prepared: PreparedRequest, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bytes:
-        """The whole request as bytes to write: ``prepared`` with ``headers`` after its own fields."""
-
     def receive_data(self, data: bytes) -> None:
         """Buffer bytes from the engine; ``b""`` means EOF."""
 
@@ -1266,9 +1239,6 @@ class Codec(Protocol):
         max_body_bytes: int | None = ...,
     ) -> EngineCodec:
         """A new engine exchange."""
-
-    def prepare_request(self, method: str, target: str, headers: Sequence[tuple[bytes, bytes]]) -> PreparedRequest:
-        """The request line and fields that many engine requests share (see :class:`PreparedRequest`)."""
 
 
 @attrs.frozen
@@ -1299,10 +1269,6 @@ class H11Codec:
     ) -> EngineConnection:
         """A new :class:`EngineConnection`."""
         return EngineConnection(max_header_bytes=max_header_bytes, max_body_bytes=max_body_bytes)
-
-    def prepare_request(self, method: str, target: str, headers: Sequence[tuple[bytes, bytes]]) -> PreparedRequest:
-        """A :class:`PreparedRequest`; nothing is checked until it is sent."""
-        return PreparedRequest(method=method, target=target, headers=tuple(headers))
 
 
 H11_CODEC: Final[Codec] = H11Codec()

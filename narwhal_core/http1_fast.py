@@ -122,7 +122,6 @@ from narwhal_core.http1 import (
     ContinueExpected,
     EngineEvent,
     NeedData,
-    PreparedRequest,
     ResponseEnd,
     ResponseHead,
     ServerConnection,
@@ -186,95 +185,6 @@ def _request_line(method: str, target: str) -> tuple[bytes, bytes]:
     ):
         raise LocalProtocolError(f"cannot send this request: illegal method or target {method!r} {target!r}")
     return raw_method, raw_target
-
-
-def _checked_request_line(method: str, target: str) -> tuple[bytes, bytes]:
-    raw = _CHECKED_REQUEST_LINES.get((method, target))
-    if raw is None:
-        raw = _request_line(method, target)
-        if len(_CHECKED_REQUEST_LINES) < _MAX_CHECKED_FIELDS:
-            _CHECKED_REQUEST_LINES[(method, target)] = raw
-    return raw
-
-
-def _render_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[bytes, int, list[bytes], bool]:
-    """The request writer's field lines: ``(Host line, Host count, other lines, Connection: close)``.
-
-    Raises :class:`LocalProtocolError` for what h11 would refuse to send.
-    """
-    host = b""
-    hosts = 0
-    lines: list[bytes] = []
-    close = False
-    checked = _CHECKED_FIELDS
-    for name, value in headers:
-        known = checked.get((name, value))
-        if known is not None:
-            # Checked before: the engine's Host, the content type, the
-            # credential are the same on every leg.
-            is_host, line = known
-            if is_host:
-                hosts += 1
-                host = line
-            else:
-                lines.append(line)
-            continue
-        lowered = name.lower()
-        if lowered in _REQUEST_SPECIAL_FIELDS:
-            if lowered == b"host":
-                hosts += 1
-            elif lowered == b"connection":
-                close = close or b"close" in _comma_tokens(value)
-            else:
-                raise LocalProtocolError(f"{name!r} is not allowed; the codec frames the request")
-        # h11's token and field-value rules.
-        if (
-            not name
-            or name.translate(None, _TCHARS)
-            or (value and (value.translate(None, _VALUE_BYTES) or value[0] in _OWS or value[-1] in _OWS))
-        ):
-            raise LocalProtocolError(f"cannot send this request: illegal header {name!r}: {value!r}")
-        line = b"%s: %s\r\n" % (name, value)
-        if lowered == b"host":
-            host = line
-        else:
-            lines.append(line)
-        if lowered != b"connection" and len(checked) < _MAX_CHECKED_FIELDS:
-            checked[(name, value)] = (lowered == b"host", line)
-    return host, hosts, lines, close
-
-
-@attrs.frozen
-class _Rendered:
-    """A prepared request as :class:`FastEngineConnection` writes it."""
-
-    #: Request line, Host, the other fields: everything before the per-request fields.
-    head: bytes
-    #: The method always carries ``content-length`` (POST, PUT, PATCH).
-    body_method: bool
-    head_request: bool
-    #: The fields ask the engine to close the connection.
-    close: bool
-
-
-def _prepare(method: str, target: str, headers: Sequence[tuple[bytes, bytes]]) -> PreparedRequest:
-    fields = tuple(headers)
-    try:
-        host, hosts, lines, close = _render_fields(fields)
-        raw_method, raw_target = _checked_request_line(method, target)
-    except LocalProtocolError:
-        hosts = 0  # sending it raises, through send_request
-    if hosts != 1:
-        # No Host (it may come with the per-request fields), or an error: sent
-        # through send_request, which decides.
-        return PreparedRequest(method=method, target=target, headers=fields)
-    rendered = _Rendered(
-        head=b"%s %s HTTP/1.1\r\n%s%s" % (raw_method, raw_target, host, b"".join(lines)),
-        body_method=raw_method in _BODY_METHODS,
-        head_request=raw_method == b"HEAD",
-        close=close,
-    )
-    return PreparedRequest(method=method, target=target, headers=fields, rendered=rendered)
 
 
 # ---------------------------------------------------------------------------
@@ -665,12 +575,55 @@ class FastEngineConnection:
         """
         if self._state is not _NEW:
             raise LocalProtocolError(f"send_request() in state {self._state.value}: one request per EngineConnection")
-        host, hosts, lines, close = _render_fields(headers)
+        host = b""
+        hosts = 0
+        lines: list[bytes] = []
+        close = False
+        checked = _CHECKED_FIELDS
+        for name, value in headers:
+            known = checked.get((name, value))
+            if known is not None:
+                # Checked before: the engine's Host, the content type, the
+                # credential are the same on every leg.
+                is_host, line = known
+                if is_host:
+                    hosts += 1
+                    host = line
+                else:
+                    lines.append(line)
+                continue
+            lowered = name.lower()
+            if lowered in _REQUEST_SPECIAL_FIELDS:
+                if lowered == b"host":
+                    hosts += 1
+                elif lowered == b"connection":
+                    close = close or b"close" in _comma_tokens(value)
+                else:
+                    raise LocalProtocolError(f"{name!r} is not allowed; the codec frames the request")
+            # h11's token and field-value rules.
+            if (
+                not name
+                or name.translate(None, _TCHARS)
+                or (value and (value.translate(None, _VALUE_BYTES) or value[0] in _OWS or value[-1] in _OWS))
+            ):
+                raise LocalProtocolError(f"cannot send this request: illegal header {name!r}: {value!r}")
+            line = b"%s: %s\r\n" % (name, value)
+            if lowered == b"host":
+                host = line
+            else:
+                lines.append(line)
+            if lowered != b"connection" and len(checked) < _MAX_CHECKED_FIELDS:
+                checked[(name, value)] = (lowered == b"host", line)
         if not hosts:
             raise LocalProtocolError("an engine request needs a host header")
         if hosts > 1:
             raise LocalProtocolError("cannot send this request: more than one host header")
-        raw_method, raw_target = _checked_request_line(method, target)
+        raw = _CHECKED_REQUEST_LINES.get((method, target))
+        if raw is None:
+            raw = _request_line(method, target)
+            if len(_CHECKED_REQUEST_LINES) < _MAX_CHECKED_FIELDS:
+                _CHECKED_REQUEST_LINES[(method, target)] = raw
+        raw_method, raw_target = raw
         if body or raw_method in _BODY_METHODS:
             lines.append(b"content-length: %d\r\n" % len(body))
         self._head_request = raw_method == b"HEAD"
@@ -678,35 +631,6 @@ class FastEngineConnection:
         self._state = _HEAD
         # h11's layout: request line, Host first, the other fields in order.
         return b"%s %s HTTP/1.1\r\n%s%s\r\n%s" % (raw_method, raw_target, host, b"".join(lines), body)
-
-    def send_prepared(self, prepared: PreparedRequest, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bytes:
-        """:meth:`send_request` for ``prepared`` with ``headers`` after its own fields.
-
-        The same bytes and errors; a request prepared by :class:`FastCodec`
-        with one ``Host`` is written from its encoded head, with only
-        ``headers`` checked here.
-        """
-        rendered = prepared.rendered
-        if type(rendered) is not _Rendered or self._state is not _NEW:
-            return self.send_request(prepared.method, prepared.target, (*prepared.headers, *headers), body)
-        lines = []
-        for name, value in headers:
-            if (
-                not name
-                or name.translate(None, _TCHARS)
-                or name.lower() in _REQUEST_SPECIAL_FIELDS
-                or (value and (value.translate(None, _VALUE_BYTES) or value[0] in _OWS or value[-1] in _OWS))
-            ):
-                # Host, Connection, framing fields, bad names or values: the
-                # whole request goes through send_request, for its rules.
-                return self.send_request(prepared.method, prepared.target, (*prepared.headers, *headers), body)
-            lines.append(b"%s: %s\r\n" % (name, value))
-        if body or rendered.body_method:
-            lines.append(b"content-length: %d\r\n" % len(body))
-        self._head_request = rendered.head_request
-        self._request_close = rendered.close
-        self._state = _HEAD
-        return b"%s%s\r\n%s" % (rendered.head, b"".join(lines), body)
 
     # -- reading ------------------------------------------------------------
 
@@ -1006,10 +930,6 @@ class FastCodec:
     ) -> FastEngineConnection:
         """A new :class:`FastEngineConnection`."""
         return FastEngineConnection(max_header_bytes=max_header_bytes, max_body_bytes=max_body_bytes)
-
-    def prepare_request(self, method: str, target: str, headers: Sequence[tuple[bytes, bytes]]) -> PreparedRequest:
-        """A :class:`~narwhal_core.http1.PreparedRequest`, checked and encoded once when it can be."""
-        return _prepare(method, target, headers)
 
 
 FAST_CODEC: Final[Codec] = FastCodec()

@@ -59,7 +59,6 @@ from .http1 import (
     ContinueExpected,
     EngineCodec,
     HttpRequest,
-    PreparedRequest,
     ResponseEnd,
     ResponseHead,
     ServerCodec,
@@ -267,8 +266,6 @@ class Router:
             if engine_api_key
             else ()
         )
-        #: Per (engine, route): the request line and fields of its legs, checked once.
-        self._leg_requests: dict[tuple[str, Route], PreparedRequest] = {}
         #: The engine credential, scrubbed from anything an engine says.
         self._secret: Final = engine_api_key.encode("latin-1") if engine_api_key else None
         self._pd: Final = self.fleet.pd
@@ -1126,7 +1123,7 @@ class Router:
         codec = self._codec.engine_connection(
             max_body_bytes=self.config.engine.max_response_bytes
         )
-        data = codec.send_prepared(self._leg_request(engine.address, req.route), ((b"x-request-id", bid.encode()),), body)
+        data = codec.send_request("POST", req.route, self._leg_headers(engine.address, bid), body)
         leg = _Leg(
             bid=bid, phase=phase, attempt=attempt, engine=engine, codec=codec, rid=req.rid,
             started=self._now, data=data, deadline=0.0,
@@ -1142,15 +1139,13 @@ class Router:
         ))
         return State.PREFILL if phase == PREFILL else State.DECODE
 
-    def _leg_request(self, engine: EngineAddress, route: Route) -> PreparedRequest:
-        """What every leg to ``engine`` on ``route`` sends before its own ``x-request-id``."""
-        key = (engine.url, route)
-        prepared = self._leg_requests.get(key)
-        if prepared is None:
-            prepared = self._leg_requests[key] = self._codec.prepare_request(
-                "POST", route, ((b"host", engine.authority), _JSON, *self._auth_header)
-            )
-        return prepared
+    def _leg_headers(self, engine: EngineAddress, bid: str) -> tuple[tuple[bytes, bytes], ...]:
+        return (
+            (b"host", engine.authority),
+            _JSON,
+            (b"x-request-id", bid.encode()),
+            *self._auth_header,
+        )
 
     def _leg_data(self, leg: _Leg, data: bytes) -> None:
         if data:
@@ -1414,8 +1409,8 @@ class Router:
             req.attempts[DECODE] = attempt
             bid = backend_id(req.rid, DECODE, attempt)
             body = wire.dumps(decode_body(req.accepted.body, kv.handoff.params))
-            raw = self._codec.engine_connection(max_body_bytes=None).send_prepared(
-                self._leg_request(target.address, req.route), ((b"x-request-id", bid.encode()),), body
+            raw = self._codec.engine_connection(max_body_bytes=None).send_request(
+                "POST", req.route, self._leg_headers(target.address, bid), body
             )
             command = StartControl(
                 key, target.address, "POST", req.route, (), b"", timeout, drop_after_send=True, data=raw

@@ -1852,64 +1852,6 @@ def test_differential_engine_request_bytes(request: tuple[str, str, list[tuple[b
         assert ends[0] == ends[1]
 
 
-def _send_or_none(send: Callable[..., bytes], *args: object) -> bytes | None:
-    try:
-        return send(*args)
-    except LocalProtocolError:
-        return None
-
-
-_OWN_FIELDS = st.lists(st.tuples(
-    st.sampled_from([b"x-request-id", b"X-Request-Id", b"host", b"Host", b"connection", b"Content-Length",
-                     b"transfer-encoding", b"upgrade", b"x a", b"", b"\x80"]),
-    st.sampled_from([b"r1-p1", b"close", b"e", b" a", b"a\t", b"\x00", b"", b"a\r\nb: c"]),
-), max_size=3)
-
-
-@DIFF
-@given(engine_requests(odd=False) | engine_requests(odd=True), st.integers(0, 5), _OWN_FIELDS)
-def test_a_prepared_request_sends_what_send_request_sends(
-    request: tuple[str, str, list[tuple[bytes, bytes]], bytes], split: int, more: list[tuple[bytes, bytes]]
-) -> None:
-    # The fields before ``split`` are prepared once, the rest (and ``more``)
-    # come with each request: both codecs give send_request's bytes, or
-    # refuse where it does.
-    method, target, headers, body = request
-    shared, own = headers[:split], headers[split:] + more
-    headers = shared + own
-    expected = _send_or_none(H11_CODEC.engine_connection().send_request, method, target, headers, body)
-    for codec in (H11_CODEC, FAST_CODEC):
-        prepared = codec.prepare_request(method, target, shared)
-        for _ in range(2):  # and again: a prepared request is sent many times
-            conn = codec.engine_connection()
-            assert _send_or_none(conn.send_prepared, prepared, own, body) == expected
-            if expected is not None:
-                assert engine_events_after_sending(conn) == engine_events_after(codec, method, target, headers, body)
-
-
-def test_the_leg_fields_are_encoded_once() -> None:
-    # The router's legs: Host, content type and credential prepared, the leg's ID per request.
-    shared = [(b"host", b"10.0.0.1:8100"), (b"content-type", b"application/json"), (b"authorization", b"Bearer k")]
-    prepared = FAST_CODEC.prepare_request("POST", "/v1/completions", shared)
-    assert prepared.rendered is not None
-    for codec in (H11_CODEC, FAST_CODEC):
-        out = codec.engine_connection().send_prepared(prepared, [(b"x-request-id", b"r1-p1")], b"{}")
-        assert out == (
-            b"POST /v1/completions HTTP/1.1\r\nhost: 10.0.0.1:8100\r\ncontent-type: application/json\r\n"
-            b"authorization: Bearer k\r\nx-request-id: r1-p1\r\ncontent-length: 2\r\n\r\n{}"
-        )
-    # Sent twice on one exchange: refused, as send_request refuses.
-    conn = FAST_CODEC.engine_connection()
-    conn.send_prepared(prepared, [], b"")
-    with pytest.raises(LocalProtocolError):
-        conn.send_prepared(prepared, [], b"")
-
-
-def engine_events_after_sending(conn: EngineCodec) -> list[object]:
-    conn.receive_data(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-    return [conn.next_event() for _ in range(4)]
-
-
 def engine_events_after(
     codec: Codec, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
 ) -> list[object]:
