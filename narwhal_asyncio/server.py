@@ -39,6 +39,7 @@ from narwhal_core import (
     ClientConnected,
     ClientData,
     ClientGone,
+    ClientStalled,
     CloseClient,
     Config,
     Event,
@@ -157,6 +158,7 @@ class _Client(asyncio.Protocol):
         self.transport.pause_reading()  # no next request either, until this one is read
         for leg in self.relays:
             leg.pause()
+        self._tell_stalled(True)
         if self.stall is None:
             # A client that never reads must not hold its connection (or its legs) forever.
             self.stall = asyncio.get_running_loop().call_later(
@@ -172,6 +174,14 @@ class _Client(asyncio.Protocol):
             self.transport.resume_reading()
         for leg in self.relays:
             leg.resume()
+        self._tell_stalled(False)
+
+    def _tell_stalled(self, stalled: bool) -> None:
+        # The legs this client's stream comes from wait for it: their
+        # engines' silence meanwhile is not their fault. (Fed from the loop,
+        # not from inside the transport write that called us.)
+        if self.relays and not self.closed:
+            asyncio.get_running_loop().call_soon(self.server.feed, ClientStalled(self, stalled))
 
 
 class _Listener:

@@ -27,6 +27,7 @@ from .events import (
     ClientConnected,
     ClientData,
     ClientGone,
+    ClientStalled,
     CloseClient,
     Command,
     ControlDone,
@@ -51,7 +52,7 @@ from .router import Router, RouterStatistics
 
 __all__ = [
     "AcceptedRequest", "ApiKeys", "AuthError", "Authenticator", "AuthenticatorChanged",
-    "CancelLeg", "ClientConnected", "ClientData", "ClientGone", "CloseClient", "Codec",
+    "CancelLeg", "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "CloseClient", "Codec",
     "Command", "Config", "ConfigError", "ContractError", "ControlDone", "EngineAddress",
     "Event", "FAST_CODEC", "FinishLeg", "H11_CODEC", "JournalHealth", "LegData", "LegFailed",
     "LocalProtocolError", "Log", "NarwhalError", "ProtocolError", "RemoteProtocolError",

@@ -24,7 +24,7 @@ import attrs
 from .config import EngineAddress
 
 __all__ = [
-    "ClientConnected", "ClientData", "ClientGone", "LegData", "LegFailed",
+    "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "LegData", "LegFailed",
     "ControlDone", "ShutdownRequested", "AuthenticatorChanged", "JournalHealth",
     "Event",
     "Transmit", "CloseClient", "StartLeg", "CancelLeg", "FinishLeg",
@@ -63,6 +63,22 @@ class ClientGone:
 
     #: The socket.
     conn: Hashable
+
+
+@attrs.frozen
+class ClientStalled:
+    """The client is not taking its bytes, so the adapter stopped reading the engine leg that feeds it
+    (``stalled=True``), or it caught up and the leg is read again (``stalled=False``).
+
+    While a client is stalled its stream's engine sends nothing because the
+    adapter holds it back: the engine's idle limit
+    (``engine.stream_idle_timeout_s``) is suspended; the client's own
+    (``ingress.send_timeout_s``, the adapter's) and the request deadline apply.
+    """
+
+    #: The client connection.
+    conn: Hashable
+    stalled: bool
 
 
 #: Why a leg's connection failed, as the adapter saw it. ``local_error``:
@@ -163,7 +179,7 @@ class JournalHealth:
 
 
 Event = (
-    ClientConnected | ClientData | ClientGone | LegData | LegFailed | ControlDone
+    ClientConnected | ClientData | ClientGone | ClientStalled | LegData | LegFailed | ControlDone
     | ShutdownRequested | AuthenticatorChanged | JournalHealth
 )
 

@@ -34,6 +34,7 @@ from .events import (
     ClientConnected,
     ClientData,
     ClientGone,
+    ClientStalled,
     CloseClient,
     Command,
     ControlDone,
@@ -149,6 +150,8 @@ class _Conn:
     body_phase: bool = False
     #: Bytes of unfinished requests its codec holds, as last counted.
     buffered: int = 0
+    #: The adapter holds back the legs feeding it: it is not reading (:class:`ClientStalled`).
+    stalled: bool = False
 
 
 @attrs.define(eq=False)
@@ -187,6 +190,9 @@ class _Leg:
     #: A prefill leg left running after its client went away, so that the KV
     #: it may already hold can be named and released.
     orphan: bool = False
+    #: Held back by the adapter for a client that is not reading
+    #: (:class:`ClientStalled`): its time limit does not run.
+    held: bool = False
 
 
 @attrs.define(eq=False)
@@ -328,6 +334,10 @@ class Router:
                 self._disarm(conn.timer)
                 conn.timer = None
                 self._client_left(conn)
+        elif isinstance(event, ClientStalled):
+            conn = self._conns.get(event.conn)
+            if conn is not None:
+                self._client_stalled(conn, event.stalled)
         elif isinstance(event, LegFailed):
             leg = self._legs.get(event.leg)
             if leg is not None and leg.open:
@@ -446,7 +456,7 @@ class Router:
             leg.timer = None
             if leg.deadline > now:
                 self._leg_deadline(leg, leg.deadline)
-            else:
+            elif not leg.held:  # (held: re-armed when its client catches up)
                 self._leg_broke(leg, "timeout")
         elif kind == "probe":
             self._probe(owner)
@@ -500,6 +510,35 @@ class Router:
             self._disarm(leg.timer)
             leg.armed = when
             leg.timer = self._arm("leg", leg, when)
+
+    def _client_stalled(self, conn: _Conn, stalled: bool) -> None:
+        # The adapter holds back the leg feeding a client that is not
+        # reading: the engine's silence is then the client's doing, not a
+        # stalled engine (which would fail the request and count against a
+        # healthy engine). The leg's limit is suspended (a leg started
+        # meanwhile starts held); meanwhile the client's send timeout and
+        # the request deadline apply. A leg held past its limit gets the
+        # whole limit again once the client catches up.
+        conn.stalled = stalled
+        req = None if conn.rid is None else self._requests.get(conn.rid)
+        leg = None if req is None else req.leg
+        if leg is None or leg.held == stalled:
+            return
+        if stalled:
+            leg.held = True
+        else:
+            self._unhold(leg)
+
+    def _unhold(self, leg: _Leg) -> None:
+        """The leg's time limit runs again; the whole limit, when it passed while held."""
+        leg.held = False
+        if leg.deadline <= self._now:
+            e = self.config.engine
+            if leg.streaming:
+                limit = e.stream_idle_timeout_s
+            else:
+                limit = e.prefill_timeout_s if leg.phase == PREFILL else e.decode_timeout_s
+            self._leg_deadline(leg, self._now + limit)
 
     def _read_timeout(self, conn: _Conn) -> None:
         # An idle keep-alive connection just closes; a half-sent request gets 408.
@@ -924,6 +963,8 @@ class Router:
             leg.orphan = True
             req.leg = None
             req.pending_releases += 1
+            if leg.held:
+                self._unhold(leg)  # its client is gone: nothing holds it back now
         self._stop(req)
         req.answered = True
         self._end(req, "cancelled", NarwhalError(
@@ -1129,6 +1170,8 @@ class Router:
             started=self._now, data=data, deadline=0.0,
         )
         self._leg_deadline(leg, self._now + timeout)
+        if req.conn is not None and req.conn.stalled:
+            leg.held = True  # its client is not reading (see _client_stalled)
         self._legs[bid] = leg
         req.leg = leg
         req.legs.append(leg)

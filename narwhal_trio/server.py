@@ -46,6 +46,7 @@ from narwhal_core import (
     ClientConnected,
     ClientData,
     ClientGone,
+    ClientStalled,
     CloseClient,
     Config,
     Event,
@@ -70,11 +71,13 @@ RUNTIME = "trio"
 
 
 class _Client:
-    __slots__ = ("sock", "out", "buffered", "writing", "close_after", "closed", "drained", "release")
+    __slots__ = ("handle", "sock", "out", "buffered", "writing", "close_after", "closed", "drained", "release")
 
     out: list[bytes | memoryview]
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, handle: int, sock: socket.socket) -> None:
+        #: The router's name for the connection.
+        self.handle = handle
         self.sock = sock
         #: Frees the connection's slot (``ingress.max_connections``) once; set by its task.
         self.release: Callable[[], None] | None = None
@@ -214,7 +217,11 @@ class Server:
                 if client.writing and client.buffered > HIGH_WATER:
                     if client.drained is None:
                         client.drained = trio.Event()
+                    # The leg this task reads waits for the client: its
+                    # engine's silence meanwhile is not the engine's fault.
+                    self._feed_now(ClientStalled(client.handle, True))
                     await client.drained.wait()
+                    self._feed_now(ClientStalled(client.handle, False))
 
     def _feed_now(self, event: Event) -> None:
         # For callers that must not block on a client socket (timer, cleanup).
@@ -426,7 +433,7 @@ class Server:
         handle = self._next_handle
         self._next_handle += 1
         sock = plain_socket(stream)
-        client = _Client(sock)
+        client = _Client(handle, sock)
         self._clients[handle] = client
 
         def release() -> None:

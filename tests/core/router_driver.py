@@ -41,6 +41,7 @@ from narwhal_core import (
     ClientConnected,
     ClientData,
     ClientGone,
+    ClientStalled,
     CloseClient,
     Command,
     Config,
@@ -594,6 +595,10 @@ class EngineLeg:
     #: Clock when the leg started, and when the fake engine last sent bytes.
     started_at: float = 0.0
     last_bytes_at: float | None = None
+    #: Its client is stalled (``ClientStalled``): the router must not time it out.
+    held: bool = False
+    #: When it was last released from a hold: its limit may run again from there.
+    held_until: float | None = None
 
     @property
     def stream(self) -> bool:
@@ -703,6 +708,8 @@ class Driver:
         self.finished: list[FinishLeg] = []
         self.shutdown_complete: list[int] = []
         self.problems: list[str] = []
+        #: Clients the adapter reported stalled (``ClientStalled``).
+        self.stalled: set[Hashable] = set()
         self._next_handle = 1
         self._checked = 0  # commands already checked incrementally
         self._terminal_at: dict[str, JournalEntry] = {}
@@ -717,11 +724,32 @@ class Driver:
 
     def feed(self, event: Event) -> None:
         """``receive`` one event at :attr:`now`, then drain the outputs."""
+        if isinstance(event, ClientStalled):
+            self._hold(event.conn, event.stalled)
+        elif isinstance(event, ClientGone) or (isinstance(event, ClientData) and not event.data):
+            self._hold(event.conn, False)
         self.step += 1
         try:
             self.router.receive(event, now=self.now)
         finally:
             self.drain()
+
+    def _hold(self, conn: Hashable, stalled: bool) -> None:
+        # The model of ClientStalled: the open legs of a stalled client (and
+        # those started while it is) have no time limit; released, each gets
+        # its whole limit again from then.
+        client = self.clients.get(conn)
+        if stalled:
+            if client is None or client.gone:
+                return
+            self.stalled.add(conn)
+        else:
+            self.stalled.discard(conn)
+        for leg in self.open_legs():
+            if leg.conn == conn and leg.held != stalled:
+                leg.held = stalled
+                if not stalled:
+                    leg.held_until = self.now
 
     def fire(self) -> None:
         """``handle_deadline`` at :attr:`now` if a deadline is due."""
@@ -833,6 +861,7 @@ class Driver:
             bid=cmd.leg, rid=rid, phase=phase, attempt=attempt, engine=cmd.engine, method=method,
             route=target, headers=headers, body=body, conn=cmd.conn, fresh_connection=cmd.fresh_connection,
             started_step=self.step, started_index=index, started_at=self.now,
+            held=cmd.conn is not None and cmd.conn in self.stalled,
         )
         self.legs[cmd.leg] = leg
         self.leg_history.append(leg)
@@ -1174,12 +1203,18 @@ class Driver:
         late = 1e-6
         e, a, i = self.config.engine, self.config.admission, self.config.ingress
         for leg in self.open_legs():
+            if leg.held:
+                continue  # its client is stalled: no limit runs
             if leg.phase == "prefill":
-                limit, what = leg.started_at + e.prefill_timeout_s, "prefill_timeout_s"
+                timeout, limit, what = e.prefill_timeout_s, leg.started_at + e.prefill_timeout_s, "prefill_timeout_s"
             elif leg.stream and leg.stream_sent and leg.last_bytes_at is not None:
-                limit, what = leg.last_bytes_at + e.stream_idle_timeout_s, "stream_idle_timeout_s since its last chunk"
+                timeout, what = e.stream_idle_timeout_s, "stream_idle_timeout_s since its last chunk"
+                limit = leg.last_bytes_at + timeout
             else:
-                limit, what = leg.started_at + e.decode_timeout_s, "decode_timeout_s"
+                timeout, limit, what = e.decode_timeout_s, leg.started_at + e.decode_timeout_s, "decode_timeout_s"
+            if leg.held_until is not None:
+                # At most the whole limit again from the end of its hold.
+                limit, what = max(limit, leg.held_until + timeout), what + " (after a hold)"
             if now > limit + late:
                 problems.append(f"{leg.bid} still open at {now:g}, past its {what} ({limit:g})")
         for rid, entries in self.by_rid.items():

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.internal.conjecture import engine as hypothesis_engine
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from narwhal_core import AuthenticatorChanged, JournalHealth, NarwhalError, TransitionError
+from narwhal_core import AuthenticatorChanged, ClientStalled, JournalHealth, NarwhalError, TransitionError
 from narwhal_core.auth import Authenticator
 
 from .router_driver import (
@@ -292,6 +292,20 @@ class RouterMachine(RuleBasedStateMachine):
         client: FakeClient = self.pick(clients, which)
         event(f"client {how}")
         self.run(client.leave if how == "gone" else client.eof)
+
+    @rule(which=st.integers(0, 63), stalled=st.booleans())
+    def client_stalls(self, which: int, stalled: bool) -> None:
+        # The adapter holds back the legs of a client that is not reading
+        # (or lets them go again); prefer one whose request has a leg open.
+        d = self.driver
+        clients = self.live_clients()
+        busy = {leg.conn for leg in d.open_legs()}
+        clients = [c for c in clients if c.handle in busy] or clients
+        if not clients:
+            return
+        client: FakeClient = self.pick(clients, which)
+        event(f"client stalled={stalled}")
+        self.run(lambda: d.feed(ClientStalled(client.handle, stalled)))
 
     # ---------------------------------------------------------------- legs
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from narwhal_core import CancelLeg, FinishLeg, ShutdownComplete, StartLeg, WriteJournal, journal
+from narwhal_core import CancelLeg, ClientStalled, FinishLeg, ShutdownComplete, StartLeg, WriteJournal, journal
 from narwhal_core.journal import ErrorRecord, KvRecord, LegRecord, TerminalRecord
 from narwhal_core.planning import PREFILL_KV_REQUEST
 
@@ -713,6 +713,91 @@ def test_stream_idle_timeout_after_first_bytes_ends_the_stream_with_one_error_ev
     assert (record["error"]["leg"], record["error"]["engine"]) == ("decode", decode.engine.url)
     assert record["legs"][-1]["outcome"] == "timeout"
     assert record["legs"][0]["kv"]["outcome"] == "pulled"
+    d.check_invariants(final=True)
+
+
+def test_a_stream_held_back_for_a_stalled_client_is_not_timed_out() -> None:
+    # The adapter stopped reading the engine because the client is not
+    # reading: the engine's silence is not a stalled stream. Its idle limit
+    # runs again, whole, once the client catches up.
+    d = Driver(engine={"stream_idle_timeout_s": 5.0}, health={"unhealthy_after": 1})
+    client = d.post(COMPLETIONS, completion_body(stream=True))
+    d.answer_prefill(d.leg("prefill").bid)
+    decode = d.leg("decode")
+    d.stream_next(decode.bid)
+    d.advance(1)
+    d.feed(ClientStalled(client.handle, True))
+    d.advance(60)  # twelve idle limits
+    assert decode.open and not client.last.complete
+    d.feed(ClientStalled(client.handle, False))
+    d.advance(4.5)  # the limit runs from the catching up
+    assert decode.open
+    d.stream_next(decode.bid)
+    d.stream_rest(decode.bid)
+    record = d.terminal(decode.rid)
+    assert (record["terminal"], record["status"], record["error"]) == ("completed", 200, None)
+    assert [leg["outcome"] for leg in record["legs"]] == ["ok", "ok"]
+    assert all(d.router.statistics().engine_healthy.values())
+    d.check_invariants(final=True)
+
+
+def test_a_stream_whose_client_caught_up_times_out_when_the_engine_is_silent() -> None:
+    d = Driver(engine={"stream_idle_timeout_s": 5.0})
+    client = d.post(COMPLETIONS, completion_body(stream=True))
+    d.answer_prefill(d.leg("prefill").bid)
+    decode = d.leg("decode")
+    d.stream_next(decode.bid)
+    d.feed(ClientStalled(client.handle, True))
+    d.advance(10)
+    d.feed(ClientStalled(client.handle, False))
+    d.advance(5.5)
+    assert decode.state == "cancelled"
+    record = d.terminal(decode.rid)
+    assert (record["terminal"], record["error"]["code"]) == ("failed", "stream_idle_timeout")
+    assert record["legs"][-1]["outcome"] == "timeout"
+    d.check_invariants(final=True)
+
+
+def test_a_leg_started_for_a_stalled_client_waits_for_it() -> None:
+    # A request the client pipelined behind an answer it is not reading: its
+    # legs start held (the adapter does not read them), and get their whole
+    # limit once the client catches up.
+    d = Driver(engine={"prefill_timeout_s": 5.0}, retry={"max_attempts": 1})
+    client = d.post(COMPLETIONS, completion_body())
+    d.feed(ClientStalled(client.handle, True))
+    prefill = d.leg("prefill")
+    d.advance(30)
+    assert prefill.open
+    d.feed(ClientStalled(client.handle, False))
+    d.advance(4.5)
+    assert prefill.open
+    d.advance(1)  # the whole limit since the client caught up, and the engine still silent
+    assert prefill.state == "cancelled"
+    record = d.terminal(prefill.rid)
+    assert record["terminal"] == "failed"
+    assert [leg["outcome"] for leg in record["legs"]] == ["timeout"]
+    d.check_invariants(final=True)
+
+
+def test_a_prefill_leg_left_running_after_its_stalled_client_left_gets_its_limit_back() -> None:
+    # The client stalls, its prefill answer starts to arrive, then the client
+    # leaves: the leg is read on (to release the KV it names), so nothing
+    # holds it back any more and its limit runs again, whole.
+    d = Driver(engine={"prefill_timeout_s": 5.0, "kv_release": "abort_endpoint"})
+    client = d.post(COMPLETIONS, completion_body())
+    prefill = d.leg("prefill")
+    d.feed(ClientStalled(client.handle, True))
+    d.advance(10)
+    d.send_leg(prefill.bid, b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 900\r\n\r\n{")
+    client.leave()
+    assert prefill.open  # read on, for the KV its answer names
+    d.advance(4.5)
+    assert prefill.open
+    d.advance(1)
+    assert prefill.state == "cancelled"
+    record = d.terminal(prefill.rid)
+    assert record["terminal"] == "cancelled"
+    assert [leg["outcome"] for leg in record["legs"]] == ["timeout"]
     d.check_invariants(final=True)
 
 

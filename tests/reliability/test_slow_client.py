@@ -128,6 +128,27 @@ def written_settles(engine: StreamingEngine, *, quiet: float = 0.5, timeout: flo
     raise AssertionError(f"the engine kept writing for {timeout} s ({last} bytes)")
 
 
+def start_slow_reader(router: RouterThread) -> RawClient:
+    """A client that asks for a stream and reads nothing until told."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}],
+                       "stream": True, "max_tokens": 16}).encode()
+    assert router.address is not None
+    client = RawClient(router.address, timeout=WAIT, receive_buffer=16384)
+    client.send(request_bytes("POST", "/v1/chat/completions", body, headers=[("content-type", "application/json")]))
+    return client
+
+
+def read_to_the_end(client: RawClient) -> tuple[bytes, bytes]:
+    """The response head and its (chunked) stream, read to the terminating chunk."""
+    received = bytearray()
+    while not received.endswith(b"\r\n0\r\n\r\n"):
+        data = client.sock.recv(1 << 20)
+        assert data, f"the router closed the stream after {len(received)} bytes"
+        received += data
+    head, _, stream = bytes(received).partition(b"\r\n\r\n")
+    return head, stream
+
+
 def test_a_slow_reader_holds_its_engine_back_and_still_gets_the_whole_stream(
     start_router: Callable[..., RouterThread], fleet: Fleet, streaming_engine: StreamingEngine, journal_path: Any
 ) -> None:
@@ -135,29 +156,18 @@ def test_a_slow_reader_holds_its_engine_back_and_still_gets_the_whole_stream(
         fleet_=Fleet(prefill=fleet.prefill, decode=[streaming_engine]),
         engine={"max_response_bytes": 2 * TOTAL_BYTES},
     )
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}],
-                       "stream": True, "max_tokens": 16}).encode()
-    assert router.address is not None
-    client = RawClient(router.address, timeout=WAIT, receive_buffer=16384)
+    client = start_slow_reader(router)
     try:
-        client.send(request_bytes("POST", "/v1/chat/completions", body,
-                                  headers=[("content-type", "application/json")]))
         # The client reads nothing: the engine must stall well before the end
         # of its stream (kernel buffers on both sockets plus the router's
         # high-water mark hold a few tens of MiB at most on loopback).
         held = written_settles(streaming_engine)
         assert not streaming_engine.finished.is_set()
         assert held < TOTAL_BYTES // 2, f"the router read {held} bytes of the engine's stream for a client that reads nothing"
-
         # Now the client reads: the whole stream arrives, in order, and ends properly.
-        received = bytearray()
-        while not received.endswith(b"\r\n0\r\n\r\n"):
-            data = client.sock.recv(1 << 20)
-            assert data, f"the router closed the stream after {len(received)} bytes"
-            received += data
+        head, stream = read_to_the_end(client)
     finally:
         client.close()
-    head, _, stream = bytes(received).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 "), head[:200]
     assert streaming_engine.finished.is_set()
     # Every event the engine wrote, then [DONE]: nothing lost or dropped while held back.
@@ -168,3 +178,39 @@ def test_a_slow_reader_holds_its_engine_back_and_still_gets_the_whole_stream(
                if line.lower().startswith(b"x-request-id:"))
     record = terminal_of(journal_path, rid)
     assert (record["terminal"], record["status"]) == ("completed", 200)
+
+
+def test_a_slow_reader_is_not_the_engines_fault(
+    start_router: Callable[..., RouterThread], fleet: Fleet, streaming_engine: StreamingEngine, journal_path: Any
+) -> None:
+    # While the router holds the engine back for a client that is not
+    # reading, the engine sends nothing, and that is not the engine's idle
+    # stream: the client's own limit (ingress.send_timeout_s) governs it.
+    # Were the engine blamed, a slow client would end its own stream with a
+    # 504 "stream_idle_timeout" event and count as a failure against a
+    # healthy engine.
+    idle_s = 0.5
+    router = start_router(
+        fleet_=Fleet(prefill=fleet.prefill, decode=[streaming_engine]),
+        engine={"max_response_bytes": 2 * TOTAL_BYTES, "stream_idle_timeout_s": idle_s},
+        ingress={"send_timeout_s": 30.0},
+        health={"unhealthy_after": 1},
+    )
+    client = start_slow_reader(router)
+    try:
+        written_settles(streaming_engine)  # held back...
+        time.sleep(4 * idle_s)  # ...for well over the engine's idle limit
+        head, stream = read_to_the_end(client)
+    finally:
+        client.close()
+    assert head.startswith(b"HTTP/1.1 200 "), head[:200]
+    assert b'"error"' not in stream[-4096:], stream[-4096:]
+    assert stream.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert stream.count(b"data: ") == streaming_engine.events + 1
+    rid = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+               if line.lower().startswith(b"x-request-id:"))
+    record = terminal_of(journal_path, rid)
+    assert (record["terminal"], record["status"], record["error"]) == ("completed", 200, None)
+    assert [leg["outcome"] for leg in record["legs"]] == ["ok", "ok"]
+    # One failure would have taken the engine out of rotation (health.unhealthy_after = 1).
+    assert all(router.statistics().engine_healthy.values()), router.statistics().engine_healthy
