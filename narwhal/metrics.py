@@ -91,5 +91,5 @@ class _RouterCollector:
 def render(router: Router) -> bytes:
     """The Prometheus text exposition of ``router``'s metrics."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_RouterCollector(router))  # type: ignore[arg-type]
+    registry.register(_RouterCollector(router))
     return generate_latest(registry)
