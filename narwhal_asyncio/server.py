@@ -177,10 +177,11 @@ class _Client(asyncio.Protocol):
         self._tell_stalled(False)
 
     def _tell_stalled(self, stalled: bool) -> None:
-        # The legs this client's stream comes from wait for it: their
-        # engines' silence meanwhile is not their fault. (Fed from the loop,
-        # not from inside the transport write that called us.)
-        if self.relays and not self.closed:
+        # The legs relaying to this client wait for it (and those started
+        # meanwhile start paused, see Engines._attach): their engines'
+        # silence is not their fault. (Fed from the loop, not from inside
+        # the transport write that called us.)
+        if not self.closed:
             asyncio.get_running_loop().call_soon(self.server.feed, ClientStalled(self, stalled))
 
 
