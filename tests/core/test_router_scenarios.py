@@ -689,12 +689,18 @@ def test_prefill_leg_timeout_is_retried_then_504_engine_timeout() -> None:
     d.check_invariants(final=True)
 
 
-def test_stream_idle_timeout_after_first_bytes_ends_the_stream_with_one_error_event() -> None:
-    d = Driver(engine={"stream_idle_timeout_s": 5.0})
+def _stream_begun(**sections: Any) -> tuple[Driver, Any, Any]:
+    """A streamed completion whose decode leg has sent its head and first event."""
+    d = Driver(**sections)
     client = d.post(COMPLETIONS, completion_body(stream=True))
     d.answer_prefill(d.leg("prefill").bid)
     decode = d.leg("decode")
     d.stream_next(decode.bid)
+    return d, client, decode
+
+
+def test_stream_idle_timeout_after_first_bytes_ends_the_stream_with_one_error_event() -> None:
+    d, client, decode = _stream_begun(engine={"stream_idle_timeout_s": 5.0})
     d.advance(4)
     d.stream_next(decode.bid)
     d.advance(4)  # 4 s since the last chunk: still fine
@@ -720,11 +726,7 @@ def test_a_stream_held_back_for_a_stalled_client_is_not_timed_out() -> None:
     # The adapter stopped reading the engine because the client is not
     # reading: the engine's silence is not a stalled stream. Its idle limit
     # runs again, whole, once the client catches up.
-    d = Driver(engine={"stream_idle_timeout_s": 5.0}, health={"unhealthy_after": 1})
-    client = d.post(COMPLETIONS, completion_body(stream=True))
-    d.answer_prefill(d.leg("prefill").bid)
-    decode = d.leg("decode")
-    d.stream_next(decode.bid)
+    d, client, decode = _stream_begun(engine={"stream_idle_timeout_s": 5.0}, health={"unhealthy_after": 1})
     d.advance(1)
     d.feed(ClientStalled(client.handle, True))
     d.advance(60)  # twelve idle limits
@@ -742,11 +744,7 @@ def test_a_stream_held_back_for_a_stalled_client_is_not_timed_out() -> None:
 
 
 def test_a_stream_whose_client_caught_up_times_out_when_the_engine_is_silent() -> None:
-    d = Driver(engine={"stream_idle_timeout_s": 5.0})
-    client = d.post(COMPLETIONS, completion_body(stream=True))
-    d.answer_prefill(d.leg("prefill").bid)
-    decode = d.leg("decode")
-    d.stream_next(decode.bid)
+    d, client, decode = _stream_begun(engine={"stream_idle_timeout_s": 5.0})
     d.feed(ClientStalled(client.handle, True))
     d.advance(10)
     d.feed(ClientStalled(client.handle, False))
