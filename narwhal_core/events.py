@@ -70,10 +70,12 @@ class ClientStalled:
     """The client is not taking its bytes, so the adapter stopped reading the engine leg that feeds it
     (``stalled=True``), or it caught up and the leg is read again (``stalled=False``).
 
-    While a client is stalled its stream's engine sends nothing because the
-    adapter holds it back: the engine's idle limit
-    (``engine.stream_idle_timeout_s``) is suspended; the client's own
-    (``ingress.send_timeout_s``, the adapter's) and the request deadline apply.
+    While a client is stalled its engine sends nothing because the adapter
+    holds it back, so the time limits of its request's legs
+    (``engine.stream_idle_timeout_s``, the prefill and decode timeouts) are
+    suspended, for legs started meanwhile too; the client's own limit
+    (``ingress.send_timeout_s``, the adapter's) and the request deadline
+    apply.
     """
 
     #: The client connection.
