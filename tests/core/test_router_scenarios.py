@@ -760,20 +760,25 @@ def test_a_leg_started_for_a_stalled_client_waits_for_it() -> None:
     # A request the client pipelined behind an answer it is not reading: its
     # legs start held (the adapter does not read them), and get their whole
     # limit once the client catches up.
-    d = Driver(engine={"prefill_timeout_s": 5.0}, retry={"max_attempts": 1})
+    d = Driver(engine={"prefill_timeout_s": 5.0, "decode_timeout_s": 5.0, "kv_release": "lease"},
+               retry={"max_attempts": 1})
     client = d.post(COMPLETIONS, completion_body())
-    d.feed(ClientStalled(client.handle, True))
     prefill = d.leg("prefill")
+    d.feed(ClientStalled(client.handle, True))
     d.advance(30)
-    assert prefill.open
+    assert prefill.open  # held since before its limit
+    d.answer_prefill(prefill.bid)
+    decode = d.leg("decode")  # started while its client is stalled
+    d.advance(30)
+    assert decode.open
     d.feed(ClientStalled(client.handle, False))
     d.advance(4.5)
-    assert prefill.open
+    assert decode.open
     d.advance(1)  # the whole limit since the client caught up, and the engine still silent
-    assert prefill.state == "cancelled"
-    record = d.terminal(prefill.rid)
+    assert decode.state == "cancelled"
+    record = d.terminal(decode.rid)
     assert record["terminal"] == "failed"
-    assert [leg["outcome"] for leg in record["legs"]] == ["timeout"]
+    assert [leg["outcome"] for leg in record["legs"]] == ["ok", "timeout"]
     d.check_invariants(final=True)
 
 

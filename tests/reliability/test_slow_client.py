@@ -33,7 +33,10 @@ EVENT_CONTENT = 32 * 1024
 
 
 class StreamingEngine:
-    """A decode engine that streams ``TOTAL_BYTES`` of SSE as fast as its socket takes them."""
+    """A decode engine that streams ``TOTAL_BYTES`` of SSE as fast as its socket takes them.
+
+    A request without ``stream`` gets a whole answer of ``max_tokens`` KiB at once.
+    """
 
     def __init__(self) -> None:
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -76,14 +79,30 @@ class StreamingEngine:
                         length = int(value)
                 while len(buf) < length:
                     buf += conn.recv(65536)
-                buf = buf[length:]
+                body, buf = buf[:length], buf[length:]
                 if lines[0].startswith(b"GET "):  # the router's health probes
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    continue
+                request = json.loads(body)
+                if not request.get("stream"):
+                    self._whole(conn, request)
                     continue
                 self._stream(conn)
                 return
         except OSError:
             return
+
+    def _whole(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        # A chat answer of max_tokens KiB of text, at once.
+        tokens = int(request.get("max_tokens") or 1)
+        answer = json.dumps({
+            "id": "chatcmpl-whole", "object": "chat.completion", "created": 0, "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "y" * (1024 * tokens)},
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens},
+        }).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(answer), answer))
 
     def _stream(self, conn: socket.socket) -> None:
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -213,4 +232,48 @@ def test_a_slow_reader_is_not_the_engines_fault(
     assert (record["terminal"], record["status"], record["error"]) == ("completed", 200, None)
     assert [leg["outcome"] for leg in record["legs"]] == ["ok", "ok"]
     # One failure would have taken the engine out of rotation (health.unhealthy_after = 1).
+    assert all(router.statistics().engine_healthy.values()), router.statistics().engine_healthy
+
+
+def test_a_request_pipelined_behind_an_unread_answer_waits_for_its_client(
+    start_router: Callable[..., RouterThread], fleet: Fleet, streaming_engine: StreamingEngine, journal_path: Any
+) -> None:
+    # The client pipelines a second request behind a 16 MiB answer it does
+    # not read: the second request starts as that answer goes out, and its
+    # legs are held back with the client (asyncio stops reading them until
+    # it catches up). Their engines' silence is not theirs: no timeout, no
+    # failure charged; both answers arrive once the client reads. (Without
+    # the hold, asyncio times the second prefill leg out and takes its
+    # engine out of rotation.)
+    limit_s = 0.5
+    router = start_router(
+        fleet_=Fleet(prefill=fleet.prefill, decode=[streaming_engine]),
+        engine={"max_response_bytes": 2 * TOTAL_BYTES, "prefill_timeout_s": limit_s, "decode_timeout_s": limit_s},
+        ingress={"send_timeout_s": 30.0},
+        retry={"max_attempts": 1},
+        health={"unhealthy_after": 1},
+    )
+    assert router.address is not None
+    client = RawClient(router.address, timeout=WAIT, receive_buffer=16384)
+
+    def chat(max_tokens: int) -> bytes:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": max_tokens}).encode()
+        return request_bytes("POST", "/v1/chat/completions", body, headers=[("content-type", "application/json")])
+
+    try:
+        client.send(chat(16 * 1024) + chat(4))
+        time.sleep(8 * limit_s)  # the client reads nothing for a while
+        first, second = client.read_response(), client.read_response()
+    finally:
+        client.close()
+    assert (first.status, second.status) == (200, 200), (first.status, second.body[:300])
+    assert len(first.json()["choices"][0]["message"]["content"]) == 16 * 1024 * 1024
+    assert second.json()["choices"][0]["message"]["content"] == "y" * 4096
+    for response in (first, second):
+        rid = response.header("x-request-id")
+        assert rid is not None
+        record = terminal_of(journal_path, rid)
+        assert (record["terminal"], record["status"]) == ("completed", 200)
+        assert [leg["outcome"] for leg in record["legs"]] == ["ok", "ok"]
     assert all(router.statistics().engine_healthy.values()), router.statistics().engine_healthy
