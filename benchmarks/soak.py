@@ -286,6 +286,31 @@ def journal_report(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def kv_accounting(journal: dict[str, int], sims: list[dict[str, Any]]) -> dict[str, Any]:
+    """The journal's KV outcomes against the engines' own counts.
+
+    Every block the journal names was held by an engine, and a block it
+    does not name must have expired there (the documented race: a client
+    leaves while the prefill answer is in flight), or still be held. The
+    journal may say ``released`` for a block its engine counts ``pulled``
+    (the other documented window: a decode engine pulled, then its leg
+    failed before its head; the release is a no-op), never the reverse.
+    """
+    journal_total = sum(journal.values())
+    pulled = sum(s["kv_pulled"] for s in sims)
+    ended = pulled + sum(s["kv_released"] + s["kv_expired"] + s["kv_held"] for s in sims)
+    unnamed = ended - journal_total
+    pulled_journalled_released = pulled - journal.get("pulled", 0)
+    return {
+        "kv_not_in_journal": unnamed,
+        "kv_pulled_journalled_released": pulled_journalled_released,
+        "kv_accounted": (
+            0 <= unnamed <= sum(s["kv_expired"] + s["kv_held"] for s in sims)
+            and pulled_journalled_released >= 0
+        ),
+    }
+
+
 def wait_idle(url: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -383,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_held_at_end": sum(s["kv_held"] for s in sims),
             "kv_released_on_engines": sum(s["kv_released"] for s in sims),
             "kv_pulled_on_engines": sum(s["kv_pulled"] for s in sims),
+            **kv_accounting(report["journal_kv_outcomes"], sims),
             "engine_faults": {
                 k: sum(s.get(k, 0) for s in [p.stats() for p in prefill + decode])
                 for k in ("faults_error", "faults_drop", "faults_stall", "faults_drop_after_chunks",
@@ -404,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report))
         else:
             print(json.dumps(report, indent=2))
-        ok = report["terminal_equals_sent"] and report["memory_flat"] and exit_code == 0
+        ok = report["terminal_equals_sent"] and report["memory_flat"] and report["kv_accounted"] and exit_code == 0
         return 0 if ok else 1
     finally:
         if router is not None and router.proc.poll() is None:
