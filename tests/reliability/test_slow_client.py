@@ -147,14 +147,46 @@ def written_settles(engine: StreamingEngine, *, quiet: float = 0.5, timeout: flo
     raise AssertionError(f"the engine kept writing for {timeout} s ({last} bytes)")
 
 
+def start_behind(start_router: Callable[..., RouterThread], fleet: Fleet, decode: StreamingEngine,
+                 **sections: Any) -> RouterThread:
+    """A router whose decode engine is ``decode``; ``sections`` override the config (``engine`` merged)."""
+    return start_router(
+        fleet_=Fleet(prefill=fleet.prefill, decode=[decode]),
+        **{**sections, "engine": {"max_response_bytes": 2 * TOTAL_BYTES, **sections.get("engine", {})}},
+    )
+
+
+def chat_request(max_tokens: int, *, stream: bool = False) -> bytes:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}],
+                       "stream": stream, "max_tokens": max_tokens}).encode()
+    return request_bytes("POST", "/v1/chat/completions", body, headers=[("content-type", "application/json")])
+
+
+def slow_client(router: RouterThread) -> RawClient:
+    """A client with a small receive buffer, that reads only when told."""
+    assert router.address is not None
+    return RawClient(router.address, timeout=WAIT, receive_buffer=16384)
+
+
 def start_slow_reader(router: RouterThread) -> RawClient:
     """A client that asks for a stream and reads nothing until told."""
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}],
-                       "stream": True, "max_tokens": 16}).encode()
-    assert router.address is not None
-    client = RawClient(router.address, timeout=WAIT, receive_buffer=16384)
-    client.send(request_bytes("POST", "/v1/chat/completions", body, headers=[("content-type", "application/json")]))
+    client = slow_client(router)
+    client.send(chat_request(16, stream=True))
     return client
+
+
+def rid_of_head(head: bytes) -> str:
+    return next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+                if line.lower().startswith(b"x-request-id:"))
+
+
+def assert_whole_stream(engine: StreamingEngine, head: bytes, stream: bytes) -> None:
+    """Every event the engine wrote, then [DONE] and the chunked end: nothing lost while held back."""
+    assert head.startswith(b"HTTP/1.1 200 "), head[:200]
+    assert engine.finished.is_set()
+    assert stream.count(b"data: ") == engine.events + 1
+    assert stream.count(b"x" * EVENT_CONTENT) == engine.events
+    assert stream.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
 
 
 def read_to_the_end(client: RawClient) -> tuple[bytes, bytes]:
@@ -171,10 +203,7 @@ def read_to_the_end(client: RawClient) -> tuple[bytes, bytes]:
 def test_a_slow_reader_holds_its_engine_back_and_still_gets_the_whole_stream(
     start_router: Callable[..., RouterThread], fleet: Fleet, streaming_engine: StreamingEngine, journal_path: Any
 ) -> None:
-    router = start_router(
-        fleet_=Fleet(prefill=fleet.prefill, decode=[streaming_engine]),
-        engine={"max_response_bytes": 2 * TOTAL_BYTES},
-    )
+    router = start_behind(start_router, fleet, streaming_engine)
     client = start_slow_reader(router)
     try:
         # The client reads nothing: the engine must stall well before the end
@@ -187,15 +216,8 @@ def test_a_slow_reader_holds_its_engine_back_and_still_gets_the_whole_stream(
         head, stream = read_to_the_end(client)
     finally:
         client.close()
-    assert head.startswith(b"HTTP/1.1 200 "), head[:200]
-    assert streaming_engine.finished.is_set()
-    # Every event the engine wrote, then [DONE]: nothing lost or dropped while held back.
-    assert stream.count(b"data: ") == streaming_engine.events + 1
-    assert stream.count(b"x" * EVENT_CONTENT) == streaming_engine.events
-    assert stream.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
-    rid = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
-               if line.lower().startswith(b"x-request-id:"))
-    record = terminal_of(journal_path, rid)
+    assert_whole_stream(streaming_engine, head, stream)
+    record = terminal_of(journal_path, rid_of_head(head))
     assert (record["terminal"], record["status"]) == ("completed", 200)
 
 
@@ -206,15 +228,11 @@ def test_a_slow_reader_is_not_the_engines_fault(
     # reading, the engine sends nothing, and that is not the engine's idle
     # stream: the client's own limit (ingress.send_timeout_s) governs it.
     # Were the engine blamed, a slow client would end its own stream with a
-    # 504 "stream_idle_timeout" event and count as a failure against a
+    # "stream_idle_timeout" error event and count as a failure against a
     # healthy engine.
     idle_s = 0.5
-    router = start_router(
-        fleet_=Fleet(prefill=fleet.prefill, decode=[streaming_engine]),
-        engine={"max_response_bytes": 2 * TOTAL_BYTES, "stream_idle_timeout_s": idle_s},
-        ingress={"send_timeout_s": 30.0},
-        health={"unhealthy_after": 1},
-    )
+    router = start_behind(start_router, fleet, streaming_engine, engine={"stream_idle_timeout_s": idle_s},
+                          ingress={"send_timeout_s": 30.0}, health={"unhealthy_after": 1})
     client = start_slow_reader(router)
     try:
         written_settles(streaming_engine)  # held back...
@@ -222,13 +240,9 @@ def test_a_slow_reader_is_not_the_engines_fault(
         head, stream = read_to_the_end(client)
     finally:
         client.close()
-    assert head.startswith(b"HTTP/1.1 200 "), head[:200]
     assert b'"error"' not in stream[-4096:], stream[-4096:]
-    assert stream.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
-    assert stream.count(b"data: ") == streaming_engine.events + 1
-    rid = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
-               if line.lower().startswith(b"x-request-id:"))
-    record = terminal_of(journal_path, rid)
+    assert_whole_stream(streaming_engine, head, stream)
+    record = terminal_of(journal_path, rid_of_head(head))
     assert (record["terminal"], record["status"], record["error"]) == ("completed", 200, None)
     assert [leg["outcome"] for leg in record["legs"]] == ["ok", "ok"]
     # One failure would have taken the engine out of rotation (health.unhealthy_after = 1).
@@ -246,23 +260,12 @@ def test_a_request_pipelined_behind_an_unread_answer_waits_for_its_client(
     # the hold, asyncio times the second prefill leg out and takes its
     # engine out of rotation.)
     limit_s = 0.5
-    router = start_router(
-        fleet_=Fleet(prefill=fleet.prefill, decode=[streaming_engine]),
-        engine={"max_response_bytes": 2 * TOTAL_BYTES, "prefill_timeout_s": limit_s, "decode_timeout_s": limit_s},
-        ingress={"send_timeout_s": 30.0},
-        retry={"max_attempts": 1},
-        health={"unhealthy_after": 1},
-    )
-    assert router.address is not None
-    client = RawClient(router.address, timeout=WAIT, receive_buffer=16384)
-
-    def chat(max_tokens: int) -> bytes:
-        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                           "max_tokens": max_tokens}).encode()
-        return request_bytes("POST", "/v1/chat/completions", body, headers=[("content-type", "application/json")])
-
+    router = start_behind(start_router, fleet, streaming_engine,
+                          engine={"prefill_timeout_s": limit_s, "decode_timeout_s": limit_s},
+                          ingress={"send_timeout_s": 30.0}, retry={"max_attempts": 1}, health={"unhealthy_after": 1})
+    client = slow_client(router)
     try:
-        client.send(chat(16 * 1024) + chat(4))
+        client.send(chat_request(16 * 1024) + chat_request(4))
         time.sleep(8 * limit_s)  # the client reads nothing for a while
         first, second = client.read_response(), client.read_response()
     finally:
