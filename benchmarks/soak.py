@@ -47,6 +47,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from narwhal_core.router import NOTHING_HELD  # noqa: E402
 from narwhal_sim.testing import SimProcess  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -274,19 +275,22 @@ def journal_report(records: list[dict[str, Any]]) -> dict[str, Any]:
             terminals[rid] = record
     unfinished = {r["rid"] for r in records} - set(terminals)
     kinds = collections.Counter(r["terminal"] for r in terminals.values())
-    kv = collections.Counter(
-        leg["kv"]["outcome"] for r in terminals.values() for leg in r["legs"] if leg.get("kv")
-    )
+    kvs = [leg["kv"] for r in terminals.values() for leg in r["legs"] if leg.get("kv")]
+    kv = collections.Counter(k["outcome"] for k in kvs)
     return {
         "terminal_records": len(terminals),
         "terminal_by_kind": dict(sorted(kinds.items())),
         "journal_kv_outcomes": dict(sorted(kv.items())),
+        # Releases the abort endpoint answered with "held nothing".
+        "journal_kv_nothing_held": sum(k["error"] == NOTHING_HELD for k in kvs),
         "rids_without_terminal": len(unfinished),
         "records_after_terminal": problems,
     }
 
 
-def kv_accounting(journal: dict[str, int], sims: list[dict[str, Any]]) -> dict[str, Any]:
+def kv_accounting(
+    journal: dict[str, int], sims: list[dict[str, Any]], nothing_held: int, told: bool
+) -> dict[str, Any]:
     """The journal's KV outcomes against the engines' own counts.
 
     Every block the journal names was held by an engine, and a block it
@@ -295,6 +299,9 @@ def kv_accounting(journal: dict[str, int], sims: list[dict[str, Any]]) -> dict[s
     journal may say ``released`` for a block its engine counts ``pulled``
     (the other documented window: a decode engine pulled, then its leg
     failed before its head; the release is a no-op), never the reverse.
+    When the engines ``told`` (``abort_endpoint``: their answer says whether
+    they held anything), each such block's record must say the engine held
+    nothing (``nothing_held`` of them), and only pulled or expired blocks may.
     """
     journal_total = sum(journal.values())
     pulled = sum(s["kv_pulled"] for s in sims)
@@ -307,6 +314,8 @@ def kv_accounting(journal: dict[str, int], sims: list[dict[str, Any]]) -> dict[s
         "kv_accounted": (
             0 <= unnamed <= sum(s["kv_expired"] + s["kv_held"] for s in sims)
             and pulled_journalled_released >= 0
+            and (not told or pulled_journalled_released <= nothing_held
+                 <= pulled_journalled_released + sum(s["kv_expired"] for s in sims))
         ),
     }
 
@@ -408,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             "kv_held_at_end": sum(s["kv_held"] for s in sims),
             "kv_released_on_engines": sum(s["kv_released"] for s in sims),
             "kv_pulled_on_engines": sum(s["kv_pulled"] for s in sims),
-            **kv_accounting(report["journal_kv_outcomes"], sims),
+            **kv_accounting(report["journal_kv_outcomes"], sims, report["journal_kv_nothing_held"],
+                            args.kv_release == "abort_endpoint"),
             "engine_faults": {
                 k: sum(s.get(k, 0) for s in [p.stats() for p in prefill + decode])
                 for k in ("faults_error", "faults_drop", "faults_stall", "faults_drop_after_chunks",

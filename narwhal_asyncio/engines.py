@@ -23,7 +23,16 @@ from typing import Any
 
 import httpx
 
-from narwhal_core import ControlDone, Event, LegData, LegFailed, StartControl, StartLeg, local_failure
+from narwhal_core import (
+    CONTROL_BODY_LIMIT,
+    ControlDone,
+    Event,
+    LegData,
+    LegFailed,
+    StartControl,
+    StartLeg,
+    local_failure,
+)
 
 __all__ = ["Engines"]
 
@@ -291,6 +300,7 @@ class Engines:
         status: int | None = None
         error: str | None = None
         local = False
+        body = b""
         try:
             async with asyncio.timeout(cmd.timeout):
                 if cmd.drop_after_send:
@@ -304,11 +314,16 @@ class Engines:
                 else:
                     if self._http is None:
                         self._http = httpx.AsyncClient(trust_env=False)
-                    response = await self._http.request(
+                    async with self._http.stream(
                         cmd.method, cmd.engine.url + cmd.target,
                         headers=list(cmd.headers), content=cmd.body, timeout=cmd.timeout,
-                    )
-                    status = response.status_code
+                    ) as response:
+                        status = response.status_code
+                        async for chunk in response.aiter_raw():
+                            body += chunk
+                            if len(body) >= CONTROL_BODY_LIMIT:
+                                break  # enough to know what the engine said
+                    body = body[:CONTROL_BODY_LIMIT]
         except (TimeoutError, httpx.TimeoutException):
             error = "timeout"
         except (OSError, httpx.HTTPError) as exc:
@@ -317,4 +332,4 @@ class Engines:
         except BaseException:
             self._feed(ControlDone(cmd.key, None, "cancelled"))
             raise
-        self._feed(ControlDone(cmd.key, status, error, local))
+        self._feed(ControlDone(cmd.key, status, error, local, body))

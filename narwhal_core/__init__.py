@@ -22,6 +22,7 @@ from .errors import (
     TransitionError,
 )
 from .events import (
+    CONTROL_BODY_LIMIT,
     AuthenticatorChanged,
     CancelLeg,
     ClientConnected,
@@ -51,7 +52,7 @@ from .ids import RidSource, backend_id, parse_backend_id
 from .router import Router, RouterStatistics
 
 __all__ = [
-    "AcceptedRequest", "ApiKeys", "AuthError", "Authenticator", "AuthenticatorChanged",
+    "CONTROL_BODY_LIMIT", "AcceptedRequest", "ApiKeys", "AuthError", "Authenticator", "AuthenticatorChanged",
     "CancelLeg", "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "CloseClient", "Codec",
     "Command", "Config", "ConfigError", "ContractError", "ControlDone", "EngineAddress",
     "Event", "FAST_CODEC", "FinishLeg", "H11_CODEC", "JournalHealth", "LegData", "LegFailed",

@@ -25,7 +25,7 @@ from .config import EngineAddress
 
 __all__ = [
     "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "LegData", "LegFailed",
-    "ControlDone", "ShutdownRequested", "AuthenticatorChanged", "JournalHealth",
+    "ControlDone", "CONTROL_BODY_LIMIT", "ShutdownRequested", "AuthenticatorChanged", "JournalHealth",
     "Event",
     "Transmit", "CloseClient", "StartLeg", "CancelLeg", "FinishLeg",
     "StartControl", "WriteJournal", "Log", "ShutdownComplete", "Command",
@@ -155,6 +155,14 @@ class ControlDone:
     #: It failed for want of local resources (:func:`local_failure`): no
     #: verdict on the engine's health.
     local: bool = False
+    #: The start of the engine's answer body: at most
+    #: :data:`CONTROL_BODY_LIMIT` bytes (adapters stop reading there).
+    body: bytes = b""
+
+
+#: How much of a control answer's body an adapter reads and passes on in
+#: :class:`ControlDone` (an abort endpoint's answer is a few dozen bytes).
+CONTROL_BODY_LIMIT: Final = 4096
 
 
 @attrs.frozen

@@ -26,6 +26,7 @@ __all__ = [
     "check_prefill_answer",
     "normalise_answer",
     "engine_error",
+    "release_found_nothing",
     "SseRelay",
 ]
 
@@ -229,6 +230,22 @@ def engine_error(status: int, body: bytes) -> NarwhalError:
     if message is None:
         message = f"The engine refused the request with status {status}."
     return NarwhalError(message, status=status, type=etype, param=param, code=code)
+
+
+def release_found_nothing(body: bytes) -> bool:
+    """An abort endpoint's answer says the engine held no KV for the owner.
+
+    The engine simulator (and any engine following its convention) answers
+    ``{"request_id": ..., "released": false, ...}`` when the blocks were
+    already gone: pulled by a decode engine (one whose leg then failed) or
+    freed by the lease. Any other answer -- no body, not JSON, no
+    ``released`` field -- says nothing either way.
+    """
+    try:
+        answer = wire.loads(body)
+    except wire.JsonError:
+        return False
+    return isinstance(answer, dict) and answer.get("released") is False
 
 
 @attrs.define

@@ -77,6 +77,7 @@ from .planning import (
     engine_error,
     normalise_answer,
     prefill_body,
+    release_found_nothing,
 )
 from .stats import Stats
 
@@ -93,6 +94,8 @@ _GET_ROUTES: Final = frozenset({"/v1/models", "/health", "/ready", "/metrics"})
 _CLIENT_GONE_STATUS: Final = 499
 _MIN_COMPACT: Final = 4096
 _REDACTED: Final = b"[redacted]"
+#: A KV record's ``error`` when the abort endpoint found nothing to free.
+NOTHING_HELD: Final = "the engine held no KV for this owner: pulled by a decode engine, or its lease expired"
 
 # Why a leg failed -> (status, code) once retries are exhausted, per phase.
 _GIVE_UP: Final[dict[str, tuple[int, str]]] = {
@@ -1488,6 +1491,9 @@ class Router:
         req, kv = owner
         if ok:
             kv.outcome = "released"
+            if kv.method == "abort_endpoint" and release_found_nothing(event.body):
+                # Nothing was left to free: not a leak, and not Narwhal's doing.
+                kv.error = NOTHING_HELD
         else:
             kv.outcome = "held_until_lease"
             kv.error = event.error or f"release answered {event.status}"

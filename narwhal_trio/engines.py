@@ -30,7 +30,16 @@ from collections.abc import Awaitable, Callable
 import httpx
 import trio
 
-from narwhal_core import ControlDone, Event, LegData, LegFailed, StartControl, StartLeg, local_failure
+from narwhal_core import (
+    CONTROL_BODY_LIMIT,
+    ControlDone,
+    Event,
+    LegData,
+    LegFailed,
+    StartControl,
+    StartLeg,
+    local_failure,
+)
 
 __all__ = ["Engines", "plain_socket", "close_socket", "send_all", "receive"]
 
@@ -302,6 +311,7 @@ class Engines:
         status: int | None = None
         error: str | None = None
         local = False
+        body = b""
         try:
             with trio.fail_after(cmd.timeout):
                 if cmd.drop_after_send:
@@ -313,11 +323,16 @@ class Engines:
                 else:
                     if self._http is None:
                         self._http = httpx.AsyncClient(trust_env=False)
-                    response = await self._http.request(
+                    async with self._http.stream(
                         cmd.method, cmd.engine.url + cmd.target,
                         headers=list(cmd.headers), content=cmd.body, timeout=cmd.timeout,
-                    )
-                    status = response.status_code
+                    ) as response:
+                        status = response.status_code
+                        async for chunk in response.aiter_raw():
+                            body += chunk
+                            if len(body) >= CONTROL_BODY_LIMIT:
+                                break  # enough to know what the engine said
+                    body = body[:CONTROL_BODY_LIMIT]
         except (trio.TooSlowError, httpx.TimeoutException):
             error = "timeout"
         except (OSError, httpx.HTTPError, trio.BrokenResourceError) as exc:
@@ -327,4 +342,4 @@ class Engines:
             with trio.CancelScope(shield=True):
                 await self._feed(ControlDone(cmd.key, None, "cancelled"))
             raise
-        await self._feed(ControlDone(cmd.key, status, error, local))
+        await self._feed(ControlDone(cmd.key, status, error, local, body))

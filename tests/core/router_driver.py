@@ -1037,7 +1037,7 @@ class Driver:
         return [c for c in self.controls.values() if not c.done and (kind is None or c.kind == kind)]
 
     def complete_control(self, key: str, *, status: int | None = 200, error: str | None = None,
-                         local: bool = False) -> None:
+                         local: bool = False, body: bytes = b"") -> None:
         """The control executor reports a result (``drop_after_send`` ones have no status)."""
         control = self.controls[key]
         assert not control.done, f"control {key} answered twice"
@@ -1045,12 +1045,12 @@ class Driver:
         if control.cmd.drop_after_send and error is None:
             status = None
         control.status, control.error = status, error
-        self.feed(ControlDone(key, status, error, local))
+        self.feed(ControlDone(key, status, error, local, body))
 
-    def complete_releases(self, *, ok: bool = True) -> None:
-        """Answer every pending KV release."""
+    def complete_releases(self, *, ok: bool = True, body: bytes = b"") -> None:
+        """Answer every pending KV release (``body``: what an abort endpoint answers)."""
         for control in self.pending_controls("release"):
-            self.complete_control(control.cmd.key, status=200 if ok else 500)
+            self.complete_control(control.cmd.key, status=200 if ok else 500, body=body)
 
     def shutdown(self) -> None:
         """SIGTERM."""

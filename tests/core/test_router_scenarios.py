@@ -20,6 +20,7 @@ import pytest
 from narwhal_core import CancelLeg, ClientStalled, FinishLeg, ShutdownComplete, StartLeg, WriteJournal, journal
 from narwhal_core.journal import ErrorRecord, KvRecord, LegRecord, TerminalRecord
 from narwhal_core.planning import PREFILL_KV_REQUEST
+from narwhal_core.router import NOTHING_HELD
 
 from .router_driver import (
     ALIAS,
@@ -480,6 +481,39 @@ def test_decode_failure_before_handoff_releases_kv_then_prefills_again(mode: str
         expected, kv["remote_request_id"], mode,
     )
     assert [leg["kv"]["outcome"] for leg in legs if leg["phase"] == "prefill"] == [expected, "pulled"]
+    assert first_kv["error"] is None
+
+
+@pytest.mark.parametrize(
+    ("answer", "nothing_held"),
+    [
+        (b'{"request_id": "x", "released": false, "num_blocks": 0}', True),
+        (b'{"request_id": "x", "released": true, "num_blocks": 4}', False),
+        (b"", False),
+        (b"not json", False),
+        (b'{"released": 0}', False),
+        (b'[false]', False),
+    ],
+    ids=["released-false", "released-true", "no-body", "not-json", "not-a-bool", "not-an-object"],
+)
+def test_an_abort_endpoint_that_held_nothing_is_journalled_so(answer: bytes, nothing_held: bool) -> None:
+    # The decode engine pulled the KV, then failed before its response head:
+    # the release finds nothing, and the engine says so. The journal must not
+    # claim Narwhal freed blocks; it is still no leak.
+    d = Driver(engine={"kv_release": "abort_endpoint"}, retry=SLOW_BACKOFF)
+    client = d.post(COMPLETIONS, completion_body())
+    prefill = d.leg("prefill")
+    kv = d.answer_prefill(prefill.bid)
+    d.answer_status(d.leg("decode").bid, 500)
+    d.complete_releases(body=answer)
+    d.advance(1.5)
+    finish(d)
+    assert client.last.status == 200
+    first_kv = d.terminal(prefill.rid)["legs"][0]["kv"]
+    assert (first_kv["outcome"], first_kv["owner"], first_kv["method"]) == (
+        "released", kv["remote_request_id"], "abort_endpoint",
+    )
+    assert first_kv["error"] == (NOTHING_HELD if nothing_held else None)
 
 
 def test_dropped_and_malformed_prefill_answers_are_retried() -> None:

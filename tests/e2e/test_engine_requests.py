@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from narwhal_core.router import NOTHING_HELD
+
 from ..harness import MODEL, Fleet, read_journal
 from .support import (
     BACKEND_ID_RE,
@@ -463,7 +465,7 @@ def test_kv_release_requests_carry_the_engine_credential(
         assert header_values(releases[0], "authorization") == [f"Bearer {engine_key}"]
         assert json.loads(releases[0]["body"]) == {"request_id": kv["owner"]}
         assert releases[0]["status"] == 200
-        assert kv["outcome"] == "released"
+        assert kv["outcome"] == "released" and kv["error"] is None
         assert prefill.stats()["kv_released"] == 1
     else:
         sent = poll(lambda: len(completion_records([decode])) >= 2 and completion_records([decode]), timeout=10,
@@ -477,6 +479,28 @@ def test_kv_release_requests_carry_the_engine_credential(
         assert exact_json(release["body"])["kv_transfer_params"]["remote_request_id"] == kv["owner"]
         assert kv["outcome"] in ("released", "held_until_lease")
         assert kv["method"] == "decode_abort"
+
+
+def test_a_release_that_finds_the_kv_already_pulled_says_so(start_router, fleet, journal_path) -> None:
+    """The decode engine pulls the KV, then drops the connection before its answer's head.
+
+    Narwhal cannot know the pull happened, so it releases; the prefill
+    engine's abort endpoint answers that it held nothing, and the journal
+    says so instead of claiming Narwhal freed the blocks.
+    """
+    router = start_router(engine={"kv_release": "abort_endpoint"}, retry={"max_attempts": 1})
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    decode.set_faults(drop_after_chunks=0)
+    answer = http.post(router.url + COMPLETIONS, json={"prompt": "pull then fail", "max_tokens": 3}, timeout=10)
+    assert answer.status_code == 502, answer.text
+    record = journal_terminal(journal_path, rid_of(answer))
+    assert [(leg["phase"], leg["outcome"]) for leg in record["legs"]] == [("prefill", "ok"), ("decode", "dropped")]
+    kv = record["legs"][0]["kv"]
+    assert (kv["outcome"], kv["method"], kv["error"]) == ("released", "abort_endpoint", NOTHING_HELD)
+    (release,) = prefill.requests("/abort_request")
+    assert json.loads(release["body"]) == {"request_id": kv["owner"]}
+    stats = prefill.stats()
+    assert (stats["kv_pulled"], stats["kv_released"], stats["kv_held"]) == (1, 0, 0)
 
 
 # ---------------------------------------------------------------- client rid
