@@ -67,7 +67,6 @@ import asyncio
 import collections
 import json
 import os
-import random
 import resource
 import shutil
 import signal
@@ -76,15 +75,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from narwhal.corebuild import PURE_ENV, core_build  # noqa: E402
 PEERS_VENV = HERE / ".peers-venv"
 #: The peers and the profiler, pinned so a rerun measures the same code.
 PEER_PACKAGES = ("vllm-router==0.1.17", "sglang-router==0.3.2", "py-spy==0.4.3")
@@ -93,6 +94,10 @@ INSTANT_ENGINE = HERE / "instant_engine.py"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROMPT = "Narwhals are medium-sized toothed whales that live year-round in the Arctic. " * 11  # ~850 chars
 ALL_TARGETS = ("direct", "narwhal-trio", "narwhal-asyncio", "vllm-router", "sglang-router")
+#: Also measurable, not run by default: Narwhal with its core as pure Python
+#: (``NARWHAL_PURE_PYTHON=1``) beside the compiled build the install made.
+PURE_TARGETS = ("narwhal-trio-pure", "narwhal-asyncio-pure")
+KNOWN_TARGETS = ALL_TARGETS + PURE_TARGETS
 PEERS = ("vllm-router", "sglang-router")
 SCENARIOS = {
     # name: (stream, concurrency, max_tokens, label)
@@ -370,8 +375,10 @@ def start_target(name: str, core: int | None, work: Path, engines: dict[str, dic
         return t
     port = free_port()
     t.url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
     if name.startswith("narwhal-"):
-        runtime = name.split("-", 1)[1]
+        runtime = name.split("-")[1]
+        env[PURE_ENV] = "1" if name.endswith("-pure") else ""
         cfg = work / f"{name}.toml"
         narwhal_config(cfg, port, prefill, decode, work / f"{name}-journal.jsonl", narwhal_extra)
         cmd = [sys.executable, "-m", "narwhal.cli", "serve", "--config", str(cfg), "--runtime", runtime]
@@ -390,7 +397,6 @@ def start_target(name: str, core: int | None, work: Path, engines: dict[str, dic
                    "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", prom]  # fmt: skip
     else:
         raise ValueError(name)
-    env = dict(os.environ)
     env["NO_COLOR"] = "1"
     t.proc = Proc(name, cmd, core, work, env=env)
     return t
@@ -772,8 +778,8 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
         raise SystemExit("router_bench: wrk is not installed (apt-get install wrk)")
     names = [n for n in args.targets.split(",") if n]
     for n in names:
-        if n not in ALL_TARGETS:
-            raise SystemExit(f"router_bench: unknown target {n!r} (choose from {', '.join(ALL_TARGETS)})")
+        if n not in KNOWN_TARGETS:
+            raise SystemExit(f"router_bench: unknown target {n!r} (choose from {', '.join(KNOWN_TARGETS)})")
     if "direct" not in names:
         names.insert(0, "direct")
     peers_bin, peers_error = None, ""
@@ -927,6 +933,10 @@ def machine_conditions(args: argparse.Namespace) -> str:
     load = os.getloadavg()
     # The interpreter's build matters (see benchmarks/README.md): name the binary.
     python = f"Python {sys.version.split()[0]} ({os.path.realpath(sys.executable)})"
+    # The core as installed: compiled by setup.py where it could be (the -pure targets run the sources).
+    import narwhal_core  # noqa: F401 - loads the modules core_build() inspects
+
+    python += f", core {core_build()[0]}"
     return (f"{os.cpu_count()} CPUs ({model}), Linux {os.uname().release}, {python}, "
             f"loadavg {load[0]:.2f}; router core {args.router_core}, load core {args.load_core}, nice {args.nice}; "
             f"busy with other work before the start: {args.busy_before:.0f} %; {args.code_at_start}"

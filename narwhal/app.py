@@ -20,11 +20,13 @@ from narwhal_core import Authenticator, Config, Router, RidSource, parse_api_key
 from narwhal_core.config import engine_api_key
 from narwhal_core.errors import ConfigError
 
+from .corebuild import core_build
+from .log import log_event
 from .metrics import render
 
 __all__ = [
     "load_config", "load_authenticator", "build_router", "settle_gc", "GC_THRESHOLDS",
-    "HIGH_WATER", "LINGER_S", "LINGER_BYTES",
+    "HIGH_WATER", "LINGER_S", "LINGER_BYTES", "log_listening",
 ]
 
 # Client-socket policy both runtimes follow.
@@ -113,3 +115,13 @@ def settle_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+
+
+def log_listening(config: Config, host: str, port: int, runtime: str, loop: str) -> None:
+    """The ``listening`` log line (with how the core runs), and a warning for a stale compiled core."""
+    core, stale = core_build()
+    log_event("listening", host=host, port=port, runtime=runtime, loop=loop, core=core,
+              model=config.model.name, journal=config.journal.path)
+    if stale:
+        log_event("core_stale", level="error", modules=stale,
+                  hint="source changed after compilation: the old code runs; reinstall (pip install -e .)")

@@ -30,7 +30,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from narwhal.app import HIGH_WATER, LINGER_BYTES, LINGER_S, build_router, load_authenticator, settle_gc
+from narwhal.app import (
+    HIGH_WATER,
+    LINGER_BYTES,
+    LINGER_S,
+    build_router,
+    load_authenticator,
+    log_listening,
+    settle_gc,
+)
 from narwhal.log import log_event
 from narwhal_core import (
     AuthenticatorChanged,
@@ -321,8 +329,7 @@ class Server:
             if self.config.journal.fsync == "interval":
                 sync_task = loop.create_task(self.journal.run_sync_timer())
             self._drain()
-            log_event("listening", host=host, port=port, runtime=RUNTIME, loop=loop_name(loop),
-                      model=self.config.model.name, journal=self.config.journal.path)
+            log_listening(self.config, host, port, RUNTIME, loop_name(loop))
             if started is not None:
                 started((host, port))
             if self._stopping:  # a signal came while starting

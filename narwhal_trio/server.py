@@ -37,7 +37,15 @@ from typing import Any
 
 import trio
 
-from narwhal.app import HIGH_WATER, LINGER_BYTES, LINGER_S, build_router, load_authenticator, settle_gc
+from narwhal.app import (
+    HIGH_WATER,
+    LINGER_BYTES,
+    LINGER_S,
+    build_router,
+    load_authenticator,
+    log_listening,
+    settle_gc,
+)
 from narwhal.log import log_event
 from narwhal_core import (
     AuthenticatorChanged,
@@ -150,8 +158,7 @@ class Server:
                     nursery.start_soon(self.journal.run_sync_timer)
                 nursery.start_soon(self._accept_loop, listeners)
                 self._drain()
-                log_event("listening", host=host, port=port, runtime=RUNTIME, loop="trio",
-                          model=self.config.model.name, journal=self.config.journal.path)
+                log_listening(self.config, host, port, RUNTIME, "trio")
                 task_status.started((host, port))
                 await self._drained.wait()
                 nursery.cancel_scope.cancel()

@@ -8,9 +8,14 @@ from typing import Any
 
 import pytest
 
-from narwhal_sim.testing import SimThread
+from . import corebuild
 
-from .harness import Fleet, LogCapture, RouterThread, make_config
+# Before anything imports the core: which build of it this run tests.
+corebuild.check()
+
+from narwhal_sim.testing import SimThread  # noqa: E402
+
+from .harness import Fleet, LogCapture, RouterThread, make_config  # noqa: E402
 
 #: The environment variable the routers of ``start_secure_router`` read the engine credential from.
 ENGINE_KEY_ENV = "NARWHAL_TEST_ENGINE_KEY"

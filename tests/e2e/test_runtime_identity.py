@@ -16,6 +16,8 @@ import httpx
 import pytest
 import trio
 
+from narwhal.corebuild import PURE_ENV, compiled_files
+
 from ..harness import RUNTIMES, RouterThread, make_config, read_journal, terminals_by_rid
 from .support import ServeProcess, serve_config
 
@@ -99,5 +101,28 @@ def test_narwhal_serve_process_names_its_runtime(serve_runtime, signum, fleet, t
         stopped = next(e for e in process.events() if e.get("event") == "stopped")
         assert stopped["runtime"] == serve_runtime
         assert terminals_by_rid(read_journal(journal))[rid]["terminal"] == "completed"
+    finally:
+        process.stop()
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["as-installed", "NARWHAL_PURE_PYTHON"])
+def test_narwhal_serve_names_the_core_build_it_runs(pure, fleet, tmp_path) -> None:
+    # `pip install` compiles the core where it can (setup.py); the process
+    # log says which build serves, and NARWHAL_PURE_PYTHON=1 picks the sources.
+    journal = tmp_path / "journal.jsonl"
+    config = tmp_path / "narwhal.toml"
+    config.write_text(serve_config(journal, prefill=fleet.prefill_urls, decode=fleet.decode_urls))
+    env = {PURE_ENV: "1"} if pure else {PURE_ENV: ""}
+    process = ServeProcess(config, "asyncio", env=env).start()
+    try:
+        listening = process.wait_for_event("listening")
+        if pure or not compiled_files():
+            assert listening["core"] == "pure", listening
+        else:
+            assert listening["core"] in ("compiled", "mixed"), listening
+        assert not any(e.get("event") == "core_stale" for e in process.events())
+        url = f"http://{listening['host']}:{listening['port']}"
+        answer = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=10)
+        assert answer.status_code == 200, answer.text
     finally:
         process.stop()

@@ -1,0 +1,105 @@
+"""Which build of ``narwhal_core`` this process runs: compiled by Cython, or pure Python.
+
+``pip install`` compiles the core's modules with Cython where it can
+(``setup.py``; ``docs/operate.md``, "Compiled core"), and the compiled
+modules take precedence over the sources next to them. With
+``NARWHAL_PURE_PYTHON=1`` in the environment, importing :mod:`narwhal` (the
+CLI does, before anything imports the core) makes every module of the core
+load from its ``.py`` file instead: the reference build, for comparing the
+two or ruling the compiled one out. An embedding application that imports
+``narwhal_core`` first gets whatever is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["PURE_ENV", "compiled_files", "core_build", "pure_requested", "use_pure_core"]
+
+#: The environment variable asking for the pure Python core (at install time: build no extension).
+PURE_ENV = "NARWHAL_PURE_PYTHON"
+
+_CORE = "narwhal_core"
+#: Where the core's sources are (the compiled modules, when built in place, sit next to them).
+CORE_DIR = Path(__file__).resolve().parents[1] / _CORE
+
+
+class _PureCoreFinder(importlib.abc.MetaPathFinder):
+    """Finds ``narwhal_core.<module>`` as its source file, never its compiled twin."""
+
+    def __init__(self, package_dir: Path) -> None:
+        self.package_dir = package_dir
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        package, _, module = fullname.partition(".")
+        if package != _CORE or not module or "." in module:
+            return None
+        source = self.package_dir / f"{module}.py"
+        if not source.is_file():
+            return None
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+def pure_requested() -> bool:
+    """The environment asks for the pure Python core."""
+    return bool(os.environ.get(PURE_ENV))
+
+
+def use_pure_core() -> bool:
+    """Load the core's modules from their sources from now on; ``False`` if already imported (too late)."""
+    if any(isinstance(f, _PureCoreFinder) for f in sys.meta_path):
+        return True
+    if any(name == _CORE or name.startswith(_CORE + ".") for name in sys.modules):
+        return False
+    sys.meta_path.insert(0, _PureCoreFinder(CORE_DIR))
+    return True
+
+
+def compiled_files(package_dir: Path = CORE_DIR) -> dict[str, Path]:
+    """The compiled modules next to the core's sources, by module name."""
+    return {
+        f"{_CORE}.{path.name.partition('.')[0]}": path
+        for path in package_dir.iterdir()
+        if path.suffix in (".so", ".pyd")
+    }
+
+
+def core_build() -> tuple[str, list[str]]:
+    """How the core runs in this process, and which of its compiled modules are stale.
+
+    The first value is ``compiled`` (every loaded module of the core that the
+    build compiles is a C extension), ``pure`` (none is) or ``mixed`` (a
+    module the compiler failed on stays pure). The second lists the compiled
+    modules whose source changed after they were built -- an editable
+    install edited afterwards: they still run the old code until
+    ``pip install -e .`` again.
+    """
+    compiled: list[str] = []
+    pure: list[str] = []
+    stale: list[str] = []
+    for name, module in sorted(sys.modules.items()):
+        # config is never compiled (setup.py says why).
+        if not name.startswith(_CORE + ".") or name == f"{_CORE}.config" or module is None:
+            continue
+        path = Path(getattr(module, "__file__", None) or "")
+        if path.suffix == ".py":
+            pure.append(name)
+            continue
+        compiled.append(name)
+        source = path.with_name(name.rpartition(".")[2] + ".py")
+        try:
+            if source.stat().st_mtime > path.stat().st_mtime:
+                stale.append(name)
+        except OSError:
+            pass  # an installed wheel may carry no source
+    kind = "mixed" if compiled and pure else ("compiled" if compiled else "pure")
+    return kind, stale

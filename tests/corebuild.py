@@ -1,0 +1,34 @@
+"""Which build of ``narwhal_core`` the tests run: compiled (when installed so) or pure.
+
+The suite runs whatever is installed (``setup.py`` compiles the core where it
+can); ``tests/core/test_core_builds.py`` runs the core's tests again in a
+subprocess with ``NARWHAL_PURE_PYTHON=1``, which importing :mod:`narwhal`
+honours (:mod:`narwhal.corebuild`). Without that variable, a compiled module
+older than its source (an editable install edited afterwards) would test old
+code: :func:`check` refuses.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.corebuild import CORE_DIR, PURE_ENV, compiled_files, pure_requested, use_pure_core
+
+__all__ = ["PURE_ENV", "check", "compiled_files", "pure_requested"]
+
+
+def check() -> None:
+    """Called by ``conftest.py`` before anything imports the core."""
+    if pure_requested():
+        if not use_pure_core():
+            raise pytest.UsageError("narwhal_core was imported before its pure build could be chosen")
+        return
+    stale = sorted(
+        name for name, path in compiled_files().items()
+        if (CORE_DIR / f"{name.partition('.')[2]}.py").stat().st_mtime > path.stat().st_mtime
+    )
+    if stale:
+        raise pytest.UsageError(
+            f"compiled core modules older than their sources: {', '.join(stale)}. "
+            f"Reinstall (pip install -e .) or run with {PURE_ENV}=1."
+        )
