@@ -29,7 +29,9 @@ Usage::
     python benchmarks/core_bench.py [--iterations 20000] [--repeat 5] [--json] [--profile]
 
 ``--profile`` adds a cProfile breakdown of path (b): the top 15 functions by
-own time. A benchmark, not a test: nothing here asserts on speed.
+own time (cProfile cannot see inside compiled modules: profile with
+``NARWHAL_PURE_PYTHON=1``, which measures the core's sources instead of the
+compiled build). A benchmark, not a test: nothing here asserts on speed.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Before the core: NARWHAL_PURE_PYTHON=1 measures its sources, not the compiled build.
+from narwhal.corebuild import core_build  # noqa: E402
 from narwhal_core import (  # noqa: E402
     ClientConnected,
     ClientData,
@@ -343,10 +347,11 @@ def main(argv: list[str] | None = None) -> int:
                 run(200)
                 profiles[name] = profile(run, max(1000, args.iterations // 4))
     if args.json:
-        print(json.dumps({"python": sys.version.split()[0], "results": results,
+        print(json.dumps({"python": sys.version.split()[0], "core": core_build()[0], "results": results,
                           "profiles": profiles}, indent=2))
         return 0
-    print(f"narwhal core benchmark (Python {sys.version.split()[0]}); pin with: taskset -c 0")
+    print(f"narwhal core benchmark (Python {sys.version.split()[0]}, core {core_build()[0]}); "
+          "pin with: taskset -c 0")
     labels = {
         "decisions": "(a) decisions only (contract, planning, answers, journal)",
         "router": "(b) whole router path, non-streaming (codec, legs, journal)",
