@@ -301,7 +301,9 @@ def kv_accounting(
     failed before its head; the release is a no-op), never the reverse.
     When the engines ``told`` (``abort_endpoint``: their answer says whether
     they held anything), each such block's record must say the engine held
-    nothing (``nothing_held`` of them), and only pulled or expired blocks may.
+    nothing (``nothing_held`` of them), and only blocks that were pulled,
+    expired or released some other way (a decode engine frees the blocks of
+    a request that ends before its pull) may.
     """
     journal_total = sum(journal.values())
     pulled = sum(s["kv_pulled"] for s in sims)
@@ -315,7 +317,7 @@ def kv_accounting(
             0 <= unnamed <= sum(s["kv_expired"] + s["kv_held"] for s in sims)
             and pulled_journalled_released >= 0
             and (not told or pulled_journalled_released <= nothing_held
-                 <= pulled_journalled_released + sum(s["kv_expired"] for s in sims))
+                 <= pulled_journalled_released + sum(s["kv_expired"] + s["kv_released"] for s in sims))
         ),
     }
 

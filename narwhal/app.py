@@ -16,7 +16,18 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from narwhal_core import Authenticator, Config, Router, RidSource, parse_api_keys, parse_config
+import httpx
+
+from narwhal_core import (
+    CONTROL_BODY_LIMIT,
+    Authenticator,
+    Config,
+    RidSource,
+    Router,
+    StartControl,
+    parse_api_keys,
+    parse_config,
+)
 from narwhal_core.config import engine_api_key
 from narwhal_core.errors import ConfigError
 
@@ -26,7 +37,7 @@ from .metrics import render
 
 __all__ = [
     "load_config", "load_authenticator", "build_router", "settle_gc", "GC_THRESHOLDS",
-    "HIGH_WATER", "LINGER_S", "LINGER_BYTES", "log_listening",
+    "HIGH_WATER", "LINGER_S", "LINGER_BYTES", "log_listening", "control_request",
 ]
 
 # Client-socket policy both runtimes follow.
@@ -125,3 +136,20 @@ def log_listening(config: Config, host: str, port: int, runtime: str, loop: str)
     if stale:
         log_event("core_stale", level="error", modules=stale,
                   hint="source changed after compilation: the old code runs; reinstall (pip install -e .)")
+
+
+async def control_request(http: httpx.AsyncClient, cmd: StartControl) -> tuple[int, bytes]:
+    """Send a control request (probe, abort); its status and the first ``CONTROL_BODY_LIMIT`` bytes of its body.
+
+    The caller bounds it in time and reports failures as its runtime names them.
+    """
+    body = b""
+    async with http.stream(
+        cmd.method, cmd.engine.url + cmd.target,
+        headers=list(cmd.headers), content=cmd.body, timeout=cmd.timeout,
+    ) as response:
+        async for chunk in response.aiter_raw():
+            body += chunk
+            if len(body) >= CONTROL_BODY_LIMIT:
+                break  # enough to know what the engine said
+        return response.status_code, body[:CONTROL_BODY_LIMIT]

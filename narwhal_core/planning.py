@@ -237,8 +237,9 @@ def release_found_nothing(body: bytes) -> bool:
 
     The engine simulator (and any engine following its convention) answers
     ``{"request_id": ..., "released": false, ...}`` when the blocks were
-    already gone: pulled by a decode engine (one whose leg then failed) or
-    freed by the lease. Any other answer -- no body, not JSON, no
+    already gone: pulled by a decode engine (one whose leg then failed),
+    freed at the decode engine's word (its request ended before the pull),
+    or freed by the lease. Any other answer -- no body, not JSON, no
     ``released`` field -- says nothing either way.
     """
     try:

@@ -95,7 +95,9 @@ _CLIENT_GONE_STATUS: Final = 499
 _MIN_COMPACT: Final = 4096
 _REDACTED: Final = b"[redacted]"
 #: A KV record's ``error`` when the abort endpoint found nothing to free.
-NOTHING_HELD: Final = "the engine held no KV for this owner: pulled by a decode engine, or its lease expired"
+NOTHING_HELD: Final = (
+    "the engine held no KV for this owner any more: pulled or freed by the decode engine, or its lease expired"
+)
 
 # Why a leg failed -> (status, code) once retries are exhausted, per phase.
 _GIVE_UP: Final[dict[str, tuple[int, str]]] = {

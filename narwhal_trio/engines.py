@@ -30,8 +30,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 import trio
 
+from narwhal.app import control_request
 from narwhal_core import (
-    CONTROL_BODY_LIMIT,
     ControlDone,
     Event,
     LegData,
@@ -323,16 +323,7 @@ class Engines:
                 else:
                     if self._http is None:
                         self._http = httpx.AsyncClient(trust_env=False)
-                    async with self._http.stream(
-                        cmd.method, cmd.engine.url + cmd.target,
-                        headers=list(cmd.headers), content=cmd.body, timeout=cmd.timeout,
-                    ) as response:
-                        status = response.status_code
-                        async for chunk in response.aiter_raw():
-                            body += chunk
-                            if len(body) >= CONTROL_BODY_LIMIT:
-                                break  # enough to know what the engine said
-                    body = body[:CONTROL_BODY_LIMIT]
+                    status, body = await control_request(self._http, cmd)
         except (trio.TooSlowError, httpx.TimeoutException):
             error = "timeout"
         except (OSError, httpx.HTTPError, trio.BrokenResourceError) as exc:
