@@ -81,11 +81,14 @@ def core_build() -> tuple[str, list[str]]:
     module the compiler failed on stays pure). The second lists the compiled
     modules whose source changed after they were built -- an editable
     install edited afterwards: they still run the old code until
-    ``pip install -e .`` again.
+    ``pip install -e .`` again (checked in a source checkout only).
     """
     compiled: list[str] = []
     pure: list[str] = []
     stale: list[str] = []
+    # Only a build in a source checkout (an editable install) can go stale; in
+    # an installed wheel the files' times are those of its unpacking.
+    checkout = all((CORE_DIR.parent / name).is_file() for name in ("setup.py", "pyproject.toml"))
     for name, module in sorted(sys.modules.items()):
         # config is never compiled (setup.py says why).
         if not name.startswith(_CORE + ".") or name == f"{_CORE}.config" or module is None:
@@ -95,11 +98,13 @@ def core_build() -> tuple[str, list[str]]:
             pure.append(name)
             continue
         compiled.append(name)
+        if not checkout:
+            continue
         source = path.with_name(name.rpartition(".")[2] + ".py")
         try:
             if source.stat().st_mtime > path.stat().st_mtime:
                 stale.append(name)
         except OSError:
-            pass  # an installed wheel may carry no source
+            pass  # a source removed: nothing to compare
     kind = "mixed" if compiled and pure else ("compiled" if compiled else "pure")
     return kind, stale

@@ -79,3 +79,20 @@ def test_the_pure_python_core_passes_the_core_tests() -> None:
     tail = (run.stdout + run.stderr)[-3000:]
     assert run.returncode == 0, tail
     assert " passed" in tail and " failed" not in tail, tail
+
+
+def test_a_compiled_module_older_than_its_source_is_reported_stale() -> None:
+    compiled = corebuild.compiled_files()
+    if corebuild.pure_requested() or "narwhal_core.lifecycle" not in compiled:
+        # Nothing compiled runs: nothing can be stale.
+        assert core_build() == ("pure", [])
+        return
+    source = ROOT / "narwhal_core" / "lifecycle.py"
+    before = source.stat()
+    built = compiled["narwhal_core.lifecycle"].stat().st_mtime
+    try:
+        os.utime(source, (before.st_atime, built + 10))  # edited after it was compiled
+        assert core_build()[1] == ["narwhal_core.lifecycle"]
+    finally:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert core_build()[1] == []
