@@ -2,12 +2,14 @@
 
 ``pyproject.toml`` holds everything else. The compiled modules are the same
 source files, built by Cython in pure-Python mode (annotations stay
-annotations, never C types), so behaviour is the Python source's; they only
-run faster (``benchmarks/README.md``, "Compiled core"). Without Cython or a
-C compiler, or with ``NARWHAL_PURE_PYTHON=1`` in the environment at install
-time, the install goes on with the pure Python modules; a module whose
-compilation fails is left pure. ``narwhal serve`` logs which one it runs
-(``core``: ``compiled``, ``pure`` or ``mixed``).
+annotations, never C types), so behaviour is the Python source's; they run
+faster under load, a little slower at idle (``benchmarks/README.md``,
+"Results (latest): compiled core"). Without Cython or a C compiler, or with
+``NARWHAL_PURE_PYTHON=1`` in the environment at install time, the install
+goes on with the pure Python modules; a module whose compilation fails is
+left pure. ``narwhal serve`` logs which one it runs (``core``: ``compiled``,
+``pure`` or ``mixed``); ``NARWHAL_PURE_PYTHON=1`` at run time picks the
+sources (``narwhal/corebuild.py``).
 
 ``config.py`` and ``__init__.py`` stay pure: config is read once at start-up,
 and its attrs field types must stay real types (Cython stores annotations as
