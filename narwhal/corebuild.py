@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["PURE_ENV", "compiled_files", "core_build", "pure_requested", "use_pure_core"]
+__all__ = ["PURE_ENV", "compiled_files", "core_build", "pure_requested", "stale_files", "use_pure_core"]
 
 #: The environment variable asking for the pure Python core (at install time: build no extension).
 PURE_ENV = "NARWHAL_PURE_PYTHON"
@@ -73,38 +73,42 @@ def compiled_files(package_dir: Path = CORE_DIR) -> dict[str, Path]:
     }
 
 
-def core_build() -> tuple[str, list[str]]:
-    """How the core runs in this process, and which of its compiled modules are stale.
+def stale_files(package_dir: Path = CORE_DIR) -> list[str]:
+    """The compiled modules older than their sources, by module name (a source checkout only).
 
-    The first value is ``compiled`` (every loaded module of the core that the
-    build compiles is a C extension), ``pure`` (none is) or ``mixed`` (a
-    module the compiler failed on stays pure). The second lists the compiled
-    modules whose source changed after they were built -- an editable
-    install edited afterwards: they still run the old code until
-    ``pip install -e .`` again (checked in a source checkout only).
+    An editable install edited afterwards: they still run the old code until
+    ``pip install -e .`` again. In an installed wheel the files' times are
+    those of its unpacking, so nothing there counts as stale.
     """
-    compiled: list[str] = []
-    pure: list[str] = []
-    stale: list[str] = []
-    # Only a build in a source checkout (an editable install) can go stale; in
-    # an installed wheel the files' times are those of its unpacking.
-    checkout = all((CORE_DIR.parent / name).is_file() for name in ("setup.py", "pyproject.toml"))
-    for name, module in sorted(sys.modules.items()):
-        # config is never compiled (setup.py says why).
-        if not name.startswith(_CORE + ".") or name == f"{_CORE}.config" or module is None:
-            continue
-        path = Path(getattr(module, "__file__", None) or "")
-        if path.suffix == ".py":
-            pure.append(name)
-            continue
-        compiled.append(name)
-        if not checkout:
-            continue
-        source = path.with_name(name.rpartition(".")[2] + ".py")
+    if not all((package_dir.parent / name).is_file() for name in ("setup.py", "pyproject.toml")):
+        return []
+    stale = []
+    for name, path in compiled_files(package_dir).items():
+        source = package_dir / f"{name.rpartition('.')[2]}.py"
         try:
             if source.stat().st_mtime > path.stat().st_mtime:
                 stale.append(name)
         except OSError:
             pass  # a source removed: nothing to compare
+    return sorted(stale)
+
+
+def core_build() -> tuple[str, list[str]]:
+    """How the core runs in this process, and which of its loaded compiled modules are stale.
+
+    The first value is ``compiled`` (every loaded module of the core that the
+    build compiles is a C extension), ``pure`` (none is) or ``mixed`` (a
+    module the compiler failed on stays pure); the second, the loaded ones
+    of :func:`stale_files`.
+    """
+    compiled: list[str] = []
+    pure: list[str] = []
+    for name, module in sorted(sys.modules.items()):
+        # config is never compiled (setup.py says why).
+        if not name.startswith(_CORE + ".") or name == f"{_CORE}.config" or module is None:
+            continue
+        path = Path(getattr(module, "__file__", None) or "")
+        (pure if path.suffix == ".py" else compiled).append(name)
+    stale = [name for name in stale_files() if name in compiled]
     kind = "mixed" if compiled and pure else ("compiled" if compiled else "pure")
     return kind, stale

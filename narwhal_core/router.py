@@ -538,12 +538,14 @@ class Router:
         """The leg's time limit runs again; the whole limit, when it passed while held."""
         leg.held = False
         if leg.deadline <= self._now:
-            e = self.config.engine
-            if leg.streaming:
-                limit = e.stream_idle_timeout_s
-            else:
-                limit = e.prefill_timeout_s if leg.phase == PREFILL else e.decode_timeout_s
-            self._leg_deadline(leg, self._now + limit)
+            self._leg_deadline(leg, self._now + self._leg_limit(leg.phase, leg.streaming))
+
+    def _leg_limit(self, phase: Phase, streaming: bool) -> float:
+        """How long a leg may go without an answer (or, streaming, between two reads)."""
+        e = self.config.engine
+        if streaming:
+            return e.stream_idle_timeout_s
+        return e.prefill_timeout_s if phase == PREFILL else e.decode_timeout_s
 
     def _read_timeout(self, conn: _Conn) -> None:
         # An idle keep-alive connection just closes; a half-sent request gets 408.
@@ -1161,11 +1163,10 @@ class Router:
         bid = backend_id(req.rid, phase, attempt)
         if phase == PREFILL:
             body = wire.dumps(prefill_body(req.accepted.body))
-            timeout = self.config.engine.prefill_timeout_s
         else:
             kv = req.kv
             body = wire.dumps(req.accepted.body if kv is None else decode_body(req.accepted.body, kv.handoff.params))
-            timeout = self.config.engine.decode_timeout_s
+        timeout = self._leg_limit(phase, False)
         codec = self._codec.engine_connection(
             max_body_bytes=self.config.engine.max_response_bytes
         )
@@ -1249,6 +1250,7 @@ class Router:
                 self._relay_out(req, relay.good_before_error)
             self._leg_broke(leg, "bad_response")
             return
+        # (_leg_limit(phase, True), read directly: this runs once per relayed chunk)
         self._leg_deadline(leg, self._now + self.config.engine.stream_idle_timeout_s)
         if out:
             self._relay_out(req, out)

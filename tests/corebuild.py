@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.corebuild import CORE_DIR, PURE_ENV, compiled_files, pure_requested, use_pure_core
+from narwhal.corebuild import PURE_ENV, compiled_files, pure_requested, stale_files, use_pure_core
 
 __all__ = ["PURE_ENV", "check", "compiled_files", "pure_requested"]
 
@@ -23,10 +23,7 @@ def check() -> None:
         if not use_pure_core():
             raise pytest.UsageError("narwhal_core was imported before its pure build could be chosen")
         return
-    stale = sorted(
-        name for name, path in compiled_files().items()
-        if (CORE_DIR / f"{name.partition('.')[2]}.py").stat().st_mtime > path.stat().st_mtime
-    )
+    stale = stale_files()
     if stale:
         raise pytest.UsageError(
             f"compiled core modules older than their sources: {', '.join(stale)}. "
