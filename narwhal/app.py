@@ -135,7 +135,8 @@ def log_listening(config: Config, host: str, port: int, runtime: str, loop: str)
               model=config.model.name, journal=config.journal.path)
     if stale:
         log_event("core_stale", level="error", modules=stale,
-                  hint="source changed after compilation: the old code runs; reinstall (pip install -e .)")
+                  hint="source changed after compilation: the old code runs; rebuild "
+                       "(python setup.py build_ext --inplace, or pip install -e .)")
 
 
 async def control_request(http: httpx.AsyncClient, cmd: StartControl) -> tuple[int, bytes]:

@@ -27,5 +27,6 @@ def check() -> None:
     if stale:
         raise pytest.UsageError(
             f"compiled core modules older than their sources: {', '.join(stale)}. "
-            f"Reinstall (pip install -e .) or run with {PURE_ENV}=1."
+            "Rebuild the edited modules (python setup.py build_ext --inplace), "
+            f"reinstall (pip install -e .) or run with {PURE_ENV}=1."
         )
