@@ -1,10 +1,13 @@
 """Build hook: compile ``narwhal_core``'s modules with Cython where this machine can.
 
 ``pyproject.toml`` holds everything else. The compiled modules are the same
-source files, built by Cython in pure-Python mode (annotations stay
-annotations, never C types), so behaviour is the Python source's; they run
-faster under load, a little slower at idle (``benchmarks/README.md``,
-"Results (latest): compiled core"). Without Cython or a C compiler, or with
+source files, built by Cython in pure-Python mode, so behaviour is the
+Python source's; they run faster under load, a little slower at idle
+(``benchmarks/README.md``, "Results (latest): compiled core"). Annotations
+stay annotations, never C types, except in ``router.py``: there Cython
+types the parameters annotated with the classes ``router.pxd`` declares as
+extension types, whose fields it then reads directly (its header comment
+turns ``annotation_typing`` on). Without Cython or a C compiler, or with
 ``NARWHAL_PURE_PYTHON=1`` in the environment at install time, the install
 goes on with the pure Python modules; a module whose compilation fails is
 left pure. ``narwhal serve`` logs which one it runs (``core``: ``compiled``,
@@ -30,8 +33,8 @@ COMPILED = (
     "journal", "lifecycle", "planning", "router", "stats", "wire",
 )
 
-#: Python semantics throughout: annotations never become C types, functions
-#: stay introspectable Python-like functions.
+#: Python semantics throughout: annotations never become C types (but in
+#: router.py, see above), functions stay introspectable Python-like functions.
 DIRECTIVES = {
     "language_level": 3,
     "annotation_typing": False,

@@ -76,17 +76,21 @@ def compiled_files(package_dir: Path = CORE_DIR) -> dict[str, Path]:
 def stale_files(package_dir: Path = CORE_DIR) -> list[str]:
     """The compiled modules older than their sources, by module name (a source checkout only).
 
-    An editable install edited afterwards: they still run the old code until
-    ``pip install -e .`` again. In an installed wheel the files' times are
-    those of its unpacking, so nothing there counts as stale.
+    A module's sources are its ``.py`` and, where there is one, the ``.pxd``
+    that declares its classes to Cython. An editable install edited
+    afterwards: it still runs the old code until rebuilt. In an installed
+    wheel the files' times are those of its unpacking, so nothing there
+    counts as stale.
     """
     if not all((package_dir.parent / name).is_file() for name in ("setup.py", "pyproject.toml")):
         return []
     stale = []
     for name, path in compiled_files(package_dir).items():
-        source = package_dir / f"{name.rpartition('.')[2]}.py"
+        stem = name.rpartition(".")[2]
         try:
-            if source.stat().st_mtime > path.stat().st_mtime:
+            built = path.stat().st_mtime
+            sources = [package_dir / f"{stem}.py", package_dir / f"{stem}.pxd"]
+            if any(source.stat().st_mtime > built for source in sources if source.exists()):
                 stale.append(name)
         except OSError:
             pass  # a source removed: nothing to compare

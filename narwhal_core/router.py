@@ -1,3 +1,5 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that router.pxd declares are typed: see setup.py.)
 """The router: fleet-wide state driven by events, answering with commands.
 
 An adapter owns sockets, tasks and the clock; the :class:`Router` owns every
@@ -138,99 +140,131 @@ class RouterStatistics:
     buffered_bytes: int = 0
 
 
-@attrs.define(eq=False)
+# The per-request state below is plain classes, not attrs ones: compiled,
+# they are extension types declared in ``router.pxd`` (keep both in step;
+# ``tests/core/test_core_builds.py`` compares them), so that the router's
+# methods read and write their fields directly.
+
+
 class _Conn:
-    handle: Hashable
-    codec: ServerCodec
-    peer_host: str
-    rid: str | None = None
-    #: When the connection gives up waiting for the client (lazy timer).
-    read_deadline: float = 0.0
-    timer: list[Any] | None = None
-    armed: float = 0.0
-    closed: bool = False
-    #: Bytes of a next request have arrived.
-    reading: bool = False
-    #: Its head is parsed: the body timeout now applies.
-    body_phase: bool = False
-    #: Bytes of unfinished requests its codec holds, as last counted.
-    buffered: int = 0
-    #: The adapter holds back the legs feeding it: it is not reading (:class:`ClientStalled`).
-    stalled: bool = False
+    __slots__ = (
+        "handle", "codec", "peer_host", "rid", "read_deadline", "timer", "armed", "closed", "reading",
+        "body_phase", "buffered", "stalled",
+    )
+
+    def __init__(self, handle: Hashable, codec: ServerCodec, peer_host: str) -> None:
+        self.handle = handle
+        self.codec = codec
+        self.peer_host = peer_host
+        self.rid: str | None = None
+        #: When the connection gives up waiting for the client (lazy timer).
+        self.read_deadline = 0.0
+        self.timer: list[Any] | None = None
+        self.armed = 0.0
+        self.closed = False
+        #: Bytes of a next request have arrived.
+        self.reading = False
+        #: Its head is parsed: the body timeout now applies.
+        self.body_phase = False
+        #: Bytes of unfinished requests its codec holds, as last counted.
+        self.buffered = 0
+        #: The adapter holds back the legs feeding it: it is not reading (:class:`ClientStalled`).
+        self.stalled = False
 
 
-@attrs.define(eq=False)
 class _Kv:
-    handoff: KvHandoff
-    engine: EngineState
-    leg: str
-    outcome: str | None = None
-    method: str | None = None
-    error: str | None = None
-    release_id: str | None = None
+    __slots__ = ("handoff", "engine", "leg", "outcome", "method", "error", "release_id")
+
+    def __init__(self, handoff: KvHandoff, engine: EngineState, leg: str) -> None:
+        self.handoff = handoff
+        self.engine = engine
+        self.leg = leg
+        self.outcome: str | None = None
+        self.method: str | None = None
+        self.error: str | None = None
+        self.release_id: str | None = None
 
 
-@attrs.define(eq=False)
 class _Leg:
-    bid: str
-    phase: Phase
-    attempt: int
-    engine: EngineState
-    codec: EngineCodec
-    rid: str
-    started: float
-    data: bytes
-    deadline: float
-    timer: list[Any] | None = None
-    armed: float = 0.0
-    status: int | None = None
-    body: list[bytes] = attrs.field(factory=list)
-    outcome: LegOutcome | None = None
-    ended: float | None = None
-    kv: _Kv | None = None
-    open: bool = True
-    streaming: bool = False
-    got_bytes: bool = False
-    fresh_retry: bool = False
-    #: A prefill leg left running after its client went away, so that the KV
-    #: it may already hold can be named and released.
-    orphan: bool = False
-    #: Held back by the adapter for a client that is not reading
-    #: (:class:`ClientStalled`): its time limit does not run.
-    held: bool = False
+    __slots__ = (
+        "bid", "phase", "attempt", "engine", "codec", "rid", "started", "data", "deadline", "timer", "armed",
+        "status", "body", "outcome", "ended", "kv", "open", "streaming", "got_bytes", "fresh_retry", "orphan",
+        "held",
+    )
+
+    def __init__(
+        self, bid: str, phase: Phase, attempt: int, engine: EngineState, codec: EngineCodec, rid: str,
+        started: float, data: bytes, deadline: float,
+    ) -> None:  # fmt: skip
+        self.bid = bid
+        self.phase = phase
+        self.attempt = attempt
+        self.engine = engine
+        self.codec = codec
+        self.rid = rid
+        self.started = started
+        self.data = data
+        self.deadline = deadline
+        self.timer: list[Any] | None = None
+        self.armed = 0.0
+        self.status: int | None = None
+        self.body: list[bytes] = []
+        self.outcome: LegOutcome | None = None
+        self.ended: float | None = None
+        self.kv: _Kv | None = None
+        self.open = True
+        self.streaming = False
+        self.got_bytes = False
+        self.fresh_retry = False
+        #: A prefill leg left running after its client went away, so that the KV
+        #: it may already hold can be named and released.
+        self.orphan = False
+        #: Held back by the adapter for a client that is not reading
+        #: (:class:`ClientStalled`): its time limit does not run.
+        self.held = False
 
 
-@attrs.define(eq=False)
 class _Request:
-    rid: str
-    conn: _Conn | None
-    route: Route
-    client: str
-    client_rid: str | None
-    received: float
-    stream: bool
-    accepted: AcceptedRequest
-    state: State = State.QUEUED
-    attempts: dict[str, int] = attrs.field(factory=lambda: {PREFILL: 0, DECODE: 0})
-    failed_on: dict[str, list[EngineState]] = attrs.field(factory=lambda: {PREFILL: [], DECODE: []})
-    leg: _Leg | None = None
-    legs: list[_Leg] = attrs.field(factory=list)
-    kv: _Kv | None = None
-    pending_releases: int = 0
-    admitted: bool = False
-    answered: bool = False
-    bytes_sent: bool = False
-    first_byte: float | None = None
-    relay: SseRelay | None = None
-    retry_phase: Phase = PREFILL
-    #: ``cached_tokens`` of the prefill whose KV the decode leg pulled.
-    pulled_cached_tokens: int | None = None
-    waiting_for_slot: bool = False
-    terminal: Terminal | None = None
-    status: int | None = None
-    error: ErrorRecord | None = None
-    usage: dict[str, Any] | None = None
-    timers: dict[str, list[Any]] = attrs.field(factory=dict)
+    __slots__ = (
+        "rid", "conn", "route", "client", "client_rid", "received", "stream", "accepted", "state", "attempts",
+        "failed_on", "leg", "legs", "kv", "pending_releases", "admitted", "answered", "bytes_sent",
+        "first_byte", "relay", "retry_phase", "pulled_cached_tokens", "waiting_for_slot", "terminal",
+        "status", "error", "usage", "timers",
+    )
+
+    def __init__(
+        self, rid: str, conn: _Conn | None, route: Route, client: str, client_rid: str | None,
+        received: float, stream: bool, accepted: AcceptedRequest,
+    ) -> None:  # fmt: skip
+        self.rid = rid
+        self.conn = conn
+        self.route = route
+        self.client = client
+        self.client_rid = client_rid
+        self.received = received
+        self.stream = stream
+        self.accepted = accepted
+        self.state = State.QUEUED
+        self.attempts: dict[str, int] = {PREFILL: 0, DECODE: 0}
+        self.failed_on: dict[str, list[EngineState]] = {PREFILL: [], DECODE: []}
+        self.leg: _Leg | None = None
+        self.legs: list[_Leg] = []
+        self.kv: _Kv | None = None
+        self.pending_releases = 0
+        self.admitted = False
+        self.answered = False
+        self.bytes_sent = False
+        self.first_byte: float | None = None
+        self.relay: SseRelay | None = None
+        self.retry_phase: Phase = PREFILL
+        #: ``cached_tokens`` of the prefill whose KV the decode leg pulled.
+        self.pulled_cached_tokens: int | None = None
+        self.waiting_for_slot = False
+        self.terminal: Terminal | None = None
+        self.status: int | None = None
+        self.error: ErrorRecord | None = None
+        self.usage: dict[str, Any] | None = None
+        self.timers: dict[str, list[Any]] = {}
 
 
 class Router:

@@ -8,7 +8,9 @@ whichever is installed; and each run checks it loaded the build it claims.
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +98,83 @@ def test_a_compiled_module_older_than_its_source_is_reported_stale() -> None:
     finally:
         os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert core_build()[1] == []
+
+
+def test_a_declaration_file_edited_after_compilation_makes_its_module_stale(tmp_path: Path) -> None:
+    # A checkout-shaped copy: setup.py and pyproject.toml beside the package.
+    (tmp_path / "setup.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text("")
+    package = tmp_path / "narwhal_core"
+    package.mkdir()
+    for stem in ("router", "wire"):
+        (package / f"{stem}.py").write_text("")
+        (package / f"{stem}.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    (package / "router.pxd").write_text("")
+    for path in package.iterdir():
+        os.utime(path, (1_000_000, 1_000_000))
+    assert corebuild.stale_files(package) == []
+    os.utime(package / "router.pxd", (1_000_000, 1_000_010))
+    assert corebuild.stale_files(package) == ["narwhal_core.router"]
+    os.utime(package / "wire.py", (1_000_000, 1_000_010))
+    assert corebuild.stale_files(package) == ["narwhal_core.router", "narwhal_core.wire"]
+
+
+# ----------------------------------------------------- declarations for Cython
+
+_PXD_CLASS = re.compile(r"^cdef class (\w+):\n((?:    .*\n)+)", re.MULTILINE)
+
+
+def pxd_fields(path: Path) -> dict[str, set[str]]:
+    """The fields each ``cdef class`` of a ``.pxd`` declares."""
+    classes = {}
+    for name, body in _PXD_CLASS.findall(path.read_text()):
+        fields: set[str] = set()
+        for line in body.splitlines():
+            declaration = line.strip()
+            assert declaration.startswith("cdef public object "), f"{path.name}: {line!r}"
+            fields.update(f.strip() for f in declaration.removeprefix("cdef public object ").split(","))
+        classes[name] = fields
+    return classes
+
+
+def source_fields(path: Path, name: str) -> set[str]:
+    """A class's ``__slots__``, or, without them, every ``self.<field>`` its methods assign."""
+    cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+    for node in cls.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__slots__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    assigned = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Attribute) and getattr(target.value, "id", None) == "self":
+                    assigned.add(target.attr)
+    return assigned
+
+
+@pytest.mark.parametrize("pxd", sorted((ROOT / "narwhal_core").glob("*.pxd")), ids=lambda p: p.name)
+def test_each_declaration_file_declares_exactly_the_fields_of_its_classes(pxd: Path) -> None:
+    declared = pxd_fields(pxd)
+    assert declared, f"{pxd.name} declares no class"
+    source = pxd.with_suffix(".py")
+    for name, fields in declared.items():
+        assert fields == source_fields(source, name), (
+            f"{pxd.name} and {source.name} disagree on {name}'s fields: "
+            f"only declared {sorted(fields - source_fields(source, name))}, "
+            f"only in the source {sorted(source_fields(source, name) - fields)}"
+        )
+
+
+def test_the_declared_classes_are_extension_types_in_the_compiled_build() -> None:
+    from narwhal_core import router
+
+    declared = pxd_fields(ROOT / "narwhal_core" / "router.pxd")
+    compiled = "narwhal_core.router" in corebuild.compiled_files() and not corebuild.pure_requested()
+    heap_type = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not by C
+    for name in declared:
+        cls = getattr(router, name)
+        assert bool(cls.__flags__ & heap_type) is not compiled, f"{name}: compiled build {compiled}"
+    if compiled:
+        # A field the declarations lack does not exist: the test above keeps them complete.
+        with pytest.raises(AttributeError):
+            router._Kv(None, None, "leg").undeclared = 1  # type: ignore[attr-defined]
