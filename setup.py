@@ -3,11 +3,12 @@
 ``pyproject.toml`` holds everything else. The compiled modules are the same
 source files, built by Cython in pure-Python mode, so behaviour is the
 Python source's; they run faster under load, a little slower at idle
-(``benchmarks/README.md``, "Results (latest): compiled core"). Annotations
-stay annotations, never C types, except in ``router.py``: there Cython
-types the parameters annotated with the classes ``router.pxd`` declares as
-extension types, whose fields it then reads directly (its header comment
-turns ``annotation_typing`` on). Without Cython or a C compiler, or with
+(``benchmarks/README.md``, "Results (latest): compiled core"). The ``.pxd``
+files beside some modules declare their hot classes to Cython as extension
+types, whose methods then read and write their fields directly, and
+annotations stay annotations, never C types, except in ``router.py``:
+there Cython also types the parameters annotated with the classes
+``router.pxd`` declares (its header comment turns ``annotation_typing`` on). Without Cython or a C compiler, or with
 ``NARWHAL_PURE_PYTHON=1`` in the environment at install time, the install
 goes on with the pure Python modules; a module whose compilation fails is
 left pure. ``narwhal serve`` logs which one it runs (``core``: ``compiled``,

@@ -249,7 +249,6 @@ def release_found_nothing(body: bytes) -> bool:
     return isinstance(answer, dict) and answer.get("released") is False
 
 
-@attrs.define
 class SseRelay:
     """Splits a decode leg's SSE byte stream into events and normalises each one.
 
@@ -260,29 +259,39 @@ class SseRelay:
     leg: it is never relayed) and re-encoded only when it carries something
     to fix (usage, internal fields, another model name); other lines of the
     event (``id:``, ``event:``, comments) are kept. ``feed`` returns the
-    bytes to relay now.
+    bytes to relay now. (A plain class: compiled, an extension type declared
+    in ``planning.pxd``.)
     """
 
-    route: Route
-    model: str
-    pd: bool
-    cached_tokens: int | None
-    #: A secret (the engine credential) to scrub from every event.
-    redact: bytes | None = None
-    max_event_bytes: int = 1 << 20
-    _buffer: bytes = b""
-    _lines: list[bytes] = attrs.field(factory=list)
-    _event_size: int = 0
-    #: The engine's ``data: [DONE]`` was seen.
-    done: bool = False
-    #: An engine error event relayed to the client, if any.
-    error: dict[str, Any] | None = None
-    #: The last usage object seen (for the journal).
-    usage: dict[str, Any] | None = None
-    #: Number of events relayed.
-    events: int = 0
-    #: When :meth:`feed` raised: the good events it had before the bad one.
-    good_before_error: bytes = b""
+    __slots__ = (
+        "route", "model", "pd", "cached_tokens", "redact", "max_event_bytes", "_buffer", "_lines", "_event_size",
+        "done", "error", "usage", "events", "good_before_error",
+    )
+
+    def __init__(
+        self, route: Route, model: str, pd: bool, cached_tokens: int | None, redact: bytes | None = None,
+        max_event_bytes: int = 1 << 20,
+    ) -> None:  # fmt: skip
+        self.route = route
+        self.model = model
+        self.pd = pd
+        self.cached_tokens = cached_tokens
+        #: A secret (the engine credential) to scrub from every event.
+        self.redact = redact
+        self.max_event_bytes = max_event_bytes
+        self._buffer = b""
+        self._lines: list[bytes] = []
+        self._event_size = 0
+        #: The engine's ``data: [DONE]`` was seen.
+        self.done = False
+        #: An engine error event relayed to the client, if any.
+        self.error: dict[str, Any] | None = None
+        #: The last usage object seen (for the journal).
+        self.usage: dict[str, Any] | None = None
+        #: Number of events relayed.
+        self.events = 0
+        #: When :meth:`feed` raised: the good events it had before the bad one.
+        self.good_before_error = b""
 
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return complete, normalised events to send to the client."""
