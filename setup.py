@@ -3,7 +3,7 @@
 ``pyproject.toml`` holds everything else. The compiled modules are the same
 source files, built by Cython in pure-Python mode, so behaviour is the
 Python source's; they run faster under load, a little slower at idle
-(``benchmarks/README.md``, "Results (latest): compiled core"). The ``.pxd``
+(``benchmarks/README.md``, "Results (latest)"). The ``.pxd``
 files beside some modules declare their hot classes to Cython as extension
 types, whose methods then read and write their fields directly, and
 annotations stay annotations, never C types, except in ``router.py``:
