@@ -79,14 +79,18 @@ def extensions() -> list[object]:
         _warn("Cython is not installed; narwhal_core runs as pure Python")
         return []
     modules = [Extension(f"narwhal_core.{name}", [f"narwhal_core/{name}.py"]) for name in COMPILED]
+    options = {"compiler_directives": DIRECTIVES, "build_dir": "build/cython", "quiet": True}
     try:
-        return list(cythonize(
-            modules, compiler_directives=DIRECTIVES, build_dir="build/cython", quiet=True,
-            nthreads=os.cpu_count() or 1,
-        ))
-    except Exception as exc:  # noqa: BLE001 - Cython refused: stay pure
-        _warn(f"Cython failed ({exc}); narwhal_core runs as pure Python")
-        return []
+        return list(cythonize(modules, nthreads=os.cpu_count() or 1, **options))
+    except Exception:  # noqa: BLE001 - Cython refused one: find which, leave it pure
+        pass
+    built = []
+    for module in modules:
+        try:
+            built.extend(cythonize([module], **options))
+        except Exception as exc:  # noqa: BLE001
+            _warn(f"{module.name} not compiled (Cython: {exc}); it runs as pure Python")
+    return built
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})
