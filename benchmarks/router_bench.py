@@ -194,6 +194,16 @@ def _strip_ansi(text: str) -> str:
     return "".join(out)
 
 
+def io_calls(pid: int) -> tuple[int, int]:
+    """A process's read and write system calls so far (``/proc/PID/io``: syscr, syscw)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines() if ": " in line)
+        return int(fields["syscr"]), int(fields["syscw"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads, children excluded), in seconds."""
     with open(f"/proc/{pid}/stat") as f:
@@ -513,6 +523,7 @@ def measure(t: Target, scen: str, body_file: Path, seconds: float, warmup: float
     pid = t.proc.pid if t.proc is not None else None
     eng0 = sum(cpu_seconds(p) for p in engine_pids)
     cpu0 = cpu_seconds(pid) if pid else 0.0
+    io0 = io_calls(pid) if pid else (0, 0)
     self0 = resource.getrusage(resource.RUSAGE_SELF)
     busy0 = core_busy([router_core, load_core])
     w0 = time.monotonic()
@@ -521,6 +532,7 @@ def measure(t: Target, scen: str, body_file: Path, seconds: float, warmup: float
     busy1 = core_busy([router_core, load_core])
     self1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu1 = cpu_seconds(pid) if pid else 0.0
+    io1 = io_calls(pid) if pid else (0, 0)
     eng1 = sum(cpu_seconds(p) for p in engine_pids)
     ours_load = res["wrk_cpu_s"] + eng1 - eng0 + (self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime)
     other = None
@@ -546,6 +558,9 @@ def measure(t: Target, scen: str, body_file: Path, seconds: float, warmup: float
         "cpu_us_per_req": 1e6 * (cpu1 - cpu0) / n if (pid and n) else None,
         "other_pct": max(0.0, other) if other is not None else None,
         "rss_kib_after": rss_kib(pid)[0] if pid else None,
+        # read(2)/write(2)-family calls per request (recv/send on trio's plain sockets are not counted)
+        "reads_per_req": (io1[0] - io0[0]) / n if (pid and n) else None,
+        "writes_per_req": (io1[1] - io0[1]) / n if (pid and n) else None,
     }
     if SCENARIOS[scen][0] and t.chunks and m["cpu_us_per_req"] is not None:
         m["cpu_us_per_chunk"] = m["cpu_us_per_req"] / t.chunks
@@ -859,6 +874,7 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
                     f"  p99 {m['p99_us']:6d} µs  CPU {fmt(m['cpu_us_per_req'], '.1f'):>7} µs/req"
                     f"  router {fmt(m['router_core_pct'])}%  load {m['load_core_pct']:.0f}%  other {fmt(m['other_pct'])}%"
                     f"  RSS {fmt(m['rss_kib_after'], '.1f', 1 / 1024)} MiB"
+                    f"  reads/writes per req {fmt(m['reads_per_req'], '.1f')}/{fmt(m['writes_per_req'], '.1f')}"
                     f"{'  errors ' + str(m['errors']) if m['errors'] else ''}")  # fmt: skip
     for t in targets:
         if t.proc is not None and t.proc.alive():
