@@ -607,8 +607,9 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
     lines: list[str] = []
     p = lines.append
     p("")
+    pacing = f", streamed tokens paced {args.paced_ms:g} ms apart" if args.paced_ms else ""
     p(f"Router benchmark: median of {runs} run(s), {args.duration:g} s windows, engines: {args.engine} "
-      f"(speed 0), router core {args.router_core}, load core {args.load_core}")  # fmt: skip
+      f"(speed 0{pacing}), router core {args.router_core}, load core {args.load_core}")  # fmt: skip
     head = (f"{'scenario':<20} {'target':<16} {'req/s':>8} {'p50 µs':>8} {'p99 µs':>8} {'+p50 µs':>8} "
             f"{'+p99 µs':>8} {'CPU µs/req':>10} {'CPU µs/chunk':>12} {'router%':>7} {'load%':>6} {'other%':>6}  notes")  # fmt: skip
     p(head)
@@ -816,7 +817,7 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
     engines: dict[str, dict[str, Any]] = {}
     engine_procs: list[Proc] = []
     for role in ("prefill", "decode"):
-        proc, info = start_engine(args.engine, role, args.load_core, work)
+        proc, info = start_engine(args.engine, role, args.load_core, work, token_interval_ms=args.paced_ms)
         engines[role] = info
         engine_procs.append(proc)
     log(f"engines ({args.engine}): prefill {engines['prefill']['url']}, decode {engines['decode']['url']}")
@@ -1218,6 +1219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None, metavar="TARGET", help="py-spy a Narwhal target under pd-c32")
     parser.add_argument("--streams", type=int, default=10_000, help="slow-streams: concurrent streams")
     parser.add_argument("--token-interval-ms", type=float, default=1000.0, help="slow-streams: engine pacing")
+    parser.add_argument("--paced-ms", type=float, default=0.0,
+                        help="table: the instant engines send streamed tokens this many ms apart (0: all at once)")
     parser.add_argument("--stream-seconds", type=float, default=60.0, help="slow-streams: length of each stream")
     parser.add_argument("--rounds", type=int, default=2,
                         help="slow-streams: batches of streams through the same router (does RSS come back?)")
