@@ -97,7 +97,12 @@ ALL_TARGETS = ("direct", "narwhal-trio", "narwhal-asyncio", "vllm-router", "sgla
 #: Also measurable, not run by default: Narwhal with its core as pure Python
 #: (``NARWHAL_PURE_PYTHON=1``) beside the compiled build the install made.
 PURE_TARGETS = ("narwhal-trio-pure", "narwhal-asyncio-pure")
-KNOWN_TARGETS = ALL_TARGETS + PURE_TARGETS
+#: Also measurable, not run by default: Narwhal with ``ingress.busy_poll_us``
+#: set to :data:`BUSY_POLL_US` (the event loop polls instead of sleeping for
+#: that long after each event: lower latency at low load, for CPU).
+POLL_TARGETS = ("narwhal-trio-poll", "narwhal-asyncio-poll")
+BUSY_POLL_US = 200
+KNOWN_TARGETS = ALL_TARGETS + PURE_TARGETS + POLL_TARGETS
 PEERS = ("vllm-router", "sglang-router")
 SCENARIOS = {
     # name: (stream, concurrency, max_tokens, label)
@@ -390,7 +395,10 @@ def start_target(name: str, core: int | None, work: Path, engines: dict[str, dic
         runtime = name.split("-")[1]
         env[PURE_ENV] = "1" if name.endswith("-pure") else ""
         cfg = work / f"{name}.toml"
-        narwhal_config(cfg, port, prefill, decode, work / f"{name}-journal.jsonl", narwhal_extra)
+        extra = {section: dict(keys) for section, keys in (narwhal_extra or {}).items()}
+        if name.endswith("-poll"):
+            extra.setdefault("ingress", {})["busy_poll_us"] = BUSY_POLL_US
+        narwhal_config(cfg, port, prefill, decode, work / f"{name}-journal.jsonl", extra)
         cmd = [sys.executable, "-m", "narwhal.cli", "serve", "--config", str(cfg), "--runtime", runtime]
     elif name in PEERS:
         if peers_bin is None:

@@ -10,7 +10,9 @@ I/O again: first every journal line of the iteration in one ``write(2)``,
 then the legs, then each client's bytes in one ``transport.write``. So a
 journal record reaches the file before the answer or leg it describes
 leaves the process, and a busy loop writes the journal once per iteration,
-not twice per request. No task runs per request: tasks only open new engine
+not twice per request. With ``ingress.busy_poll_us``, each event also keeps
+the loop polling (a ``call_soon`` callback that re-queues itself) until that
+long after it, instead of sleeping. No task runs per request: tasks only open new engine
 connections and run control requests. Backpressure: when a
 client's transport stops taking bytes (``pause_writing``), the server stops
 reading from that client and from every engine leg relaying to it, until
@@ -308,6 +310,14 @@ class Server:
         self.engines: Engines | None = None
         #: The address the server listens on, once started.
         self.address: tuple[str, int] | None = None
+        #: ``ingress.busy_poll_us`` in seconds: after each event, the loop
+        #: polls (a callback re-queued per iteration) instead of sleeping
+        #: until this long after the last one (0: it never polls).
+        self._busy_poll = config.ingress.busy_poll_us / 1e6
+        self._poll_until = 0.0
+        self._polling = False
+        #: Loop iterations spent busy polling, so far.
+        self.busy_polls = 0
 
     # ------------------------------------------------------------------ run
 
@@ -337,6 +347,8 @@ class Server:
                 self.shutdown()
             await self._drained
         finally:
+            self._busy_poll = 0.0
+            self._poll_until = 0.0
             self._flush()
             self._stop_listening()
             if self._timer is not None:
@@ -395,8 +407,14 @@ class Server:
 
     def feed(self, event: Event) -> None:
         """Feed one event and act on the commands (synchronously)."""
+        now = clock()
+        if self._busy_poll:
+            self._poll_until = now + self._busy_poll
+            if not self._polling and self._loop is not None:
+                self._polling = True
+                self._loop.call_soon(self._poll)
         try:
-            self.router.receive(event, now=clock())
+            self.router.receive(event, now=now)
         except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
             # The router failed closed (it journals and queues what it must);
             # act on whatever it queued before the error.
@@ -454,6 +472,17 @@ class Server:
             self._armed = deadline
             assert self._loop is not None
             self._timer = self._loop.call_at(deadline + TIMER_SLACK_S, self._on_timer)
+
+    def _poll(self) -> None:
+        # Busy polling: while a callback is queued, the loop's next wait for
+        # I/O returns at once, so a socket that becomes ready is served
+        # without the process going to sleep and being woken.
+        if clock() < self._poll_until:
+            self.busy_polls += 1
+            assert self._loop is not None
+            self._loop.call_soon(self._poll)
+        else:
+            self._polling = False
 
     def _flush(self) -> None:
         """Write what the loop iteration produced: the journal first, then legs, then clients."""

@@ -24,6 +24,11 @@ Client sockets, like engine connections (:mod:`.engines`), are plain
 non-blocking sockets driven with :func:`trio.lowlevel.wait_readable`: a
 read waits for the socket first (a checkpoint), and a write is tried at
 once and waits only when the socket cannot take the bytes.
+
+With ``ingress.busy_poll_us``, each event fed also keeps a polling task
+runnable until that long after it (measured on the real clock, not trio's):
+while a task is runnable, the run loop's wait for I/O returns at once
+instead of sleeping.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import math
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +139,12 @@ class Server:
         self.engines: Engines | None = None
         #: The address the server listens on, once started.
         self.address: tuple[str, int] | None = None
+        #: ``ingress.busy_poll_us`` in seconds (0: no polling task).
+        self._busy_poll = config.ingress.busy_poll_us / 1e6
+        self._poll_until = 0.0
+        self._poll_wakeup = trio.Event()
+        #: Scheduler batches spent busy polling, so far.
+        self.busy_polls = 0
 
     # ------------------------------------------------------------------ run
 
@@ -154,6 +166,8 @@ class Server:
                 self._nursery = nursery
                 self.engines = Engines(nursery, self.feed, pool_size=self.config.engine.pool_connections_per_engine)
                 nursery.start_soon(self._timer_loop)
+                if self._busy_poll:
+                    nursery.start_soon(self._busy_poll_loop)
                 if self.config.journal.fsync == "interval":
                     nursery.start_soon(self.journal.run_sync_timer)
                 nursery.start_soon(self._accept_loop, listeners)
@@ -215,6 +229,9 @@ class Server:
 
     async def feed(self, event: Event) -> None:
         """Feed one event and act on the commands; wait if a client it fed is far behind."""
+        if self._busy_poll:
+            self._poll_until = time.monotonic() + self._busy_poll
+            self._poll_wakeup.set()
         self.router.receive(event, now=trio.current_time())
         self._drain()
         if self._backlogged:
@@ -418,6 +435,17 @@ class Server:
             if not data:
                 return  # EOF, or closed
             left -= len(data)
+
+    async def _busy_poll_loop(self) -> None:
+        # Runnable until the polling window after the last event closes (a
+        # real-time window: it stands for CPU spent, and a test's mock clock
+        # does not move while a task is runnable), then parked.
+        while True:
+            await self._poll_wakeup.wait()
+            self._poll_wakeup = trio.Event()
+            while time.monotonic() < self._poll_until:
+                self.busy_polls += 1
+                await trio.lowlevel.checkpoint()
 
     async def _timer_loop(self) -> None:
         while True:

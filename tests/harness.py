@@ -78,12 +78,15 @@ def make_config(
 class RouterThread:
     """A router serving on its own loop in a background thread."""
 
-    def __init__(self, config: Config, runtime: str = "trio", *, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, config: Config, runtime: str = "trio", *, env: Mapping[str, str] | None = None,
+                 uvloop: bool = False) -> None:  # fmt: skip
         if runtime not in RUNTIMES:
             raise ValueError(runtime)
         self.config = config
         self.runtime = runtime
         self.env = env
+        #: asyncio only: run the loop `narwhal serve` runs (uvloop where installed), not the standard one.
+        self.uvloop = uvloop
         self.loop_library: str | None = None
         self.address: tuple[str, int] | None = None
         self._ready = threading.Event()
@@ -162,6 +165,11 @@ class RouterThread:
             raise box["error"]
         return box["value"]  # type: ignore[no-any-return]
 
+    @property
+    def server(self) -> Any:
+        """The runtime's ``Server`` (read its plain counters only; call into it with :meth:`call`)."""
+        return self._server
+
     def statistics(self) -> Any:
         return self.call(lambda: self._server.router.statistics())
 
@@ -200,7 +208,12 @@ class RouterThread:
             self._ready.set()
 
     def _asyncio_run(self) -> None:
-        loop = asyncio.new_event_loop()  # the standard loop, uvloop installed or not
+        if self.uvloop:
+            from narwhal_asyncio.server import new_event_loop
+
+            loop = new_event_loop()
+        else:
+            loop = asyncio.new_event_loop()  # the standard loop, uvloop installed or not
         try:
             loop.run_until_complete(self._asyncio_main())
         finally:

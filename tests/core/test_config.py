@@ -162,6 +162,7 @@ DEFAULTS: dict[str, object] = {
     "ingress.send_timeout_s": 30.0,
     "ingress.max_connections": 20000,
     "ingress.max_buffered_bytes": 536870912,
+    "ingress.busy_poll_us": 0,
     "engine.prefill": (),
     "engine.engine_api_key_env": None,
     "engine.kv_release": "decode_abort",
@@ -616,7 +617,7 @@ MINIMUMS = {
 
 def test_minimums_table_covers_every_integer_key() -> None:
     ints = {f"{s}.{a.name}" for s, a in all_keys() if a.type is int}
-    assert set(MINIMUMS) | {"retry.max_attempts", "ingress.max_buffered_bytes"} == ints
+    assert set(MINIMUMS) | {"retry.max_attempts", "ingress.max_buffered_bytes", "ingress.busy_poll_us"} == ints
 
 
 def test_max_buffered_bytes_is_at_least_max_body_bytes() -> None:
@@ -626,6 +627,17 @@ def test_max_buffered_bytes_is_at_least_max_body_bytes() -> None:
     assert str(error) == "ingress.max_buffered_bytes: must be at least ingress.max_body_bytes (1000), got 999"
     error = error_of(with_values(ingress={"max_buffered_bytes": 0}))
     assert str(error) == "ingress.max_buffered_bytes: must be at least 1, got 0"
+
+
+@pytest.mark.parametrize("good", [0, 1, 200, 1000000])
+def test_busy_poll_is_zero_to_one_second(good: int) -> None:
+    assert config_from_dict(with_values(ingress={"busy_poll_us": good}), env={}).ingress.busy_poll_us == good
+
+
+@pytest.mark.parametrize("bad", [-1, 1000001])
+def test_busy_poll_out_of_range(bad: int) -> None:
+    error = error_of(with_values(ingress={"busy_poll_us": bad}))
+    assert str(error) == f"ingress.busy_poll_us: must be between 0 and 1000000, got {bad}"
 
 
 @pytest.mark.parametrize("key", sorted(MINIMUMS))
