@@ -17,7 +17,10 @@ What it starts (every listener on 127.0.0.1):
   generator calls the decode engine itself: the baseline), ``narwhal-trio``
   and ``narwhal-asyncio`` (``narwhal serve --runtime ...``), ``vllm-router``
   (``--vllm-pd-disaggregation --policy round_robin``) and ``sglang-router``
-  (``launch --pd-disaggregation --policy round_robin``). The peers come from
+  (``launch --pd-disaggregation --policy round_robin``); on request
+  (``--targets``), ``narwhal-trio-pure`` / ``narwhal-asyncio-pure`` (the
+  core's pure Python sources) and ``narwhal-trio-poll`` /
+  ``narwhal-asyncio-poll`` (``ingress.busy_poll_us = 200``). The peers come from
   PyPI into a separate venv, ``benchmarks/.peers-venv``, created on first use
   (never into the project's dependencies). A target that fails to start,
   to answer, or to do PD is reported as such in the table, and the others go on;

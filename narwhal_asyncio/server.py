@@ -318,6 +318,9 @@ class Server:
         self._polling = False
         #: Loop iterations spent busy polling, so far.
         self.busy_polls = 0
+        if self._busy_poll:
+            # Only then does a fed event cost anything more.
+            self.feed = self._feed_and_poll  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ run
 
@@ -407,14 +410,8 @@ class Server:
 
     def feed(self, event: Event) -> None:
         """Feed one event and act on the commands (synchronously)."""
-        now = clock()
-        if self._busy_poll:
-            self._poll_until = now + self._busy_poll
-            if not self._polling and self._loop is not None:
-                self._polling = True
-                self._loop.call_soon(self._poll)
         try:
-            self.router.receive(event, now=now)
+            self.router.receive(event, now=clock())
         except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
             # The router failed closed (it journals and queues what it must);
             # act on whatever it queued before the error.
@@ -472,6 +469,14 @@ class Server:
             self._armed = deadline
             assert self._loop is not None
             self._timer = self._loop.call_at(deadline + TIMER_SLACK_S, self._on_timer)
+
+    def _feed_and_poll(self, event: Event) -> None:
+        """:meth:`feed` with ``ingress.busy_poll_us`` set: open (or extend) the polling window first."""
+        self._poll_until = clock() + self._busy_poll
+        if not self._polling and self._loop is not None:
+            self._polling = True
+            self._loop.call_soon(self._poll)
+        Server.feed(self, event)
 
     def _poll(self) -> None:
         # Busy polling: while a callback is queued, the loop's next wait for

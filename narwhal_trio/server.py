@@ -145,6 +145,9 @@ class Server:
         self._poll_wakeup = trio.Event()
         #: Scheduler batches spent busy polling, so far.
         self.busy_polls = 0
+        if self._busy_poll:
+            # Only then does a fed event cost anything more.
+            self.feed = self._feed_and_poll  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ run
 
@@ -229,9 +232,6 @@ class Server:
 
     async def feed(self, event: Event) -> None:
         """Feed one event and act on the commands; wait if a client it fed is far behind."""
-        if self._busy_poll:
-            self._poll_until = time.monotonic() + self._busy_poll
-            self._poll_wakeup.set()
         self.router.receive(event, now=trio.current_time())
         self._drain()
         if self._backlogged:
@@ -435,6 +435,12 @@ class Server:
             if not data:
                 return  # EOF, or closed
             left -= len(data)
+
+    async def _feed_and_poll(self, event: Event) -> None:
+        """:meth:`feed` with ``ingress.busy_poll_us`` set: open (or extend) the polling window first."""
+        self._poll_until = time.monotonic() + self._busy_poll
+        self._poll_wakeup.set()
+        await Server.feed(self, event)
 
     async def _busy_poll_loop(self) -> None:
         # Runnable until the polling window after the last event closes (a
