@@ -103,7 +103,7 @@ def _toml(value: Any) -> str:
 def write_config(path: Path, journal: Path, prefill: list[str], decode: list[str], args: argparse.Namespace) -> None:
     sections: dict[str, dict[str, Any]] = {
         "model": {"name": MODEL},
-        "ingress": {"listen": "127.0.0.1:0", "auth": "none"},
+        "ingress": {"listen": "127.0.0.1:0", "auth": "none", "busy_poll_us": args.busy_poll_us},
         "engine": {
             "prefill": prefill, "decode": decode, "kv_release": args.kv_release,
             # Stalled engines must be given up on well within the run.
@@ -358,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of traffic before the reference RSS (default: 15%% of --seconds)")
     parser.add_argument("--flat-tolerance", type=float, default=0.10)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--busy-poll-us", type=int, default=0, help="the router's ingress.busy_poll_us (default 0)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object only")
     args = parser.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else max(3.0, 0.15 * args.seconds)
