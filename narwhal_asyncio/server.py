@@ -12,8 +12,8 @@ journal record reaches the file before the answer or leg it describes
 leaves the process, and a busy loop writes the journal once per iteration,
 not twice per request. With ``ingress.busy_poll_us``, each event also keeps
 the loop polling (a ``call_soon`` callback that re-queues itself) until that
-long after it, instead of sleeping. No task runs per request: tasks only open new engine
-connections and run control requests. Backpressure: when a
+long after it, instead of sleeping. No task runs per request: tasks only
+open new engine connections and run control requests. Backpressure: when a
 client's transport stops taking bytes (``pause_writing``), the server stops
 reading from that client and from every engine leg relaying to it, until
 ``resume_writing``. uvloop runs the loop when it is installed.

@@ -481,8 +481,8 @@ class IngressConfig:
     )
     busy_poll_us: int = _count(
         0,
-        "After each socket event, keep the event loop polling for this many microseconds before it "
-        "sleeps: less added latency at low load, for up to one busy core while traffic is sparse. 0 never polls.",
+        "After each event the router is fed, keep the event loop polling for this many microseconds before "
+        "it sleeps: less added latency at low load, for up to one busy core while traffic is sparse. 0 never polls.",
         minimum=0,
         maximum=1000000,
     )
