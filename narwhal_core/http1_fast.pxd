@@ -10,9 +10,6 @@ from narwhal_core.http1 cimport ServerConnection
 cdef class FastServerConnection(ServerConnection):
     pass
 
-cdef class _FieldSink:
-    cdef public object fields, special, complete
-
 cdef class FastEngineConnection:
     cdef public object _max_header_bytes, _max_body, _max_unparsed, _buf, _unparsed, _scan, _eof, _overflow
     cdef public object _state, _error, _end, _head_request, _request_close, _keep_alive, _framing, _remaining

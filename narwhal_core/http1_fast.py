@@ -1,4 +1,4 @@
-"""The fast HTTP/1.1 codec: llhttp (``httptools``) behind the codec protocols of :mod:`.http1`.
+"""The fast HTTP/1.1 codec behind the codec protocols of :mod:`.http1`.
 
 :data:`FAST_CODEC` gives the same events, the same errors (status and
 ``reason``) and the same response bytes as the reference codec
@@ -7,58 +7,40 @@ split; ``tests/core/test_http1.py`` runs every codec test against both and
 compares them on generated and mutated byte streams. Only what costs time
 is done differently:
 
-* Field lines of a request or response head are tokenised by llhttp, in C,
-  instead of h11's per-line regexes and event machinery. llhttp is given
-  a fixed request line (``PUT / HTTP/1.1``) followed by the head's field
-  lines, and never the request or status line itself: its method table,
-  URL parser and version rules differ from h11's, so those lines are
-  matched here with h11's own grammar (RFC 9112 §3, §4).
+* A head's lines are read without h11's per-line regexes and event
+  machinery. Field lines are split on CRLF and each is checked with bytes
+  operations against a rule narrower than h11's (:func:`_field_lines`);
+  request and status lines are matched with h11's own grammar (RFC 9112
+  §3, §4). Lines read before are remembered with what they gave (bounded;
+  lines carrying credentials are never kept), since clients and engines
+  send the same lines again and again.
 * Bodies (``Content-Length``, chunked, close-delimited) are framed here in
   Python, on one buffer, without per-chunk event objects.
 
 **Client side** (:class:`FastServerConnection`). It extends
 :class:`~narwhal_core.http1.ServerConnection` and replaces only the h11
-parse of a request head: buffering, the head-size limits, the bare CR/LF
-and obs-fold checks, the strict chunked decoder, the state table and the
-response serialiser are the reference's own code. The fast path *only
-accepts*: a head it cannot prove the reference would accept with the same
-values -- llhttp refused it, or a check below fails -- is handed to the
-reference parse, which refuses it with its own status (400/413/431/505) or,
-rarely, accepts it. Where llhttp and the reference differ, and how that is
-reconciled:
+parse of a request head: buffering, the head-size limits, the strict
+chunked decoder, the state table and the response serialiser are the
+reference's own code. The fast path *only accepts*: a head it cannot prove
+the reference would accept with the same values is handed to the reference
+parse, which refuses it with its own status (400/413/431/505) or, rarely,
+accepts it. What the fast path leaves to the reference:
 
-* framing is the reference's, on whole heads and whole lines: llhttp is
-  never left to find where a head or a chunk ends, because it reports a
-  bad byte at once where the reference waits for the line, so a stream cut
-  before the line ends and then closed would be "malformed" for one and
-  "dropped" for the other;
-* leading empty lines are skipped by the shared code; obsolete line
-  folding, bare CR and bare LF never pass the fast path: the request line
-  is matched here and must end in CRLF, and llhttp, with no leniency
-  enabled, refuses all three in field lines (it must also have reached the
-  empty line) -- the reference then refuses the head with its 400. Sizes
-  and the field count are compared here the same way;
-* methods (llhttp knows a fixed list, h11 any token), request targets
-  (llhttp's URL parser vs h11's ``VCHAR+``) and HTTP versions (llhttp
-  refuses 1.2 with a parse error, the reference answers 505 after
-  validating the fields): the request line is matched here with h11's
-  grammar and never given to llhttp; versions other than 1.0/1.1 go to the
-  reference, which decides between 400 and 505;
-* field values: llhttp refuses control characters that h11 accepts (0x01-
-  0x08, 0x0E-0x1F, 0x7F): such a head goes to the reference; llhttp keeps
-  trailing whitespace in a value, h11 strips it: stripped here;
-* ``Host``: llhttp does not check it; one is required for HTTP/1.1 and two
-  are refused (h11's rule) -- anything else goes to the reference;
-* ``Transfer-Encoding``: llhttp accepts ``gzip, chunked`` and repeated
-  fields; h11 accepts exactly one field equal to ``chunked`` (any case) and
-  stores it lowercased; anything else goes to the reference;
-* ``Content-Length``: llhttp refuses lists, repeats and values past 2**64
-  (the reference merges or 413s some of those) and accepts 21 digits with
-  leading zeros (h11 allows 20): anything but a single value of at most 20
-  digits within ``max_body_bytes`` goes to the reference;
-* ``Upgrade`` with ``Connection: upgrade``: llhttp stops with an upgrade
-  signal after the fields; they are complete then, and the request is
-  treated like any other, as in the reference.
+* anything but CRLF line ends: bare CR, bare LF and obsolete line folding
+  (a field line starting with whitespace is not a token);
+* request lines that are not h11's ``token SP VCHAR+ SP HTTP/d.d``, and
+  versions other than 1.0/1.1, for which the reference decides between 400
+  and 505;
+* field values holding control bytes other than HTAB (h11 accepts all but
+  NUL; the fast rule accepts HTAB, SP, VCHAR and obs-text only), and heads
+  over the size or field-count limits;
+* ``Host``: one is required for HTTP/1.1 and two are refused (h11's rule);
+* ``Transfer-Encoding``: anything but exactly one field equal to
+  ``chunked`` (any case, stored lowercased as h11 does), or one together
+  with ``Content-Length``, or on HTTP/1.0;
+* ``Content-Length``: anything but a single field of at most 20 digits
+  within ``max_body_bytes`` (the reference merges lists and repeats, or
+  answers 413).
 
 **Engine side** (:class:`FastEngineConnection`) is written here in full,
 and follows h11 0.16 -- the reference's engine-side parser -- rule for
@@ -68,21 +50,19 @@ bytes an engine may send:
 * heads end at the first empty line, CRLF or bare LF, and one that starts
   with an empty line or a byte below 0x21 is refused at once, as h11 does;
   when the status line (h11's grammar: any ``HTTP/d.d``, three digits, an
-  optional reason) ends in CRLF and llhttp accepts the field lines, those
-  are llhttp's, with the same reconciliations as above (``Host`` aside);
-  any other head -- bare LF line ends (h11 accepts them), obs-fold (h11
-  unfolds it), values llhttp refuses, a repeated identical
-  ``Content-Length`` (h11 merges it), ``gzip, chunked`` -- is read by the
-  h11-faithful Python reader (:func:`_decode_fields`), which is the
-  semantic authority of this side; 101 and statuses below 100 are refused
-  as h11 refuses them;
-* the chunked decoder is h11's, laxer than llhttp and than the strict
-  client-side decoder: a chunk line ends at the first CRLF, size of 1-20
-  hex digits, any extension (anything but LF after ``;``), optional
-  trailing whitespace; CRLF after the data; trailer lines read like head
-  lines (a lone LF ends an empty trailer section); h11's
-  ``max_incomplete_event_size`` (431 -> ``too_large``) applies whenever
-  the parser waits for data;
+  optional reason) ends in CRLF and the field lines pass the fast rule
+  above, those are read by it; any other head -- bare LF line ends (h11
+  accepts them), obs-fold (h11 unfolds it), values with control bytes, a
+  repeated identical ``Content-Length`` (h11 merges it), ``gzip, chunked``
+  -- is read by the h11-faithful Python reader (:func:`_decode_fields`),
+  which is the semantic authority of this side; 101 and statuses below 100
+  are refused as h11 refuses them;
+* the chunked decoder is h11's, laxer than the strict client-side decoder:
+  a chunk line ends at the first CRLF, size of 1-20 hex digits, any
+  extension (anything but LF after ``;``), optional trailing whitespace;
+  CRLF after the data; trailer lines read like head lines (a lone LF ends
+  an empty trailer section); h11's ``max_incomplete_event_size`` (431 ->
+  ``too_large``) applies whenever the parser waits for data;
 * body pieces may be cut differently (consecutive chunks come out as one
   :class:`~narwhal_core.http1.BodyData`), which the protocol allows; the
   body limit still refuses at the same piece, after the same bytes.
@@ -100,7 +80,6 @@ from collections.abc import Sequence
 from typing import Final
 
 import attrs
-import httptools
 
 from narwhal_core.errors import LocalProtocolError, RemoteProtocolError
 from narwhal_core.http1 import (
@@ -188,58 +167,83 @@ def _request_line(method: str, target: str) -> tuple[bytes, bytes]:
 
 
 # ---------------------------------------------------------------------------
-# Field lines through llhttp
+# Field lines
 # ---------------------------------------------------------------------------
 
-# The request line llhttp is given in front of a head's field lines.
-_FIELDS_PREFIX: Final = b"PUT / HTTP/1.1\r\n"
 _OWS: Final = b" \t"
 _CR: Final = 13
 # Fields that decide framing, keep-alive, the Host rule or 100-continue.
 _SPECIAL_FIELDS: Final = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect"})
+# What a value may hold on the fast path, once stripped of OWS: HTAB, SP,
+# VCHAR and obs-text. h11 also accepts the other control bytes but NUL; such
+# a value goes to the reference.
+_FAST_VALUE_BYTES: Final = b"\t" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))
+# Field lines read before, with the field each gave: a line reads the same
+# every time, and engines and clients send the same lines again and again.
+# Bounded by count and by line length, emptied when full; lines that carry a
+# credential are never kept.
+_KNOWN_LINES: Final[dict[bytes, tuple[bytes, bytes]]] = {}
+_MAX_KNOWN_LINES: Final = 1024
+_MAX_KNOWN_LINE_BYTES: Final = 256
+_SECRET_FIELDS: Final = frozenset({b"authorization", b"proxy-authorization", b"cookie", b"x-api-key"})
 
 
-class _FieldSink:
-    """llhttp's callback object: the field lines of one head, as h11 stores them."""
-
-    __slots__ = ("fields", "special", "complete")
-
-    def __init__(self) -> None:
-        #: ``(lowercase name, value)`` in order, values stripped of OWS.
-        self.fields: Fields = []
-        #: The fields named in ``_SPECIAL_FIELDS``, in order.
-        self.special: Fields = []
-        #: llhttp reached the empty line that ends the fields.
-        self.complete = False
-
-    def on_headers_complete(self) -> None:
-        self.complete = True
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # llhttp drops the OWS before a value but keeps the OWS after it.
-        field = (name.lower(), value.rstrip(_OWS))
-        self.fields.append(field)
-        if field[0] in _SPECIAL_FIELDS:
-            self.special.append(field)
+# Request and status lines matched before, with their groups (the same
+# few lines come again and again), bounded as the field lines are.
+_KNOWN_REQUEST_LINES: Final[dict[bytes, tuple[bytes, ...]]] = {}
+_KNOWN_STATUS_LINES: Final[dict[bytes, tuple[bytes, ...]]] = {}
 
 
-def _llhttp_fields(head: bytes, start: int) -> _FieldSink | None:
-    """The field lines of ``head[start:]`` (field lines, then the empty line); None if llhttp refuses them.
+def _known_line(line: bytes, known: dict[bytes, tuple[bytes, ...]], grammar: re.Pattern[bytes]) -> tuple[bytes, ...] | None:
+    """The groups of ``grammar`` matching all of ``line``, or None; remembered in ``known``."""
+    groups = known.get(line)
+    if groups is None:
+        match = grammar.fullmatch(line)
+        if match is None:
+            return None
+        groups = match.groups()
+        if len(line) <= _MAX_KNOWN_LINE_BYTES:
+            if len(known) >= _MAX_KNOWN_LINES:
+                known.clear()
+            known[line] = groups
+    return groups
 
-    llhttp is strict here (no leniency is enabled): every line must end in
-    CRLF, a CR or LF anywhere else is refused, and so is obs-fold -- what
-    the reference refuses (requests) or reads another way (responses).
+
+def _field_lines(head: bytes, start: int) -> tuple[Fields, Fields] | None:
+    """The fields of ``head[start:]`` (field lines, then the empty line), and the special ones; None if unsure.
+
+    Accepts only what h11 accepts with the same values: CRLF line ends and
+    nothing else (no bare CR or LF, no obs-fold: a line starting with
+    whitespace is no token), a token, a colon, then a value of the bytes
+    above, bounded by optional whitespace, which is stripped. The name is
+    lowercased. Anything else is left to the caller's reference reading.
+    Which fields may repeat is the caller's to check.
     """
-    sink = _FieldSink()
-    parser = httptools.HttpRequestParser(sink)
-    try:
-        parser.feed_data(_FIELDS_PREFIX)
-        parser.feed_data(memoryview(head)[start:])
-    except httptools.HttpParserUpgrade:
-        pass  # Upgrade + Connection: upgrade; every field was delivered.
-    except httptools.HttpParserError:
+    if not head.endswith(b"\r\n\r\n"):
         return None
-    return sink if sink.complete else None
+    fields: Fields = []
+    special: Fields = []
+    if len(head) - start > 2:
+        known = _KNOWN_LINES
+        for line in head[start:-4].split(b"\r\n"):
+            field = known.get(line)
+            if field is None:
+                colon = line.find(b":")
+                if colon < 1:
+                    return None
+                name = line[:colon]
+                value = line[colon + 1 :].strip(_OWS)
+                if name.translate(None, _TCHARS) or value.translate(None, _FAST_VALUE_BYTES):
+                    return None
+                field = (name.lower(), value)
+                if len(line) <= _MAX_KNOWN_LINE_BYTES and field[0] not in _SECRET_FIELDS:
+                    if len(known) >= _MAX_KNOWN_LINES:
+                        known.clear()
+                    known[line] = field
+            fields.append(field)
+            if field[0] in _SPECIAL_FIELDS:
+                special.append(field)
+    return fields, special
 
 
 def _lowercase_transfer_coding(fields: Fields) -> Fields:
@@ -258,7 +262,7 @@ def _comma_tokens(value: bytes) -> list[bytes]:
 
 
 class FastServerConnection(ServerConnection):
-    """A :class:`~narwhal_core.http1.ServerConnection` whose request heads are parsed by llhttp.
+    """A :class:`~narwhal_core.http1.ServerConnection` whose request heads are read by the fast path.
 
     Same constructor, limits, events, errors and bytes as the reference;
     see the module docstring for what is different inside.
@@ -269,8 +273,8 @@ class FastServerConnection(ServerConnection):
         # path cannot vouch for, is decided by the reference parse instead,
         # which answers with its own status (400/413/431/505). The shared
         # checks hold for a head accepted here: the request line is matched
-        # below and ends in CRLF, llhttp refuses bare CR, bare LF and obs-fold
-        # in the field lines, and the sizes and the field count are compared.
+        # below and ends in CRLF, _field_lines refuses bare CR, bare LF and
+        # obs-fold in the field lines, and the sizes and the field count are compared.
         line_end = head.find(b"\n")
         if (
             line_end > self._max_line + 1
@@ -278,31 +282,33 @@ class FastServerConnection(ServerConnection):
             or head[line_end - 1] != _CR
         ):
             return super()._start_request(head)
-        request_line = _REQUEST_LINE_RE.fullmatch(head, 0, line_end - 1)
+        request_line = _known_line(head[: line_end - 1], _KNOWN_REQUEST_LINES, _REQUEST_LINE_RE)
         if request_line is None:
             return super()._start_request(head)
-        raw_method, raw_target, raw_version = request_line.groups()
+        raw_method, raw_target, raw_version = request_line
         if raw_version == b"1.1":
             version = "1.1"
         elif raw_version == b"1.0":
             version = "1.0"
         else:
             return super()._start_request(head)  # 505, or 400 if a field is bad too
-        sink = _llhttp_fields(head, line_end + 1)
-        if sink is None or len(sink.fields) > self._max_headers:
+        parsed = _field_lines(head, line_end + 1)
+        if parsed is None or len(parsed[0]) > self._max_headers:
             return super()._start_request(head)
 
-        fields = sink.fields
+        fields, special = parsed
         hosts = 0
         content_length: bytes | None = None
         chunked = False
         connection = b""
         expect = b""
-        for name, value in sink.special:
+        for name, value in special:
             if name == b"host":
                 hosts += 1
             elif name == b"content-length":
-                content_length = value  # llhttp refused a repeat or a list
+                if content_length is not None:
+                    return super()._start_request(head)  # the reference merges or refuses repeats
+                content_length = value
             elif name == b"transfer-encoding":
                 if chunked or value.lower() != b"chunked":
                     return super()._start_request(head)
@@ -419,18 +425,18 @@ def _decode_fields(lines: Sequence[bytes]) -> Fields:
 
 
 def _fast_fields(head: bytes, start: int) -> tuple[Fields, Fields] | None:
-    """What :func:`_decode_fields` gives for ``head[start:]``, via llhttp; None when unsure.
+    """What :func:`_decode_fields` gives for ``head[start:]``, via :func:`_field_lines`; None when unsure.
 
     Returns all fields and the special ones.
     """
-    sink = _llhttp_fields(head, start)
-    if sink is None:
+    parsed = _field_lines(head, start)
+    if parsed is None:
         return None
-    fields = sink.fields
+    fields, special = parsed
     saw_length = saw_chunked = False
-    for name, value in sink.special:
+    for name, value in special:
         if name == b"content-length":
-            # llhttp refused lists, repeats and signs; h11 caps the digits.
+            # Lists, repeats and signs go to the reference; h11 caps the digits.
             if saw_length or len(value) > _CONTENT_LENGTH_MAX_DIGITS or not value.isdigit():
                 return None
             saw_length = True
@@ -441,34 +447,35 @@ def _fast_fields(head: bytes, start: int) -> tuple[Fields, Fields] | None:
             if value != b"chunked":
                 fields = _lowercase_transfer_coding(fields)
                 return fields, [field for field in fields if field[0] in _SPECIAL_FIELDS]
-    return fields, sink.special
+    return fields, special
 
 
 def _parse_response_head(head: bytes) -> tuple[int, bytes, Fields, Fields]:
     """Status, HTTP version, fields and special fields of one response head, as h11 reads it."""
-    # Fast path: a CRLF status line, then field lines llhttp accepts (so
-    # CRLF-only and unfolded, where h11's line rules and llhttp's agree).
+    # Fast path: a CRLF status line, then field lines _field_lines accepts
+    # (CRLF-only and unfolded, where h11 reads them the same way).
     line_end = head.find(b"\n")
     if head[line_end - 1] == _CR:
-        status_line = _STATUS_LINE_RE.fullmatch(head, 0, line_end - 1)
+        status_line = _known_line(head[: line_end - 1], _KNOWN_STATUS_LINES, _STATUS_LINE_RE)
         if status_line is not None:
             parsed = _fast_fields(head, line_end + 1)
             if parsed is not None:
-                status = int(status_line.group(2))
+                raw_version, raw_status = status_line
+                status = int(raw_status)
                 if status >= 100 and status != 101:
-                    return status, status_line.group(1), parsed[0], parsed[1]
+                    return status, raw_version, parsed[0], parsed[1]
     lines = _split_lines(head)
-    status_line = _STATUS_LINE_RE.fullmatch(lines[0])
-    if status_line is None:
+    match = _STATUS_LINE_RE.fullmatch(lines[0])
+    if match is None:
         raise _Malformed(f"illegal status line {lines[0][:64]!r}")
-    status = int(status_line.group(2))
+    status = int(match.group(2))
     fields = _decode_fields(lines[1:])
     if status < 100:
         raise _Malformed(f"status {status} is not an HTTP status")
     if status == 101:
         # h11: a protocol switch nobody asked for (RFC 9110 §15.2.2).
         raise _Malformed("101 Switching Protocols without an Upgrade request")
-    return status, status_line.group(1), fields, [field for field in fields if field[0] in _SPECIAL_FIELDS]
+    return status, match.group(1), fields, [field for field in fields if field[0] in _SPECIAL_FIELDS]
 
 
 # ---------------------------------------------------------------------------
@@ -904,7 +911,7 @@ class FastEngineConnection:
 
 @attrs.frozen
 class FastCodec:
-    """The llhttp-based codec; behaves exactly as :data:`~narwhal_core.http1.H11_CODEC`."""
+    """The fast codec; behaves exactly as :data:`~narwhal_core.http1.H11_CODEC`."""
 
     def server_connection(
         self,

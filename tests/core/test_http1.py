@@ -2,7 +2,7 @@
 
 Every test that takes the ``codec`` fixture runs against both codecs: the
 reference (``narwhal_core.http1``, h11) and the fast one
-(``narwhal_core.http1_fast``, llhttp). The differential tests at the end
+(``narwhal_core.http1_fast``). The differential tests at the end
 compare the two directly.
 """
 
@@ -36,6 +36,7 @@ from narwhal_core.http1 import (
     ServerConnection,
     ServerEvent,
 )
+from narwhal_core import http1_fast
 from narwhal_core.http1_fast import FAST_CODEC, FastEngineConnection, FastServerConnection
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -48,7 +49,7 @@ class Limits(TypedDict, total=False):
     max_body_bytes: int
 
 
-#: Every test that takes ``codec`` runs against the reference (h11) and the fast (llhttp) codec.
+#: Every test that takes ``codec`` runs against the reference (h11) and the fast codec.
 CODECS: dict[str, Codec] = {"h11": H11_CODEC, "fast": FAST_CODEC}
 
 
@@ -1392,7 +1393,8 @@ def test_engine_mutated_responses(codec: Codec, spec: ResponseSpec, data: st.Dat
 # ---------------------------------------------------------------------------
 #
 # Every test above runs against both codecs. These tests compare them
-# directly, on heads chosen where llhttp and h11 are known to differ and on
+# directly, on heads chosen where a fast parser (llhttp, or a line rule
+# narrower than h11's) is known to read differently from h11, and on
 # generated, mutated and HTTP-shaped byte streams, cut anywhere.
 
 
@@ -1428,9 +1430,9 @@ def assert_same_engine(*splits: Sequence[bytes], method: str, eof: bool, **limit
         assert_plain_bytes(fast)
 
 
-#: Request heads on which llhttp, left to itself, would not agree with the
-#: reference: each must give the outcome noted, from both codecs.
-LLHTTP_REQUEST_DIFFERENCES: dict[str, tuple[bytes, object]] = {
+#: Request heads on which a fast parser could disagree with the reference
+#: (llhttp, left to itself, does): each must give the outcome noted, from both codecs.
+TRICKY_REQUEST_HEADS: dict[str, tuple[bytes, object]] = {
     "unknown-method": (b"FOO /x HTTP/1.1\r\nHost: a\r\n\r\n", "FOO"),
     "lowercase-method": (b"get /x HTTP/1.1\r\nHost: a\r\n\r\n", "get"),
     "connect-authority": (b"CONNECT a:443 HTTP/1.1\r\nHost: a\r\n\r\n", "CONNECT"),
@@ -1484,9 +1486,9 @@ LLHTTP_REQUEST_DIFFERENCES: dict[str, tuple[bytes, object]] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(LLHTTP_REQUEST_DIFFERENCES))
-def test_fast_codec_agrees_where_llhttp_differs(name: str) -> None:
-    raw, expected = LLHTTP_REQUEST_DIFFERENCES[name]
+@pytest.mark.parametrize("name", sorted(TRICKY_REQUEST_HEADS))
+def test_fast_codec_agrees_on_tricky_heads(name: str) -> None:
+    raw, expected = TRICKY_REQUEST_HEADS[name]
     reference = server_outcome(H11_CODEC, raw)
     first = reference[0][0]
     if isinstance(expected, Failed):
@@ -1503,9 +1505,9 @@ def test_fast_codec_strips_and_normalises_like_h11() -> None:
     assert request == one_request(H11_CODEC, raw)
 
 
-#: Engine responses on which llhttp would not agree with h11 (the reference
-#: reads engine responses with h11, lenient where h11 is lenient).
-LLHTTP_RESPONSE_DIFFERENCES: dict[str, bytes] = {
+#: Engine responses on which a fast parser could disagree with h11 (the
+#: reference reads engine responses with h11, lenient where h11 is lenient).
+TRICKY_RESPONSES: dict[str, bytes] = {
     "bare-lf-head": b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",
     "mixed-line-ends": b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\r\nok",
     "obs-fold": b"HTTP/1.1 200 OK\r\nX-A: b\r\n c\r\nContent-Length: 2\r\n\r\nok",
@@ -1553,12 +1555,45 @@ LLHTTP_RESPONSE_DIFFERENCES: dict[str, bytes] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(LLHTTP_RESPONSE_DIFFERENCES))
+@pytest.mark.parametrize("name", sorted(TRICKY_RESPONSES))
 @pytest.mark.parametrize("eof", [False, True])
-def test_fast_engine_agrees_where_llhttp_differs(name: str, eof: bool) -> None:
-    raw = LLHTTP_RESPONSE_DIFFERENCES[name]
+def test_fast_engine_agrees_on_tricky_responses(name: str, eof: bool) -> None:
+    raw = TRICKY_RESPONSES[name]
     for method in ("POST", "HEAD"):
         assert_same_engine([raw], bytewise(raw), method=method, eof=eof)
+
+
+def test_fast_codec_remembers_lines_read_but_never_credentials() -> None:
+    known = http1_fast._KNOWN_LINES
+    known.clear()
+    raw = (
+        b"POST / HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer sk-line-memo-secret\r\n"
+        b"Cookie: session=s3cr3t\r\nX-A:  b \r\nContent-Length: 1\r\n\r\nx"
+    )
+    reference = one_request(H11_CODEC, raw)
+    for _ in range(2):  # read, then read again from what was remembered
+        assert one_request(FAST_CODEC, raw) == reference
+    assert known[b"X-A:  b "] == (b"x-a", b"b")
+    assert b"Host: a" in known and b"Content-Length: 1" in known
+    assert not any(b"s3cr3t" in line or b"sk-line-memo-secret" in line for line in known)
+    engine = FAST_CODEC.engine_connection()
+    engine.send_request("GET", "/x", [(b"host", b"e")], b"")
+    engine.receive_data(b"HTTP/1.1 200 OK\r\nSet-Cookie: id=x\r\nContent-Length: 0\r\n\r\n")
+    head = engine.next_event()
+    assert isinstance(head, ResponseHead) and head.headers == ((b"set-cookie", b"id=x"), (b"content-length", b"0"))
+    assert b"HTTP/1.1 200 OK" in http1_fast._KNOWN_STATUS_LINES
+
+
+def test_fast_codec_memory_of_lines_is_bounded() -> None:
+    known = http1_fast._KNOWN_LINES
+    limit = http1_fast._MAX_KNOWN_LINES
+    long_value = b"v" * http1_fast._MAX_KNOWN_LINE_BYTES
+    for i in range(limit + 50):
+        raw = b"GET / HTTP/1.1\r\nHost: a\r\nX-Seq: %d\r\nX-Long: %s\r\n\r\n" % (i, long_value)
+        assert one_request(FAST_CODEC, raw).headers[1] == (b"x-seq", b"%d" % i)
+        assert 0 < len(known) <= limit
+        assert not any(line.startswith(b"X-Long") for line in known)
+    assert b"X-Seq: %d" % (limit + 49) in known
 
 
 def test_fast_codec_parses_clean_heads_without_h11(monkeypatch: pytest.MonkeyPatch) -> None:
