@@ -220,7 +220,6 @@ _FIELD_VALUE = rb"(?:" + _FIELD_VCHAR + rb"(?:[\t\x20-\x7e\x80-\xff]*" + _FIELD_
 _QUOTED_STRING = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
 
 _TOKEN_RE: Final = re.compile(_TCHAR + rb"+")
-_FIELD_VALUE_RE: Final = re.compile(_FIELD_VALUE)
 _FIELD_LINE_RE: Final = re.compile(_TCHAR + rb"+:[ \t]*" + _FIELD_VALUE + rb"[ \t]*")
 _CHUNK_LINE_RE: Final = re.compile(
     rb"([0-9A-Fa-f]{1,16})"
@@ -233,6 +232,11 @@ _CHUNK_LINE_RE: Final = re.compile(
 # client gets a prompt 400 instead of a timeout); validation rejects it.
 _HEAD_END_RE: Final = re.compile(rb"\n\r?\n")
 _IS_TCHAR: Final = tuple(_TOKEN_RE.fullmatch(bytes([b])) is not None for b in range(256))
+# The same rules as byte sets, for checks without a regex: a token's bytes,
+# and a field value's (HTAB, SP, VCHAR, obs-text; no OWS at either end).
+_TOKEN_BYTES: Final = bytes(b for b in range(256) if _IS_TCHAR[b])
+_FIELD_VALUE_BYTES: Final = b"\t" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))
+_OWS_BYTES: Final = (0x09, 0x20)
 
 _CR: Final = 13
 _LF: Final = 10
@@ -278,9 +282,11 @@ def _encode_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[list[bytes],
     lines: list[bytes] = []
     close = False
     for name, value in headers:
-        if _TOKEN_RE.fullmatch(name) is None:
+        if not name or name.translate(None, _TOKEN_BYTES):
             raise LocalProtocolError(f"illegal header name {name!r}")
-        if _FIELD_VALUE_RE.fullmatch(value) is None:
+        if value and (
+            value.translate(None, _FIELD_VALUE_BYTES) or value[0] in _OWS_BYTES or value[-1] in _OWS_BYTES
+        ):
             raise LocalProtocolError(f"illegal value for header {name!r}: {value!r}")
         lowered = name.lower()
         if lowered in _CODEC_FIELDS:

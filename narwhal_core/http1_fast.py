@@ -87,6 +87,7 @@ from narwhal_core.http1 import (
     _CODEC_FIELDS,
     _ENGINE_ERROR_STATUS,
     _ENGINE_STREAM_BUFFER_BYTES,
+    _FIELD_VALUE_BYTES,
     _HEAD_END_RE,
     _NO_BODY_STATUSES,
     DEFAULT_ENGINE_MAX_BODY_BYTES,
@@ -174,10 +175,6 @@ _OWS: Final = b" \t"
 _CR: Final = 13
 # Fields that decide framing, keep-alive, the Host rule or 100-continue.
 _SPECIAL_FIELDS: Final = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect"})
-# What a value may hold on the fast path, once stripped of OWS: HTAB, SP,
-# VCHAR and obs-text. h11 also accepts the other control bytes but NUL; such
-# a value goes to the reference.
-_FAST_VALUE_BYTES: Final = b"\t" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))
 # Field lines read before, with the field each gave: a line reads the same
 # every time, and engines and clients send the same lines again and again.
 # Bounded by count and by line length, emptied when full; lines that carry a
@@ -214,8 +211,9 @@ def _field_lines(head: bytes, start: int) -> tuple[Fields, Fields] | None:
 
     Accepts only what h11 accepts with the same values: CRLF line ends and
     nothing else (no bare CR or LF, no obs-fold: a line starting with
-    whitespace is no token), a token, a colon, then a value of the bytes
-    above, bounded by optional whitespace, which is stripped. The name is
+    whitespace is no token), a token, a colon, then a value of HTAB, SP,
+    VCHAR and obs-text (h11 also accepts the other control bytes but NUL),
+    bounded by optional whitespace, which is stripped. The name is
     lowercased. Anything else is left to the caller's reference reading.
     Which fields may repeat is the caller's to check.
     """
@@ -233,7 +231,7 @@ def _field_lines(head: bytes, start: int) -> tuple[Fields, Fields] | None:
                     return None
                 name = line[:colon]
                 value = line[colon + 1 :].strip(_OWS)
-                if name.translate(None, _TCHARS) or value.translate(None, _FAST_VALUE_BYTES):
+                if name.translate(None, _TCHARS) or value.translate(None, _FIELD_VALUE_BYTES):
                     return None
                 field = (name.lower(), value)
                 if len(line) <= _MAX_KNOWN_LINE_BYTES and field[0] not in _SECRET_FIELDS:
@@ -509,6 +507,9 @@ _SIZE: Final = _Chunk.SIZE
 _DATA: Final = _Chunk.DATA
 _CRLF_AFTER_DATA: Final = _Chunk.CRLF
 _CHUNK_END: Final = b"\r\n"
+# Chunk-size lines read before (engines send a few sizes again and again),
+# bounded as the field lines are.
+_KNOWN_CHUNK_SIZES: Final[dict[bytes, int]] = {}
 
 
 class FastEngineConnection:
@@ -834,18 +835,29 @@ class FastEngineConnection:
                 self._remaining -= size
                 if self._remaining:
                     break
-                self._chunk = _CRLF_AFTER_DATA
-                self._crlf_left = _CHUNK_END
+                if buf.startswith(_CHUNK_END, pos):
+                    pos += 2  # the usual case: the CRLF came with the data
+                    self._chunk = _SIZE
+                else:
+                    self._chunk = _CRLF_AFTER_DATA
+                    self._crlf_left = _CHUNK_END
             elif phase is _SIZE:
                 line_end = buf.find(b"\r\n", pos)
                 if line_end == -1:
                     break
-                match = _CHUNK_HEADER_RE.fullmatch(buf, pos, line_end + 2)
-                if match is None:
-                    if spans:
-                        break
-                    raise self._fail(f"malformed chunk size line {bytes(buf[pos : line_end + 2])[:64]!r}", "malformed")
-                size = int(match.group(1), 16)
+                line = bytes(buf[pos:line_end])
+                size = _KNOWN_CHUNK_SIZES.get(line, -1)
+                if size < 0:
+                    match = _CHUNK_HEADER_RE.fullmatch(line + _CHUNK_END)
+                    if match is None:
+                        if spans:
+                            break
+                        raise self._fail(f"malformed chunk size line {(line + _CHUNK_END)[:64]!r}", "malformed")
+                    size = int(match.group(1), 16)
+                    if len(line) <= 16:
+                        if len(_KNOWN_CHUNK_SIZES) >= _MAX_KNOWN_LINES:
+                            _KNOWN_CHUNK_SIZES.clear()
+                        _KNOWN_CHUNK_SIZES[line] = size
                 if size == 0 and spans:
                     break
                 pos = line_end + 2
