@@ -1,4 +1,4 @@
-"""Micro-benchmark of the HTTP/1.1 codecs: the reference (h11) and the fast one (llhttp), side by side.
+"""Micro-benchmark of the HTTP/1.1 codecs: the reference (h11) and the fast one, side by side.
 
 Pure CPU, no sockets. Each scenario is what the router does once per request
 (SPEC §1: one client exchange and two engine exchanges per PD request):

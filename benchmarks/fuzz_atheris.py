@@ -96,7 +96,7 @@ def test_one_input(data: bytes) -> None:
     split = _parse([rest[: cut % (len(rest) + 1)], rest[cut % (len(rest) + 1):]])
     if whole != split:
         raise AssertionError(f"the parse depends on the split: {whole!r} != {split!r}")
-    # The fast codec (llhttp) must parse exactly as the reference (h11) does.
+    # The fast codec must parse exactly as the reference (h11) does.
     fast = _parse([rest], FastServerConnection)
     if fast != whole:
         raise AssertionError(f"the fast codec parses differently: {fast!r} != {whole!r}")

@@ -214,9 +214,14 @@ def io_calls(pid: int) -> tuple[int, int]:
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads, children excluded), in seconds."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """utime and stime of a process (all its threads, children excluded), in seconds."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
 def core_busy(cores: list[int | None]) -> dict[int, float]:
@@ -533,7 +538,8 @@ def measure(t: Target, scen: str, body_file: Path, seconds: float, warmup: float
         run_wrk(t.url, body_file, conc, warmup, load_core)
     pid = t.proc.pid if t.proc is not None else None
     eng0 = sum(cpu_seconds(p) for p in engine_pids)
-    cpu0 = cpu_seconds(pid) if pid else 0.0
+    user0, sys0 = cpu_split(pid) if pid else (0.0, 0.0)
+    cpu0 = user0 + sys0
     io0 = io_calls(pid) if pid else (0, 0)
     self0 = resource.getrusage(resource.RUSAGE_SELF)
     busy0 = core_busy([router_core, load_core])
@@ -542,7 +548,8 @@ def measure(t: Target, scen: str, body_file: Path, seconds: float, warmup: float
     wall = time.monotonic() - w0
     busy1 = core_busy([router_core, load_core])
     self1 = resource.getrusage(resource.RUSAGE_SELF)
-    cpu1 = cpu_seconds(pid) if pid else 0.0
+    user1, sys1 = cpu_split(pid) if pid else (0.0, 0.0)
+    cpu1 = user1 + sys1
     io1 = io_calls(pid) if pid else (0, 0)
     eng1 = sum(cpu_seconds(p) for p in engine_pids)
     ours_load = res["wrk_cpu_s"] + eng1 - eng0 + (self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime)
@@ -567,6 +574,8 @@ def measure(t: Target, scen: str, body_file: Path, seconds: float, warmup: float
         "router_core_pct": 100.0 * (cpu1 - cpu0) / wall if pid else None,
         "load_core_pct": 100.0 * (res["wrk_cpu_s"] + eng1 - eng0) / wall,
         "cpu_us_per_req": 1e6 * (cpu1 - cpu0) / n if (pid and n) else None,
+        # the kernel's share of the router's CPU (stime / (utime + stime)), in the router's system calls
+        "sys_pct": 100.0 * (sys1 - sys0) / (cpu1 - cpu0) if (pid and cpu1 > cpu0) else None,
         "other_pct": max(0.0, other) if other is not None else None,
         "rss_kib_after": rss_kib(pid)[0] if pid else None,
         # read(2)/write(2)-family calls per request (recv/send on trio's plain sockets are not counted)
@@ -600,7 +609,7 @@ def summarise(results: dict[str, dict[str, list[dict[str, Any]]]], targets: list
             if not runs:
                 continue
             s: dict[str, Any] = {}
-            for key in ("rps", "p50_us", "p99_us", "cpu_us_per_req", "cpu_us_per_chunk", "router_core_pct",
+            for key in ("rps", "p50_us", "p99_us", "cpu_us_per_req", "cpu_us_per_chunk", "sys_pct", "router_core_pct",
                         "load_core_pct", "other_pct"):  # fmt: skip
                 s[key] = med([r.get(key) for r in runs])
             s["errors"] = sum(r["errors"] for r in runs)
@@ -622,7 +631,8 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
     p(f"Router benchmark: median of {runs} run(s), {args.duration:g} s windows, engines: {args.engine} "
       f"(speed 0{pacing}), router core {args.router_core}, load core {args.load_core}")  # fmt: skip
     head = (f"{'scenario':<20} {'target':<16} {'req/s':>8} {'p50 µs':>8} {'p99 µs':>8} {'+p50 µs':>8} "
-            f"{'+p99 µs':>8} {'CPU µs/req':>10} {'CPU µs/chunk':>12} {'router%':>7} {'load%':>6} {'other%':>6}  notes")  # fmt: skip
+            f"{'+p99 µs':>8} {'CPU µs/req':>10} {'CPU µs/chunk':>12} {'sys%':>5} {'router%':>7} {'load%':>6} "
+            f"{'other%':>6}  notes")  # fmt: skip
     p(head)
     p("-" * len(head))
     chosen = [x for x in args.scenarios.split(",") if x in SCENARIOS]
@@ -645,7 +655,7 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
                 notes.append("machine busy with other work")
             p(f"{label:<20} {t.name:<16} {fmt(s['rps']):>8} {fmt(s['p50_us']):>8} {fmt(s['p99_us']):>8} "
               f"{fmt(s.get('add_p50_us')):>8} {fmt(s.get('add_p99_us')):>8} {fmt(s['cpu_us_per_req'], '.1f'):>10} "
-              f"{fmt(s.get('cpu_us_per_chunk'), '.2f'):>12} {fmt(s['router_core_pct']):>7} "
+              f"{fmt(s.get('cpu_us_per_chunk'), '.2f'):>12} {fmt(s.get('sys_pct')):>5} {fmt(s['router_core_pct']):>7} "
               f"{fmt(s['load_core_pct']):>6} {fmt(s['other_pct']):>6}  {'; '.join(notes)}")  # fmt: skip
         p("")
     # ratios
@@ -711,6 +721,7 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
     p("Latency is wrk's, per request (a stream: to its last byte); +p50/+p99 = target minus direct in the same run.")
     p("CPU = router process utime+stime (all threads, no children) over the load window / requests; "
       "chunk = one relayed SSE event.")  # fmt: skip
+    p("sys% = the kernel's share of that CPU (stime / (utime + stime)): the router's system calls.")
     p("router% / load% = CPU used on the router core / on the load core (wrk + both engines) over the window;")
     p("other% = CPU that other processes of the machine took on the busier of those cores (busy in /proc/stat "
       "minus ours): above ~10 % the figures are disturbed.")  # fmt: skip
@@ -883,7 +894,7 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
                     continue
                 results.setdefault(t.name, {}).setdefault(scen, []).append(m)
                 log(f"run {run + 1}/{args.runs} {scen:<7} {t.name:<16} {m['rps']:8.0f} req/s  p50 {m['p50_us']:6d} µs"
-                    f"  p99 {m['p99_us']:6d} µs  CPU {fmt(m['cpu_us_per_req'], '.1f'):>7} µs/req"
+                    f"  p99 {m['p99_us']:6d} µs  CPU {fmt(m['cpu_us_per_req'], '.1f'):>7} µs/req (sys {fmt(m['sys_pct'])}%)"
                     f"  router {fmt(m['router_core_pct'])}%  load {m['load_core_pct']:.0f}%  other {fmt(m['other_pct'])}%"
                     f"  RSS {fmt(m['rss_kib_after'], '.1f', 1 / 1024)} MiB"
                     f"  reads/writes per req {fmt(m['reads_per_req'], '.1f')}/{fmt(m['writes_per_req'], '.1f')}"

@@ -69,7 +69,7 @@ from narwhal_core.contract import ROUTER_OWNED_FIELDS, check_request, is_router_
 from narwhal_core.errors import ContractError, NarwhalError, RemoteProtocolError
 from narwhal_core.http1 import H11_CODEC, NEED_DATA, PAUSED, Codec, ContinueExpected, HttpRequest
 
-try:  # the llhttp-based codec, where this tree has it: it must be exactly as strict
+try:  # the fast codec, where this tree has it: it must be exactly as strict
     from narwhal_core.http1_fast import FAST_CODEC
 except ImportError:  # pragma: no cover
     FAST_CODEC = None
