@@ -432,6 +432,7 @@ def _fast_fields(head: bytes, start: int) -> tuple[Fields, Fields] | None:
         return None
     fields, special = parsed
     saw_length = saw_chunked = False
+    lowercase = False
     for name, value in special:
         if name == b"content-length":
             # Lists, repeats and signs go to the reference; h11 caps the digits.
@@ -439,12 +440,14 @@ def _fast_fields(head: bytes, start: int) -> tuple[Fields, Fields] | None:
                 return None
             saw_length = True
         elif name == b"transfer-encoding":
+            # Repeats, and codings other than chunked, go to the reference.
             if saw_chunked or value.lower() != b"chunked":
                 return None
             saw_chunked = True
-            if value != b"chunked":
-                fields = _lowercase_transfer_coding(fields)
-                return fields, [field for field in fields if field[0] in _SPECIAL_FIELDS]
+            lowercase = value != b"chunked"
+    if lowercase:
+        fields = _lowercase_transfer_coding(fields)
+        return fields, [field for field in fields if field[0] in _SPECIAL_FIELDS]
     return fields, special
 
 

@@ -295,6 +295,23 @@ class SseRelay:
 
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return complete, normalised events to send to the client."""
+        if (
+            not self._buffer
+            and not self._lines
+            and len(data) > 2
+            and data.find(b"\n") == len(data) - 2
+            and data.endswith(b"\n\n")
+            and b"\r" not in data
+        ):
+            # The usual read: exactly one event of one line, whole.
+            line = data[:-2]
+            self._check_size(len(line))
+            self._event_size = 0
+            try:
+                return self._event([line])
+            except NarwhalError:
+                self.good_before_error = b""
+                raise
         buf = self._buffer + data if self._buffer else data
         if b"\r" in buf:
             # A CR at the very end may be the first half of a CRLF: keep it back.

@@ -36,6 +36,10 @@ __all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "JsonError", "RawFloat", "RawInt", "lo
 MAX_DEPTH: Final = 128
 #: Longest integer literal accepted (CPython refuses to convert longer ones).
 MAX_INT_DIGITS: Final = 4300
+# A document nested d levels deep holds d openers and d closers: anything
+# shorter than this is JSON no deeper than MAX_DEPTH, or no JSON at all (which
+# the decoders refuse), and needs no bracket count (a stream event, mostly).
+_DEEP_SIZE: Final = 2 * (MAX_DEPTH + 1)
 
 def _number_classes() -> bytes:
     table = bytearray(b" " * 256)
@@ -161,7 +165,7 @@ def loads(data: bytes) -> Any:
     # One C-speed pass classifies every byte; counting openers is the cheap
     # bound on depth (only a body with many needs the string-aware scan).
     classes = data.translate(_CLASSES)
-    if classes.count(b"o") > MAX_DEPTH and not _depth_ok(data):
+    if len(data) >= _DEEP_SIZE and classes.count(b"o") > MAX_DEPTH and not _depth_ok(data):
         raise JsonError(f"JSON nesting deeper than {MAX_DEPTH} levels")
     if not _risky(classes):
         try:
@@ -182,7 +186,7 @@ def loads_answer(data: bytes) -> Any:
     same shortest text. Anything orjson refuses (``1e400``, or not JSON at
     all) goes through :func:`loads`, for its exactness or its error.
     """
-    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and not _depth_ok(data):
+    if len(data) >= _DEEP_SIZE and data.count(b"[") + data.count(b"{") > MAX_DEPTH and not _depth_ok(data):
         raise JsonError(f"JSON nesting deeper than {MAX_DEPTH} levels")
     try:
         return orjson.loads(data)

@@ -692,6 +692,34 @@ def test_nesting_up_to_max_depth_is_accepted_and_encodable(risky: bool, levels: 
     assert json.loads(encoded)["x"] == json.loads(body)["x"]
 
 
+@pytest.mark.parametrize("decode", [wire.loads, wire.loads_answer], ids=["loads", "loads_answer"])
+def test_the_shortest_documents_past_max_depth_are_refused(decode: Any) -> None:
+    """Short documents skip the bracket count: the shortest too deep ones must still be refused."""
+    for opener, closer in ((b"[", b"]"), (b'{"a":', b"}")):
+        deep = opener * (wire.MAX_DEPTH + 1) + closer * (wire.MAX_DEPTH + 1)
+        with pytest.raises(wire.JsonError, match="nesting deeper"):
+            decode(deep)
+        # Unclosed, or cut short: not JSON, whatever its depth.
+        for broken in (opener * (wire.MAX_DEPTH + 1), deep[:-1], opener * 300):
+            with pytest.raises(wire.JsonError):
+                decode(broken)
+    limit = b"[" * wire.MAX_DEPTH + b"]" * wire.MAX_DEPTH
+    assert decode(limit) == json.loads(limit)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="[]{}:,\"a1 ", max_size=2 * wire.MAX_DEPTH + 1))
+def test_short_documents_decode_within_max_depth_or_are_refused(text: str) -> None:
+    data = text.encode()
+    for decode in (wire.loads, wire.loads_answer):
+        try:
+            value = decode(data)
+        except wire.JsonError:
+            continue
+        assert value == json.loads(data)
+        wire.dumps(value)  # within what the encoder takes
+
+
 def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
     body = b'{"prompt":"' + b"[{" * 1000 + b'\\"' + b"[" * 10 + b'"}'
     accepted = check_request(COMPLETIONS, body, MODEL_NAMES, MODEL)

@@ -1483,6 +1483,11 @@ TRICKY_REQUEST_HEADS: dict[str, tuple[bytes, object]] = {
         "GET",
     ),
     "vertical-tab-in-value": (b"GET / HTTP/1.1\r\nHost: a\r\nX-A: a\x0bb\r\n\r\n", Failed(400, "malformed")),
+    "te-repeated-first-uppercase": (
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: CHUNKED\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        Failed(400, "malformed"),
+    ),
+    "obs-text-value": (b"GET / HTTP/1.1\r\nHost: a\r\nX-A: caf\xc3\xa9\r\n\r\n", "GET"),
 }
 
 
@@ -1552,6 +1557,14 @@ TRICKY_RESPONSES: dict[str, bytes] = {
     "leading-empty-line": b"\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
     "leading-space": b" HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
     "lone-cr-first": b"\r",
+    "te-repeated-first-uppercase": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: CHUNKED\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    ),
+    "te-repeated": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "cl-repeated-same": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
+    "cl-and-te": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "obs-text-value": b"HTTP/1.1 200 OK\r\nX-A: caf\xc3\xa9 \t\r\nContent-Length: 2\r\n\r\nok",
+    "control-in-value": b"HTTP/1.1 200 OK\r\nX-A: a\x01b\r\nContent-Length: 2\r\n\r\nok",
 }
 
 
