@@ -64,22 +64,14 @@ def _number_classes() -> bytes:
 # significant digits comes back as the same decimal value, beyond it orjson
 # refuses the number (infinity) and the exact path takes the body. The scan
 # errs on the side of the exact path (words like "e-100" inside strings).
-# "mddd" is rare in text and fast to look for; "emddd" is not ("e" is a
-# common letter), so each "mddd" found is checked for the "e" before it.
+# "mddd" is rare in text and fast to look for; only then is "emddd" (slower:
+# "e" is a common letter) looked for.
 _CLASSES: Final = _number_classes()
 _LONG_RUN: Final = b"d" * 16
-_EXPONENT: Final = ord("e")
 
 
 def _risky(classes: bytes) -> bool:
-    if _LONG_RUN in classes:
-        return True
-    at = classes.find(b"mddd", 1)
-    while at > 0:
-        if classes[at - 1] == _EXPONENT:
-            return True
-        at = classes.find(b"mddd", at + 4)
-    return False
+    return _LONG_RUN in classes or (b"mddd" in classes and b"emddd" in classes)
 
 
 _OPTIONS: Final = orjson.OPT_PASSTHROUGH_SUBCLASS
