@@ -191,7 +191,9 @@ _KNOWN_REQUEST_LINES: Final[dict[bytes, tuple[bytes, ...]]] = {}
 _KNOWN_STATUS_LINES: Final[dict[bytes, tuple[bytes, ...]]] = {}
 
 
-def _known_line(line: bytes, known: dict[bytes, tuple[bytes, ...]], grammar: re.Pattern[bytes]) -> tuple[bytes, ...] | None:
+def _known_line(
+    line: bytes, known: dict[bytes, tuple[bytes, ...]], grammar: re.Pattern[bytes]
+) -> tuple[bytes, ...] | None:
     """The groups of ``grammar`` matching all of ``line``, or None; remembered in ``known``."""
     groups = known.get(line)
     if groups is None:
@@ -272,7 +274,8 @@ class FastServerConnection(ServerConnection):
         # which answers with its own status (400/413/431/505). The shared
         # checks hold for a head accepted here: the request line is matched
         # below and ends in CRLF, _field_lines refuses bare CR, bare LF and
-        # obs-fold in the field lines, and the sizes and the field count are compared.
+        # obs-fold in the field lines, and the sizes and the field count are
+        # compared.
         line_end = head.find(b"\n")
         if (
             line_end > self._max_line + 1
