@@ -328,7 +328,7 @@ def run(route: str, body: bytes) -> Any:
 
 
 def assert_matches(route: str, body: bytes, verdict: Verdict, tree: Node | None) -> None:
-    event(f"accepted" if verdict.accepted else f"rule {verdict.rule} ({verdict.param})")
+    event("accepted" if verdict.accepted else f"rule {verdict.rule} ({verdict.param})")
     outcome = run(route, body)
     where = f"route={route} body={body[:400]!r}"
     if not verdict.accepted:

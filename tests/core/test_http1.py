@@ -1560,11 +1560,9 @@ TRICKY_RESPONSES: dict[str, bytes] = {
     "te-repeated-first-uppercase": (
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: CHUNKED\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
     ),
-    "te-repeated": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-    "cl-repeated-same": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
     "cl-and-te": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     "obs-text-value": b"HTTP/1.1 200 OK\r\nX-A: caf\xc3\xa9 \t\r\nContent-Length: 2\r\n\r\nok",
-    "control-in-value": b"HTTP/1.1 200 OK\r\nX-A: a\x01b\r\nContent-Length: 2\r\n\r\nok",
+    "control-inside-value": b"HTTP/1.1 200 OK\r\nX-A: a\x01b\r\nContent-Length: 2\r\n\r\nok",
 }
 
 

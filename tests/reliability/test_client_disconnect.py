@@ -94,7 +94,7 @@ def test_disconnect_between_legs_releases_kv(start_router, make_fleet, journal_p
     # One decode slot, taken by a stream that stalls: the second request's prefill
     # finishes and its decode leg waits for the slot — between the legs.
     fleet = make_fleet(prefill=[{}], decode=[{"stall_after_chunks": 2}], mode=mode)
-    (prefill,), (decode,) = fleet.prefill, fleet.decode
+    (prefill,), (_decode,) = fleet.prefill, fleet.decode
     router = start_router(fleet_=fleet, engine={"kv_release": mode, "max_inflight_per_engine": 1})
 
     holder = CompletionClient(router, stream=True, max_tokens=8)
@@ -144,7 +144,7 @@ def test_disconnect_during_decode_releases_kv(start_router, make_fleet, journal_
 
 def test_disconnect_mid_stream(start_router, make_fleet, journal_path) -> None:
     fleet = make_fleet(prefill=[{}], decode=[{"stall_after_chunks": 3}])
-    (prefill,), (decode,) = fleet.prefill, fleet.decode
+    (_prefill,), (decode,) = fleet.prefill, fleet.decode
     router = start_router(fleet_=fleet)
 
     client = CompletionClient(router, stream=True, max_tokens=8)

@@ -72,7 +72,7 @@ def _check_release_request(record: dict, leg: dict, mode: str, decode_engines: l
 def test_decode_fault_before_handoff_releases_kv(start_router, make_fleet, journal_path, mode, fault) -> None:
     faults, outcome, leg_status = BEFORE_HANDOFF[fault]
     fleet = make_fleet(prefill=[{}], decode=[faults, {}], mode=mode)
-    (prefill,), (bad, good) = fleet.prefill, fleet.decode
+    (prefill,), (bad, _good) = fleet.prefill, fleet.decode
     router = start_router(fleet_=fleet, engine={"kv_release": mode}, retry={"max_attempts": 1})
 
     answer = post(router)

@@ -170,7 +170,7 @@ def test_every_decode_engine_gone_mid_flight_fails(start_router, make_fleet, jou
     # The router still counts the engine in rotation (it leaves only after 10
     # failures): every attempt is made, and each fails to connect.
     fleet = make_fleet(prefill=[{}], decode=[{}], mode=mode, lease_s=0.6)
-    (prefill,), (decode,) = fleet.prefill, fleet.decode
+    (_prefill,), (decode,) = fleet.prefill, fleet.decode
     router = start_router(fleet_=fleet, engine={"kv_release": mode}, health={"unhealthy_after": 10})
     decode.stop()
 
