@@ -236,7 +236,7 @@ _IS_TCHAR: Final = tuple(_TOKEN_RE.fullmatch(bytes([b])) is not None for b in ra
 # and a field value's (HTAB, SP, VCHAR, obs-text; no OWS at either end).
 _TOKEN_BYTES: Final = bytes(b for b in range(256) if _IS_TCHAR[b])
 _FIELD_VALUE_BYTES: Final = b"\t" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))
-_OWS_BYTES: Final = (0x09, 0x20)
+_OWS: Final = b" \t"
 
 _CR: Final = 13
 _LF: Final = 10
@@ -285,7 +285,7 @@ def _encode_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[list[bytes],
         if not name or name.translate(None, _TOKEN_BYTES):
             raise LocalProtocolError(f"illegal header name {name!r}")
         if value and (
-            value.translate(None, _FIELD_VALUE_BYTES) or value[0] in _OWS_BYTES or value[-1] in _OWS_BYTES
+            value.translate(None, _FIELD_VALUE_BYTES) or value[0] in _OWS or value[-1] in _OWS
         ):
             raise LocalProtocolError(f"illegal value for header {name!r}: {value!r}")
         lowered = name.lower()

@@ -77,7 +77,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, TypeVar
 
 import attrs
 
@@ -90,6 +90,8 @@ from narwhal_core.http1 import (
     _FIELD_VALUE_BYTES,
     _HEAD_END_RE,
     _NO_BODY_STATUSES,
+    _OWS,
+    _TOKEN_BYTES,
     DEFAULT_ENGINE_MAX_BODY_BYTES,
     DEFAULT_ENGINE_MAX_HEADER_BYTES,
     DEFAULT_MAX_BODY_BYTES,
@@ -137,8 +139,8 @@ _CHUNK_HEADER_RE: Final = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*\r\n")
 _DIGITS_RE: Final = re.compile(rb"[0-9]+")
 _CONTENT_LENGTH_MAX_DIGITS: Final = 20  # h11's bound; more is refused, not read as a number
 
-# The same rules as byte sets, for the request writer (no regex per field).
-_TCHARS: Final = bytes(b for b in range(256) if re.fullmatch(_H11_TOKEN, bytes([b])))
+# The same rules as byte sets, for the request writer (no regex per field);
+# h11's token bytes are RFC 9110's tchar, http1's _TOKEN_BYTES.
 _VALUE_BYTES: Final = bytes(b for b in range(256) if b not in b"\x00\n\r\x0b\x0c")  # SP/HTAB inside only
 _VCHARS: Final = bytes(range(0x21, 0x7F))
 # Request fields the writer looks at: Host goes first, Connection may close,
@@ -159,7 +161,7 @@ def _request_line(method: str, target: str) -> tuple[bytes, bytes]:
     raw_method, raw_target = _encode_request_line(method, target)
     if (
         not raw_method
-        or raw_method.translate(None, _TCHARS)
+        or raw_method.translate(None, _TOKEN_BYTES)
         or not raw_target
         or raw_target.translate(None, _VCHARS)
     ):
@@ -171,7 +173,6 @@ def _request_line(method: str, target: str) -> tuple[bytes, bytes]:
 # Field lines
 # ---------------------------------------------------------------------------
 
-_OWS: Final = b" \t"
 _CR: Final = 13
 # Fields that decide framing, keep-alive, the Host rule or 100-continue.
 _SPECIAL_FIELDS: Final = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect"})
@@ -182,7 +183,16 @@ _SPECIAL_FIELDS: Final = frozenset({b"host", b"content-length", b"transfer-encod
 _KNOWN_LINES: Final[dict[bytes, tuple[bytes, bytes]]] = {}
 _MAX_KNOWN_LINES: Final = 1024
 _MAX_KNOWN_LINE_BYTES: Final = 256
+_T = TypeVar("_T")
 _SECRET_FIELDS: Final = frozenset({b"authorization", b"proxy-authorization", b"cookie", b"x-api-key"})
+
+
+def _remember(known: dict[bytes, _T], line: bytes, value: _T) -> None:
+    """Keep what ``line`` gave in ``known``, within the bounds above."""
+    if len(line) <= _MAX_KNOWN_LINE_BYTES:
+        if len(known) >= _MAX_KNOWN_LINES:
+            known.clear()
+        known[line] = value
 
 
 # Request and status lines matched before, with their groups (the same
@@ -201,10 +211,7 @@ def _known_line(
         if match is None:
             return None
         groups = match.groups()
-        if len(line) <= _MAX_KNOWN_LINE_BYTES:
-            if len(known) >= _MAX_KNOWN_LINES:
-                known.clear()
-            known[line] = groups
+        _remember(known, line, groups)
     return groups
 
 
@@ -233,13 +240,11 @@ def _field_lines(head: bytes, start: int) -> tuple[Fields, Fields] | None:
                     return None
                 name = line[:colon]
                 value = line[colon + 1 :].strip(_OWS)
-                if name.translate(None, _TCHARS) or value.translate(None, _FIELD_VALUE_BYTES):
+                if name.translate(None, _TOKEN_BYTES) or value.translate(None, _FIELD_VALUE_BYTES):
                     return None
                 field = (name.lower(), value)
-                if len(line) <= _MAX_KNOWN_LINE_BYTES and field[0] not in _SECRET_FIELDS:
-                    if len(known) >= _MAX_KNOWN_LINES:
-                        known.clear()
-                    known[line] = field
+                if field[0] not in _SECRET_FIELDS:
+                    _remember(known, line, field)
             fields.append(field)
             if field[0] in _SPECIAL_FIELDS:
                 special.append(field)
@@ -617,7 +622,7 @@ class FastEngineConnection:
             # h11's token and field-value rules.
             if (
                 not name
-                or name.translate(None, _TCHARS)
+                or name.translate(None, _TOKEN_BYTES)
                 or (value and (value.translate(None, _VALUE_BYTES) or value[0] in _OWS or value[-1] in _OWS))
             ):
                 raise LocalProtocolError(f"cannot send this request: illegal header {name!r}: {value!r}")
@@ -860,10 +865,7 @@ class FastEngineConnection:
                             break
                         raise self._fail(f"malformed chunk size line {(line + _CHUNK_END)[:64]!r}", "malformed")
                     size = int(match.group(1), 16)
-                    if len(line) <= 16:
-                        if len(_KNOWN_CHUNK_SIZES) >= _MAX_KNOWN_LINES:
-                            _KNOWN_CHUNK_SIZES.clear()
-                        _KNOWN_CHUNK_SIZES[line] = size
+                    _remember(_KNOWN_CHUNK_SIZES, line, size)
                 if size == 0 and spans:
                     break
                 pos = line_end + 2
