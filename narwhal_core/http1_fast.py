@@ -828,6 +828,22 @@ class FastEngineConnection:
         # for the next call when pieces are pending, so the pieces the
         # reference would have returned first still come out first.
         buf = self._buf
+        if self._chunk is _SIZE:
+            # The usual read of a stream: exactly one whole chunk, its CRLF included.
+            line_end = buf.find(b"\r\n")
+            if line_end > 0:
+                size = _KNOWN_CHUNK_SIZES.get(bytes(buf[:line_end]), 0)
+                start = line_end + 2
+                if (
+                    size > 0
+                    and len(buf) == start + size + 2
+                    and buf.endswith(_CHUNK_END)
+                    and not self._over_limit(size)
+                ):
+                    self._received += size
+                    data = bytes(buf[start : start + size])
+                    buf.clear()
+                    return BodyData(data=data)
         pos = 0
         spans: list[tuple[int, int]] = []
         while True:

@@ -307,11 +307,21 @@ class SseRelay:
             line = data[:-2]
             self._check_size(len(line))
             self._event_size = 0
+            secret = self.redact
             try:
-                return self._event([line])
+                if not line.startswith(b"data:") or (secret is not None and secret in line):
+                    return self._event([line])
+                self.events += 1
+                payload = line[5:].lstrip(b" ")
+                if payload == b"[DONE]":
+                    self.done = True
+                    return b"data: [DONE]\n\n"
+                fixed = self._payload(payload)
             except NarwhalError:
                 self.good_before_error = b""
                 raise
+            # Unless it needs fixing, the event goes out as the engine's bytes.
+            return data if fixed is None else b"data: " + wire.dumps(fixed) + b"\n\n"
         buf = self._buffer + data if self._buffer else data
         if b"\r" in buf:
             # A CR at the very end may be the first half of a CRLF: keep it back.
@@ -362,6 +372,14 @@ class SseRelay:
         if payload == b"[DONE]":
             self.done = True
             return b"".join(line + b"\n" for line in others) + b"data: [DONE]\n\n"
+        fixed = self._payload(payload)
+        if fixed is None:
+            return b"\n".join(lines) + b"\n\n"  # relay the engine's bytes
+        return b"".join(line + b"\n" for line in others) + b"data: " + wire.dumps(fixed) + b"\n\n"
+
+    def _payload(self, payload: bytes) -> dict[str, Any] | None:
+        # One event's data: None when the engine's bytes go out as they are
+        # (nothing to fix, or an error event), else the object fixed in place.
         try:
             obj = wire.loads_answer(payload)
         except wire.JsonError:
@@ -374,10 +392,10 @@ class SseRelay:
         error = obj.get("error")
         if isinstance(error, dict):
             self.error = error
-            return b"\n".join(lines) + b"\n\n"
+            return None
         usage = obj.get("usage")
         if obj.get("model", self.model) == self.model and "kv_transfer_params" not in obj and usage is None:
-            return b"\n".join(lines) + b"\n\n"  # nothing to fix: relay the engine's bytes
+            return None
         if "model" in obj:
             obj["model"] = self.model
         obj.pop("kv_transfer_params", None)
@@ -385,4 +403,4 @@ class SseRelay:
             if self.pd:
                 _normalise_usage(usage, self.cached_tokens)
             self.usage = usage
-        return b"".join(line + b"\n" for line in others) + b"data: " + wire.dumps(obj) + b"\n\n"
+        return obj

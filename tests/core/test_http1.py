@@ -1835,6 +1835,30 @@ def test_differential_body_limit_cuts_at_the_same_piece() -> None:
         assert coalesce(engine_events(FAST_CODEC, [raw], max_body_bytes=limit)) == reference
 
 
+ONE_CHUNK_READS: dict[str, list[bytes]] = {
+    # (A chunk-size line is remembered the first time: later reads of the
+    # same size take the fast codec's one-whole-chunk path.)
+    "same-size": [b"b\r\ndata: one\n\n\r\n"] * 4,
+    "sizes": [b"5\r\nhello\r\n", b"A\r\n0123456789\r\n", b"5\r\nworld\r\n", b"a\r\n0123456789\r\n"],
+    "extension": [b"5;x=1\r\nhello\r\n"] * 2,
+    "no-crlf-after-data": [b"5\r\nhello\r\n", b"5\r\nhelloXY"],
+    "lf-after-data": [b"5\r\nhello\r\n", b"5\r\nhello\n\n"],
+    "short": [b"5\r\nhello\r\n", b"5\r\nhell\r\n"],
+    "long": [b"5\r\nhello\r\n", b"5\r\nhello!\r\n"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_CHUNK_READS))
+@pytest.mark.parametrize("limit", [None, 12, 15])
+def test_differential_one_whole_chunk_per_read(name: str, limit: int | None) -> None:
+    # How an engine streams: each read holds one whole chunk. Both codecs
+    # must give the same events, piece for piece, and fail on the same read.
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    pieces = [head, *ONE_CHUNK_READS[name], b"0\r\n\r\n"]
+    reference = engine_events(H11_CODEC, pieces, eof=False, max_body_bytes=limit)
+    assert engine_events(FAST_CODEC, pieces, eof=False, max_body_bytes=limit) == reference
+
+
 def test_differential_size_limits_at_the_boundary() -> None:
     for size in range(250, 262):
         pad = b"x" * (size - len(b"HTTP/1.1 200 OK\r\nX: \r\nContent-Length: 2\r\n\r\n"))

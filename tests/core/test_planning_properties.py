@@ -569,6 +569,52 @@ def test_sse_events_are_normalised(
     assert r.usage == last_usage
 
 
+@SETTINGS
+@given(case=ROUTES.flatmap(lambda r: st.tuples(st.just(r), vllm_streams(r))))
+def test_sse_event_per_read_matches_byte_per_read(case: tuple[str, tuple[bytes, list[Any], bool]]) -> None:
+    # One whole one-line event per read takes feed's short path; one byte
+    # per read never does. Both must relay the same bytes and keep the same state.
+    route, (stream, _, _) = case
+    fast, slow = relay(route), relay(route)
+    events = [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+    assert feed_all(fast, events) == feed_all(slow, [stream[i : i + 1] for i in range(len(stream))])
+    for name in ("done", "error", "usage", "events"):
+        assert getattr(fast, name) == getattr(slow, name), name
+
+
+SECRET = b"sk-engine-secret"
+ONE_EVENTS = [
+    b'data: {"model":"%s","choices":[]}\n\n' % MODEL.encode(),
+    b'data:{"model":"served-name","choices":[]}\n\n',
+    b'data: {"model":"%s","kv_transfer_params":{"remote_host":"10.0.0.5"}}\n\n' % MODEL.encode(),
+    b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}\n\n',
+    b'data: {"error":{"message":"boom","code":500}}\n\n',
+    b'data: {"model":"%s","text":"' % MODEL.encode() + SECRET + b'"}\n\n',
+    b"data: [DONE]\n\n",
+    b"data:[DONE]\n\n",
+    b": keep-alive\n\n",
+    b"id: 7\n\n",
+    b"data: not json\n\n",
+    b"data: [1, 2]\n\n",
+    b"data: " + SECRET + b"\n\n",
+]
+
+
+@pytest.mark.parametrize("event", ONE_EVENTS)
+def test_sse_one_event_short_path_matches_the_general_one(event: bytes) -> None:
+    def run(pieces: list[bytes]) -> tuple[Any, ...]:
+        r = SseRelay(route=CHAT, model=MODEL, pd=True, cached_tokens=3, redact=SECRET)  # type: ignore[arg-type]
+        try:
+            out: Any = feed_all(r, pieces)
+        except NarwhalError as exc:
+            out = ("failed", exc.code, r.good_before_error)
+        return out, r.done, r.error, r.usage, r.events
+
+    fast = run([event])
+    assert fast == run([event[i : i + 1] for i in range(len(event))])
+    assert SECRET.decode() not in repr(fast)
+
+
 def test_sse_done_sets_done() -> None:
     r = relay(CHAT)
     assert r.feed(b"data: [DON") == b""
