@@ -303,25 +303,16 @@ class SseRelay:
             and data.endswith(b"\n\n")
             and b"\r" not in data
         ):
-            # The usual read: exactly one event of one line, whole.
+            # The usual read while tokens trickle in: one whole event of one line.
             line = data[:-2]
             self._check_size(len(line))
             self._event_size = 0
-            secret = self.redact
             try:
-                if not line.startswith(b"data:") or (secret is not None and secret in line):
-                    return self._event([line])
-                self.events += 1
-                payload = line[5:].lstrip(b" ")
-                if payload == b"[DONE]":
-                    self.done = True
-                    return b"data: [DONE]\n\n"
-                fixed = self._payload(payload)
+                fixed = self._one_line(line)
             except NarwhalError:
                 self.good_before_error = b""
                 raise
-            # Unless it needs fixing, the event goes out as the engine's bytes.
-            return data if fixed is None else b"data: " + wire.dumps(fixed) + b"\n\n"
+            return data if fixed is None else fixed
         buf = self._buffer + data if self._buffer else data
         if b"\r" in buf:
             # A CR at the very end may be the first half of a CRLF: keep it back.
@@ -353,6 +344,20 @@ class SseRelay:
             self.good_before_error = b"".join(out)
             raise
         return b"".join(out)
+
+    def _one_line(self, line: bytes) -> bytes | None:
+        # A whole event of one line: None to relay the engine's bytes as they
+        # are, else the bytes to relay instead.
+        secret = self.redact
+        if not line.startswith(b"data:") or (secret is not None and secret in line):
+            return self._event([line])
+        self.events += 1
+        payload = line[5:].lstrip(b" ")
+        if payload == b"[DONE]":
+            self.done = True
+            return b"data: [DONE]\n\n"
+        fixed = self._payload(payload)
+        return None if fixed is None else b"data: " + wire.dumps(fixed) + b"\n\n"
 
     def _check_size(self, more: int) -> None:
         self._event_size += more

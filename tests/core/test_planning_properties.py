@@ -600,15 +600,26 @@ ONE_EVENTS = [
 ]
 
 
+@pytest.mark.parametrize("around", ["alone", "after-two", "before-one"])
 @pytest.mark.parametrize("event", ONE_EVENTS)
-def test_sse_one_event_short_path_matches_the_general_one(event: bytes) -> None:
+def test_sse_one_line_events_short_path_matches_the_general_one(event: bytes, around: str) -> None:
+    # The event alone in a read, or with others in the same read: the short
+    # path relays (and on a bad event, keeps the good ones before it) exactly
+    # as the general one does, fed a byte at a time.
+    good = ONE_EVENTS[0] + ONE_EVENTS[3]
+    event = {"alone": event, "after-two": good + event, "before-one": event + ONE_EVENTS[2]}[around]
+
     def run(pieces: list[bytes]) -> tuple[Any, ...]:
+        # What reaches the client: each feed's events, then (when one fails)
+        # the good events the failing feed had before the bad one.
         r = SseRelay(route=CHAT, model=MODEL, pd=True, cached_tokens=3, redact=SECRET)  # type: ignore[arg-type]
+        relayed, failed = b"", None
         try:
-            out: Any = feed_all(r, pieces)
+            for piece in pieces:
+                relayed += r.feed(piece)
         except NarwhalError as exc:
-            out = ("failed", exc.code, r.good_before_error)
-        return out, r.done, r.error, r.usage, r.events
+            relayed, failed = relayed + r.good_before_error, exc.code
+        return relayed, failed, r.done, r.error, r.usage, r.events
 
     fast = run([event])
     assert fast == run([event[i : i + 1] for i in range(len(event))])
