@@ -720,6 +720,53 @@ def test_short_documents_decode_within_max_depth_or_are_refused(text: str) -> No
         wire.dumps(value)  # within what the encoder takes
 
 
+# The number scan (wire._scan) has two implementations: bytes operations (the
+# pure build) and one loop over the bytes (compiled: C). Each case: the bytes,
+# whether a number orjson could change may be in them, and how many openers.
+SCANS = [
+    (b"", False, 0),
+    (b'{"x": [1, 2.5, {"y": -3}]}', False, 3),
+    (b"123456789012345", False, 0),  # 15 digits: a double keeps them
+    (b"1234567890123456", True, 0),  # 16
+    (b"1.23456789012345", True, 0),  # 16 digits and dots
+    (b"[1234567890.12345]", True, 1),
+    (b"12345678.9012345 1", True, 0),
+    (b"1234567 890123456", False, 0),  # broken by a space
+    (b"1e-10", False, 0),  # two exponent digits: still a normal double
+    (b"1e-100", True, 0),
+    (b"1E-400", True, 0),
+    (b"1e-1.2", True, 0),  # as conservative as the byte classes
+    (b"1e+100", False, 0),
+    (b"1e100", False, 0),
+    (b"e -100", False, 0),
+    (b"ee-100", True, 0),
+    (b"e-e-100", True, 0),
+    (b"e--100", False, 0),
+    (b'"song-100 e-10 [{"', False, 2),  # the scan looks inside strings too
+    (b'"unit-100"', False, 0),
+    (b'"type-100"', True, 0),  # a word ending in e: a slower parse, never a wrong one
+    (b"[" * 300 + b"{" * 7, False, 307),
+    (b"\xff\x00[\x80{", False, 2),
+]
+
+
+@pytest.mark.parametrize("scan", ["_scan_classes", "_scan_loop"])
+@pytest.mark.parametrize(("data", "risky", "openers"), SCANS)
+def test_number_scan_finds_risky_numbers_and_counts_openers(scan: str, data: bytes, risky: bool, openers: int) -> None:
+    assert getattr(wire, scan)(data) == 2 * openers + risky
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.binary(max_size=300), st.text(alphabet="0123456789.eE-+[]{}\" a", max_size=300).map(str.encode)))
+def test_both_number_scans_agree(data: bytes) -> None:
+    assert wire._scan_loop(data) == wire._scan_classes(data)
+
+
+def test_the_compiled_build_scans_with_the_loop() -> None:
+    compiled = not wire.__file__.endswith(".py")
+    assert wire._scan is (wire._scan_loop if compiled else wire._scan_classes)
+
+
 def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
     body = b'{"prompt":"' + b"[{" * 1000 + b'\\"' + b"[" * 10 + b'"}'
     accepted = check_request(COMPLETIONS, body, MODEL_NAMES, MODEL)
