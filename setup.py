@@ -5,7 +5,8 @@ source files, built by Cython in pure-Python mode, so behaviour is the
 Python source's; they run faster under load, a little slower at idle
 (``benchmarks/README.md``, "Results (latest)"). The ``.pxd``
 files beside some modules declare their hot classes to Cython as extension
-types, whose methods then read and write their fields directly, and
+types, whose methods then read and write their fields directly
+(``wire.pxd``: the C locals of one byte-scanning loop), and
 annotations stay annotations, never C types, except in ``router.py``:
 there Cython also types the parameters annotated with the classes
 ``router.pxd`` declares (its header comment turns ``annotation_typing`` on). Without Cython or a C compiler, or with
