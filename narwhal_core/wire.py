@@ -25,6 +25,7 @@ body, the engines see exactly the value Narwhal validated.
 from __future__ import annotations
 
 import json
+from types import FunctionType
 from typing import Any, Final
 
 import orjson
@@ -84,8 +85,8 @@ def _scan_loop(data: bytes) -> int:
     whether a risky number (above) may be present. Compiled, ``wire.pxd``
     types its locals and the loop runs in C, three to four times faster than
     the bytes operations; interpreted, it is many times slower, so the pure
-    build uses :func:`_scan_classes` (``tests/core/test_wire.py`` checks that
-    the two always agree).
+    build uses :func:`_scan_classes` (``tests/core/test_contract_properties.py``
+    checks that the two always agree).
     """
     run = 0  # digits or dots in a row
     after = 0  # 1: after an exponent letter, 2: and a minus, 3-4: and that many digits
@@ -115,9 +116,9 @@ def _scan_loop(data: bytes) -> int:
     return 2 * openers + risky
 
 
-#: The scan :func:`loads` runs: the loop where it is compiled (this module's
-#: file is then not its ``.py`` source), the bytes operations where it is not.
-_scan = _scan_classes if __file__.endswith(".py") else _scan_loop
+#: The scan :func:`loads` runs: the loop where it is compiled (a C function,
+#: not a Python one), the bytes operations where it is not.
+_scan = _scan_classes if isinstance(_scan_loop, FunctionType) else _scan_loop
 
 
 _OPTIONS: Final = orjson.OPT_PASSTHROUGH_SUBCLASS
