@@ -54,9 +54,10 @@ def _number_classes() -> bytes:
     return bytes(table)
 
 
-# The risky-number scan, done with C-speed bytes operations: map every byte to
-# its class (digit or dot, exponent letter, minus, other), then look for what
-# orjson would not give back by value:
+# The risky-number scan looks for what orjson would not give back by value
+# (compiled: one C loop, _scan_loop; pure: bytes operations, _scan_classes,
+# which map every byte to its class, digit or dot, exponent letter, minus,
+# opener or other, and search the classes):
 # * 16 digits-or-dots in a row: more significant digits than a double keeps,
 #   or an integer beyond 64 bits (which orjson turns into a float);
 # * a negative exponent of 3 digits or more: a subnormal or an underflow to
@@ -65,8 +66,8 @@ def _number_classes() -> bytes:
 # significant digits comes back as the same decimal value, beyond it orjson
 # refuses the number (infinity) and the exact path takes the body. The scan
 # errs on the side of the exact path (words like "e-100" inside strings).
-# "mddd" is rare in text and fast to look for; only then is "emddd" (slower:
-# "e" is a common letter) looked for.
+# In the byte classes "mddd" is rare and fast to look for; only then is
+# "emddd" (slower: "e" is a common letter) looked for.
 _CLASSES: Final = _number_classes()
 _LONG_RUN: Final = b"d" * 16
 
