@@ -1,9 +1,20 @@
-"""The ``narwhal`` command (SPEC §8).
+"""The ``narwhal`` command.
 
-``narwhal serve --config FILE [--runtime trio|asyncio]``
-``narwhal sim --role prefill|decode|mixed --listen ADDR [...]``
-``narwhal demo [--port N] [--runtime trio|asyncio]``
-``narwhal journal FILE [--rid ID] [--terminal T] [--follow] [--unfinished]``
+usage: narwhal COMMAND [options]      (narwhal COMMAND --help for its options)
+
+commands:
+  serve --config FILE [--runtime trio|asyncio]
+        run the router (docs/configure.md describes the config file)
+  demo [--port N] [--runtime trio|asyncio]
+        the router and two simulated engines in one process, on loopback
+  sim --role prefill|decode|mixed --listen HOST:PORT [...]
+        one simulated engine (docs/simulator.md)
+  journal FILE [--rid ID] [--terminal T] [--follow] [--unfinished]
+        read a journal file (docs/operate.md)
+
+options:
+  -h, --help     show this help and exit
+  --version      show the version and exit
 """
 
 from __future__ import annotations
@@ -12,9 +23,22 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "version"]
 
 RUNTIMES = ("trio", "asyncio")
+
+
+def version() -> str:
+    """The installed distribution's version (the source tree's when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("narwhal")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
 
 
 def _serve(argv: Sequence[str]) -> int:
@@ -70,11 +94,21 @@ _COMMANDS = {"serve": _serve, "sim": _sim, "demo": _demo, "journal": _journal}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``narwhal`` command."""
+    """Entry point of the ``narwhal`` command; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or args[0] not in _COMMANDS:
-        print(__doc__.strip(), file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if args and args[0] in ("-h", "--help") else 2
+    usage = (__doc__ or "").split("\n", 2)[2].strip()
+    if args and args[0] in ("-h", "--help"):
+        print(usage)
+        return 0
+    if args and args[0] == "--version":
+        print(f"narwhal {version()}")
+        return 0
+    if not args:
+        print(usage, file=sys.stderr)
+        return 2
+    if args[0] not in _COMMANDS:
+        print(f"narwhal: unknown command {args[0]!r} (narwhal --help lists the commands)", file=sys.stderr)
+        return 2
     return _COMMANDS[args[0]](args[1:])
 
 

@@ -53,7 +53,10 @@ def _port_free(port: int) -> bool:
 
 def main(argv: Sequence[str]) -> int:
     """Run the demo; return the exit status."""
-    parser = argparse.ArgumentParser(prog="narwhal demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="narwhal demo",
+        description="The router plus a simulated prefill and decode engine, on loopback, in one process.",
+    )
     parser.add_argument("--port", type=int, default=8000, help="router port (default 8000; a free one if taken)")
     parser.add_argument("--runtime", choices=("trio", "asyncio"), default="trio")
     parser.add_argument("--journal", default="narwhal-demo-journal.jsonl", help="journal file")
