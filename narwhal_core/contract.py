@@ -39,7 +39,10 @@ ROUTER_OWNED_FIELDS: Final = frozenset({"kv_transfer_params", "request_id"})
 _ROUTER_OWNED_PREFIXES: Final = ("bootstrap_",)  # the pre-check in check_request knows it
 
 # Check 3, in the order of the seed's table: (field, predicate name, message).
-_INTEGER_FIELDS: Final = ("n", "best_of", "max_tokens")
+_INTEGER_FIELDS: Final = ("n", "best_of", "max_tokens", "max_completion_tokens")
+# The output lengths: router-interpreted (the prefill leg sets them to 1), so
+# a value below 1 is refused here, before it costs a prefill leg.
+_LENGTH_FIELDS: Final = ("max_tokens", "max_completion_tokens")
 _MAX_MODEL_ECHO: Final = 256
 
 
@@ -122,7 +125,7 @@ def check_request(route: Route, body: bytes, model_names: Collection[str], model
         raise _fail(
             f"The model `{shown}` does not exist.", "model", status=404, code="model_not_found"
         )
-    # 6. Sampling width: both legs must sample the same number of sequences.
+    # 6. Sampling width: both legs must sample the same number of sequences...
     for name in ("n", "best_of"):
         value = get(name)
         if value is not None and value > 1:
@@ -130,6 +133,11 @@ def check_request(route: Route, body: bytes, model_names: Collection[str], model
                 f"{name} must be 1: the prefill and decode legs must use the same sampling width",
                 name,
             )
+    # ...and the output length: at least one token.
+    for name in _LENGTH_FIELDS:
+        value = get(name)
+        if value is not None and value < 1:
+            raise _fail(f"{name} must be at least 1", name)
     # 7. Output and tool restrictions.
     if get("audio") is not None:
         raise _fail("audio output is not supported", "audio")

@@ -32,7 +32,7 @@ CHAT = "/v1/chat/completions"
 ROUTES = st.sampled_from([COMPLETIONS, CHAT])
 
 # The seed page's table, in its order (SPEC §2.1 check 3).
-TYPED_FIELDS = ("model", "stream", "n", "best_of", "max_tokens", "prompt", "messages")
+TYPED_FIELDS = ("model", "stream", "n", "best_of", "max_tokens", "max_completion_tokens", "prompt", "messages")
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -229,7 +229,7 @@ def type_ok(field: str, node: Node) -> bool:
         return tag == "str"
     if field == "stream":
         return tag == "bool"
-    if field in ("n", "best_of", "max_tokens"):
+    if field in ("n", "best_of", "max_tokens", "max_completion_tokens"):
         return is_integer(node)
     if field == "prompt":
         return tag in ("str", "arr")
@@ -265,6 +265,10 @@ def oracle_tree(route: str, tree: Node) -> Verdict:
     # 6. Sampling width.
     for name in ("n", "best_of"):
         if present(fields, name) and Decimal(fields[name][1]) > 1:
+            return reject(6, name)
+    # ...and the output length (the prefill leg overrides it): at least 1.
+    for name in ("max_tokens", "max_completion_tokens"):
+        if present(fields, name) and Decimal(fields[name][1]) < 1:
             return reject(6, name)
     # 7. Output and tool restrictions.
     if present(fields, "audio"):
@@ -476,6 +480,7 @@ WELL_TYPED: dict[str, st.SearchStrategy[Node]] = {
     "n": st.sampled_from(["-1", "0", "1", "1", "2", "-0", "123456789012345678901234567890"]).map(num),
     "best_of": st.sampled_from(["0", "1", "1", "3", NULL]).map(lambda v: v if isinstance(v, tuple) else num(v)),
     "max_tokens": st.sampled_from(["16", "0", "-5", "123456789012345678901234567890"]).map(num),
+    "max_completion_tokens": st.sampled_from(["16", "1", "0", "-1"]).map(num),
     "prompt": st.sampled_from([s("hi"), arr(), arr(num("1"), num("2")), NULL]),
     "messages": st.sampled_from([arr(), arr(obj(("role", s("user")), ("content", s("hi")))), NULL]),
 }
