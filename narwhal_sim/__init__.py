@@ -1,7 +1,9 @@
 """Narwhal's engine simulator: a vLLM-compatible OpenAI engine speaking the PD protocol (SPEC §3, §9).
 
-* :mod:`narwhal_sim.model` — the pure engine model (KV blocks, leases, prefix
-  cache, latency, text, fault decisions).
+* :mod:`narwhal_sim.engine` — the pure, steppable engine core (scheduler
+  steps under a token budget, the KV block pool with its prefix cache, KV events).
+* :mod:`narwhal_sim.model` — prompts, text, KV leases, fault decisions.
+* :mod:`narwhal_sim.tokens` — block hashes, pseudo token ids, the tokenizer.
 * :mod:`narwhal_sim.protocol` — OpenAI request/answer shapes as vLLM writes them.
 * :mod:`narwhal_sim.server` — :class:`SimEngine`, the HTTP engine on asyncio.
 * :mod:`narwhal_sim.testing` — :class:`SimThread` and :class:`SimProcess` for tests,
@@ -11,7 +13,28 @@
 See ``docs/simulator.md``.
 """
 
-from narwhal_sim.model import Faults, LatencyModel
-from narwhal_sim.server import ABORT_PATH, DEFAULT_MODEL, KV_PULL_PATH, SimConfig, SimEngine
+from typing import Any
 
-__all__ = ["Faults", "LatencyModel", "SimConfig", "SimEngine", "KV_PULL_PATH", "ABORT_PATH", "DEFAULT_MODEL"]
+__all__ = ["EngineCore", "StepConfig", "Faults", "SimConfig", "SimEngine", "KV_PULL_PATH", "ABORT_PATH",
+           "DEFAULT_MODEL"]  # fmt: skip
+
+_HOMES = {
+    "EngineCore": "narwhal_sim.engine",
+    "StepConfig": "narwhal_sim.engine",
+    "Faults": "narwhal_sim.model",
+    "SimConfig": "narwhal_sim.server",
+    "SimEngine": "narwhal_sim.server",
+    "KV_PULL_PATH": "narwhal_sim.server",
+    "ABORT_PATH": "narwhal_sim.server",
+    "DEFAULT_MODEL": "narwhal_sim.server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so the pure modules (engine, tokens, model) import without the server.
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'narwhal_sim' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(home), name)

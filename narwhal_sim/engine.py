@@ -1,0 +1,770 @@
+"""The steppable engine core: a vLLM-V1-like scheduler loop over one KV block pool.
+
+Pure: no sockets, clocks, threads or randomness. Time is an argument
+(``now``, seconds of modelled GPU time, never decreasing from call to
+call). Two drivers run the same core: the asyncio server
+(:mod:`narwhal_sim.server`, real time scaled by ``--speed``, or instantly
+at speed 0) and a discrete-event loop in virtual time. See
+docs/simulator.md, "The engine core".
+
+* :class:`StepConfig` — scheduler limits, pool size and the step-time formula
+  ``step_base_ms + prefill_tokens × prefill_per_token_ms + decode_seqs × decode_per_seq_ms``.
+* :class:`BlockPool` — vLLM's KV block pool: reference-counted blocks, a
+  hash → block map of cached full blocks, and an LRU queue of free blocks
+  (a freed full block stays cached until the queue hands it out again).
+* :class:`EngineCore` — requests in, steps, outputs out.
+
+One engine step (vLLM V1's ``Scheduler.schedule``, simplified): running
+requests first — each decoding request one token, each partly prefilled
+request its next chunk — then waiting requests in arrival order while the
+token budget (``max_num_batched_tokens``), the sequence cap
+(``max_num_seqs``) and the pool allow. A request reserves the blocks of its
+prompt and output when it is admitted (no preemption). Consecutive
+decode-only steps with the same batch are one *run* of identical steps
+(any change — an arrival, an abort, a finished KV load — cuts the run at
+the step in flight), so a long decode costs the simulator O(1) work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import attrs
+
+__all__ = [
+    "PLAIN",
+    "PREFILL_REMOTE",
+    "DECODE_REMOTE",
+    "KINDS",
+    "StepConfig",
+    "BlockPool",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "KvEvent",
+    "EngineRequest",
+    "Started",
+    "Tokens",
+    "Finished",
+    "EngineOutput",
+    "EngineMetrics",
+    "EngineCore",
+]
+
+#: Prefill and decode both here.
+PLAIN = "plain"
+#: A prefill leg: one token, then the prompt's KV stays pinned for a remote decode.
+PREFILL_REMOTE = "prefill_remote"
+#: A decode leg whose prompt KV comes from another engine (the driver moves it).
+DECODE_REMOTE = "decode_remote"
+KINDS = (PLAIN, PREFILL_REMOTE, DECODE_REMOTE)
+
+_EPS = 1e-12
+
+
+@attrs.frozen(kw_only=True)
+class StepConfig:
+    """Scheduler limits, pool size and the step-time model (defaults: Llama-3.1-8B on one H100)."""
+
+    #: Tokens per KV block.
+    block_size: int = 16
+    #: KV blocks of the engine (28,000 × 16 tokens at 128 KiB per token ≈ 56 GiB).
+    num_gpu_blocks: int = 28_000
+    #: Requests running at once (slots).
+    max_num_seqs: int = 256
+    #: Token budget of one step (decode tokens plus prefill tokens).
+    max_num_batched_tokens: int = 8192
+    #: Split a prompt that does not fit the budget over several steps.
+    chunked_prefill: bool = True
+    #: Look prompts up in (and add them to) the cache of full blocks.
+    prefix_caching: bool = True
+    #: Fixed time of one step (a forward pass of the weights: ~16 GB read at ~3.35 TB/s, plus overhead).
+    step_base_ms: float = 7.0
+    #: Time per prefill token in a step (0.08 ms ≈ 12,500 prompt tokens/s).
+    prefill_per_token_ms: float = 0.08
+    #: Time per decoding sequence in a step (attention over its KV, sampling).
+    decode_per_seq_ms: float = 0.05
+    #: Fixed time of a KV transfer to a decode engine.
+    kv_transfer_base_ms: float = 2.0
+    #: Transfer time per block (2 MiB per 16-token block for Llama-3.1-8B over RDMA).
+    kv_transfer_per_block_ms: float = 0.05
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting."""
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("step_base_ms", "prefill_per_token_ms", "decode_per_seq_ms", "kv_transfer_base_ms",
+                     "kv_transfer_per_block_ms"):  # fmt: skip
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a non-negative number")
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int) -> float:
+        """Seconds one step takes."""
+        return (
+            self.step_base_ms + self.prefill_per_token_ms * prefill_tokens + self.decode_per_seq_ms * decode_seqs
+        ) / 1000.0
+
+    def transfer_s(self, blocks: int) -> float:
+        """Seconds to move ``blocks`` KV blocks from a prefill engine."""
+        return (self.kv_transfer_base_ms + self.kv_transfer_per_block_ms * blocks) / 1000.0
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` tokens."""
+        return -(-tokens // self.block_size)
+
+
+# --------------------------------------------------------------------------- KV events (values)
+
+
+@attrs.frozen
+class BlockStored:
+    """Full blocks became cached (vLLM's ``BlockStored``); ``parent_block_hash`` is ``None`` for a first block."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@attrs.frozen
+class BlockRemoved:
+    """Cached blocks were evicted (vLLM's ``BlockRemoved``)."""
+
+    block_hashes: tuple[int, ...]
+
+
+@attrs.frozen
+class AllBlocksCleared:
+    """The whole prefix cache was dropped (vLLM's ``AllBlocksCleared``)."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+# --------------------------------------------------------------------------- block pool
+
+
+class BlockPool:
+    """vLLM's block pool: ref-counted blocks, cached full blocks by hash, an LRU free queue.
+
+    * A block with a reference count above 0 is pinned: never handed out, never evicted.
+    * :meth:`free` drops one reference; at 0 the block joins the tail of the
+      free queue. If it is cached (has a hash) it stays cached there.
+    * :meth:`allocate` takes blocks from the head of the free queue (least
+      recently freed first); a cached block taken this way is evicted.
+    * :meth:`lookup` finds only cached blocks (resident, pinned or in the queue).
+    """
+
+    __slots__ = ("num_blocks", "block_size", "ref", "block_hash", "cached", "free_queue", "events",
+                 "record_events")  # fmt: skip
+
+    def __init__(self, num_blocks: int, *, block_size: int = 16, record_events: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be at least 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        #: Chained block hash → the block holding it.
+        self.cached: dict[int, int] = {}
+        #: Free blocks, head = next handed out (and evicted, if cached).
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        #: Events since the last :meth:`take_events` (only when ``record_events``).
+        self.events: list[KvEvent] = []
+        self.record_events = record_events
+
+    @property
+    def num_free(self) -> int:
+        """Blocks not pinned (free or cached-and-evictable), like vLLM's ``get_num_free_blocks``."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """``1 - free / total``: vLLM's ``kv_cache_usage_perc`` (1 means 100 percent)."""
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """Blocks of the longest cached prefix of ``hashes``."""
+        cached = self.cached
+        out: list[int] = []
+        for h in hashes:
+            block = cached.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def available_with(self, hits: Sequence[int]) -> int:
+        """Blocks :meth:`allocate` could hand out after :meth:`touch` of ``hits``."""
+        ref = self.ref
+        return len(self.free_queue) - sum(1 for b in hits if ref[b] == 0)
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take one more reference on each of ``blocks`` (cache hits), pinning them."""
+        ref = self.ref
+        queue = self.free_queue
+        for b in blocks:
+            if ref[b] == 0:
+                del queue[b]
+            ref[b] += 1
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` blocks from the head of the free queue (evicting cached ones), or ``None``."""
+        queue = self.free_queue
+        if count > len(queue):
+            return None
+        out: list[int] = []
+        removed: list[int] = []
+        ref = self.ref
+        block_hash = self.block_hash
+        for _ in range(count):
+            b, _none = queue.popitem(last=False)
+            h = block_hash[b]
+            if h is not None:
+                block_hash[b] = None
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                removed.append(h)
+            ref[b] = 1
+            out.append(b)
+        if removed and self.record_events:
+            self.events.append(BlockRemoved(tuple(removed)))
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference on each block, in order; unpinned blocks join the queue's tail."""
+        ref = self.ref
+        queue = self.free_queue
+        for b in blocks:
+            ref[b] -= 1
+            if ref[b] == 0:
+                queue[b] = None
+
+    def cache(
+        self, blocks: Sequence[int], hashes: Sequence[int], parent: int | None, token_ids: Sequence[int] | None
+    ) -> None:
+        """Register full ``blocks`` under ``hashes`` (``parent``: the hash before the first).
+
+        A hash already cached in another block keeps that block (the new one
+        stays uncached, as vLLM does). ``token_ids`` are the tokens of these
+        blocks (``block_size`` each), for the ``BlockStored`` event.
+        """
+        cached = self.cached
+        block_hash = self.block_hash
+        record = self.record_events
+        run_start = -1
+        run_parent = parent
+        prev = parent
+        for i, (b, h) in enumerate(zip(blocks, hashes, strict=True)):
+            if h in cached or block_hash[b] is not None:
+                if record and run_start >= 0:
+                    self._stored(hashes, run_start, i, run_parent, token_ids)
+                    run_start = -1
+            else:
+                cached[h] = b
+                block_hash[b] = h
+                if run_start < 0:
+                    run_start, run_parent = i, prev
+            prev = h
+        if record and run_start >= 0:
+            self._stored(hashes, run_start, len(hashes), run_parent, token_ids)
+
+    def _stored(
+        self, hashes: Sequence[int], start: int, end: int, parent: int | None, token_ids: Sequence[int] | None
+    ) -> None:
+        size = self.block_size
+        tokens = tuple(token_ids[start * size : end * size]) if token_ids is not None else ()
+        self.events.append(BlockStored(tuple(hashes[start:end]), parent, tokens, size))
+
+    def clear_cache(self) -> None:
+        """Forget every cached hash (blocks in use stay in use): vLLM's ``reset_prefix_cache``."""
+        for b in self.cached.values():
+            self.block_hash[b] = None
+        self.cached.clear()
+        if self.record_events:
+            self.events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[KvEvent]:
+        """The events recorded since the last call."""
+        events = self.events
+        self.events = []
+        return events
+
+
+# --------------------------------------------------------------------------- requests and outputs
+
+
+@attrs.define(slots=True, kw_only=True, eq=False)
+class EngineRequest:
+    """One request as the core sees it."""
+
+    #: Unique among the core's requests and held KV (the server uses the KV owner key for prefill legs).
+    request_id: str
+    #: :data:`PLAIN`, :data:`PREFILL_REMOTE` or :data:`DECODE_REMOTE`.
+    kind: str = PLAIN
+    #: Prompt length in tokens (at least 1).
+    prompt_tokens: int
+    #: Tokens to generate (a prefill leg generates one whatever this says).
+    max_tokens: int = 16
+    #: Chained hashes of the prompt's full blocks (docs/simulator.md, "Block hashes"); may be empty.
+    block_hashes: Sequence[int] = ()
+    #: The prompt's token ids, for ``BlockStored`` events (only read when events are on).
+    token_ids: Sequence[int] | None = None
+    #: After its last token the request keeps its slot and blocks until :meth:`EngineCore.abort`
+    #: (the server's stalled answers).
+    linger: bool = False
+
+
+@attrs.frozen(slots=True)
+class Started:
+    """The request was admitted at ``at``: it has a slot and its blocks.
+
+    ``cached_tokens`` are its prefix-cache hits. For a :data:`DECODE_REMOTE`
+    request this is when the driver starts moving its KV (then calls
+    :meth:`EngineCore.kv_loaded`).
+    """
+
+    request_id: str
+    at: float
+    cached_tokens: int
+
+
+@attrs.frozen(slots=True)
+class Tokens:
+    """``count`` tokens were generated; the last at ``at``, each earlier one ``step_s`` before the next."""
+
+    request_id: str
+    count: int
+    at: float
+    step_s: float
+
+
+@attrs.frozen(slots=True)
+class Finished:
+    """The request generated its last token at ``at``.
+
+    For a :data:`PREFILL_REMOTE` request ``block_ids`` are the blocks now held
+    (pinned) for the remote decode until :meth:`EngineCore.free_held`.
+    """
+
+    request_id: str
+    at: float
+    reason: str
+    block_ids: tuple[int, ...] = ()
+
+
+EngineOutput = Started | Tokens | Finished
+
+
+@attrs.frozen(kw_only=True)
+class EngineMetrics:
+    """What ``/metrics`` reports, as vLLM names it (docs/simulator.md)."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_free_blocks: int
+    num_gpu_blocks: int
+    held_requests: int
+    held_blocks: int
+    steps: int
+    prompt_tokens_computed: int
+    generation_tokens: int
+
+
+class _Seq:
+    """A request inside the core."""
+
+    __slots__ = ("req", "state", "blocks", "computed", "num_cached_blocks", "generated", "max_tokens",
+                 "cached_tokens", "kind")  # fmt: skip
+
+    def __init__(self, req: EngineRequest) -> None:
+        self.req = req
+        self.kind = req.kind
+        #: waiting → running (or loading → running) → done | held | lingering.
+        self.state = "waiting"
+        self.blocks: list[int] = []
+        self.computed = 0
+        self.num_cached_blocks = 0
+        self.generated = 0
+        self.max_tokens = 1 if req.kind == PREFILL_REMOTE else max(req.max_tokens, 1)
+        self.cached_tokens = 0
+
+
+class _Step:
+    __slots__ = ("start", "dur", "count", "end", "prefills", "decodes")
+
+    def __init__(self, start: float, dur: float, count: int, prefills: list[tuple[_Seq, int]], decodes: list[_Seq]):
+        self.start = start
+        self.dur = dur
+        self.count = count
+        self.end = start + dur * count
+        self.prefills = prefills
+        self.decodes = decodes
+
+
+class EngineCore:
+    """The engine: requests in (:meth:`add_request`), steps, outputs out (:meth:`advance`).
+
+    Driving it: after any call that changes it, and whenever
+    :meth:`next_event_time` comes due, call :meth:`advance` with the current
+    time and act on the outputs. Calls that change the core first finish
+    every step due by their ``now``; their own effects show in the next
+    :meth:`advance`.
+    """
+
+    def __init__(self, config: StepConfig | None = None, *, kv_events: bool = False) -> None:
+        config = config if config is not None else StepConfig()
+        config.check()
+        self.config = config
+        self.pool = BlockPool(config.num_gpu_blocks, block_size=config.block_size, record_events=kv_events)
+        self._seqs: dict[str, _Seq] = {}
+        self._waiting: deque[_Seq] = deque()
+        #: Admitted requests in admission order (prefilling, decoding, loading KV, lingering).
+        self._running: list[_Seq] = []
+        self._held: dict[str, _Seq] = {}
+        self._step: _Step | None = None
+        self._out: list[EngineOutput] = []
+        self._now = 0.0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.steps = 0
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+
+    # ------------------------------------------------------------------ driver API
+
+    @property
+    def now(self) -> float:
+        """The latest time the core has seen."""
+        return self._now
+
+    def add_request(self, request: EngineRequest, *, now: float) -> None:
+        """Queue ``request`` (admitted at the next step start). ``ValueError`` if it can never fit."""
+        if request.request_id in self._seqs or request.request_id in self._held:
+            raise ValueError(f"request id {request.request_id!r} is in use")
+        if request.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}")
+        if request.prompt_tokens < 1:
+            raise ValueError("prompt_tokens must be >= 1")
+        seq = _Seq(request)
+        if self._blocks_needed(seq) > self.config.num_gpu_blocks:
+            raise ValueError("request needs more KV blocks than the engine has")
+        if (not self.config.chunked_prefill and request.kind != DECODE_REMOTE
+                and request.prompt_tokens > self.config.max_num_batched_tokens):  # fmt: skip
+            raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
+        self._catch_up(now)
+        self._seqs[request.request_id] = seq
+        self._waiting.append(seq)
+        self._changed(now)
+
+    def abort(self, request_id: str, *, now: float) -> bool:
+        """Drop a request wherever it is (waiting, running, loading, lingering); ``False`` if unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._catch_up(now)
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:  # it finished in the steps just caught up
+            return False
+        if seq.state == "waiting":
+            self._waiting.remove(seq)
+        else:
+            self._running.remove(seq)
+            self._release_blocks(seq)
+        seq.state = "done"
+        self._changed(now)
+        return True
+
+    def kv_loaded(self, request_id: str, *, now: float, ok: bool = True) -> bool:
+        """A :data:`DECODE_REMOTE` request's KV arrived (``ok``) or did not (it recomputes the prompt here)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.state != "loading":
+            return False
+        self._catch_up(now)
+        if seq.state != "loading":
+            return False
+        if ok:
+            req = seq.req
+            seq.state = "running"
+            seq.computed = req.prompt_tokens
+            seq.cached_tokens = req.prompt_tokens
+            self._cache_blocks(seq)
+        else:
+            # Recompute: back to the head of the queue as a plain request.
+            self._running.remove(seq)
+            self._release_blocks(seq)
+            seq.blocks = []
+            seq.kind = PLAIN
+            seq.state = "waiting"
+            self._waiting.appendleft(seq)
+        self._changed(now)
+        return True
+
+    def free_held(self, request_id: str, *, now: float) -> tuple[int, ...] | None:
+        """Unpin the KV a finished :data:`PREFILL_REMOTE` request holds (pulled, released or expired)."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return None
+        self._catch_up(now)
+        blocks = tuple(seq.blocks)
+        self._release_blocks(seq)
+        seq.state = "done"
+        self._changed(now)
+        return blocks
+
+    def held_blocks(self, request_id: str) -> tuple[int, ...] | None:
+        """The blocks held for ``request_id``, if any."""
+        seq = self._held.get(request_id)
+        return tuple(seq.blocks) if seq is not None else None
+
+    def reset_prefix_cache(self, *, now: float) -> None:
+        """Forget every cached block hash (``AllBlocksCleared``); blocks in use stay in use."""
+        self._catch_up(now)
+        self.pool.clear_cache()
+        for seq in self._running:
+            seq.num_cached_blocks = len(seq.req.block_hashes) + 1  # never re-cache its blocks
+        self._changed(now)
+
+    def next_event_time(self) -> float | None:
+        """When :meth:`advance` has something to do: now if outputs wait, the step's end, or ``None`` (idle)."""
+        if self._out:
+            return self._now
+        step = self._step
+        return step.end if step is not None else None
+
+    def advance(self, *, now: float) -> list[EngineOutput]:
+        """Finish every step due by ``now`` (starting the next ones); the outputs since the last call."""
+        self._catch_up(now)
+        out = self._out
+        self._out = []
+        return out
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """KV events since the last call, in order (only with ``kv_events=True``)."""
+        return self.pool.take_events()
+
+    def metrics(self) -> EngineMetrics:
+        """Gauges and counters as vLLM reports them."""
+        held_blocks = sum(len(s.blocks) for s in self._held.values())
+        return EngineMetrics(
+            num_requests_running=len(self._running),
+            num_requests_waiting=len(self._waiting),
+            kv_cache_usage_perc=self.pool.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_free_blocks=self.pool.num_free,
+            num_gpu_blocks=self.pool.num_blocks,
+            held_requests=len(self._held),
+            held_blocks=held_blocks,
+            steps=self.steps,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            generation_tokens=self.generation_tokens,
+        )
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a slot, blocks or budget."""
+        return len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        """No step in flight and no output waiting."""
+        return self._step is None and not self._out
+
+    def state_of(self, request_id: str) -> str | None:
+        """``waiting``, ``running``, ``loading``, ``lingering``, ``held``, or ``None`` (unknown or done)."""
+        seq = self._seqs.get(request_id) or self._held.get(request_id)
+        return seq.state if seq is not None else None
+
+    # ------------------------------------------------------------------ internals
+
+    def _blocks_needed(self, seq: _Seq) -> int:
+        tokens = seq.req.prompt_tokens + (0 if seq.kind == PREFILL_REMOTE else seq.max_tokens)
+        return self.config.blocks_for(tokens)
+
+    def _catch_up(self, now: float) -> None:
+        step = self._step
+        while step is not None and step.end <= now + _EPS:
+            self._end_step(step)
+            step = self._step
+        if now > self._now:
+            self._now = now
+
+    def _changed(self, now: float) -> None:
+        """Something changed at ``now``: start a step if idle, or cut a run of identical steps."""
+        step = self._step
+        if step is None:
+            self._plan(max(now, self._now))
+            return
+        if step.count > 1:
+            done = int((now - step.start) / step.dur + 1e-9) if step.dur > 0 else step.count
+            boundary = step.start + done * step.dur
+            keep = done if done >= 1 and abs(boundary - now) <= 1e-9 else done + 1
+            if keep < step.count:
+                step.count = keep
+                step.end = step.start + step.dur * keep
+                self._catch_up(now)
+
+    def _release_blocks(self, seq: _Seq) -> None:
+        # Last blocks first, so a prefix outlives its tail in the free queue (vLLM frees in reverse).
+        blocks = seq.blocks
+        if blocks:
+            self.pool.free(blocks[::-1])
+        seq.blocks = []
+
+    def _cache_blocks(self, seq: _Seq) -> None:
+        """Cache the full prompt blocks computed so far that are not cached yet."""
+        if not self.config.prefix_caching:
+            return
+        req = seq.req
+        hashes = req.block_hashes
+        size = self.config.block_size
+        full = min(seq.computed // size, len(hashes), len(seq.blocks))
+        start = seq.num_cached_blocks
+        if full <= start:
+            return
+        tokens = None
+        if self.pool.record_events and req.token_ids is not None:
+            tokens = req.token_ids[start * size : full * size]
+            if len(tokens) != (full - start) * size:
+                tokens = None
+        parent = hashes[start - 1] if start > 0 else None
+        self.pool.cache(seq.blocks[start:full], hashes[start:full], parent, tokens)
+        seq.num_cached_blocks = full
+
+    def _plan(self, now: float) -> None:
+        """Schedule the step starting at ``now`` (or stay idle)."""
+        config = self.config
+        budget = config.max_num_batched_tokens
+        prefills: list[tuple[_Seq, int]] = []
+        decodes: list[_Seq] = []
+        prefill_tokens = 0
+        for seq in self._running:
+            if seq.state != "running" or budget <= 0:
+                continue
+            remaining = seq.req.prompt_tokens - seq.computed
+            if remaining > 0:
+                n = remaining if remaining <= budget else (budget if config.chunked_prefill else 0)
+                if n:
+                    prefills.append((seq, n))
+                    prefill_tokens += n
+                    budget -= n
+            else:
+                decodes.append(seq)
+                budget -= 1
+        waiting = self._waiting
+        pool = self.pool
+        size = config.block_size
+        while waiting and budget > 0 and len(self._running) < config.max_num_seqs:
+            seq = waiting[0]
+            req = seq.req
+            needed = self._blocks_needed(seq)
+            if seq.kind == DECODE_REMOTE:
+                blocks = pool.allocate(needed)
+                if blocks is None:
+                    break
+                waiting.popleft()
+                seq.blocks = blocks
+                seq.state = "loading"
+                self._running.append(seq)
+                self._out.append(Started(req.request_id, now, 0))
+                continue
+            hits: list[int] = []
+            if config.prefix_caching and req.block_hashes:
+                hits = pool.lookup(req.block_hashes)
+                limit = (req.prompt_tokens - 1) // size
+                if len(hits) > limit:
+                    hits = hits[:limit]
+            cached = len(hits) * size
+            to_compute = req.prompt_tokens - cached
+            if not config.chunked_prefill and to_compute > budget:
+                break
+            if needed - len(hits) > pool.available_with(hits):
+                break
+            waiting.popleft()
+            pool.touch(hits)
+            fresh = pool.allocate(needed - len(hits))
+            assert fresh is not None
+            seq.blocks = hits + fresh
+            seq.num_cached_blocks = len(hits)
+            seq.computed = cached
+            seq.cached_tokens = cached
+            seq.state = "running"
+            self._running.append(seq)
+            if config.prefix_caching:
+                self.prefix_cache_queries += req.prompt_tokens
+                self.prefix_cache_hits += cached
+            self._out.append(Started(req.request_id, now, cached))
+            n = to_compute if to_compute <= budget else budget
+            prefills.append((seq, n))
+            prefill_tokens += n
+            budget -= n
+        if not prefills and not decodes:
+            self._step = None
+            return
+        dur = config.step_s(prefill_tokens, len(decodes))
+        count = 1
+        if not prefills:
+            # Decode-only: identical steps until the first of the batch finishes.
+            count = min(s.max_tokens - s.generated for s in decodes)
+        self._step = _Step(now, dur, max(count, 1), prefills, decodes)
+
+    def _end_step(self, step: _Step) -> None:
+        at = step.end
+        count = step.count
+        self.steps += count
+        out = self._out
+        if at > self._now:
+            self._now = at
+        for seq in step.decodes:
+            if seq.state != "running":
+                continue  # aborted meanwhile
+            seq.generated += count
+            self.generation_tokens += count
+            out.append(Tokens(seq.req.request_id, count, at, step.dur))
+            if seq.generated >= seq.max_tokens:
+                self._finish(seq, at)
+        for seq, n in step.prefills:
+            if seq.state != "running":
+                continue
+            seq.computed += n
+            self.prompt_tokens_computed += n
+            self._cache_blocks(seq)
+            if seq.computed >= seq.req.prompt_tokens:
+                seq.generated = 1
+                self.generation_tokens += 1
+                out.append(Tokens(seq.req.request_id, 1, at, step.dur))
+                if seq.max_tokens <= 1:
+                    self._finish(seq, at)
+        self._step = None
+        self._plan(at)
+
+    def _finish(self, seq: _Seq, at: float) -> None:
+        rid = seq.req.request_id
+        if seq.kind == PREFILL_REMOTE:
+            self._running.remove(seq)
+            del self._seqs[rid]
+            seq.state = "held"
+            self._held[rid] = seq
+            self._out.append(Finished(rid, at, "length", tuple(seq.blocks)))
+        elif seq.req.linger:
+            seq.state = "lingering"
+            self._out.append(Finished(rid, at, "length"))
+        else:
+            self._running.remove(seq)
+            del self._seqs[rid]
+            self._release_blocks(seq)
+            seq.state = "done"
+            self._out.append(Finished(rid, at, "length"))
