@@ -512,6 +512,11 @@ class ServerConnection:
 
     def _fail(self, message: str, *, status: int = 400, reason: str = "malformed") -> RemoteProtocolError:
         error = RemoteProtocolError(message, status=status, reason=reason)
+        if self._target:
+            # Its request line was in: say which request it was, so that the
+            # router can journal a refused completion request.
+            error.method = self._method
+            error.target = self._target
         self._error = error
         self._state = _State.ERROR
         self._buf = bytearray()
@@ -553,8 +558,11 @@ class ServerConnection:
             if line_end == -1:
                 if len(buf) >= self._max_line + 2:
                     raise self._request_line_too_long()
-            elif len(buf) - (line_end + 1) > self._max_header_bytes:
-                raise self._header_section_too_large()
+            else:
+                if not self._target:
+                    self._peek_request_line(buf[:line_end])
+                if len(buf) - (line_end + 1) > self._max_header_bytes:
+                    raise self._header_section_too_large()
             return self._starved()
         end = match.end()
         head = bytes(buf[:end])
@@ -572,10 +580,20 @@ class ServerConnection:
             f"header section larger than {self._max_header_bytes} bytes", status=431, reason="too_large"
         )
 
+    def _peek_request_line(self, line: bytes | bytearray) -> None:
+        # The method and target of a request line, before the head is whole
+        # (unchecked: the head's parse decides); see partial_target.
+        parts = bytes(line).rstrip(b"\r").split(b" ")
+        if len(parts) == 3 and parts[1]:
+            self._method = parts[0].decode("latin-1")
+            self._target = parts[1].decode("latin-1")
+
     def _start_request(self, head: bytes) -> ServerEvent:
         # Size checks first, in the order the incremental checks above meet
         # them, so a head split anywhere fails the same way.
         line_end = head.find(b"\n")
+        if not self._target:
+            self._peek_request_line(head[: max(line_end, 0)])
         if line_end > self._max_line + 1:
             raise self._request_line_too_long()
         if len(head) - (line_end + 1) > self._max_header_bytes:
@@ -944,8 +962,11 @@ class ServerConnection:
 
     @property
     def partial_target(self) -> str | None:
-        """The target of the request whose body is being read, if one is."""
-        return self._target if self.reading_body else None
+        """The target of the request being read (not yet returned whole), once its request line is in."""
+        state = self._state
+        if state is _State.IDLE or state is _State.ERROR or self.reading_body:
+            return self._target or None
+        return None
 
 
 # ---------------------------------------------------------------------------
@@ -1209,7 +1230,7 @@ class ServerCodec(Protocol):
 
     @property
     def partial_target(self) -> str | None:
-        """The target of the request whose body is being read, if one is."""
+        """The target of the request being read (not yet returned whole), once its request line is in."""
 
 
 class EngineCodec(Protocol):

@@ -295,6 +295,8 @@ class SseRelay:
 
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return complete, normalised events to send to the client."""
+        if self.done:
+            return b""
         if (
             not self._buffer
             and not self._lines
@@ -337,6 +339,10 @@ class SseRelay:
                     out.append(self._event(lines))
                     lines.clear()
                     self._event_size = 0
+                    if self.done:
+                        # Nothing after [DONE] is relayed: the stream is over.
+                        self._buffer = b""
+                        return b"".join(out)
             self._check_size(len(self._buffer))
         except NarwhalError:
             # The events before the bad one are relayed all the same, however
