@@ -13,6 +13,7 @@ import gc
 import os
 import secrets
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from narwhal_core import (
     CONTROL_BODY_LIMIT,
     Authenticator,
     Config,
+    Event,
     RidSource,
     Router,
     StartControl,
@@ -38,6 +40,7 @@ from .metrics import render
 __all__ = [
     "load_config", "load_authenticator", "build_router", "settle_gc", "GC_THRESHOLDS",
     "HIGH_WATER", "LINGER_S", "LINGER_BYTES", "log_listening", "control_request",
+    "StartupError", "journal_failure", "listen_failure", "startup_failure", "contain", "STOPPED_BY_SIGNAL",
 ]
 
 # Client-socket policy both runtimes follow.
@@ -60,6 +63,62 @@ LINGER_BYTES = 4 << 20
 #: less CPU; much higher, garbage cycles (cancelled legs...) pile up between
 #: collections and the soak run's RSS no longer stays flat.
 GC_THRESHOLDS = (5_000, 10, 10)
+
+
+class StartupError(Exception):
+    """Narwhal could not start: one plain line on standard error, exit status 1 (docs/operate.md)."""
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def journal_failure(path: str, exc: OSError) -> StartupError:
+    """The journal file could not be opened (checked before listening)."""
+    return StartupError(f"cannot open journal {path}: {_reason(exc)}")
+
+
+def listen_failure(listen: str, exc: OSError) -> StartupError:
+    """The listening socket could not be opened (address in use, no such address...)."""
+    return StartupError(f"cannot listen on {listen}: {_reason(exc)}")
+
+
+def startup_failure(exc: BaseException) -> StartupError | None:
+    """The start-up failure ``exc`` stands for, or ``None`` when it is something else.
+
+    A :class:`StartupError`, or an :class:`OSError` raised before serving
+    began, possibly wrapped in exception groups by a nursery (trio), is one;
+    any other exception (a bug) is not, and keeps its traceback.
+    """
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, StartupError):
+        return exc
+    if isinstance(exc, OSError):
+        return StartupError(f"cannot start: {_reason(exc)}")
+    return None
+
+
+#: Exit status after a second SIGTERM or SIGINT cut the drain short: 128 + the signal's number.
+STOPPED_BY_SIGNAL = 128
+
+
+def contain(router: Router, event: Event | None, exc: Exception) -> None:
+    """The router raised while handling ``event``: end what it was about, keep serving.
+
+    The request the event belongs to (if any) ends as ``failed`` with 500
+    ``internal_error`` and its terminal record; the error is logged once,
+    with its traceback (``internal_error``). Both runtimes call this from
+    their one place that feeds the router.
+    """
+    problem = f"{type(exc).__name__}: {exc}"
+    trace = "".join(traceback.format_exception(exc))
+    try:
+        router.contain_failure(event, problem, trace)
+    except Exception as again:  # noqa: BLE001 - the router is broken beyond one request
+        log_event("internal_error", level="error", rid=None, problem=problem,
+                  during="deadline" if event is None else type(event).__name__, traceback=trace,
+                  containment=f"{type(again).__name__}: {again}")
 
 
 def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
