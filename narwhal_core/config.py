@@ -59,6 +59,9 @@ __all__ = [
     "validate",
     "engine_api_key",
     "parse_engine_url",
+    "normalize_host",
+    "is_loopback_host",
+    "is_ip_address",
 ]
 
 AuthMode = Literal["none", "api_keys", "trusted_header"]
@@ -282,6 +285,46 @@ def _split_host_port(text: str, *, min_port: int) -> tuple[str, int]:
     return host, port
 
 
+def normalize_host(text: str) -> str | None:
+    """A host name or IP address in canonical form (IPs compressed, names lowercased), or None if invalid."""
+    return _normalize_host(text)
+
+
+def is_ip_address(host: str) -> bool:
+    """Whether ``host`` is an IP address rather than a name."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a host in canonical form is this machine's loopback: ``localhost``, 127.0.0.0/8 or ``::1``.
+
+    These all name one host, the machine itself (docs/configure.md, ``engine.kv_hosts``).
+    Other spellings (IPv4-mapped, integer or octal forms) are not canonical and are not counted.
+    """
+    if host == "localhost":
+        return True
+    if host.startswith("127.") or host == "::1":
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+    return False
+
+
+def _kv_network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    """A ``kv_hosts`` entry in CIDR form (``10.244.0.0/16``), or None if it is not one."""
+    if "/" not in text:
+        return None
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return None
+
+
 def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
@@ -373,8 +416,11 @@ def _cidr(value: str) -> str | None:
 
 
 def _kv_host(value: str) -> str | None:
-    if _normalize_host(value) is None:
-        return f"must be a host name or IP address (no port), got {_describe(value)}"
+    if _normalize_host(value) is None and _kv_network(value) is None:
+        return (
+            "must be a host name, an IP address or a network in CIDR form like 10.244.0.0/16 (no port), "
+            f"got {_describe(value)}"
+        )
     return None
 
 
@@ -555,7 +601,10 @@ class EngineConfig:
         factory=tuple,
         converter=_as_str_tuple,
         validator=_str_list(_kv_host),
-        metadata=_doc("Extra hosts a prefill answer's remote_host may name besides the prefill URLs' hosts."),
+        metadata=_doc(
+            "Extra hosts (names, addresses, or networks in CIDR form) a prefill answer's remote_host may name "
+            "besides the prefill engines' hosts and the addresses their names resolve to."
+        ),
     )
     max_inflight_per_engine: int = _count(256, "Most legs running on one engine at once.", minimum=1)
     pool_connections_per_engine: int = _count(128, "Most pooled connections kept open to one engine.", minimum=1)
@@ -576,6 +625,13 @@ class EngineConfig:
     )
     allowed_kv_hosts: frozenset[str] = attrs.field(
         init=False, eq=False, repr=False, metadata=_doc("Prefill URL hosts plus kv_hosts, normalised.")
+    )
+    kv_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = attrs.field(
+        init=False, eq=False, repr=False, metadata=_doc("The networks (CIDR) of kv_hosts.")
+    )
+    kv_loopback: bool = attrs.field(
+        init=False, eq=False, repr=False,
+        metadata=_doc("A prefill host or kv_hosts entry is loopback: every loopback name and address is allowed."),
     )
 
     def __attrs_post_init__(self) -> None:
@@ -598,13 +654,33 @@ class EngineConfig:
         extra = {_normalize_host(h) for h in self.kv_hosts}
         hosts = {a.host for a in pools["prefill"]} | {h for h in extra if h is not None}
         _set_derived(self, "allowed_kv_hosts", frozenset(hosts))
+        networks = (_kv_network(h) for h in self.kv_hosts if _normalize_host(h) is None)
+        _set_derived(self, "kv_networks", tuple(n for n in networks if n is not None))
+        _set_derived(self, "kv_loopback", any(is_loopback_host(h) for h in hosts))
 
     def kv_host_allowed(self, host: str) -> bool:
-        """Whether a prefill answer's ``remote_host`` names a host of this fleet."""
+        """Whether a prefill answer's ``remote_host`` names a host of this fleet, as configured.
+
+        Allowed: a prefill engine's host or a ``kv_hosts`` entry, in any
+        spelling that normalises to it; any loopback name or address when one
+        of those is loopback (they all name this machine); an address inside
+        a ``kv_hosts`` network. (The addresses the engines' names resolve to
+        are the fleet's to add: :meth:`narwhal_core.fleet.Fleet.kv_host_allowed`.)
+        """
         if host in self.allowed_kv_hosts:
             return True  # already in normal form: the common case, without parsing
         normal = _normalize_host(host)
-        return normal is not None and normal in self.allowed_kv_hosts
+        if normal is None:
+            return False
+        if normal in self.allowed_kv_hosts or (self.kv_loopback and is_loopback_host(normal)):
+            return True
+        if self.kv_networks:
+            try:
+                address = ipaddress.ip_address(normal)
+            except ValueError:
+                return False
+            return any(address in network for network in self.kv_networks)
+        return False
 
 
 @attrs.frozen(kw_only=True)

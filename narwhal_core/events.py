@@ -26,7 +26,7 @@ from .config import EngineAddress
 __all__ = [
     "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "LegData", "LegFailed",
     "ControlDone", "CONTROL_BODY_LIMIT", "ShutdownRequested", "AuthenticatorChanged", "JournalHealth",
-    "Event",
+    "EngineResolved", "Event",
     "Transmit", "CloseClient", "StartLeg", "CancelLeg", "FinishLeg",
     "StartControl", "WriteJournal", "Log", "ShutdownComplete", "Command",
     "LegFailure", "LOCAL_ERRNOS", "local_failure",
@@ -188,9 +188,26 @@ class JournalHealth:
     message: str | None = None
 
 
+@attrs.frozen
+class EngineResolved:
+    """The adapter resolved an engine's host name (for a :class:`StartControl` with ``resolve`` set).
+
+    Fed before the control request's :class:`ControlDone`. A prefill answer
+    whose ``remote_host`` is one of these addresses names that engine's KV
+    side channel (docs/configure.md, ``engine.kv_hosts``). A failed
+    resolution is not fed: the probe fails, and the addresses of the last
+    good one stay.
+    """
+
+    #: The engine, as in the :class:`StartControl`.
+    engine: EngineAddress
+    #: The IP addresses the name resolved to, as text.
+    addresses: tuple[str, ...]
+
+
 Event = (
     ClientConnected | ClientData | ClientGone | ClientStalled | LegData | LegFailed | ControlDone
-    | ShutdownRequested | AuthenticatorChanged | JournalHealth
+    | ShutdownRequested | AuthenticatorChanged | JournalHealth | EngineResolved
 )
 
 # -------------------------------------------------------------- commands out
@@ -273,6 +290,10 @@ class StartControl:
     drop_after_send: bool = False
     #: The raw HTTP request for ``drop_after_send``.
     data: bytes = b""
+    #: Resolve the engine's host name first and feed the addresses as
+    #: :class:`EngineResolved` (health probes of prefill engines named by a
+    #: name rather than an address).
+    resolve: bool = False
 
 
 @attrs.define

@@ -7,6 +7,7 @@
 
 cdef class Fleet:
     cdef public object engines, _max, _unhealthy_after, _healthy_after, _turn
+    cdef public object _kv_static, _kv_addresses, _kv_loopback, _kv_refused
 
 cdef class Admission:
     cdef public object max_inflight, queue_size, per_client_max, inflight, queue, per_client

@@ -9,17 +9,20 @@ bookkeeping: the router decides what to do with their answers.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Final, Literal
 
 import attrs
 
-from .config import EngineAddress
+from .config import EngineAddress, is_loopback_host, normalize_host
 from .ids import DECODE, PREFILL, Phase
 
 __all__ = ["EngineState", "Fleet", "Admission", "AdmitDecision"]
 
 HealthChange = Literal["down", "up"] | None
+
+#: Refused ``remote_host`` values remembered (each is logged once); past this, new ones are not logged.
+MAX_REFUSED_KV_HOSTS: Final = 1000
 
 
 @attrs.define(eq=False)
@@ -44,6 +47,13 @@ class EngineState:
     total_legs: int = 0
     #: Legs that failed on it since start.
     total_failures: int = 0
+    #: It has answered: a successful probe or leg since start (``/ready`` waits for one per phase).
+    answered: bool = False
+    #: Its first health probe has finished, whatever the outcome.
+    probed: bool = False
+    #: The addresses its host name resolved to at the last probe (a prefill
+    #: engine's KV side channel may be named by any of them).
+    addresses: frozenset[str] = frozenset()
 
     @property
     def url(self) -> str:
@@ -62,6 +72,7 @@ class Fleet:
         max_inflight_per_engine: int,
         unhealthy_after: int,
         healthy_after: int,
+        kv_host_allowed: Callable[[str], bool] | None = None,
     ) -> None:
         self.engines: dict[Phase, list[EngineState]] = {
             PREFILL: [EngineState(address=a, phase=PREFILL, index=i) for i, a in enumerate(prefill)],
@@ -71,6 +82,16 @@ class Fleet:
         self._unhealthy_after = unhealthy_after
         self._healthy_after = healthy_after
         self._turn: dict[Phase, int] = {PREFILL: 0, DECODE: 0}
+        #: What the configuration allows as a prefill answer's ``remote_host``
+        #: (``EngineConfig.kv_host_allowed``); by default, the prefill hosts as written.
+        self._kv_static: Callable[[str], bool] = (
+            kv_host_allowed if kv_host_allowed is not None else self._prefill_host
+        )
+        #: Every address the prefill engines' names resolved to, and whether one is loopback.
+        self._kv_addresses: frozenset[str] = frozenset()
+        self._kv_loopback = False
+        #: ``remote_host`` values refused so far (each is logged once).
+        self._kv_refused: set[str] = set()
 
     @property
     def pd(self) -> bool:
@@ -80,6 +101,76 @@ class Fleet:
     def all(self) -> list[EngineState]:
         """Every engine, prefill first."""
         return self.engines[PREFILL] + self.engines[DECODE]
+
+    def has_answered(self, phase: Phase) -> bool:
+        """Whether an engine of ``phase`` is in rotation and has answered since start."""
+        for e in self.engines[phase]:
+            if e.healthy and e.answered:
+                return True
+        return False
+
+    def all_probed(self) -> bool:
+        """Whether every engine's first health probe has finished."""
+        return all(e.probed for e in self.all())
+
+    # ---------------------------------------------------------- KV side channel
+
+    def _prefill_host(self, host: str) -> bool:
+        return host in {e.address.host for e in self.engines[PREFILL]}
+
+    def resolved(self, address: EngineAddress, addresses: Collection[str]) -> bool:
+        """The adapter resolved the host of the prefill engine at ``address``; whether anything changed.
+
+        The addresses replace those of the last resolution (a pod's address
+        changes when it is rescheduled). Entries that are not IP addresses
+        are ignored; an IPv6 zone (``%eth0``) is dropped.
+        """
+        normal = set()
+        for text in addresses:
+            host = normalize_host(text.partition("%")[0])
+            if host is not None:
+                normal.add(host)
+        found = frozenset(normal)
+        changed = False
+        for e in self.engines[PREFILL]:
+            if e.address == address and e.addresses != found:
+                e.addresses = found
+                changed = True
+        if changed:
+            everything: set[str] = set()
+            for e in self.engines[PREFILL]:
+                everything |= e.addresses
+            self._kv_addresses = frozenset(everything)
+            self._kv_loopback = any(is_loopback_host(h) for h in everything)
+        return changed
+
+    def kv_host_allowed(self, host: str) -> bool:
+        """Whether a prefill answer's ``remote_host`` names a host of this fleet.
+
+        As configured (a prefill engine's host, a ``kv_hosts`` entry or
+        network, loopback as one host), or one of the addresses a prefill
+        engine's name resolved to at its last probe.
+        """
+        if self._kv_static(host):
+            return True
+        if not self._kv_addresses:
+            return False
+        if host in self._kv_addresses:
+            return True
+        normal = normalize_host(host)
+        if normal is None:
+            return False
+        return normal in self._kv_addresses or (self._kv_loopback and is_loopback_host(normal))
+
+    def first_refusal(self, host: str) -> bool:
+        """Whether ``host`` is refused for the first time (so worth a log line); remembers it."""
+        refused = self._kv_refused
+        if host in refused or len(refused) >= MAX_REFUSED_KV_HOSTS:
+            return False
+        refused.add(host)
+        return True
+
+    # ------------------------------------------------------------------- legs
 
     def has_healthy(self, phase: Phase) -> bool:
         """Whether any engine of ``phase`` is in rotation."""
@@ -137,6 +228,7 @@ class Fleet:
         Only probes bring an engine back: no legs are sent to an engine out of rotation.
         """
         engine.failures = 0
+        engine.answered = True
         if engine.healthy or not probe:
             return None
         engine.successes += 1
