@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import NoReturn
 
 import attrs
 
@@ -39,9 +40,16 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr (``narwhal sim: error: …``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
     """The argument parser; every flag has a documented default."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog,
         description="Run a simulated vLLM-compatible engine that speaks Narwhal's PD protocol.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -70,18 +78,19 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     g.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help="KV blocks of the engine")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (default: 8192; --max-model-len without chunked prefill)")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="never split a prompt over steps (a prompt must fit the step budget)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="longest prompt plus output")
     g.add_argument("--kv-lease-s", type=float, default=d.kv_lease_s,
                    help="seconds unpulled KV is held before it expires (wall clock)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    g.add_argument("--prefix-cache-blocks", type=int, default=None,
-                   help="blocks the prefix cache remembers (default: --num-gpu-blocks)")  # fmt: skip
-    g.add_argument("--prefill-base-ms", type=float, default=d.prefill_base_ms, help="fixed prefill time")
+    g.add_argument("--step-base-ms", type=float, default=d.step_base_ms, help="fixed time of one engine step")
     g.add_argument("--prefill-per-token-ms", type=float, default=d.prefill_per_token_ms,
-                   help="prefill time per uncached prompt token")  # fmt: skip
-    g.add_argument("--decode-step-ms", type=float, default=d.decode_step_ms, help="time per output token at batch 1")
+                   help="step time per prompt token computed in it")  # fmt: skip
     g.add_argument("--decode-per-seq-ms", type=float, default=d.decode_per_seq_ms,
-                   help="extra time per output token per further running sequence")  # fmt: skip
+                   help="step time per sequence decoding in it")  # fmt: skip
     g.add_argument("--kv-transfer-base-ms", type=float, default=d.kv_transfer_base_ms, help="fixed KV pull time")
     g.add_argument("--kv-transfer-per-block-ms", type=float, default=d.kv_transfer_per_block_ms,
                    help="KV pull time per block")  # fmt: skip
@@ -92,6 +101,18 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
                         "(default: 2, or 0 at --speed 0)")  # fmt: skip
     g.add_argument("--kv-load-failure", choices=("recompute", "fail"), default=d.kv_load_failure,
                    help="on a failed KV pull: recompute the prompt, or fail the request with 500")  # fmt: skip
+
+    t = p.add_argument_group("tokens and KV events")
+    t.add_argument("--tokenizer", metavar="PATH", default=None,
+                   help="a Hugging Face tokenizer.json (or its directory): count and hash prompts by its ids "
+                        "(default: 4 characters per token)")  # fmt: skip
+    t.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="jinja2 chat template (default: the tokenizer's tokenizer_config.json, else built in)")
+    t.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT", default=None,
+                   help="publish vLLM KV events (ZMQ PUB; binds for host * or port 0, else connects)")
+    t.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT", default=None,
+                   help="the replay ROUTER socket (default: the PUB port + 1)")
+    t.add_argument("--kv-events-topic", default="", help="topic frame of the KV event messages")
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--keep-alive-s", type=float, default=d.keep_alive_s, help="idle keep-alive timeout")
@@ -151,11 +172,11 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_lease_s=args.kv_lease_s,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill=not args.no_chunked_prefill,
         prefix_caching=not args.no_prefix_caching,
-        prefix_cache_blocks=args.prefix_cache_blocks,
-        prefill_base_ms=args.prefill_base_ms,
+        step_base_ms=args.step_base_ms,
         prefill_per_token_ms=args.prefill_per_token_ms,
-        decode_step_ms=args.decode_step_ms,
         decode_per_seq_ms=args.decode_per_seq_ms,
         kv_transfer_base_ms=args.kv_transfer_base_ms,
         kv_transfer_per_block_ms=args.kv_transfer_per_block_ms,
@@ -168,6 +189,11 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         record_limit=args.record_limit,
         log=None if args.log == "none" else args.log,
         faults=faults,
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
     )
     config.check()
     return config
@@ -245,6 +271,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"narwhal sim: {exc}", file=sys.stderr)
+        print(f"narwhal sim: error: {exc}", file=sys.stderr)
         return 2
     return run(config, loop=args.loop)

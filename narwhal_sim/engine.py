@@ -419,10 +419,12 @@ class EngineCore:
     :meth:`advance`.
     """
 
-    def __init__(self, config: StepConfig | None = None, *, kv_events: bool = False) -> None:
+    def __init__(self, config: StepConfig | None = None, *, kv_events: bool = False, coalesce: bool = True) -> None:
         config = config if config is not None else StepConfig()
         config.check()
         self.config = config
+        #: Run identical decode-only steps as one (a real-time driver that paces every token turns it off).
+        self.coalesce = coalesce
         self.pool = BlockPool(config.num_gpu_blocks, block_size=config.block_size, record_events=kv_events)
         self._seqs: dict[str, _Seq] = {}
         self._waiting: deque[_Seq] = deque()
@@ -716,7 +718,7 @@ class EngineCore:
             return
         dur = config.step_s(prefill_tokens, len(decodes))
         count = 1
-        if not prefills:
+        if not prefills and self.coalesce:
             # Decode-only: identical steps until the first of the batch finishes.
             count = min(s.max_tokens - s.generated for s in decodes)
         self._step = _Step(now, dur, max(count, 1), prefills, decodes)

@@ -4,13 +4,12 @@ Everything here is a plain value or a small state machine that takes the
 current time as an argument (``now``), in the style of the router core:
 the server in :mod:`narwhal_sim.server` feeds it and acts on its answers.
 
-* :class:`LatencyModel` — how long prefill, one decode step and a KV transfer take.
-* :class:`Prompt` — the documented token-count approximation, the prompt digest
-  and the 16-token block keys of the prefix cache.
+* :class:`Prompt` — token ids (a tokenizer's, or the documented
+  4-characters-per-token approximation), the prompt digest and the chained
+  block hashes of the prefix cache (:mod:`narwhal_sim.tokens`).
 * :func:`generate_tokens` — deterministic output text from (seed, prompt).
-* :class:`BlockPool`, :class:`PrefixCache`, :class:`KvLedger`,
-  :class:`Scheduler` — KV capacity, prefix hits, per-owner KV leases and the
-  ``max_num_seqs`` cap with its waiting queue.
+* :class:`KvLedger` — per-owner KV leases and their counters (the blocks
+  themselves are pinned in the engine core, :mod:`narwhal_sim.engine`).
 * :class:`Faults` — fault settings and their per-request decisions, each drawn
   from a hash of (seed, request id, fault name) so no shared RNG state exists.
 """
@@ -19,74 +18,35 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+from narwhal_sim.tokens import CHARS_PER_TOKEN, block_hashes, pseudo_token_ids
+
+if TYPE_CHECKING:
+    from narwhal_sim.tokens import Tokenizer
 
 __all__ = [
     "ROLES",
     "CHARS_PER_TOKEN",
-    "LatencyModel",
     "Prompt",
     "PromptError",
     "generate_tokens",
-    "BlockPool",
-    "PrefixCache",
     "KvEntry",
     "KvLedger",
-    "Ticket",
-    "Scheduler",
     "Faults",
     "FaultPlan",
     "FaultsError",
     "fault_draw",
     "owner_key",
+    "render_content",
 ]
 
 #: The three engine roles of SPEC §9.
 ROLES = ("prefill", "decode", "mixed")
-
-#: Token-count approximation: one token per 4 characters (code points) of
-#: prompt text, rounded up, at least one. Token-id prompts count exactly.
-CHARS_PER_TOKEN = 4
-
-# --------------------------------------------------------------------------- latency
-
-
-@attrs.frozen(kw_only=True)
-class LatencyModel:
-    """Modelled GPU time, in milliseconds per unit; defaults fit an 8B model on one H100.
-
-    The server divides every result by ``--speed`` (and sleeps not at all at speed 0).
-    """
-
-    #: Fixed cost of one prefill (scheduling, one forward pass launch).
-    prefill_base_ms: float = 15.0
-    #: Cost per prompt token that misses the prefix cache (~12.5k tokens/s).
-    prefill_per_token_ms: float = 0.08
-    #: Time of one decode step with a batch of one sequence.
-    decode_step_ms: float = 7.0
-    #: Extra decode-step time per further sequence in the running batch.
-    decode_per_seq_ms: float = 0.05
-    #: Fixed cost of pulling KV from a prefill engine.
-    kv_transfer_base_ms: float = 2.0
-    #: Cost per 16-token KV block pulled (2 MiB per block for Llama-3.1-8B).
-    kv_transfer_per_block_ms: float = 0.05
-
-    def prefill_s(self, computed_tokens: int) -> float:
-        """Seconds to prefill ``computed_tokens`` tokens (the prompt minus cache hits)."""
-        return (self.prefill_base_ms + self.prefill_per_token_ms * computed_tokens) / 1000.0
-
-    def itl_s(self, batch: int) -> float:
-        """Seconds per output token while ``batch`` sequences are running."""
-        return (self.decode_step_ms + self.decode_per_seq_ms * max(batch - 1, 0)) / 1000.0
-
-    def transfer_s(self, blocks: int) -> float:
-        """Seconds to pull ``blocks`` KV blocks from the prefill engine."""
-        return (self.kv_transfer_base_ms + self.kv_transfer_per_block_ms * blocks) / 1000.0
-
 
 # --------------------------------------------------------------------------- prompts
 
@@ -100,41 +60,44 @@ class PromptError(ValueError):
 
 
 class Prompt:
-    """A prompt as the engine sees it: its token count, digest and cache-block keys.
+    """A prompt as the engine sees it: token count, digest, token ids and block hashes.
 
-    Text is counted with the approximation of :data:`CHARS_PER_TOKEN`; a
-    block of ``block_size`` tokens is ``block_size * CHARS_PER_TOKEN``
-    characters. Token-id prompts (a list of integers) are counted exactly.
+    Without a tokenizer, text counts one token per :data:`CHARS_PER_TOKEN`
+    characters (rounded up, at least one) and its token ids are
+    :func:`~narwhal_sim.tokens.pseudo_token_ids`. Token-id prompts, and text
+    encoded by a tokenizer, count exactly.
     """
 
-    __slots__ = ("text", "token_ids", "num_tokens", "digest")
+    __slots__ = ("text", "token_ids", "num_tokens", "digest", "_hashes")
 
     def __init__(self, *, text: str | None = None, token_ids: Sequence[int] | None = None) -> None:
         self.text = text
         self.token_ids = tuple(token_ids) if token_ids is not None else None
+        self._hashes: tuple[int, list[int]] | None = None
         if self.token_ids is not None:
             self.num_tokens = max(len(self.token_ids), 1)
-            material = b"ids:" + ",".join(map(str, self.token_ids)).encode()
         else:
-            text = text or ""
-            self.num_tokens = max(-(-len(text) // CHARS_PER_TOKEN), 1)
+            self.num_tokens = max(-(-len(text or "") // CHARS_PER_TOKEN), 1)
+        if text is not None:
             material = b"text:" + text.encode("utf-8", "surrogatepass")
+        else:
+            material = b"ids:" + ",".join(map(str, self.token_ids or ())).encode()
         #: Stable across processes: it seeds the output text and lets a decode
         #: engine check that the KV it pulled belongs to the same prompt.
         self.digest = hashlib.blake2b(material, digest_size=16).hexdigest()
 
     @classmethod
-    def from_completion(cls, prompt: Any) -> Prompt:
+    def from_completion(cls, prompt: Any, tokenizer: Tokenizer | None = None) -> Prompt:
         """The ``prompt`` of ``/v1/completions``: a string, one-string list, or token ids."""
         if isinstance(prompt, str):
-            return cls(text=prompt)
+            return cls.of_text(prompt, tokenizer)
         if isinstance(prompt, list):
             if prompt and all(type(t) is int for t in prompt):
                 return cls(token_ids=prompt)
             if len(prompt) == 1:
                 only = prompt[0]
                 if isinstance(only, str):
-                    return cls(text=only)
+                    return cls.of_text(only, tokenizer)
                 if isinstance(only, list) and only and all(type(t) is int for t in only):
                     return cls(token_ids=only)
             if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -142,40 +105,63 @@ class Prompt:
         raise PromptError("prompt must be a string, a list of token ids or a one-element list", "prompt")
 
     @classmethod
-    def from_chat(cls, messages: Any, tools: Any = None) -> Prompt:
-        """Render chat ``messages`` (and ``tools``) with a fixed template, then count it."""
+    def of_text(cls, text: str, tokenizer: Tokenizer | None = None, *, add_special_tokens: bool = True) -> Prompt:
+        """Text, encoded by ``tokenizer`` when there is one."""
+        if tokenizer is None:
+            return cls(text=text)
+        return cls(text=text, token_ids=tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    @classmethod
+    def from_chat(cls, messages: Any, tools: Any = None, tokenizer: Tokenizer | None = None) -> Prompt:
+        """Render chat ``messages`` (and ``tools``) with the chat template, then count it."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise PromptError("messages must be an array of objects", "messages")
+        if tokenizer is not None:
+            flat = [{**m, "content": render_content(m.get("content"))} for m in messages]
+            try:
+                text = tokenizer.render_chat(flat, tools)
+            except Exception as exc:  # a template error is the request's fault
+                raise PromptError(f"chat template failed: {exc}", "messages") from None
+            # The template writes any special tokens itself (vLLM encodes chat without adding them).
+            return cls.of_text(text, tokenizer, add_special_tokens=False)
         parts: list[str] = []
         if tools:
             parts.append("<|tools|>\n" + repr(tools) + "\n")
         for message in messages:
             role = message.get("role")
             parts.append(f"<|{role if isinstance(role, str) else 'user'}|>\n")
-            parts.append(_render_content(message.get("content")))
+            parts.append(render_content(message.get("content")))
             parts.append("\n")
         parts.append("<|assistant|>\n")
         return cls(text="".join(parts))
 
-    def block_keys(self, block_size: int) -> list[int]:
-        """Chained keys of the prompt's full blocks (a key names its whole prefix)."""
-        keys: list[int] = []
-        key = 0
+    def ids(self, limit: int | None = None) -> Sequence[int]:
+        """The prompt's token ids (pseudo ids for text without a tokenizer), the first ``limit`` if given."""
         if self.token_ids is not None:
-            ids = self.token_ids
-            for start in range(0, len(ids) - block_size + 1, block_size):
-                key = hash((key, ids[start : start + block_size]))
-                keys.append(key)
+            return self.token_ids if limit is None else self.token_ids[:limit]
+        return pseudo_token_ids(self.text or "", limit)
+
+    def block_token_ids(self, block_size: int) -> Sequence[int]:
+        """The token ids of the prompt's full blocks."""
+        return self.ids((self.num_tokens // block_size) * block_size)
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of the prompt's full blocks (:func:`narwhal_sim.tokens.block_hashes`)."""
+        cached = self._hashes
+        if cached is not None and cached[0] == block_size:
+            return cached[1]
+        if self.num_tokens < block_size:
+            hashes: list[int] = []
         else:
-            text = self.text or ""
-            width = block_size * CHARS_PER_TOKEN
-            for start in range(0, len(text) - width + 1, width):
-                key = hash((key, text[start : start + width]))
-                keys.append(key)
-        return keys
+            hashes = block_hashes(self.block_token_ids(block_size), block_size)
+        self._hashes = (block_size, hashes)
+        return hashes
+
+    #: The former name of :meth:`block_hashes`.
+    block_keys = block_hashes
 
 
-def _render_content(content: Any) -> str:
+def render_content(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -236,73 +222,6 @@ def owner_key(seed: int, request_id: str, sequence: int) -> str:
 
 
 # --------------------------------------------------------------------------- KV blocks
-
-
-class BlockPool:
-    """The engine's KV blocks: a fixed number of ids handed out and given back."""
-
-    __slots__ = ("total", "_free")
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError("num_blocks must be at least 1")
-        self.total = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def free_count(self) -> int:
-        """Blocks not owned by any request."""
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int] | None:
-        """``count`` block ids, or ``None`` when not enough are free."""
-        if count > len(self._free):
-            return None
-        if count == 0:
-            return []
-        ids = self._free[-count:]
-        del self._free[-count:]
-        ids.reverse()
-        return ids
-
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Give ``block_ids`` back."""
-        self._free.extend(block_ids)
-
-
-class PrefixCache:
-    """Which prompt prefixes are cached, as an LRU of chained 16-token block keys."""
-
-    __slots__ = ("capacity", "_keys", "enabled")
-
-    def __init__(self, capacity_blocks: int, *, enabled: bool = True) -> None:
-        self.capacity = capacity_blocks
-        self.enabled = enabled and capacity_blocks > 0
-        self._keys: OrderedDict[int, None] = OrderedDict()
-
-    def lookup_and_insert(self, prompt: Prompt, block_size: int) -> int:
-        """Cached tokens of ``prompt``'s leading blocks; then remember all its full blocks.
-
-        Like vLLM, at least one prompt token is always computed, so a prompt
-        whose every block hits reports one block less.
-        """
-        if not self.enabled:
-            return 0
-        keys = prompt.block_keys(block_size)
-        limit = (prompt.num_tokens - 1) // block_size
-        hits = 0
-        cache = self._keys
-        for key in keys:
-            if key not in cache:
-                break
-            hits += 1
-        hits = min(hits, limit)
-        for key in keys:
-            cache[key] = None
-            cache.move_to_end(key)
-        while len(cache) > self.capacity:
-            cache.popitem(last=False)
-        return hits * block_size
 
 
 @attrs.define(slots=True, eq=False, kw_only=True)
@@ -423,88 +342,6 @@ class KvLedger:
     def _count(self, outcome: str, entry: KvEntry) -> None:
         self.counts[outcome] += 1
         self.block_counts[outcome] += len(entry.block_ids)
-
-
-# --------------------------------------------------------------------------- scheduling
-
-
-class Ticket:
-    """One request's claim on a sequence slot and its KV blocks."""
-
-    __slots__ = ("blocks_needed", "block_ids", "state", "waiter")
-
-    def __init__(self, blocks_needed: int) -> None:
-        self.blocks_needed = blocks_needed
-        self.block_ids: list[int] = []
-        #: ``new`` → ``waiting`` → ``running`` → ``done``.
-        self.state = "new"
-        #: Opaque to the model: the server's wake-up handle.
-        self.waiter: Any = None
-
-
-class Scheduler:
-    """The ``max_num_seqs`` cap and a first-come-first-served waiting queue.
-
-    A request runs when a sequence slot is free *and* the pool has its
-    blocks; otherwise it waits. Blocks held for a KV owner stay allocated,
-    so leaked KV shrinks the engine's capacity until its lease expires.
-    """
-
-    def __init__(self, max_num_seqs: int, pool: BlockPool) -> None:
-        if max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be at least 1")
-        self.max_num_seqs = max_num_seqs
-        self.pool = pool
-        self.running = 0
-        self.waiting: deque[Ticket] = deque()
-
-    def submit(self, ticket: Ticket) -> bool:
-        """Run ``ticket`` now (``True``) or queue it (``False``)."""
-        if ticket.blocks_needed > self.pool.total:
-            raise ValueError("request needs more KV blocks than the engine has")
-        if not self.waiting and self._try_start(ticket):
-            return True
-        ticket.state = "waiting"
-        self.waiting.append(ticket)
-        return False
-
-    def withdraw(self, ticket: Ticket) -> None:
-        """Take a waiting ticket out of the queue (its client left)."""
-        if ticket.state == "waiting":
-            self.waiting.remove(ticket)
-            ticket.state = "done"
-
-    def finish(self, ticket: Ticket, *, keep_blocks: bool = False) -> list[Ticket]:
-        """End a running ticket, freeing its slot (and blocks unless ``keep_blocks``).
-
-        Returns the tickets that start running as a result.
-        """
-        if ticket.state != "running":
-            return []
-        ticket.state = "done"
-        self.running -= 1
-        if not keep_blocks:
-            self.pool.free(ticket.block_ids)
-        ticket.block_ids = []
-        return self.drain()
-
-    def drain(self) -> list[Ticket]:
-        """Start waiting tickets, in order, while slots and blocks allow."""
-        started = []
-        while self.waiting and self._try_start(self.waiting[0]):
-            started.append(self.waiting.popleft())
-        return started
-
-    def _try_start(self, ticket: Ticket) -> bool:
-        if self.running >= self.max_num_seqs:
-            return False
-        block_ids = self.pool.allocate(ticket.blocks_needed)
-        if block_ids is None:
-            return False
-        ticket.block_ids = block_ids
-        ticket.state = "running"
-        self.running += 1
-        return True
 
 
 # --------------------------------------------------------------------------- faults

@@ -9,11 +9,14 @@ name as ``type`` and the HTTP status as ``code``; chat messages carry
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from narwhal_sim.model import Prompt, PromptError
+
+if TYPE_CHECKING:
+    from narwhal_sim.tokens import Tokenizer
 
 __all__ = [
     "ApiError",
@@ -165,7 +168,9 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def parse_completion(body: bytes, *, chat: bool, served_model: str, max_model_len: int) -> CompletionJob:
+def parse_completion(
+    body: bytes, *, chat: bool, served_model: str, max_model_len: int, tokenizer: Tokenizer | None = None
+) -> CompletionJob:
     """Validate a ``/v1/completions`` or ``/v1/chat/completions`` body; :class:`ApiError` when bad."""
     try:
         data = orjson.loads(body)
@@ -199,10 +204,10 @@ def parse_completion(body: bytes, *, chat: bool, served_model: str, max_model_le
     tool_name = None
     try:
         if chat:
-            prompt = Prompt.from_chat(data["messages"], data.get("tools"))
+            prompt = Prompt.from_chat(data["messages"], data.get("tools"), tokenizer)
             tool_name = _forced_tool(data.get("tools"), data.get("tool_choice"))
         else:
-            prompt = Prompt.from_completion(data["prompt"])
+            prompt = Prompt.from_completion(data["prompt"], tokenizer)
     except PromptError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
 

@@ -28,20 +28,31 @@ from typing import IO, Any
 import attrs
 import orjson
 
+from narwhal_sim.kv_events import KvEventPublisher
+from narwhal_sim.tokens import Tokenizer, pseudo_token_text
 from narwhal_sim.http1 import JSON, EngineClient, HttpRequest, HttpServer, Limits, ServerConnection
+from narwhal_sim.engine import (
+    DECODE_REMOTE,
+    PLAIN,
+    PREFILL_REMOTE,
+    EngineCore,
+    EngineOutput,
+    EngineRequest,
+    Finished,
+    Started,
+    StepConfig,
+    Tokens,
+)
 from narwhal_sim.model import (
     ROLES,
-    BlockPool,
     FaultPlan,
     Faults,
     FaultsError,
     KvEntry,
     KvLedger,
-    LatencyModel,
-    PrefixCache,
     Prompt,
-    Scheduler,
-    Ticket,
+    PromptError,
+    render_content,
     generate_tokens,
     owner_key,
 )
@@ -99,18 +110,20 @@ class SimConfig:
     num_gpu_blocks: int = 28_000
     #: Sequences running at once; more wait in a FCFS queue.
     max_num_seqs: int = 256
+    #: Token budget of one engine step; ``None``: 8192, or ``max_model_len`` without chunked prefill.
+    max_num_batched_tokens: int | None = None
+    #: Split prompts over steps when they do not fit the budget.
+    chunked_prefill: bool = True
     #: Longest prompt plus output, in tokens.
     max_model_len: int = 131_072
     #: Seconds a prefill engine holds unpulled KV before freeing it as *expired* (wall clock).
     kv_lease_s: float = 30.0
-    #: Whether prompts hit a prefix cache of 16-token blocks.
+    #: Whether prompts hit the prefix cache (full blocks kept in the KV pool until evicted).
     prefix_caching: bool = True
-    #: Blocks the prefix cache remembers; ``num_gpu_blocks`` when ``None``.
-    prefix_cache_blocks: int | None = None
-    #: Latency model (see :class:`narwhal_sim.model.LatencyModel`).
-    prefill_base_ms: float = 15.0
+    #: Step time: ``step_base_ms + prefill tokens × prefill_per_token_ms + decoding sequences ×
+    #: decode_per_seq_ms`` (see :class:`narwhal_sim.engine.StepConfig`).
+    step_base_ms: float = 7.0
     prefill_per_token_ms: float = 0.08
-    decode_step_ms: float = 7.0
     decode_per_seq_ms: float = 0.05
     kv_transfer_base_ms: float = 2.0
     kv_transfer_per_block_ms: float = 0.05
@@ -134,6 +147,16 @@ class SimConfig:
     log: str | None = None
     #: Fault settings at start.
     faults: Faults = Faults()
+    #: ``tcp://HOST:PORT``: publish vLLM KV events on a ZMQ PUB socket bound there.
+    kv_events_endpoint: str | None = None
+    #: ``tcp://HOST:PORT`` of the replay ROUTER socket; ``None``: the PUB port + 1.
+    kv_events_replay_endpoint: str | None = None
+    #: Topic frame of every published batch.
+    kv_events_topic: str = ""
+    #: A Hugging Face ``tokenizer.json`` (or its directory): counts and hashes prompts by its ids.
+    tokenizer: str | None = None
+    #: A jinja2 chat template file (default: the tokenizer's, else the built-in one).
+    chat_template: str | None = None
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad setting."""
@@ -144,6 +167,13 @@ class SimConfig:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_model_len", "tp_size", "record_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        self.step_config.check()
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not _tcp_endpoint(value):
+                raise ValueError(f"{name} must be tcp://HOST:PORT, got {value!r}")
         if self.kv_pull_grace_ms is not None and self.kv_pull_grace_ms < 0:
             raise ValueError("kv_pull_grace_ms must be >= 0")
         if self.kv_lease_s <= 0 or self.kv_pull_timeout_s <= 0:
@@ -161,16 +191,31 @@ class SimConfig:
         return self.kv_pull_grace_ms / 1000.0
 
     @property
-    def latency(self) -> LatencyModel:
-        """The latency model these settings describe."""
-        return LatencyModel(
-            prefill_base_ms=self.prefill_base_ms,
+    def step_config(self) -> StepConfig:
+        """The engine core's settings."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 8192 if self.chunked_prefill else max(self.max_model_len, 8192)
+        return StepConfig(
+            block_size=self.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            chunked_prefill=self.chunked_prefill,
+            prefix_caching=self.prefix_caching,
+            step_base_ms=self.step_base_ms,
             prefill_per_token_ms=self.prefill_per_token_ms,
-            decode_step_ms=self.decode_step_ms,
             decode_per_seq_ms=self.decode_per_seq_ms,
             kv_transfer_base_ms=self.kv_transfer_base_ms,
             kv_transfer_per_block_ms=self.kv_transfer_per_block_ms,
         )
+
+
+def _tcp_endpoint(value: str) -> bool:
+    if not value.startswith("tcp://"):
+        return False
+    host, sep, port = value[6:].rpartition(":")
+    return bool(sep and host and port.isdigit() and int(port) <= 65535)
 
 
 class _Record:
@@ -243,12 +288,21 @@ class SimEngine:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.engine_id = config.engine_id or f"sim-{config.role}-{uuid.uuid4().hex[:12]}"
-        self.latency = config.latency
-        self.pool = BlockPool(config.num_gpu_blocks)
-        cache_blocks = config.prefix_cache_blocks if config.prefix_cache_blocks is not None else config.num_gpu_blocks
-        self.prefix_cache = PrefixCache(cache_blocks, enabled=config.prefix_caching)
+        self.step_config = config.step_config
+        #: The pure engine core; at speed > 0 it steps in real time (one step per token), at
+        #: speed 0 instantly (runs of identical decode steps coalesced).
+        self.core = EngineCore(
+            self.step_config, kv_events=config.kv_events_endpoint is not None, coalesce=config.speed == 0
+        )
+        self.tokenizer: Tokenizer | None = (
+            Tokenizer(config.tokenizer, chat_template=config.chat_template) if config.tokenizer else None
+        )
+        self.publisher: KvEventPublisher | None = None
         self.ledger = KvLedger(config.kv_lease_s)
-        self.scheduler = Scheduler(config.max_num_seqs, self.pool)
+        self._flows: dict[str, _Flow] = {}
+        self._core_t0 = time.monotonic()
+        self._step_timer: asyncio.TimerHandle | None = None
+        self._internal_seq = 0
         self.faults = config.faults
         self._faults_active = config.faults.active
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -281,6 +335,9 @@ class SimEngine:
             "/health": {"GET": self._health},
             "/v1/models": {"GET": self._models},
             "/metrics": {"GET": self._metrics},
+            "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
+            "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
             ABORT_PATH: {"POST": self._abort_request},
             KV_PULL_PATH: {"POST": self._kv_pull},
         }
@@ -308,6 +365,16 @@ class SimEngine:
             self.advertise_host = "127.0.0.1"
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
+        config = self.config
+        if config.kv_events_endpoint is not None:
+            replay = config.kv_events_replay_endpoint
+            if replay is None:
+                # vLLM names no default either; ours is the PUB port + 1 on the same host.
+                pub_host, _, pub_port = config.kv_events_endpoint.rpartition(":")
+                replay = f"{pub_host}:{int(pub_port) + 1}" if pub_port.isdigit() and int(pub_port) else None
+            self.publisher = KvEventPublisher(
+                config.kv_events_endpoint, replay_endpoint=replay, topic=config.kv_events_topic
+            )
         if on_listening is not None:
             on_listening(self)
         await self._http.start_serving()
@@ -316,7 +383,11 @@ class SimEngine:
         """Stop serving; held KV is forgotten with the process."""
         if self._lease_timer is not None:
             self._lease_timer.cancel()
+        if self._step_timer is not None:
+            self._step_timer.cancel()
         await self._http.close()
+        if self.publisher is not None:
+            self.publisher.close()
         self.client.close()
         for task in list(self._background):
             task.cancel()
@@ -335,10 +406,14 @@ class SimEngine:
             "model": self.config.model,
             "url": self.url,
             "speed": self.config.speed,
-            "running": self.scheduler.running,
-            "waiting": len(self.scheduler.waiting),
-            "free_blocks": self.pool.free_count,
-            "total_blocks": self.pool.total,
+            "running": self.core.num_running,
+            "waiting": self.core.num_waiting,
+            "free_blocks": self.core.pool.num_free,
+            "total_blocks": self.core.pool.num_blocks,
+            "kv_cache_usage": self.core.pool.usage,
+            "prefix_cache_queries": self.core.prefix_cache_queries,
+            "prefix_cache_hits": self.core.prefix_cache_hits,
+            "steps": self.core.steps,
             "connections": len(self._http.connections),
             "kv_held": len(ledger),
             "kv_held_blocks": ledger.held_blocks,
@@ -504,11 +579,89 @@ class SimEngine:
         }
         self._answer(conn, request, 200, orjson.dumps({"object": "list", "data": [card]}))
 
+    def _tokenize(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """vLLM's ``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` → ``{count, max_model_len, tokens, token_strs}``."""
+        try:
+            data = self._json_body(request)
+            model = data.get("model")
+            if model is not None and model != self.config.model:
+                raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+            flags = {}
+            for name in ("add_special_tokens", "add_generation_prompt", "return_token_strs"):
+                value = data.get(name)
+                if value is not None and type(value) is not bool:
+                    raise ApiError(400, f"{name} must be a boolean", param=name)
+                flags[name] = value
+            tokenizer = self.tokenizer
+            if "messages" in data:
+                messages = data["messages"]
+                if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                    raise ApiError(400, "messages must be an array of objects", param="messages")
+                if tokenizer is not None:
+                    flat = [{**m, "content": render_content(m.get("content"))} for m in messages]
+                    try:
+                        text = tokenizer.render_chat(flat, data.get("tools"),
+                                                     add_generation_prompt=flags["add_generation_prompt"] is not False)
+                    except Exception as exc:  # a template error is the request's fault
+                        raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+                    ids = tokenizer.encode(text, add_special_tokens=flags["add_special_tokens"] is True)
+                else:
+                    ids = list(Prompt.from_chat(messages, data.get("tools")).ids())
+            else:
+                prompt = data.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "prompt must be a string (or send messages)", param="prompt")
+                if tokenizer is not None:
+                    ids = tokenizer.encode(prompt, add_special_tokens=flags["add_special_tokens"] is not False)
+                else:
+                    ids = list(Prompt(text=prompt).ids()) if prompt else []
+        except PromptError as exc:
+            self._answer(conn, request, 400, error_body(400, str(exc), param=exc.param))
+            return
+        except ApiError as exc:
+            self._answer(conn, request, exc.status, exc.body())
+            return
+        answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                                  "token_strs": None}  # fmt: skip
+        if flags["return_token_strs"]:
+            answer["token_strs"] = (
+                [tokenizer.decode([t]) for t in ids] if tokenizer is not None else [pseudo_token_text([t]) for t in ids]
+            )
+        self._answer(conn, request, 200, orjson.dumps(answer))
+
+    def _detokenize(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """vLLM's ``POST /detokenize``: ``{"tokens": [...]}`` → ``{"prompt": text}``."""
+        try:
+            data = self._json_body(request)
+            model = data.get("model")
+            if model is not None and model != self.config.model:
+                raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+            ids = data.get("tokens")
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise ApiError(400, "tokens must be an array of integers", param="tokens")
+            if self.tokenizer is not None:
+                try:
+                    text = self.tokenizer.decode(ids)
+                except ValueError as exc:
+                    raise ApiError(400, str(exc), param="tokens") from None
+            else:
+                text = pseudo_token_text(ids)
+        except ApiError as exc:
+            self._answer(conn, request, exc.status, exc.body())
+            return
+        self._answer(conn, request, 200, orjson.dumps({"prompt": text}))
+
+    def _reset_prefix_cache(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """vLLM's ``POST /reset_prefix_cache``: forget every cached block (``AllBlocksCleared``)."""
+        self.core.reset_prefix_cache(now=self._core_now())
+        self._pump()
+        self._answer(conn, request, 200, b"", content_type=None)
+
     def _metrics(self, conn: ServerConnection, request: HttpRequest) -> None:
         self._answer(conn, request, 200, self._prometheus(), content_type=_PROMETHEUS)
 
     def _prometheus(self) -> bytes:
-        label = '{model_name="%s"}' % self.config.model.replace("\\", "\\\\").replace('"', '\\"')
+        label = '{engine="0",model_name="%s"}' % self.config.model.replace("\\", "\\\\").replace('"', '\\"')
         c = self.counters
         ledger = self.ledger
         lines: list[str] = []
@@ -519,14 +672,21 @@ class SimEngine:
             for labels, value in samples:
                 lines.append(f"{name}{labels} {value}")
 
-        used = 1.0 - self.pool.free_count / self.pool.total
-        metric("vllm:num_requests_running", "gauge", "Requests running.", [(label, self.scheduler.running)])
-        metric("vllm:num_requests_waiting", "gauge", "Requests waiting.", [(label, len(self.scheduler.waiting))])
-        metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage, 1 means 100 percent.", [(label, used)])
+        core = self.core
+        # vLLM's PrometheusStatLogger: gauges, and counters exposed with ``_total`` (prometheus_client).
+        metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+               [(label, core.num_running)])  # fmt: skip
+        metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+               [(label, core.num_waiting)])  # fmt: skip
+        metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+               [(label, core.pool.usage)])  # fmt: skip
+        metric("vllm:prefix_cache_queries_total", "counter",
+               "Prefix cache queries, in terms of number of queried tokens.",
+               [(label, core.prefix_cache_queries)])  # fmt: skip
         metric("vllm:prompt_tokens_total", "counter", "Prefill tokens processed.", [(label, c["prompt_tokens"])])
         metric("vllm:generation_tokens_total", "counter", "Tokens generated.", [(label, c["generation_tokens"])])
-        metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
-               [(label, c["cached_tokens"])])  # fmt: skip
+        metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+               [(label, core.prefix_cache_hits)])  # fmt: skip
         metric("narwhal_sim_requests_total", "counter", "Requests received.", [("", c["requests"])])
         metric("narwhal_sim_kv_held_requests", "gauge", "KV owners held.", [("", len(ledger))])
         metric("narwhal_sim_kv_held_blocks", "gauge", "KV blocks held for owners.", [("", ledger.held_blocks)])
@@ -592,22 +752,16 @@ class SimEngine:
         }
         self._answer(conn, request, 200, orjson.dumps(answer))
 
-    def _hold(self, request_id: str, ticket: Ticket, prompt: Prompt, record: _Record) -> dict[str, Any]:
-        """Keep a finished prefill's blocks for a new owner key; the ``kv_transfer_params`` naming them."""
-        while True:  # a client reusing a request id may meet a held key: take the next one
-            self._owner_seq += 1
-            owner = owner_key(self.config.seed, request_id, self._owner_seq)
-            if owner not in self.ledger:
-                break
+    def _hold(self, owner: str, block_ids: list[int], prompt: Prompt, record: _Record) -> dict[str, Any]:
+        """Lease a finished prefill's blocks (pinned in the core) to ``owner``; the ``kv_transfer_params``."""
         entry = self.ledger.hold(
             owner,
-            ticket.block_ids,
+            block_ids,
             now=self.loop.time(),
             prompt_tokens=prompt.num_tokens,
             prompt_digest=prompt.digest,
             tag=record,
         )
-        self._wake(self.scheduler.finish(ticket, keep_blocks=True))
         record.kv = {"role": "prefill", "owner": owner, "blocks": len(entry.block_ids), "outcome": "held"}
         if self._lease_timer is None:
             self._arm_lease_timer()
@@ -624,8 +778,8 @@ class SimEngine:
         }
 
     def _kv_ended(self, entry: KvEntry) -> None:
-        self.pool.free(entry.block_ids)
-        self._wake(self.scheduler.drain())
+        self.core.free_held(entry.owner, now=self._core_now())
+        self._pump()
         record: _Record | None = entry.tag
         if record is not None and record.kv is not None:
             record.kv["outcome"] = entry.outcome
@@ -654,11 +808,75 @@ class SimEngine:
             self._kv_ended(entry)
         self._arm_lease_timer()
 
-    def _wake(self, tickets: list[Ticket]) -> None:
-        for ticket in tickets:
-            waiter = ticket.waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+    def _new_owner(self, request_id: str) -> str:
+        """A fresh KV owner key (``remote_request_id``) for a prefill leg."""
+        while True:  # a client reusing a request id may meet a key in use: take the next one
+            self._owner_seq += 1
+            owner = owner_key(self.config.seed, request_id, self._owner_seq)
+            if owner not in self.ledger and self.core.state_of(owner) is None:
+                return owner
+
+    # ------------------------------------------------------------------ driving the engine core
+
+    def _core_now(self) -> float:
+        """The core's time: modelled seconds since start (at speed 0, the core's own clock)."""
+        speed = self.config.speed
+        if speed == 0:
+            return self.core.now
+        return (time.monotonic() - self._core_t0) * speed
+
+    def _pump(self) -> None:
+        """Hand the core's due outputs to their requests and arm the timer for the next step end."""
+        core = self.core
+        speed = self.config.speed
+        if speed == 0:
+            # Instantly: every step runs now, one after the other.
+            while True:
+                t = core.next_event_time()
+                if t is None:
+                    break
+                self._dispatch(core.advance(now=t))
+        else:
+            now = self._core_now()
+            self._dispatch(core.advance(now=now))
+            t = core.next_event_time()
+            if self._step_timer is not None:
+                self._step_timer.cancel()
+                self._step_timer = None
+            if t is not None:
+                self._step_timer = self.loop.call_later(max(t - now, 0.0) / speed, self._on_step_timer)
+        if self.publisher is not None:
+            events = core.take_kv_events()
+            if events:
+                self.publisher.publish(events, time.time())
+
+    def _on_step_timer(self) -> None:
+        self._step_timer = None
+        self._pump()
+
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        flows = self._flows
+        for out in outputs:
+            flow = flows.get(out.request_id)
+            if flow is None:
+                continue
+            if type(out) is Tokens:
+                flow.generated += out.count
+            elif type(out) is Started:
+                flow.started = True
+                if flow.kind != DECODE_REMOTE:
+                    flow.cached = out.cached_tokens
+                    counters = self.counters
+                    counters["prompt_tokens"] += flow.prompt_tokens - out.cached_tokens
+                    counters["cached_tokens"] += out.cached_tokens
+            elif type(out) is Finished:
+                flow.finished = True
+                flow.block_ids = list(out.block_ids)
+            waiter = flow.waiter
+            if waiter is not None:
+                flow.waiter = None
+                if not waiter.done():
+                    waiter.set_result(None)
 
     # ------------------------------------------------------------------ completions
 
@@ -689,13 +907,18 @@ class SimEngine:
         request_id = request.request_id or os.urandom(16).hex()
         faults = self.faults
         plan = faults.plan(self.config.seed, request_id) if self._faults_active else _NO_FAULTS
-        ticket: Ticket | None = None
+        core_id: str | None = None
+        flow: _Flow | None = None
         decode_kv: _DecodeKv | None = None
         done = False
         try:
             try:
                 job = parse_completion(
-                    request.body, chat=chat, served_model=self.config.model, max_model_len=self.config.max_model_len
+                    request.body,
+                    chat=chat,
+                    served_model=self.config.model,
+                    max_model_len=self.config.max_model_len,
+                    tokenizer=self.tokenizer,
                 )
                 self._check_role(job)
             except ApiError as exc:
@@ -725,10 +948,13 @@ class SimEngine:
             prompt = job.prompt
             prompt_tokens = prompt.num_tokens
             out_tokens = 1 if mode == "prefill" else job.max_tokens
-            block_size = self.config.block_size
-            needed = -(-(prompt_tokens if mode == "prefill" else prompt_tokens + out_tokens) // block_size)
-            if needed > self.pool.total:
-                raise ApiError(400, f"request needs {needed} KV blocks; the engine has {self.pool.total}")
+            step = self.step_config
+            needed = step.blocks_for(prompt_tokens if mode == "prefill" else prompt_tokens + out_tokens)
+            if needed > step.num_gpu_blocks:
+                raise ApiError(400, f"request needs {needed} KV blocks; the engine has {step.num_gpu_blocks}")
+            if not step.chunked_prefill and prompt_tokens > step.max_num_batched_tokens and mode != "decode":
+                raise ApiError(400, f"the prompt has {prompt_tokens} tokens, more than max_num_batched_tokens "
+                                    f"({step.max_num_batched_tokens}) with chunked prefill off")  # fmt: skip
             if mode == "decode":
                 assert kv is not None
                 # From here on, a request that ends before its pull releases the
@@ -737,30 +963,44 @@ class SimEngine:
                 record.kv = {"role": "decode", "owner": kv.remote_request_id, "outcome": "pending"}
             elif mode == "invalid":
                 counters["kv_params_invalid"] += 1
-            ticket = Ticket(needed)
-            if not self.scheduler.submit(ticket):
-                ticket.waiter = self.loop.create_future()
-                await ticket.waiter
+            if mode == "prefill":
+                kind, core_id = PREFILL_REMOTE, self._new_owner(request_id)
+            else:
+                self._internal_seq += 1
+                kind, core_id = (DECODE_REMOTE if decode_kv is not None else PLAIN), f"req-{self._internal_seq}"
+            if kind == PLAIN and (self.config.role == "decode" or mode == "invalid"):
+                counters["recomputed"] += 1
+            flow = _Flow(kind, prompt_tokens)
+            self._flows[core_id] = flow
+            events_on = self.publisher is not None
+            engine_request = EngineRequest(
+                request_id=core_id,
+                kind=kind,
+                prompt_tokens=prompt_tokens,
+                max_tokens=out_tokens,
+                block_hashes=prompt.block_hashes(step.block_size) if step.prefix_caching else (),
+                token_ids=prompt.block_token_ids(step.block_size) if events_on else None,
+                linger=plan.stall_after is not None,
+            )
+            self.core.add_request(engine_request, now=self._core_now())
+            self._pump()
 
-            speed = self.config.speed
-            clock = _Pace(self.loop, speed) if speed > 0 else None
-            cached: int | None = None
             if decode_kv is not None:
-                cached = await self._load_kv(conn, job, decode_kv, record, clock)
+                await flow.wait_for(lambda: flow.started)
+                cached = await self._load_kv(conn, job, decode_kv, record)
                 if cached is None and self.config.kv_load_failure == "fail":
                     raise ApiError(500, "KV transfer from the prefill engine failed")
-            if cached is None:
-                # No KV to pull (or the pull failed): compute the prompt here.
-                if self.config.role == "decode" or decode_kv is not None or mode == "invalid":
+                if cached is None:
+                    # The pull failed: the core recomputes the prompt here (with prefix hits).
                     counters["recomputed"] += 1
-                cached = self.prefix_cache.lookup_and_insert(prompt, block_size)
-                counters["prompt_tokens"] += prompt_tokens - cached
-                counters["cached_tokens"] += cached
-                if clock is not None:
-                    await clock.wait(self.latency.prefill_s(prompt_tokens - cached))
-            elif clock is not None:
-                # The first token after a pull costs one decode step.
-                await clock.wait(self.latency.itl_s(self.scheduler.running))
+                    flow.kind = PLAIN
+                    flow.started = False
+                else:
+                    flow.cached = cached
+                self.core.kv_loaded(core_id, now=self._core_now(), ok=cached is not None)
+                self._pump()
+            if flow.generated < 1:
+                await flow.wait_for(lambda: flow.generated >= 1)
             if conn.closed:
                 raise _ClientGone
 
@@ -768,20 +1008,24 @@ class SimEngine:
             counters["generation_tokens"] += out_tokens
             kv_params = None
             if mode == "prefill":
+                if not flow.finished:
+                    await flow.wait_for(lambda: flow.finished)
                 if plan.omit_kv_params:
                     # Like an engine without the KV connector: no params, nothing held.
                     counters["faults_omit_kv_params"] += 1
+                    self.core.free_held(core_id, now=self._core_now())
+                    self._pump()
                 else:
-                    kv_params = self._hold(request_id, ticket, prompt, record)
-            answer_usage = usage(prompt_tokens, out_tokens, cached)
+                    kv_params = self._hold(core_id, flow.block_ids, prompt, record)
+                flow.block_ids = []
+            answer_usage = usage(prompt_tokens, out_tokens, flow.cached)
             response_id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
             chat_mode = "tool" if job.tool_name else ("reasoning" if faults.reasoning_only else "text")
             if job.stream:
-                await self._stream(conn, request, job, plan, clock, tokens, answer_usage, response_id, chat_mode)
+                await self._stream(conn, request, job, plan, flow, tokens, answer_usage, response_id, chat_mode)
             else:
-                if clock is not None:
-                    for _ in range(out_tokens - 1):
-                        await clock.wait(self.latency.itl_s(self.scheduler.running))
+                if not flow.finished:
+                    await flow.wait_for(lambda: flow.finished)
                 body = self._whole_body(job, response_id, tokens, chat_mode, answer_usage, kv_params)
                 await self._send_whole(conn, request, plan, body)
             done = True
@@ -792,11 +1036,13 @@ class SimEngine:
         except _ClientGone:
             pass
         finally:
-            if ticket is not None:
-                if ticket.state == "waiting":
-                    self.scheduler.withdraw(ticket)
-                elif ticket.state == "running":
-                    self._wake(self.scheduler.finish(ticket))
+            if core_id is not None:
+                self._flows.pop(core_id, None)
+                now = self._core_now()
+                if self.core.abort(core_id, now=now) or (
+                    flow is not None and flow.block_ids and self.core.free_held(core_id, now=now) is not None
+                ):
+                    self._pump()
             if decode_kv is not None and decode_kv.phase == "pending":
                 # Aborted before the pull: tell the prefill engine to free the blocks (vLLM does).
                 self._release_remote(decode_kv, record)
@@ -864,7 +1110,7 @@ class SimEngine:
         request: HttpRequest,
         job: CompletionJob,
         plan: FaultPlan,
-        clock: _Pace | None,
+        flow: _Flow,
         tokens: list[str],
         answer_usage: dict[str, Any],
         response_id: str,
@@ -894,20 +1140,23 @@ class SimEngine:
             limit, action = plan.drop_after, "drop"
         record.status = 200
         conn.start_stream(200, content_type=_SSE, headers=_rid_header(request))
-        if clock is None:
+        total = len(tokens)
+        if flow.generated >= total:
             conn.send_chunks(events[:limit], end=action is None)
         else:
-            # The first token is ready now; each further one takes a decode step.
+            # The first token is ready now; each further one comes with an engine step.
             upto = fmt.first_token_event() + 1
             conn.send_chunks(events[: min(upto, limit)])
-            for _ in range(len(tokens) - 1):
-                if upto >= limit:
-                    break
-                await clock.wait(self.latency.itl_s(self.scheduler.running))
+            sent = 1
+            while sent < total and upto < limit:
+                if flow.generated <= sent:
+                    await flow.wait_for(lambda: flow.generated > sent)
                 if conn.closed:
                     raise _ClientGone
-                conn.send_chunks([events[upto]])
-                upto += 1
+                n = min(flow.generated, total) - sent
+                conn.send_chunks(events[upto : min(upto + n, limit)])
+                upto += n
+                sent += n
             if upto < limit:
                 conn.send_chunks(events[upto:limit])
         if action == "stall":
@@ -927,7 +1176,7 @@ class SimEngine:
     # ------------------------------------------------------------------ KV ownership (decode side)
 
     async def _load_kv(
-        self, conn: ServerConnection, job: CompletionJob, decode_kv: _DecodeKv, record: _Record, clock: _Pace | None
+        self, conn: ServerConnection, job: CompletionJob, decode_kv: _DecodeKv, record: _Record
     ) -> int | None:
         """Pull the prompt's KV from the prefill engine; cached tokens, or ``None`` to recompute."""
         params = decode_kv.params
@@ -939,11 +1188,12 @@ class SimEngine:
         grace = self.config.pull_grace_s
         if conn.closed or (grace > 0 and await conn.wait_closed(grace)):
             raise _ClientGone
-        if clock is not None:
-            # The load starts at the next engine step and takes the transfer
-            # time; a client leaving meanwhile cancels us (and releases).
+        speed = self.config.speed
+        if speed > 0:
+            # The load takes the transfer time (the first token then takes one engine
+            # step); a client leaving meanwhile cancels us (and releases).
             blocks = len(params.remote_block_ids or ())
-            await clock.wait(self.latency.itl_s(self.scheduler.running) + self.latency.transfer_s(blocks))
+            await asyncio.sleep(self.step_config.transfer_s(blocks) / speed)
         if conn.closed:
             raise _ClientGone
         decode_kv.phase = "pulling"
@@ -1031,23 +1281,27 @@ class SimEngine:
         conn.respond(200, orjson.dumps(faults.to_json()))
 
 
-class _Pace:
-    """Sleeps on a running deadline, so millisecond timer granularity does not add up."""
+class _Flow:
+    """A completion's view of its request in the engine core, updated by :meth:`SimEngine._dispatch`."""
 
-    __slots__ = ("_speed", "_at")
+    __slots__ = ("kind", "prompt_tokens", "started", "generated", "finished", "cached", "block_ids", "waiter")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, speed: float) -> None:
-        self._speed = speed
-        # Not loop.time(): uvloop's clock ticks in whole milliseconds.
-        self._at = time.monotonic()
+    def __init__(self, kind: str, prompt_tokens: int) -> None:
+        self.kind = kind
+        self.prompt_tokens = prompt_tokens
+        self.started = False
+        self.generated = 0
+        self.finished = False
+        self.cached = 0
+        self.block_ids: list[int] = []
+        self.waiter: asyncio.Future[None] | None = None
 
-    async def wait(self, modelled_s: float) -> None:
-        now = time.monotonic()
-        # Time lost waiting in the queue or elsewhere is not owed back.
-        self._at = max(self._at, now - 0.002) + modelled_s / self._speed
-        delay = self._at - now
-        if delay > 0:
-            await asyncio.sleep(delay)
+    async def wait_for(self, condition: Callable[[], bool]) -> None:
+        """Wait until ``condition()`` holds (checked after each output for this request)."""
+        while not condition():
+            waiter = asyncio.get_running_loop().create_future()
+            self.waiter = waiter
+            await waiter
 
 
 def _rid_header(request: HttpRequest) -> list[tuple[bytes, bytes]] | tuple[()]:

@@ -5,16 +5,11 @@ from __future__ import annotations
 import pytest
 
 from narwhal_sim.model import (
-    BlockPool,
     Faults,
     FaultsError,
     KvLedger,
-    LatencyModel,
-    PrefixCache,
     Prompt,
     PromptError,
-    Scheduler,
-    Ticket,
     fault_draw,
     generate_tokens,
     owner_key,
@@ -73,42 +68,6 @@ def test_owner_key_is_request_id_plus_suffix() -> None:
     assert key != owner_key(1, "rid-p1", 1)
 
 
-def test_latency_model_formulas() -> None:
-    m = LatencyModel()
-    assert m.prefill_s(0) == pytest.approx(0.015)
-    assert m.prefill_s(1000) == pytest.approx(0.015 + 0.08)
-    assert m.itl_s(1) == pytest.approx(0.007)
-    assert m.itl_s(101) == pytest.approx(0.007 + 100 * 0.00005)
-    assert m.transfer_s(10) == pytest.approx(0.002 + 10 * 0.00005)
-
-
-def test_block_pool_capacity() -> None:
-    pool = BlockPool(4)
-    first = pool.allocate(3)
-    assert first == [0, 1, 2]
-    assert pool.allocate(2) is None
-    pool.free(first)
-    assert pool.free_count == 4
-
-
-def test_prefix_cache_hits_leading_blocks_and_keeps_one_token() -> None:
-    cache = PrefixCache(100)
-    prompt = Prompt(text="p" * 64 * 3 + "tail")
-    assert cache.lookup_and_insert(prompt, 16) == 0
-    assert cache.lookup_and_insert(prompt, 16) == 48
-    longer = Prompt(text="p" * 64 * 3 + "q" * 64)
-    assert cache.lookup_and_insert(longer, 16) == 48
-    exact = Prompt(text="p" * 64 * 3)  # every block hits: one block is recomputed
-    assert cache.lookup_and_insert(exact, 16) == 32
-    assert PrefixCache(100, enabled=False).lookup_and_insert(prompt, 16) == 0
-
-
-def test_prefix_cache_is_bounded() -> None:
-    cache = PrefixCache(2)
-    cache.lookup_and_insert(Prompt(text="a" * 64 * 4), 16)
-    assert len(cache._keys) == 2
-
-
 def test_ledger_outcomes_and_counters() -> None:
     ledger = KvLedger(lease_s=30.0)
     ledger.hold("a", [1, 2], now=0.0, prompt_tokens=20, prompt_digest="d")
@@ -129,33 +88,6 @@ def test_ledger_outcomes_and_counters() -> None:
     with pytest.raises(ValueError):
         ledger.hold("d", [], now=0.0, prompt_tokens=1, prompt_digest="d")
         ledger.hold("d", [], now=0.0, prompt_tokens=1, prompt_digest="d")
-
-
-def test_scheduler_caps_sequences_and_queues_fcfs() -> None:
-    pool = BlockPool(10)
-    sched = Scheduler(2, pool)
-    a, b, c, d = Ticket(2), Ticket(2), Ticket(2), Ticket(1)
-    assert sched.submit(a) and sched.submit(b)
-    assert not sched.submit(c) and not sched.submit(d)
-    assert sched.running == 2 and len(sched.waiting) == 2
-    assert sched.finish(a) == [c]
-    sched.withdraw(d)
-    assert sched.finish(b) == []
-    assert sched.running == 1 and pool.free_count == 8
-
-
-def test_scheduler_waits_for_blocks_held_by_kv_owners() -> None:
-    pool = BlockPool(4)
-    sched = Scheduler(8, pool)
-    held = Ticket(3)
-    assert sched.submit(held)
-    sched.finish(held, keep_blocks=True)  # handed to a KV owner
-    blocked = Ticket(2)
-    assert not sched.submit(blocked)
-    pool.free([0, 1, 2])  # the owner's lease ran out
-    assert sched.drain() == [blocked]
-    with pytest.raises(ValueError):
-        sched.submit(Ticket(5))
 
 
 def test_fault_decisions_are_pure_functions_of_seed_rid_and_name() -> None:

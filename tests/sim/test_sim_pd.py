@@ -127,14 +127,16 @@ def test_decode_without_kv_recomputes(client: httpx.Client, pair: tuple[SimThrea
 
 
 def test_recompute_is_slower_than_pull() -> None:
-    long_prompt = "y" * 4 * 16_000  # 16,000 tokens: prefill 15 + 1280 ms; pull 2 + 50 ms + a step
+    long_prompt = "y" * 4 * 16_000  # 16,000 tokens: prefill 2 chunks, 14 + 1280 ms; pull 2 + 50 ms + a step
     with SimThread("prefill", speed=10) as p, SimThread("decode", speed=10, kv_pull_grace_ms=0) as d, \
             httpx.Client(timeout=10) as client:  # fmt: skip
         kv = run_prefill(client, p.url, "slow-p1", long_prompt)
         client.post(d.url + "/v1/completions", json=decode_body(kv, long_prompt, max_tokens=1))
         pulled = d.stats()
         started = time.perf_counter()
-        client.post(d.url + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 1})
+        # Another prompt: the decode engine caches the blocks it pulled, as vLLM does.
+        other_prompt = "w" * 4 * 16_000
+        client.post(d.url + "/v1/completions", json={"prompt": other_prompt, "max_tokens": 1})
         recomputed = time.perf_counter() - started
         after = d.stats()
     # The pulled leg prefilled nothing; the recomputed one paid the whole prompt
@@ -284,10 +286,14 @@ def test_prefill_reports_prefix_cache_hits(client: httpx.Client, pair: tuple[Sim
 
 def test_leaked_kv_blocks_capacity_until_freed(client: httpx.Client) -> None:
     with SimThread("prefill", speed=50, num_gpu_blocks=8) as p:
-        owners = [run_prefill(client, p.url, f"cap-p{i}")["remote_request_id"] for i in range(2)]
+        # Distinct prompts (4 blocks each): identical ones would share their cached blocks.
+        prompts = [f"{i}".ljust(200, "c") for i in range(3)]
+        owners = [run_prefill(client, p.url, f"cap-p{i}", prompts[i])["remote_request_id"] for i in range(2)]
         result: dict[str, httpx.Response] = {}
         third = threading.Thread(
-            target=lambda: result.setdefault("r", httpx.post(p.url + "/v1/completions", json=prefill_body(), timeout=10))
+            target=lambda: result.setdefault(
+                "r", httpx.post(p.url + "/v1/completions", json=prefill_body(prompts[2]), timeout=10)
+            )
         )
         third.start()
         p.wait_for(lambda s: s["waiting"] == 1)

@@ -87,12 +87,18 @@ def test_process_options_faults_auth_and_stdout_log(client: httpx.Client) -> Non
         ["--speed", "-1"],
         ["--error-rate", "3"],
         ["--max-num-seqs", "0"],
+        ["--no-such-flag"],
+        ["--speed", "fast"],
+        ["--max-num-batched-tokens", "0"],
+        ["--kv-events-endpoint", "udp://x:1"],
     ],
 )
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     os.environ.pop("NARWHAL_SIM_TEST_SURELY_UNSET", None)
     assert main(argv) == 2
-    assert capsys.readouterr().err
+    err = capsys.readouterr().err
+    # docs/simulator.md: bad flags exit 2 with one line on stderr.
+    assert err.startswith("narwhal sim: error: ") and err.endswith("\n") and err.count("\n") == 1
 
 
 def test_port_in_use_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,13 +113,18 @@ def test_port_in_use_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
 def test_every_flag_reaches_the_config() -> None:
     args = build_parser().parse_args(
         ["--role", "decode", "--listen", "[::1]:9000", "--speed", "2", "--num-gpu-blocks", "64",
-         "--kv-lease-s", "5", "--no-prefix-caching", "--decode-step-ms", "9", "--stall-after-chunks", "2",
-         "--reasoning-only", "--log", "none", "--kv-pull-grace-ms", "0"]  # fmt: skip
+         "--kv-lease-s", "5", "--no-prefix-caching", "--step-base-ms", "9", "--stall-after-chunks", "2",
+         "--reasoning-only", "--log", "none", "--kv-pull-grace-ms", "0", "--max-num-batched-tokens", "512",
+         "--no-chunked-prefill", "--kv-events-endpoint", "tcp://*:5557", "--kv-events-topic", "kv",
+         "--tokenizer", "/x/tokenizer.json"]  # fmt: skip
     )
     config = config_from_args(args, environ={})
     assert (config.role, config.host, config.port, config.speed) == ("decode", "::1", 9000, 2.0)
     assert config.num_gpu_blocks == 64 and config.kv_lease_s == 5 and not config.prefix_caching
-    assert config.decode_step_ms == 9 and config.log is None and config.pull_grace_s == 0
+    assert config.step_base_ms == 9 and config.log is None and config.pull_grace_s == 0
+    assert config.max_num_batched_tokens == 512 and not config.chunked_prefill
+    assert config.kv_events_endpoint == "tcp://*:5557" and config.kv_events_topic == "kv"
+    assert config.tokenizer == "/x/tokenizer.json"
     assert config.faults.stall_after_chunks == 2 and config.faults.reasoning_only
     defaults = config_from_args(build_parser().parse_args([]), environ={})
     assert defaults == SimConfig(log="stderr")

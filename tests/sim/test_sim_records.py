@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 
 from narwhal_sim.testing import SimThread
 
@@ -66,6 +67,14 @@ def test_json_log_lines(tmp_path: Path, client: httpx.Client) -> None:
     assert all(e["engine_id"] == lines[0]["engine_id"] for e in lines)
 
 
+def sample(text: str, series: str) -> float:
+    """The value of one series in a Prometheus exposition."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {series} in:\n{text}")
+
+
 def test_metrics_exposition(client: httpx.Client) -> None:
     with SimThread("prefill", speed=0) as sim:
         client.post(sim.url + "/v1/completions", json=prefill_body())
@@ -74,7 +83,19 @@ def test_metrics_exposition(client: httpx.Client) -> None:
         assert answer.headers["content-type"].startswith("text/plain; version=0.0.4")
         text = answer.text
         assert '# TYPE vllm:num_requests_running gauge' in text
-        assert 'vllm:num_requests_running{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0' in text
+        # vLLM's labels: engine and model_name (prometheus_client writes them sorted).
+        assert 'vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0' in text
         assert 'narwhal_sim_kv_owners_total{outcome="held"} 1' in text
         assert "narwhal_sim_kv_held_blocks 4" in text
+        label = '{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"}'
+        assert "# TYPE vllm:prefix_cache_queries_total counter" in text
+        assert f"vllm:prefix_cache_queries_total{label} 50" in text  # the prompt's 50 tokens
+        assert f"vllm:prefix_cache_hits_total{label} 0" in text
+        assert sample(text, "vllm:kv_cache_usage_perc" + label) == pytest.approx(4 / 28_000)  # the held blocks
+        assert f"vllm:num_requests_waiting{label} 0" in text
+        client.post(sim.url + "/v1/completions", json=prefill_body())  # its 3 full blocks hit
+        text = client.get(sim.url + "/metrics").text
+        assert f"vllm:prefix_cache_queries_total{label} 100" in text
+        assert f"vllm:prefix_cache_hits_total{label} 48" in text
+        assert sample(text, "vllm:kv_cache_usage_perc" + label) == pytest.approx(5 / 28_000)  # 3 shared + 1 + 1
         assert 'narwhal_sim_faults_total{fault="error"} 0' in text
