@@ -48,7 +48,7 @@ def test_trace_replay_through_the_router_reports_tokens_and_hits(tmp_path: Path,
         assert r.output_tokens == r.output_length  # every token streamed and counted
         assert len(r.itl_s) == r.output_tokens - 1
         assert 0 < r.ttft_s <= r.e2e_s  # type: ignore[operator]
-        assert r.sent_s >= r.scheduled_s
+        assert r.sent_s >= r.scheduled_s - 0.002  # timers may fire up to a clock tick early
     # The schedule is kept: the 12th request was sent 0.5 * 550 ms after the first.
     assert results[-1].sent_s == pytest.approx(0.275, abs=0.1)
     data = json.loads(summary.read_text())
