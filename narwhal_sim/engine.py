@@ -319,7 +319,7 @@ class EngineRequest:
     linger: bool = False
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True)
 class Started:
     """The request was admitted at ``at``: it has a slot and its blocks.
 
@@ -333,7 +333,7 @@ class Started:
     cached_tokens: int
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True)
 class Tokens:
     """``count`` tokens were generated; the last at ``at``, each earlier one ``step_s`` before the next."""
 
@@ -343,7 +343,7 @@ class Tokens:
     step_s: float
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True)
 class Finished:
     """The request generated its last token at ``at``.
 
@@ -381,11 +381,13 @@ class EngineMetrics:
 class _Seq:
     """A request inside the core."""
 
-    __slots__ = ("req", "state", "blocks", "computed", "num_cached_blocks", "generated", "max_tokens",
-                 "cached_tokens", "kind")  # fmt: skip
+    __slots__ = ("req", "rid", "prompt_tokens", "state", "blocks", "computed", "num_cached_blocks", "generated",
+                 "max_tokens", "cached_tokens", "kind")  # fmt: skip
 
     def __init__(self, req: EngineRequest) -> None:
         self.req = req
+        self.rid = req.request_id
+        self.prompt_tokens = req.prompt_tokens
         self.kind = req.kind
         #: waiting → running (or loading → running) → done | held | lingering.
         self.state = "waiting"
@@ -598,7 +600,8 @@ class EngineCore:
 
     def _catch_up(self, now: float) -> None:
         step = self._step
-        while step is not None and step.end <= now + _EPS:
+        limit = now + _EPS
+        while step is not None and step.end <= limit:
             self._end_step(step)
             step = self._step
         if now > self._now:
@@ -650,15 +653,19 @@ class EngineCore:
         """Schedule the step starting at ``now`` (or stay idle)."""
         config = self.config
         budget = config.max_num_batched_tokens
+        chunked = config.chunked_prefill
         prefills: list[tuple[_Seq, int]] = []
         decodes: list[_Seq] = []
         prefill_tokens = 0
-        for seq in self._running:
-            if seq.state != "running" or budget <= 0:
+        running = self._running
+        for seq in running:
+            if budget <= 0:
+                break
+            if seq.state != "running":
                 continue
-            remaining = seq.req.prompt_tokens - seq.computed
+            remaining = seq.prompt_tokens - seq.computed
             if remaining > 0:
-                n = remaining if remaining <= budget else (budget if config.chunked_prefill else 0)
+                n = remaining if remaining <= budget else (budget if chunked else 0)
                 if n:
                     prefills.append((seq, n))
                     prefill_tokens += n
@@ -667,61 +674,77 @@ class EngineCore:
                 decodes.append(seq)
                 budget -= 1
         waiting = self._waiting
-        pool = self.pool
-        size = config.block_size
-        while waiting and budget > 0 and len(self._running) < config.max_num_seqs:
-            seq = waiting[0]
-            req = seq.req
-            needed = self._blocks_needed(seq)
-            if seq.kind == DECODE_REMOTE:
-                blocks = pool.allocate(needed)
-                if blocks is None:
+        if waiting:
+            pool = self.pool
+            size = config.block_size
+            caching = config.prefix_caching
+            max_seqs = config.max_num_seqs
+            out = self._out
+            while waiting and budget > 0 and len(running) < max_seqs:
+                seq = waiting[0]
+                req = seq.req
+                prompt_tokens = seq.prompt_tokens
+                tokens = prompt_tokens if seq.kind == PREFILL_REMOTE else prompt_tokens + seq.max_tokens
+                needed = -(-tokens // size)
+                if seq.kind == DECODE_REMOTE:
+                    blocks = pool.allocate(needed)
+                    if blocks is None:
+                        break
+                    waiting.popleft()
+                    seq.blocks = blocks
+                    seq.state = "loading"
+                    running.append(seq)
+                    out.append(Started(seq.rid, now, 0))
+                    continue
+                hits: list[int] = []
+                if caching and req.block_hashes:
+                    hits = pool.lookup(req.block_hashes)
+                    if hits:
+                        limit = (prompt_tokens - 1) // size
+                        if len(hits) > limit:
+                            hits = hits[:limit]
+                cached = len(hits) * size
+                to_compute = prompt_tokens - cached
+                if not chunked and to_compute > budget:
                     break
+                if hits:
+                    if needed - len(hits) > pool.available_with(hits):
+                        break
+                    pool.touch(hits)
+                    fresh = pool.allocate(needed - len(hits))
+                    assert fresh is not None
+                    seq.blocks = hits + fresh
+                else:
+                    fresh = pool.allocate(needed)
+                    if fresh is None:
+                        break
+                    seq.blocks = fresh
                 waiting.popleft()
-                seq.blocks = blocks
-                seq.state = "loading"
-                self._running.append(seq)
-                self._out.append(Started(req.request_id, now, 0))
-                continue
-            hits: list[int] = []
-            if config.prefix_caching and req.block_hashes:
-                hits = pool.lookup(req.block_hashes)
-                limit = (req.prompt_tokens - 1) // size
-                if len(hits) > limit:
-                    hits = hits[:limit]
-            cached = len(hits) * size
-            to_compute = req.prompt_tokens - cached
-            if not config.chunked_prefill and to_compute > budget:
-                break
-            if needed - len(hits) > pool.available_with(hits):
-                break
-            waiting.popleft()
-            pool.touch(hits)
-            fresh = pool.allocate(needed - len(hits))
-            assert fresh is not None
-            seq.blocks = hits + fresh
-            seq.num_cached_blocks = len(hits)
-            seq.computed = cached
-            seq.cached_tokens = cached
-            seq.state = "running"
-            self._running.append(seq)
-            if config.prefix_caching:
-                self.prefix_cache_queries += req.prompt_tokens
-                self.prefix_cache_hits += cached
-            self._out.append(Started(req.request_id, now, cached))
-            n = to_compute if to_compute <= budget else budget
-            prefills.append((seq, n))
-            prefill_tokens += n
-            budget -= n
-        if not prefills and not decodes:
-            self._step = None
+                seq.num_cached_blocks = len(hits)
+                seq.computed = cached
+                seq.cached_tokens = cached
+                seq.state = "running"
+                running.append(seq)
+                if caching:
+                    self.prefix_cache_queries += prompt_tokens
+                    self.prefix_cache_hits += cached
+                out.append(Started(seq.rid, now, cached))
+                n = to_compute if to_compute <= budget else budget
+                prefills.append((seq, n))
+                prefill_tokens += n
+                budget -= n
+        if not prefills:
+            if not decodes:
+                self._step = None
+                return
+            count = 1
+            if self.coalesce:
+                # Decode-only: identical steps until the first of the batch finishes.
+                count = min([s.max_tokens - s.generated for s in decodes])
+            dur = (config.step_base_ms + config.decode_per_seq_ms * len(decodes)) / 1000.0
+            self._step = _Step(now, dur, count if count > 1 else 1, prefills, decodes)
             return
-        dur = config.step_s(prefill_tokens, len(decodes))
-        count = 1
-        if not prefills and self.coalesce:
-            # Decode-only: identical steps until the first of the batch finishes.
-            count = min(s.max_tokens - s.generated for s in decodes)
-        self._step = _Step(now, dur, max(count, 1), prefills, decodes)
+        self._step = _Step(now, config.step_s(prefill_tokens, len(decodes)), 1, prefills, decodes)
 
     def _end_step(self, step: _Step) -> None:
         at = step.end
@@ -730,12 +753,13 @@ class EngineCore:
         out = self._out
         if at > self._now:
             self._now = at
+        dur = step.dur
         for seq in step.decodes:
             if seq.state != "running":
                 continue  # aborted meanwhile
             seq.generated += count
             self.generation_tokens += count
-            out.append(Tokens(seq.req.request_id, count, at, step.dur))
+            out.append(Tokens(seq.rid, count, at, dur))
             if seq.generated >= seq.max_tokens:
                 self._finish(seq, at)
         for seq, n in step.prefills:
@@ -743,11 +767,12 @@ class EngineCore:
                 continue
             seq.computed += n
             self.prompt_tokens_computed += n
-            self._cache_blocks(seq)
-            if seq.computed >= seq.req.prompt_tokens:
+            if seq.num_cached_blocks * self.config.block_size + self.config.block_size <= seq.computed:
+                self._cache_blocks(seq)
+            if seq.computed >= seq.prompt_tokens:
                 seq.generated = 1
                 self.generation_tokens += 1
-                out.append(Tokens(seq.req.request_id, 1, at, step.dur))
+                out.append(Tokens(seq.rid, 1, at, dur))
                 if seq.max_tokens <= 1:
                     self._finish(seq, at)
         self._step = None

@@ -29,7 +29,7 @@ import attrs
 import orjson
 
 from narwhal_sim.kv_events import KvEventPublisher
-from narwhal_sim.tokens import Tokenizer, pseudo_token_text
+from narwhal_sim.tokens import CHARS_PER_TOKEN, Tokenizer, pseudo_token_text
 from narwhal_sim.http1 import JSON, EngineClient, HttpRequest, HttpServer, Limits, ServerConnection
 from narwhal_sim.engine import (
     DECODE_REMOTE,
@@ -303,6 +303,7 @@ class SimEngine:
         self._core_t0 = time.monotonic()
         self._step_timer: asyncio.TimerHandle | None = None
         self._internal_seq = 0
+        self._hash_memo: dict[str, list[int]] = {}
         self.faults = config.faults
         self._faults_active = config.faults.active
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -808,6 +809,24 @@ class SimEngine:
             self._kv_ended(entry)
         self._arm_lease_timer()
 
+    def _block_hashes(self, prompt: Prompt) -> list[int]:
+        """The prompt's block hashes; those of recent texts are remembered (clients repeat prompts)."""
+        size = self.step_config.block_size
+        if prompt.num_tokens < size:
+            return []
+        text = prompt.text
+        if prompt.token_ids is not None or text is None:
+            return prompt.block_hashes(size)
+        key = text[: (prompt.num_tokens // size) * size * CHARS_PER_TOKEN]
+        memo = self._hash_memo
+        hashes = memo.get(key)
+        if hashes is None:
+            hashes = prompt.block_hashes(size)
+            memo[key] = hashes
+            if len(memo) > 4096:
+                del memo[next(iter(memo))]
+        return hashes
+
     def _new_owner(self, request_id: str) -> str:
         """A fresh KV owner key (``remote_request_id``) for a prefill leg."""
         while True:  # a client reusing a request id may meet a key in use: take the next one
@@ -978,7 +997,7 @@ class SimEngine:
                 kind=kind,
                 prompt_tokens=prompt_tokens,
                 max_tokens=out_tokens,
-                block_hashes=prompt.block_hashes(step.block_size) if step.prefix_caching else (),
+                block_hashes=self._block_hashes(prompt) if step.prefix_caching else (),
                 token_ids=prompt.block_token_ids(step.block_size) if events_on else None,
                 linger=plan.stall_after is not None,
             )
