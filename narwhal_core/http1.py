@@ -584,7 +584,7 @@ class ServerConnection:
         # The method and target of a request line, before the head is whole
         # (unchecked: the head's parse decides); see partial_target.
         parts = bytes(line).rstrip(b"\r").split(b" ")
-        if len(parts) == 3 and parts[1]:
+        if len(parts) == 3 and parts[1] and _TOKEN_RE.fullmatch(parts[0]) and parts[2].startswith(b"HTTP/"):
             self._method = parts[0].decode("latin-1")
             self._target = parts[1].decode("latin-1")
 

@@ -140,13 +140,16 @@ def test_decode_4xx_is_relayed_never_retried_and_releases_kv(start_router, make_
 
     answer = post(router)
 
-    assert answer.status_code == 422, answer.text
+    # The engine judged the request: the client's mistake, 400 with the
+    # engine's message, journalled `invalid` naming the leg (issue 20).
+    assert answer.status_code == 400, answer.text
     data = answer.json()
     assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"}, data
     assert data["error"]["message"] == "injected fault"
+    assert data["error"]["type"] == "invalid_request_error"
     rid = rid_of(answer)
     record = terminal_of(journal_path, rid)
-    assert_failed(record, code=data["error"]["code"], leg="decode", engine=bad.url, status=422)
+    assert_failed(record, code=data["error"]["code"], leg="decode", engine=bad.url, status=400, terminal="invalid")
     legs = record["legs"]
     assert [(leg["phase"], leg["attempt"], leg["outcome"], leg["status"]) for leg in legs] == [
         ("prefill", 1, "ok", 200),

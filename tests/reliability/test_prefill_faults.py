@@ -117,14 +117,16 @@ def test_prefill_4xx_is_relayed_and_never_retried(start_router, make_fleet, jour
 
     answer = post(router)
 
-    # The engine's 4xx, in the OpenAI envelope with the engine's status (SPEC §2.3).
+    # The engine's 4xx, in the OpenAI envelope: the client's mistake, 400,
+    # journalled `invalid` naming the leg and engine (issue 20).
     assert answer.status_code == 400, answer.text
     data = answer.json()
     assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"}, data
     assert data["error"]["message"] == "injected fault", data
+    assert data["error"]["type"] == "invalid_request_error", data
     rid = rid_of(answer)
     record = terminal_of(journal_path, rid)
-    assert_failed(record, code=data["error"]["code"], leg="prefill", engine=bad.url, status=400)
+    assert_failed(record, code=data["error"]["code"], leg="prefill", engine=bad.url, status=400, terminal="invalid")
     assert [(leg["phase"], leg["attempt"], leg["outcome"], leg["status"]) for leg in record["legs"]] == [
         ("prefill", 1, "refused", 400),
     ]

@@ -374,6 +374,7 @@ def test_idle_connection_without_a_byte_is_closed(start_router, journal_path) ->
 
 def test_pipelined_garbage_after_a_valid_request(start_router, fleet, journal_path) -> None:
     router = start_router()
+    refused = []
     for garbage in (b"GARBAGE GARBAGE\r\n\r\n", bytes.fromhex("160301020001"), _post(_cl(2), _cl(3), body=b"{}")):
         with RawClient(router.address) as client:
             client.send(json_post(COMPLETIONS, body_for(COMPLETIONS, max_tokens=1)) + garbage + SMUGGLED)
@@ -382,10 +383,15 @@ def test_pipelined_garbage_after_a_valid_request(start_router, fleet, journal_pa
         assert responses[0].json()["object"] == "text_completion"
         assert_envelope(responses[1], 400, code="bad_http_request")
         journal_terminal(journal_path, responses[0].header("x-request-id"))
+        refused.append(responses[1].header("x-request-id"))
     router.wait_idle()
     _assert_nothing_smuggled(fleet, journal_path)
     terminals = assert_journal_consistent(journal_path)
-    assert len(terminals) == 3
+    # The valid requests, and the malformed one whose request line named a
+    # completion route (an answer there that names a rid has its record).
+    assert len(terminals) == 4
+    assert (terminals[refused[2]]["terminal"], terminals[refused[2]]["status"]) == ("invalid", 400)
+    assert refused[0] not in terminals and refused[1] not in terminals
     assert_still_serves(router.address, journal_path)
 
 
