@@ -237,7 +237,11 @@ def run(config: SimConfig, *, loop: str = "auto") -> int:
                 running.add_signal_handler(signum, stop.set)
             except (NotImplementedError, RuntimeError, ValueError):
                 pass  # not the main thread: the caller stops us another way
-        engine = SimEngine(config)
+        try:
+            engine = SimEngine(config)
+        except (ValueError, OSError) as exc:  # a tokenizer or chat template that does not load
+            print(f"narwhal sim: error: {exc}", file=sys.stderr)
+            return 2
 
         def announce(e: SimEngine) -> None:
             sys.stdout.write(startup_line(e) + "\n")
