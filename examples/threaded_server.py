@@ -76,6 +76,9 @@ class Embedded:
         self.journal = open(config.journal.path, "ab", buffering=0)  # noqa: SIM115
         self.wake = threading.Event()
         self.stopped = threading.Event()
+        with self.lock:
+            writes = self._drain()  # the router asks for a first probe of every engine at once
+        self._write(writes)
         threading.Thread(target=self._timer, daemon=True).start()
 
     def feed(self, event: Event) -> None:

@@ -75,7 +75,9 @@ def test_ready_is_503_until_an_engine_of_each_phase_has_answered(start, fleet: F
 
 
 def test_a_typo_in_an_engine_host_is_a_dns_failure(start, fleet: Fleet, router_log) -> None:
-    router = start(fleet.prefill_urls, ("http://decode-0.no-such-fleet.invalid:8200",))
+    # (A resolver that must ask a slow DNS server still says so within the probe's time.)
+    router = start(fleet.prefill_urls, ("http://decode-0.no-such-fleet.invalid:8200",),
+                   health={"probe_timeout_s": 12.0})
     assert http.get(router.url + "/ready", timeout=10).json()["problems"] == ["no decode engine has answered yet"]
     (log,) = events(router_log, "engine_not_answering")
     assert log["engine"] == "http://decode-0.no-such-fleet.invalid:8200"
