@@ -90,12 +90,14 @@ def parse_mooncake_lines(lines: Iterable[str], *, source: str = "trace") -> list
                 raise TraceError(f"{where}: {name} must be an integer >= 1")
         if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
             raise TraceError(f"{where}: hash_ids must be a non-empty list of integers")
-        if n_in > BLOCK_TOKENS * len(ids):
+        n_in_ok: int = n_in  # type: ignore[assignment]  # checked above
+        n_out_ok: int = n_out  # type: ignore[assignment]
+        if n_in_ok > BLOCK_TOKENS * len(ids):
             raise TraceError(
                 f"{where}: input_length {n_in} needs more than its {len(ids)} blocks of {BLOCK_TOKENS} tokens"
             )
         out.append(
-            TraceRequest(index=len(out), arrival_s=ts / 1000.0, input_length=n_in, output_length=n_out,
+            TraceRequest(index=len(out), arrival_s=ts / 1000.0, input_length=n_in_ok, output_length=n_out_ok,
                          hash_ids=tuple(ids))  # fmt: skip
         )
     out.sort(key=lambda r: (r.arrival_s, r.index))

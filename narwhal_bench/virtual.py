@@ -243,7 +243,7 @@ class _EngineNode:
                 rid = f"{leg_id}#{self._owner_seq}"
                 self._owner_seq += 1
             if mode == "decode":
-                kv = job.kv
+                kv: Any = job.kv
                 source = fleet.engine_at(kv.remote_host, kv.remote_port)
                 if source is None:
                     # Nowhere to pull from: vLLM recomputes the prompt.
@@ -501,7 +501,8 @@ class VirtualFleet:
         self.loop = _Loop()
         self.engines: dict[str, _EngineNode] = {}
         self._by_address: dict[tuple[str, int], _EngineNode] = {}
-        prefill_urls, decode_urls = [], []
+        prefill_urls: list[str] = []
+        decode_urls: list[str] = []
         for role, count, urls, net in (("prefill", spec.prefill, (prefill_urls,), 1),
                                         ("decode", spec.decode, (decode_urls,), 2),
                                         # Mixed engines serve both legs beside prefill engines, else
@@ -591,7 +592,10 @@ class VirtualFleet:
     def _drain(self) -> None:
         router = self.router
         now = self.loop.now
-        while (cmd := router.next_output()) is not None:
+        while True:
+            cmd: Any = router.next_output()
+            if cmd is None:
+                break
             kind = type(cmd)
             if kind is Transmit:
                 client = self._clients.get(cmd.conn)
