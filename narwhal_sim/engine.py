@@ -604,8 +604,28 @@ class EngineCore:
         while step is not None and step.end <= limit:
             self._end_step(step)
             step = self._step
+        if step is not None and step.count > 1:
+            # A run of identical steps in flight: report the steps of it already done.
+            done = int((limit - step.start) / step.dur) if step.dur > 0 else 0
+            if done >= 1:
+                self._split_run(step, min(done, step.count - 1))
         if now > self._now:
             self._now = now
+
+    def _split_run(self, step: _Step, done: int) -> None:
+        """The first ``done`` steps of a decode run ended: their tokens, then the rest runs on."""
+        at = step.start + step.dur * done
+        self.steps += done
+        out = self._out
+        for seq in step.decodes:
+            if seq.state == "running":
+                seq.generated += done
+                self.generation_tokens += done
+                out.append(Tokens(seq.rid, done, at, step.dur))
+        step.start = at
+        step.count -= done
+        if at > self._now:
+            self._now = at
 
     def _changed(self, now: float) -> None:
         """Something changed at ``now``: start a step if idle, or cut a run of identical steps."""
@@ -614,13 +634,9 @@ class EngineCore:
             self._plan(max(now, self._now))
             return
         if step.count > 1:
-            done = int((now - step.start) / step.dur + 1e-9) if step.dur > 0 else step.count
-            boundary = step.start + done * step.dur
-            keep = done if done >= 1 and abs(boundary - now) <= 1e-9 else done + 1
-            if keep < step.count:
-                step.count = keep
-                step.end = step.start + step.dur * keep
-                self._catch_up(now)
+            # _catch_up left the run's step in flight first: it ends, then the next step is planned anew.
+            step.count = 1
+            step.end = step.start + step.dur
 
     def _release_blocks(self, seq: _Seq) -> None:
         # Last blocks first, so a prefix outlives its tail in the free queue (vLLM frees in reverse).

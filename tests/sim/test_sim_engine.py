@@ -102,9 +102,11 @@ def test_requests_arriving_during_a_run_cut_it_at_the_step_in_flight() -> None:
     out = run(core)
     a_tokens = [o for o in out if isinstance(o, Tokens) and o.request_id == "a"]
     b_first = next(o for o in out if isinstance(o, Tokens) and o.request_id == "b")
-    # a's run stops at the end of the step in flight at 0.02 (its 2nd decode step, ending 0.0213).
-    assert a_tokens[0].count == 2 and a_tokens[0].at == pytest.approx(0.00732 + 2 * 0.00705)
-    assert b_first.at == pytest.approx(a_tokens[0].at + (7 + 4 * 0.08 + 0.05) / 1000)
+    # At 0.02 one step of a's run is done (reported), the 2nd is in flight (ends 0.02142); the run stops there.
+    assert (a_tokens[0].count, a_tokens[1].count) == (1, 1)
+    assert a_tokens[0].at == pytest.approx(0.00732 + 0.00705)
+    assert a_tokens[1].at == pytest.approx(0.00732 + 2 * 0.00705)
+    assert b_first.at == pytest.approx(a_tokens[1].at + (7 + 4 * 0.08 + 0.05) / 1000)
     assert sum(o.count for o in a_tokens) == 99
 
 
@@ -377,3 +379,37 @@ def test_documented_hash_recipe() -> None:
 
     assert pseudo_token_ids("abcdefghi") == [zlib.crc32(c.encode()) % 128_256 for c in ("abcd", "efgh", "i")]
     assert Prompt(text="a" * 63).block_hashes(16) == block_hashes(pseudo_token_ids("a" * 63), 16)
+
+
+def per_token(outputs: list[object]) -> list[tuple[str, int, float]]:
+    """Outputs as (request, token number, time) per token, runs expanded."""
+    seen: dict[str, int] = {}
+    out = []
+    for o in outputs:
+        if isinstance(o, Tokens):
+            for k in range(o.count):
+                seen[o.request_id] = seen.get(o.request_id, 0) + 1
+                out.append((o.request_id, seen[o.request_id], round(o.at - (o.count - 1 - k) * o.step_s, 9)))
+    return sorted(out)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.floats(0, 0.2), st.integers(1, 3000), st.integers(1, 40), st.booleans()),
+                min_size=1, max_size=15))  # fmt: skip
+def test_coalesced_runs_give_the_same_tokens_at_the_same_times(arrivals: list[tuple[float, int, int, bool]]) -> None:
+    """The server's driver (one step at a time) and the virtual-time driver (runs) agree token by token."""
+    results = []
+    for coalesce in (False, True):
+        core = EngineCore(StepConfig(max_num_batched_tokens=2048, max_num_seqs=4), coalesce=coalesce)
+        outputs: list[object] = []
+        events = sorted((t, i, n, m, abort) for i, (t, n, m, abort) in enumerate(arrivals))
+        for t, i, n, m, abort in events:
+            outputs += run(core, until=t)
+            core.add_request(EngineRequest(request_id=f"r{i}", prompt_tokens=n, max_tokens=m), now=t)
+            outputs += core.advance(now=t)
+            if abort:
+                core.abort(f"r{(i * 7 + 3) % len(arrivals)}", now=t)  # maybe running, waiting, done or unknown
+                outputs += core.advance(now=t)
+        outputs += run(core)
+        results.append(per_token(outputs))
+    assert results[0] == results[1]

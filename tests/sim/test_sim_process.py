@@ -128,3 +128,10 @@ def test_every_flag_reaches_the_config() -> None:
     assert config.faults.stall_after_chunks == 2 and config.faults.reasoning_only
     defaults = config_from_args(build_parser().parse_args([]), environ={})
     assert defaults == SimConfig(log="stderr")
+
+
+@pytest.mark.parametrize("command", [["-m", "narwhal", "sim"], ["-m", "narwhal_sim"]])
+def test_a_bad_flag_prints_one_line_from_the_real_command(command: list[str]) -> None:
+    done = subprocess.run([sys.executable, *command, "--no-such-flag"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "narwhal sim: error: unrecognized arguments: --no-such-flag (see --help)\n"
