@@ -53,7 +53,8 @@ def encode_event(event: KvEvent) -> list[Any]:
 
 def encode_batch(events: Sequence[KvEvent], ts: float, data_parallel_rank: int = 0) -> bytes:
     """A ``KVEventBatch`` payload."""
-    return msgpack.packb([ts, [encode_event(e) for e in events], data_parallel_rank], use_bin_type=True)
+    payload: bytes = msgpack.packb([ts, [encode_event(e) for e in events], data_parallel_rank], use_bin_type=True)
+    return payload
 
 
 class KvEventPublisher:
@@ -71,7 +72,7 @@ class KvEventPublisher:
         import zmq
 
         self._zmq = zmq
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._pub.setsockopt(zmq.LINGER, 0)
