@@ -543,6 +543,20 @@ class EngineCore:
         step = self._step
         return step.end if step is not None else None
 
+    def next_step_end(self) -> float | None:
+        """When the step in flight ends — inside a run of identical steps, its next step —, or
+        :meth:`next_event_time` when no step is in flight. A driver that wants every token at its own
+        time (streaming) wakes here and calls :meth:`advance`, which reports the steps done so far."""
+        if self._out:
+            return self._now
+        step = self._step
+        if step is None:
+            return None
+        if step.count > 1 and step.dur > 0:
+            done = int((self._now - step.start) / step.dur + 1e-9)
+            return min(step.start + (done + 1) * step.dur, step.end)
+        return step.end
+
     def advance(self, *, now: float) -> list[EngineOutput]:
         """Finish every step due by ``now`` (starting the next ones); the outputs since the last call."""
         self._catch_up(now)

@@ -413,3 +413,13 @@ def test_coalesced_runs_give_the_same_tokens_at_the_same_times(arrivals: list[tu
         outputs += run(core)
         results.append(per_token(outputs))
     assert results[0] == results[1]
+
+
+def test_next_step_end_walks_a_run_step_by_step() -> None:
+    core = EngineCore(StepConfig())
+    core.add_request(EngineRequest(request_id="a", prompt_tokens=4, max_tokens=4), now=0.0)
+    times = []
+    while (t := core.next_step_end()) is not None:
+        times += [(o.at, o.count) for o in core.advance(now=t) if isinstance(o, Tokens)]
+    first = 0.00732
+    assert times == [(first, 1)] + [(pytest.approx(first + k * 0.00705), 1) for k in (1, 2, 3)]
