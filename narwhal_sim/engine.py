@@ -564,6 +564,17 @@ class EngineCore:
         self._out = []
         return out
 
+    def run_until_idle(self) -> list[EngineOutput]:
+        """Run every step at once, one after the other, until no step is left (time jumps to each
+        step's end); the outputs. What a driver with no clock to follow (``--speed 0``) does."""
+        step = self._step
+        while step is not None:
+            self._end_step(step)
+            step = self._step
+        out = self._out
+        self._out = []
+        return out
+
     def take_kv_events(self) -> list[KvEvent]:
         """KV events since the last call, in order (only with ``kv_events=True``)."""
         return self.pool.take_events()

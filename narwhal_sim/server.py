@@ -850,11 +850,7 @@ class SimEngine:
         speed = self.config.speed
         if speed == 0:
             # Instantly: every step runs now, one after the other.
-            while True:
-                t = core.next_event_time()
-                if t is None:
-                    break
-                self._dispatch(core.advance(now=t))
+            self._dispatch(core.run_until_idle())
         else:
             now = self._core_now()
             self._dispatch(core.advance(now=now))
