@@ -529,7 +529,10 @@ class VirtualFleet:
         self._clients: dict[int, _Client] = {}
         self._leg_engine: dict[str, _EngineNode] = {}
         self.journal_lines = 0
+        self._recent_hashes: dict[Any, list[int]] = {}
         self.logs: list[tuple[str, Any]] = []
+        # The router asks for its first probes as soon as it is built (docs/embedding.md).
+        self._drain()
 
     def _router_config(self, config: Any, path: str | None, prefill: list[str], decode: list[str]) -> Any:
         from narwhal_core.config import Config, EngineConfig, IngressConfig, JournalConfig, ModelConfig
@@ -571,12 +574,20 @@ class VirtualFleet:
         else:
             seq = prompt.text or ""
             unit = size * CHARS_PER_TOKEN
+        # A request's prefill and decode legs carry the same prompt: remember the last few.
+        recent = self._recent_hashes
+        out = recent.get(seq)
+        if out is not None:
+            return out
         full = prompt.num_tokens // size
-        out: list[int] = []
+        out = []
         key = 0
         for start in range(0, full * unit, unit):
             key = hash((key, seq[start : start + unit]))
             out.append(key)
+        recent[seq] = out
+        if len(recent) > 512:
+            del recent[next(iter(recent))]
         return out
 
     def deliver(self, leg: _Leg, data: bytes) -> None:
@@ -669,6 +680,11 @@ class VirtualFleet:
         if node is None:
             self.loop.at(now, self._feed, ControlDone(cmd.key, None, "connect_failed"))
             return
+        if getattr(cmd, "resolve", False):
+            # A probe that resolves the engine's name first: its "addresses" are its host.
+            from narwhal_core.events import EngineResolved  # type: ignore[attr-defined,unused-ignore]
+
+            self.loop.at(now, self._feed, EngineResolved(cmd.engine, (cmd.engine.host,)))
         target = cmd.target.split("?", 1)[0]
         if cmd.method == "POST" and target == self.config.engine.abort_path:
             try:
