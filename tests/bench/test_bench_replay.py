@@ -122,3 +122,16 @@ def test_plot_of_several_result_files(tmp_path: Path) -> None:
     png = tmp_path / "cmp.png"
     assert bench_main(["--plot", str(png), "--results", *paths, "--slo-ttft-ms", "300"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    import sys
+
+    from tests.bench.test_bench_pure import result
+
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(result(0, sent=0.0, ttft=0.1, tokens=3, itl=0.01).to_json() + b"\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert bench_main(["--plot", str(tmp_path / "x.png"), "--results", str(path)]) == 2
+    assert "pip install 'narwhal[bench]'" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
