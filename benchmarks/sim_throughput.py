@@ -11,6 +11,8 @@ Scenarios:
 
 * ``health``      ``GET /health``
 * ``completion``  ``POST /v1/completions``, 16 tokens, non-streaming (mixed engine)
+* ``distinct``    the same with a different prompt of the same length each time
+                  (its block hashes are computed, it never hits the prefix cache)
 * ``stream``      the same, streamed (16 SSE events + ``[DONE]``)
 * ``chat``        ``POST /v1/chat/completions``, 16 tokens
 * ``prefill``     a prefill leg (``do_remote_decode``; holds KV until the lease)
@@ -149,7 +151,13 @@ async def drive(
         else:
             data = post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 16,
                                             "stream": scenario == "stream"})  # fmt: skip
+        seq = 0
         while not stop:
+            if scenario == "distinct":
+                # A new prompt each time (same length): no remembered hashes, no prefix hits.
+                seq += 1
+                prompt = f"{index}-{seq}|" + PROMPT[len(f"{index}-{seq}|"):]
+                data = post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 16})
             status, body = await conn.request(data)
             assert status == 200, body
             done += 1
@@ -169,7 +177,7 @@ async def drive(
 
 def run_scenario(scenario: str, args: argparse.Namespace) -> dict[str, Any]:
     # Short prompts hold 4 blocks; enough blocks that leases never throttle the run.
-    extra = ["--num-gpu-blocks", "1000000", "--kv-lease-s", "3", "--loop", args.loop]
+    extra = ["--num-gpu-blocks", "200000", "--kv-lease-s", "3", "--loop", args.loop]
     procs: list[subprocess.Popen[bytes]] = []
     ports: dict[str, int] = {}
     try:
@@ -207,7 +215,8 @@ def main() -> int:
     parser.add_argument("--engine-core", type=int, default=1, help="core the engine(s) run on (-1: unpinned)")
     parser.add_argument("--client-core", type=int, default=0, help="core the load generator runs on (-1: unpinned)")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="engine event loop")
-    parser.add_argument("scenarios", nargs="*", default=["health", "completion", "stream", "chat", "prefill", "pd"])
+    parser.add_argument("scenarios", nargs="*",
+                        default=["health", "completion", "distinct", "stream", "chat", "prefill", "pd"])
     args = parser.parse_args()
     if args.engine_core < 0:
         args.engine_core = None
