@@ -444,6 +444,9 @@ class SimEngine:
         for key in self.counters:
             self.counters[key] = 0
         self.ledger.reset_counts()
+        core = self.core
+        core.prefix_cache_queries = core.prefix_cache_hits = core.steps = 0
+        core.prompt_tokens_computed = core.generation_tokens = 0
         self._records.clear()
 
     # ------------------------------------------------------------------ HTTP app

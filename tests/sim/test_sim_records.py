@@ -99,3 +99,15 @@ def test_metrics_exposition(client: httpx.Client) -> None:
         assert f"vllm:prefix_cache_hits_total{label} 48" in text
         assert sample(text, "vllm:kv_cache_usage_perc" + label) == pytest.approx(5 / 28_000)  # 3 shared + 1 + 1
         assert 'narwhal_sim_faults_total{fault="error"} 0' in text
+
+
+def test_reset_zeroes_the_prefix_cache_counters_but_keeps_the_cache(client: httpx.Client) -> None:
+    with SimThread("mixed", speed=0) as sim:
+        prompt = "r" * 200  # 50 tokens, 3 full blocks
+        client.post(sim.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert sim.stats()["prefix_cache_queries"] == 50
+        sim.reset()
+        assert sim.stats()["prefix_cache_queries"] == 0
+        client.post(sim.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        stats = sim.stats()
+        assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (50, 48)
