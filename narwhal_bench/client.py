@@ -81,7 +81,8 @@ def finish_result(result: RequestResult, reader: ResponseReader, sent: float, en
         result.itl_s = [b - a for a, b in zip(times, times[1:])]
     result.output_tokens = len(times)
     result.cached_tokens = reader.cached_tokens
-    result.e2e_s = ended - sent
+    # End to end: to the read that completed the answer (its last byte), else to when we gave up.
+    result.e2e_s = (reader.done_at if reader.complete and reader.done_at is not None else ended) - sent
     if not reader.complete and result.error is None:
         result.error = "connection closed before the answer ended" if reader.status else "no answer"
     if result.error is None and reader.error is not None:

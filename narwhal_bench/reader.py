@@ -37,6 +37,7 @@ class ResponseReader:
     __slots__ = (
         "_parser", "status", "complete", "keep_alive", "is_sse", "_buffer", "_body", "token_times",
         "error", "cached_tokens", "_now", "_content_type", "_header", "_done_event", "completion_tokens",
+        "done_at",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -56,6 +57,8 @@ class ResponseReader:
         self._content_type = b""
         self._header = b""
         self._done_event = False
+        #: When the read that completed the response arrived.
+        self.done_at: float | None = None
 
     def feed(self, data: bytes, now: float) -> None:
         """Bytes of the response as read at ``now``; raises ``ValueError`` on bad HTTP."""
@@ -100,6 +103,7 @@ class ResponseReader:
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self.done_at = self._now
         if self.is_sse:
             if self._buffer.strip():
                 self._event(self._buffer)

@@ -135,3 +135,23 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path, monkeypatch,
     assert bench_main(["--plot", str(tmp_path / "x.png"), "--results", str(path)]) == 2
     assert "pip install 'narwhal[bench]'" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--endpoint", "/v1/chat/completions"], ["--endpoint", "/v1/chat/completions", "--no-stream"], ["--token-ids"]],
+)
+def test_chat_whole_answers_and_token_ids(tmp_path: Path, extra: list[str]) -> None:
+    out = tmp_path / "out.jsonl"
+    with SimThread("mixed", speed=20) as engine:
+        rc = bench_main(["--generate", "--sessions", "3", "--turns", "2", "--session-rate", "20", "--think-s", "0.1",
+                         "--output-tokens", "8", "--base-url", engine.url, "--no-progress", "--output", str(out),
+                         *extra])
+        seen = engine.requests()
+    assert rc == 0
+    results = read_results(out.read_bytes().splitlines())
+    assert len(results) == 6 and all(r.ok for r in results), [r.error for r in results]
+    assert [r.output_tokens for r in results] == [r.output_length for r in results]
+    if "--no-stream" in extra:
+        assert all(r.ttft_s == r.e2e_s and set(r.itl_s) <= {0.0} for r in results)
+    assert len(seen) == 6
