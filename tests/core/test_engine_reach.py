@@ -137,6 +137,12 @@ def test_only_prefill_engines_named_by_a_name_are_resolved() -> None:
         "http://prefill-0.fleet.svc:8100": True, "http://10.0.0.2:8100": False, "http://[fd00::5]:8100": False,
         "http://decode-0.fleet.svc:8200": False,
     }
+    # ... at every probe, not only the first.
+    for control in d.pending_controls("probe"):
+        d.complete_control(control.cmd.key, status=200)
+    d.advance(d.config.health.probe_interval_s)
+    later = {c.cmd.engine.url: c.cmd.resolve for c in d.pending_controls("probe")}
+    assert later == resolve
 
 
 # ------------------------------------------------------------------ remote_host: the configured rule
