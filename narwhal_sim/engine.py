@@ -564,6 +564,98 @@ class EngineCore:
         self._out = []
         return out
 
+    def serve_now(self, request: EngineRequest, *, now: float) -> list[EngineOutput]:
+        """:meth:`add_request` then :meth:`run_until_idle`, in one call (the server at ``--speed 0``).
+
+        When the engine is empty and the request can start at once, its steps
+        are computed in one pass — the same outputs, times, pool changes and
+        counters as stepping (tests/sim/test_sim_engine.py checks it), less work.
+        """
+        if (
+            self._step is not None
+            or self._running
+            or self._waiting
+            or self._out
+            or not self.coalesce
+            or request.linger
+            or request.kind == DECODE_REMOTE
+        ):
+            self.add_request(request, now=now)
+            return self.run_until_idle()
+        rid = request.request_id
+        if rid in self._seqs or rid in self._held:
+            raise ValueError(f"request id {rid!r} is in use")
+        if request.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}")
+        config = self.config
+        prompt_tokens = request.prompt_tokens
+        if prompt_tokens < 1:
+            raise ValueError("prompt_tokens must be >= 1")
+        seq = _Seq(request)
+        needed = self._blocks_needed(seq)
+        if needed > config.num_gpu_blocks:
+            raise ValueError("request needs more KV blocks than the engine has")
+        budget = config.max_num_batched_tokens
+        if not config.chunked_prefill and prompt_tokens > budget:
+            raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
+        pool = self.pool
+        size = config.block_size
+        hits: list[int] = []
+        if config.prefix_caching and request.block_hashes:
+            hits = pool.lookup(request.block_hashes)
+            limit = (prompt_tokens - 1) // size
+            if len(hits) > limit:
+                hits = hits[:limit]
+        if needed - len(hits) > pool.available_with(hits):
+            self.add_request(request, now=now)  # it waits for blocks held for remote decodes
+            return self.run_until_idle()
+        t = now if now > self._now else self._now
+        pool.touch(hits)
+        fresh = pool.allocate(needed - len(hits))
+        assert fresh is not None
+        seq.blocks = hits + fresh if hits else fresh
+        seq.num_cached_blocks = len(hits)
+        cached = len(hits) * size
+        seq.computed = seq.cached_tokens = cached
+        seq.state = "running"
+        if config.prefix_caching:
+            self.prefix_cache_queries += prompt_tokens
+            self.prefix_cache_hits += cached
+        out: list[EngineOutput] = [Started(rid, t, cached)]
+        left = prompt_tokens - cached
+        dur = 0.0
+        while left > 0:
+            n = left if left <= budget else budget
+            dur = config.step_s(n, 0)
+            t = t + dur
+            self.steps += 1
+            seq.computed += n
+            self.prompt_tokens_computed += n
+            left -= n
+            if seq.num_cached_blocks * size + size <= seq.computed:
+                self._cache_blocks(seq)
+        seq.generated = 1
+        self.generation_tokens += 1
+        out.append(Tokens(rid, 1, t, dur))
+        if seq.max_tokens > 1:
+            count = seq.max_tokens - 1
+            dur = (config.step_base_ms + config.decode_per_seq_ms * 1) / 1000.0
+            t = t + dur * count
+            self.steps += count
+            seq.generated += count
+            self.generation_tokens += count
+            out.append(Tokens(rid, count, t, dur))
+        if seq.kind == PREFILL_REMOTE:
+            seq.state = "held"
+            self._held[rid] = seq
+            out.append(Finished(rid, t, "length", tuple(seq.blocks)))
+        else:
+            self._release_blocks(seq)
+            seq.state = "done"
+            out.append(Finished(rid, t, "length"))
+        self._now = t
+        return out
+
     def run_until_idle(self) -> list[EngineOutput]:
         """Run every step at once, one after the other, until no step is left (time jumps to each
         step's end); the outputs. What a driver with no clock to follow (``--speed 0``) does."""

@@ -863,8 +863,11 @@ class SimEngine:
                 self._step_timer = None
             if t is not None:
                 self._step_timer = self.loop.call_later(max(t - now, 0.0) / speed, self._on_step_timer)
+        self._publish()
+
+    def _publish(self) -> None:
         if self.publisher is not None:
-            events = core.take_kv_events()
+            events = self.core.take_kv_events()
             if events:
                 self.publisher.publish(events, time.time())
 
@@ -1000,8 +1003,12 @@ class SimEngine:
                 token_ids=prompt.block_token_ids(step.block_size) if events_on else None,
                 linger=plan.stall_after is not None,
             )
-            self.core.add_request(engine_request, now=self._core_now())
-            self._pump()
+            if self.config.speed == 0:
+                self._dispatch(self.core.serve_now(engine_request, now=self.core.now))
+                self._publish()
+            else:
+                self.core.add_request(engine_request, now=self._core_now())
+                self._pump()
 
             if decode_kv is not None:
                 await flow.wait_for(lambda: flow.started)

@@ -423,3 +423,45 @@ def test_next_step_end_walks_a_run_step_by_step() -> None:
         times += [(o.at, o.count) for o in core.advance(now=t) if isinstance(o, Tokens)]
     first = 0.00732
     assert times == [(first, 1)] + [(pytest.approx(first + k * 0.00705), 1) for k in (1, 2, 3)]
+
+
+def pool_state(core: EngineCore) -> tuple[object, ...]:
+    pool = core.pool
+    return (list(pool.ref), list(pool.block_hash), dict(pool.cached), list(pool.free_queue), core.now,
+            core.steps, core.prefix_cache_queries, core.prefix_cache_hits, core.prompt_tokens_computed,
+            core.generation_tokens, core.metrics().held_blocks)  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(1, 90), st.integers(1, 12), st.booleans(), st.booleans()),
+             min_size=1, max_size=25),  # fmt: skip
+    st.booleans(),
+)
+def test_serve_now_is_stepping_in_one_pass(ops: list[tuple[int, int, int, bool, bool]], chunked: bool) -> None:
+    config = StepConfig(block_size=BS, num_gpu_blocks=40, max_num_batched_tokens=32 if chunked else 100,
+                        chunked_prefill=chunked)  # fmt: skip
+    fast, slow = EngineCore(config, kv_events=True), EngineCore(config, kv_events=True)
+    held: list[str] = []
+    for i, (prefix, length, max_tokens, remote, release) in enumerate(ops):
+        ids = ([prefix] * 12 + list(range(1000 + i, 1000 + i + length)))[:length]
+        now = i * 0.5
+        kind = PREFILL_REMOTE if remote else PLAIN
+        if release and held:
+            rid = held.pop(0)
+            assert fast.free_held(rid, now=now) == slow.free_held(rid, now=now)
+            assert fast.run_until_idle() == slow.run_until_idle()
+        outs = []
+        for core, one_pass in ((fast, True), (slow, False)):
+            request = EngineRequest(request_id=f"r{i}", kind=kind, prompt_tokens=len(ids), max_tokens=max_tokens,
+                                    block_hashes=block_hashes(ids, BS), token_ids=ids[: len(ids) // BS * BS])  # fmt: skip
+            if one_pass:
+                outs.append(core.serve_now(request, now=now))
+            else:
+                core.add_request(request, now=now)
+                outs.append(core.run_until_idle())
+        assert outs[0] == outs[1]
+        if remote and outs[0] and isinstance(outs[0][-1], Finished):
+            held.append(f"r{i}")
+        assert pool_state(fast) == pool_state(slow)
+        assert fast.take_kv_events() == slow.take_kv_events()
