@@ -1,4 +1,4 @@
-"""Narwhal's engine simulator: a vLLM-compatible OpenAI engine speaking the PD protocol (SPEC §3, §9).
+"""Narwhal's engine simulator: a vLLM-compatible OpenAI engine speaking the PD protocol (docs/simulator.md).
 
 * :mod:`narwhal_sim.engine` — the pure, steppable engine core (scheduler
   steps under a token budget, the KV block pool with its prefix cache, KV events).

@@ -263,7 +263,7 @@ class ServerConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         # A client that half-closes is gone: vLLM aborts its request, and
-        # the decode_abort release mode of SPEC §3 relies on exactly that.
+        # the decode_abort release mode (docs/simulator.md) relies on exactly that.
         self._mark_closed()
         return False
 

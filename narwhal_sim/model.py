@@ -45,7 +45,7 @@ __all__ = [
     "render_content",
 ]
 
-#: The three engine roles of SPEC §9.
+#: The three engine roles (docs/simulator.md, "Roles").
 ROLES = ("prefill", "decode", "mixed")
 
 # --------------------------------------------------------------------------- prompts
@@ -252,7 +252,7 @@ class KvLedger:
 
     Counters (cumulative, per owner and per block): ``held``, ``pulled``,
     ``released``, ``expired``. Expired entries are the leaks a router
-    should have prevented (SPEC §9).
+    should have prevented (docs/simulator.md, "The PD protocol").
     """
 
     def __init__(self, lease_s: float) -> None:

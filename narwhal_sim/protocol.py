@@ -77,7 +77,7 @@ class ApiError(Exception):
 
 
 class KvParams:
-    """``kv_transfer_params`` of a request (SPEC §3), read the way vLLM's NIXL connector reads them.
+    """``kv_transfer_params`` of a request (docs/simulator.md, "The PD protocol"), read the way vLLM's NIXL connector reads them.
 
     ``mode`` is ``"prefill"`` for ``do_remote_decode: true`` (hold KV for a
     remote decode), ``"decode"`` for ``do_remote_prefill: true`` with every

@@ -1,4 +1,4 @@
-"""The simulated engine: an OpenAI-compatible server that speaks the PD protocol of SPEC §3.
+"""The simulated engine: an OpenAI-compatible server that speaks the PD protocol of docs/simulator.md.
 
 :class:`SimEngine` wires the pure model (:mod:`narwhal_sim.model`) and the
 wire shapes (:mod:`narwhal_sim.protocol`) to the HTTP layer
@@ -769,7 +769,7 @@ class SimEngine:
         record.kv = {"role": "prefill", "owner": owner, "blocks": len(entry.block_ids), "outcome": "held"}
         if self._lease_timer is None:
             self._arm_lease_timer()
-        # The NIXL connector's fields, in its order (SPEC §3.2).
+        # The NIXL connector's fields, in its order (docs/simulator.md, "Prefill leg").
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -1205,7 +1205,7 @@ class SimEngine:
     ) -> int | None:
         """Pull the prompt's KV from the prefill engine; cached tokens, or ``None`` to recompute."""
         params = decode_kv.params
-        # SPEC §3 decode_abort: a router frees KV by sending this request and
+        # decode_abort (docs/simulator.md, "Decode leg"): a router frees KV by sending this request and
         # closing at once. Give the loop a few turns to see that EOF (it may
         # come in a later read than the request) before committing to the pull.
         for _ in range(3):
@@ -1258,7 +1258,7 @@ class SimEngine:
             self.counters["kv_prompt_mismatch"] += 1
             kv_record["outcome"] = "prompt_mismatch"
             return None
-        # A decode engine counts every transferred prompt token as cached (SPEC §2.3).
+        # A decode engine counts every transferred prompt token as cached (docs/simulator.md, "Decode leg").
         return job.prompt.num_tokens
 
     def _release_remote(self, decode_kv: _DecodeKv, record: _Record) -> None:

@@ -14,7 +14,7 @@ from narwhal_sim.server import DEFAULT_MODEL
 
 MODEL = DEFAULT_MODEL
 
-#: The prefill leg's kv_transfer_params, exactly as SPEC §3 has the router send them.
+#: The prefill leg's kv_transfer_params, exactly as a router sends them (docs/simulator.md, "Prefill leg").
 PREFILL_KV: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -30,7 +30,7 @@ assert len(PROMPT) == 200
 
 
 def prefill_body(prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
-    """A prefill leg body (SPEC §3.1)."""
+    """A prefill leg body (docs/simulator.md, "Prefill leg")."""
     return {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV, **extra}
 
 

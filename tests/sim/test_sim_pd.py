@@ -1,4 +1,4 @@
-"""The PD protocol of SPEC §3 between two real engines, and KV ownership (held → pulled/released/expired)."""
+"""The PD protocol (docs/simulator.md) between two real engines, and KV ownership (held → pulled/released/expired)."""
 
 from __future__ import annotations
 
