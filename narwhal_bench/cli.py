@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "prefill_per_token_ms=0.1); repeatable")  # fmt: skip
     v.add_argument("--router-config", metavar="FILE", help="router TOML config for the virtual fleet "
                    "(its engine lists are replaced by the fleet's)")  # fmt: skip
+    v.add_argument("--virtual-relay", choices=("run", "token"), default="run",
+                   help="run: a run of identical decode steps reaches the router in one read, each token "
+                   "timed at its own step (fast; default); token: one read per token")  # fmt: skip
 
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput, milliseconds")
@@ -176,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             outcome = run_virtual(requests, target, synth=synth, fleet=args.fleet, engine_options=args.engine_option,
                                   router_config=args.router_config, concurrency=args.concurrency,
-                                  progress=progress)  # fmt: skip
+                                  progress=progress, relay=args.virtual_relay)  # fmt: skip
         except FleetError as exc:
             print(f"narwhal bench: {exc}", file=sys.stderr)
             return 2

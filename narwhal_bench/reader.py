@@ -10,6 +10,7 @@ output (text, chat content, reasoning or tool-call arguments).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import httptools
@@ -37,7 +38,7 @@ class ResponseReader:
     __slots__ = (
         "_parser", "status", "complete", "keep_alive", "is_sse", "_buffer", "_body", "token_times",
         "error", "cached_tokens", "_now", "_content_type", "_header", "_done_event", "completion_tokens",
-        "done_at",
+        "done_at", "stamps",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -59,6 +60,10 @@ class ResponseReader:
         self._done_event = False
         #: When the read that completed the response arrived.
         self.done_at: float | None = None
+        #: Times for the next output events, oldest first, when the sender knows them
+        #: better than the read time (the virtual fleet); an event takes the read time
+        #: when this is empty.
+        self.stamps: deque[float] = deque()
 
     def feed(self, data: bytes, now: float) -> None:
         """Bytes of the response as read at ``now``; raises ``ValueError`` on bad HTTP."""
@@ -157,7 +162,7 @@ class ResponseReader:
             if data.get("usage"):
                 self._usage(data["usage"])
             if _has_output(data):
-                self.token_times.append(self._now)
+                self.token_times.append(self.stamps.popleft() if self.stamps else self._now)
 
     def _usage(self, usage: Any) -> int | None:
         if not isinstance(usage, dict):

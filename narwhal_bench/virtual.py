@@ -64,7 +64,10 @@ from narwhal_bench.reader import ResponseReader, request_bytes
 from narwhal_bench.stats import HitRate, RequestResult
 from narwhal_bench.trace import PromptSynth, TraceRequest
 
-__all__ = ["FleetError", "FleetSpec", "parse_fleet", "VirtualFleet", "VirtualOutcome", "run_virtual"]
+__all__ = ["FleetError", "FleetSpec", "RELAYS", "parse_fleet", "VirtualFleet", "VirtualOutcome", "run_virtual"]
+
+#: How streamed tokens reach the router: each at its step's end, or a run of steps at once.
+RELAYS = ("run", "token")
 
 
 class FleetError(ValueError):
@@ -191,10 +194,14 @@ class _EngineNode:
         self.port = port
         self.role = role
         self.engine_id = f"virtual-{role}-{index}"
-        try:
-            # One step per token: every token leaves at its own step's end.
-            self.core = EngineCore(fleet.step_config, coalesce=False)
-        except TypeError:  # a core that always coalesces runs: _kick and _wake split them
+        if fleet.relay == "token":
+            try:
+                # One step per token: every token leaves at its own step's end.
+                self.core = EngineCore(fleet.step_config, coalesce=False)
+            except TypeError:  # a core that always coalesces runs: _kick and _wake split them
+                self.core = EngineCore(fleet.step_config)
+        else:
+            # Runs of identical decode steps are one output; their tokens leave together.
             self.core = EngineCore(fleet.step_config)
         self.legs: dict[str, _Leg] = {}  # router leg id -> leg
         self.by_rid: dict[str, _Leg] = {}  # core request id -> leg
@@ -315,7 +322,7 @@ class _EngineNode:
         when = core.next_event_time()
         if when is None:
             return
-        step = getattr(core, "_step", None)
+        step = getattr(core, "_step", None) if self.fleet.relay == "token" else None
         if step is not None and step.count > 1 and step.dur > 0:
             # A run of identical decode steps reports at its end: wake at every
             # step instead, so each token leaves at its own time.
@@ -335,7 +342,7 @@ class _EngineNode:
         self._wake_at = None
         core = self.core
         now = self.loop.now
-        step = getattr(core, "_step", None)
+        step = getattr(core, "_step", None) if self.fleet.relay == "token" else None
         if step is not None and step.count > 1 and now < step.end - 1e-9:
             core._changed(now)  # noqa: SLF001 - cut the run at this step boundary (see _kick)
         self._outputs(core.advance(now=now))
@@ -389,18 +396,26 @@ class _EngineNode:
         leg.generated += count
         if not job.stream or leg.kind == PREFILL_REMOTE:
             return
+        times = [at - (count - 1 - i) * step_s for i in range(count)]
+        head = b""
         if leg.events is None:
             leg.events = self._stream_events(leg)
+            # The response head, and any event before the first token (a chat answer's role).
             head = self._head(leg, None)
-            self._send(leg, head + _chunk(b"".join(leg.events[: leg.first + 1])), at - (count - 1) * step_s)
-            leg.sent = leg.first + 1
-            count -= 1
+            if leg.first:
+                head += _chunk(b"".join(leg.events[: leg.first]))
+            leg.sent = leg.first
         events = leg.events
-        for i in range(count):
-            if leg.sent >= len(events):
-                break
-            self._send(leg, _chunk(events[leg.sent]), at - (count - 1 - i) * step_s)
-            leg.sent += 1
+        start = leg.sent
+        upto = min(start + count, len(events))
+        leg.sent = upto
+        if self.fleet.relay == "token":
+            for i, k in enumerate(range(start, upto)):
+                self._send(leg, (head if i == 0 else b"") + _chunk(events[k]), times[i])
+        else:
+            # One read for the run; the client takes each token's time from its step.
+            data = head + _chunk(b"".join(events[start:upto]))
+            self._send(leg, data, at, times[: upto - start])
 
     def _finished(self, leg: _Leg, out: Any) -> None:
         self.by_rid.pop(leg.rid, None)
@@ -450,8 +465,8 @@ class _EngineNode:
         extra = [(b"x-request-id", leg.request_id.encode("latin-1"))] if leg is not None and leg.request_id else ()
         return response_head(status, content_type=JSON, length=len(body), keep_alive=True, extra=extra) + body
 
-    def _send(self, leg: _Leg, data: bytes, at: float | None = None) -> None:
-        self.loop.at(self.loop.now if at is None else at, self.fleet.deliver, leg, data)
+    def _send(self, leg: _Leg, data: bytes, at: float | None = None, stamps: list[float] | None = None) -> None:
+        self.loop.at(self.loop.now if at is None else at, self.fleet.deliver, leg, data, stamps)
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -464,6 +479,8 @@ class VirtualOutcome:
     virtual_s: float
     wall_s: float
     engines: dict[str, dict[str, Any]]
+    #: Engine reads (``LegData``) the router processed.
+    leg_reads: int = 0
 
 
 class _Client:
@@ -484,8 +501,14 @@ class VirtualFleet:
 
     def __init__(self, *, fleet: str = "4P2D", model: str = "meta-llama/Llama-3.1-8B-Instruct",
                  engine_options: Sequence[str] = (), router_config: str | None = None,
-                 config: Any = None) -> None:  # fmt: skip
+                 config: Any = None, relay: str = "run") -> None:  # fmt: skip
         spec = parse_fleet(fleet)
+        if relay not in RELAYS:
+            raise FleetError(f"relay must be one of {', '.join(RELAYS)}")
+        #: ``token``: every token reaches the router at its own step's end; ``run``: a run of
+        #: identical decode steps reaches it in one read at the run's end, each token
+        #: stamped with its own step's end for the client (docs/bench.md).
+        self.relay = relay
         options = _engine_options(engine_options)
         self.model = model
         self.seed = int(options.pop("seed", 0))
@@ -528,6 +551,9 @@ class VirtualFleet:
         self._deadline: float | None = None
         self._clients: dict[int, _Client] = {}
         self._leg_engine: dict[str, _EngineNode] = {}
+        self._leg_conn: dict[str, Any] = {}
+        #: LegData events fed to the router.
+        self.leg_reads = 0
         self.journal_lines = 0
         self._recent_hashes: dict[Any, list[int]] = {}
         self.logs: list[tuple[str, Any]] = []
@@ -590,9 +616,15 @@ class VirtualFleet:
             del recent[next(iter(recent))]
         return out
 
-    def deliver(self, leg: _Leg, data: bytes) -> None:
-        if not leg.closed:
-            self._feed(LegData(leg.leg, data))
+    def deliver(self, leg: _Leg, data: bytes, stamps: list[float] | None = None) -> None:
+        if leg.closed:
+            return
+        if stamps:
+            client = self._clients.get(self._leg_conn.get(leg.leg))  # type: ignore[arg-type]
+            if client is not None:
+                client.reader.stamps.extend(stamps)
+        self.leg_reads += 1
+        self._feed(LegData(leg.leg, data))
 
     # -- the router
 
@@ -627,8 +659,10 @@ class VirtualFleet:
                     self.loop.at(now, self._feed, LegFailed(cmd.leg, "connect_failed"))
                 else:
                     self._leg_engine[cmd.leg] = node
+                    self._leg_conn[cmd.leg] = cmd.conn
                     node.start_leg(cmd.leg, cmd.data)
             elif kind is FinishLeg or kind is CancelLeg:
+                self._leg_conn.pop(cmd.leg, None)
                 node = self._leg_engine.pop(cmd.leg, None)
                 if node is not None:
                     node.leg_closed(cmd.leg, cancelled=kind is CancelLeg)
@@ -777,7 +811,8 @@ class VirtualFleet:
                             "prefix_cache_queries": m.prefix_cache_queries,
                             "prefix_cache_hits": m.prefix_cache_hits}  # fmt: skip
         return VirtualOutcome(results=results, hit_rate=HitRate(hits=hits, queries=queries, per_engine=per),
-                              virtual_s=virtual_s, wall_s=time.perf_counter() - wall, engines=engines)  # fmt: skip
+                              virtual_s=virtual_s, wall_s=time.perf_counter() - wall, engines=engines,
+                              leg_reads=self.leg_reads)  # fmt: skip
 
 
 def _engine_options(items: Sequence[str]) -> dict[str, Any]:
@@ -807,8 +842,8 @@ def _engine_options(items: Sequence[str]) -> dict[str, Any]:
 
 def run_virtual(requests: Sequence[TraceRequest], target: Target, *, synth: PromptSynth, fleet: str = "4P2D",
                 engine_options: Sequence[str] = (), router_config: str | None = None, concurrency: int = 0,
-                progress: Progress | None = None, config: Any = None) -> VirtualOutcome:  # fmt: skip
+                progress: Progress | None = None, config: Any = None, relay: str = "run") -> VirtualOutcome:  # fmt: skip
     """Build a :class:`VirtualFleet` and replay ``requests`` through it."""
     virtual = VirtualFleet(fleet=fleet, model=target.model, engine_options=engine_options,
-                           router_config=router_config, config=config)  # fmt: skip
+                           router_config=router_config, config=config, relay=relay)  # fmt: skip
     return virtual.run(requests, target, synth=synth, concurrency=concurrency, progress=progress)

@@ -133,3 +133,23 @@ def test_cli_virtual_run_and_its_errors(tmp_path: Path, capsys) -> None:
     assert "engine option must be NAME=VALUE" in capsys.readouterr().err
     assert bench_main(["--trace", str(trace), "--virtual", "--engine-option", "step_base_ms=x"]) == 2
     assert "is not a float" in capsys.readouterr().err
+
+
+def test_run_relay_measures_what_token_relay_measures() -> None:
+    """Handing a run of decode steps to the router in one read changes no figure a client measures."""
+    from narwhal_bench.trace import SessionWorkload, generate_sessions
+
+    requests = generate_sessions(SessionWorkload(sessions=16, turns=3, session_rate=6, think_s=0.5,
+                                                 output_tokens=40, system_tokens=3000))
+    by_run = run_virtual(requests, TARGET, synth=PromptSynth(), fleet="2P1D", relay="run")
+    by_token = run_virtual(requests, TARGET, synth=PromptSynth(), fleet="2P1D", relay="token")
+    assert all(r.ok for r in by_run.results) and all(r.ok for r in by_token.results)
+    for a, b in zip(by_run.results, by_token.results):
+        assert a.output_tokens == b.output_tokens == a.output_length
+        assert a.ttft_s == pytest.approx(b.ttft_s, abs=1e-9)
+        assert a.e2e_s == pytest.approx(b.e2e_s, abs=1e-9)
+        assert a.itl_s == pytest.approx(b.itl_s, abs=1e-9)
+    assert by_run.hit_rate == by_token.hit_rate
+    # The same engine steps, but runs reached the router in far fewer reads.
+    assert sum(e["steps"] for e in by_run.engines.values()) == sum(e["steps"] for e in by_token.engines.values())
+    assert by_run.leg_reads < by_token.leg_reads / 2, (by_run.leg_reads, by_token.leg_reads)
