@@ -415,6 +415,8 @@ class SimEngine:
             "prefix_cache_queries": self.core.prefix_cache_queries,
             "prefix_cache_hits": self.core.prefix_cache_hits,
             "steps": self.core.steps,
+            "kv_events_endpoint": self.publisher.endpoint if self.publisher is not None else None,
+            "kv_events_replay_endpoint": self.publisher.replay_endpoint if self.publisher is not None else None,
             "connections": len(self._http.connections),
             "kv_held": len(ledger),
             "kv_held_blocks": ledger.held_blocks,

@@ -241,7 +241,8 @@ class SimProcess:
 
     ``SimProcess(role="decode", speed=50, api_key=None, lease_s=30, seed=0, **options)``
     where ``options`` map to flags (``max_num_seqs=4`` → ``--max-num-seqs 4``,
-    ``faults={...}`` → fault flags, ``prefix_caching=False`` → ``--no-prefix-caching``);
+    ``faults={...}`` → fault flags, ``prefix_caching=False`` → ``--no-prefix-caching``,
+    ``chunked_prefill=False`` → ``--no-chunked-prefill``);
     ``kv_pull_grace_ms`` defaults to :data:`TEST_PULL_GRACE_MS` at speed > 0, as in :class:`SimThread`.
     :meth:`kill` then :meth:`restart` brings the engine back on the same port.
     """
@@ -277,9 +278,9 @@ class SimProcess:
             options.setdefault("kv_pull_grace_ms", TEST_PULL_GRACE_MS)
         for name, value in options.items():
             flag = "--" + name.replace("_", "-")
-            if name == "prefix_caching":
+            if name in ("prefix_caching", "chunked_prefill"):
                 if not value:
-                    args.append("--no-prefix-caching")
+                    args.append("--no-" + name.replace("_", "-"))
             elif value is True:
                 args.append(flag)
             elif value is None or value is False:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -135,3 +136,38 @@ def test_a_bad_flag_prints_one_line_from_the_real_command(command: list[str]) ->
     done = subprocess.run([sys.executable, *command, "--no-such-flag"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "narwhal sim: error: unrecognized arguments: --no-such-flag (see --help)\n"
+
+
+def test_process_with_kv_events_and_without_chunked_prefill() -> None:
+    import msgpack
+    import zmq
+
+    from narwhal_sim.testing import SimProcess
+
+    with SimProcess("mixed", speed=0, chunked_prefill=False, max_num_batched_tokens=64,
+                    kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0") as sim:  # fmt: skip
+        too_long = httpx.post(sim.url + "/v1/completions", json={"prompt": "x" * 400, "max_tokens": 1})
+        assert too_long.status_code == 400 and "max_num_batched_tokens" in too_long.json()["error"]["message"]
+        assert httpx.post(sim.url + "/v1/completions", json={"prompt": "y" * 200, "max_tokens": 1}).status_code == 200
+        replay = sim.stats()["kv_events_replay_endpoint"]
+        ctx = zmq.Context()
+        try:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(replay)
+            hashes: list[int] = []
+            deadline = time.monotonic() + 5
+            while not hashes:  # the publisher thread may not have sent the batch yet
+                assert time.monotonic() < deadline
+                dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+                while True:
+                    assert dealer.poll(5000)
+                    _, seq, payload = dealer.recv_multipart()
+                    if seq == (-1).to_bytes(8, "big", signed=True):
+                        break
+                    for event in msgpack.unpackb(payload)[1]:
+                        hashes += event[1] if event[0] == "BlockStored" else []
+            assert len(hashes) == 3  # 50 tokens: 3 full blocks
+            dealer.close()
+        finally:
+            ctx.term()
