@@ -11,6 +11,9 @@ commands:
         one simulated engine (docs/simulator.md)
   journal FILE [--rid ID] [--terminal T] [--follow] [--unfinished]
         read a journal file (docs/operate.md)
+  bench [--trace FILE] (--base-url URL | --virtual --fleet 4P2D) [...]
+        replay a trace against an OpenAI-compatible endpoint, or a
+        simulated fleet in virtual time (docs/bench.md)
 
 options:
   -h, --help     show this help and exit
@@ -84,13 +87,19 @@ def _journal(argv: Sequence[str]) -> int:
     return journal_main(list(argv))
 
 
+def _bench(argv: Sequence[str]) -> int:
+    from narwhal_bench.cli import main as bench_main
+
+    return bench_main(list(argv))
+
+
 def _demo(argv: Sequence[str]) -> int:
     from .demo import main as demo_main
 
     return demo_main(list(argv))
 
 
-_COMMANDS = {"serve": _serve, "sim": _sim, "demo": _demo, "journal": _journal}
+_COMMANDS = {"serve": _serve, "sim": _sim, "demo": _demo, "journal": _journal, "bench": _bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
