@@ -65,8 +65,25 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer $VAR' on every route but /sim/*")  # fmt: skip
     p.add_argument("--engine-id", default=None, help="remote_engine_id (default: random per start)")
     p.add_argument("--advertise-host", default=None,
-                   help="remote_host given to decode engines (default: the listen host)")  # fmt: skip
+                   help="remote_host given to decode engines (default: localhost, vLLM's "
+                        "VLLM_NIXL_SIDE_CHANNEL_HOST default)")  # fmt: skip
     p.add_argument("--tp-size", type=int, default=d.tp_size, help="tp_size reported in kv_transfer_params")
+
+    v = p.add_argument_group("vLLM version (docs/simulator.md, 'vLLM versions')")
+    v.add_argument("--vllm-version", default=None, metavar="VERSION",
+                   help="the vLLM modelled: a family (0.9, 0.11, 0.14, 0.18, lease) or a release like 0.14.1 "
+                        "(default: lease, current vLLM)")  # fmt: skip
+    v.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="fill usage.prompt_tokens_details (else null, as vLLM without this flag)")  # fmt: skip
+    v.add_argument("--tokens-only", action="store_true",
+                   help="vLLM's --tokens-only: serve POST /abort_requests (0.14 family on)")  # fmt: skip
+    v.add_argument("--dev-mode", action="store_true",
+                   help="vLLM's VLLM_SERVER_DEV_MODE: POST /abort_requests answering {status, aborted}")  # fmt: skip
+    v.add_argument("--abort-request-route", action="store_true",
+                   help="serve the simulator's own POST /abort_request (no vLLM has it)")  # fmt: skip
+    v.add_argument("--incomplete-kv-params", choices=("reject", "recompute", "crash"), default=d.incomplete_kv_params,
+                   help="a decode request whose kv_transfer_params lack a needed field: 400, recompute, "
+                        "or the engine dies (500 on every later completion)")  # fmt: skip
     p.add_argument("--log", default="stderr",
                    help="request log of JSON lines: FILE, '-' (stdout, after the startup line), "
                         "'stderr', or 'none'")  # fmt: skip
@@ -83,8 +100,9 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="never split a prompt over steps (a prompt must fit the step budget)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="longest prompt plus output")
-    g.add_argument("--kv-lease-s", type=float, default=d.kv_lease_s,
-                   help="seconds unpulled KV is held before it expires (wall clock)")  # fmt: skip
+    g.add_argument("--kv-lease-s", type=float, default=None,
+                   help="seconds unpulled KV is held before it expires (wall clock; default: the version "
+                        "family's, 30 for lease)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--step-base-ms", type=float, default=d.step_base_ms, help="fixed time of one engine step")
     g.add_argument("--prefill-per-token-ms", type=float, default=d.prefill_per_token_ms,
@@ -136,6 +154,8 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
                    help="share of prefill answers without kv_transfer_params")  # fmt: skip
     f.add_argument("--malformed-json-rate", type=float, default=fd.malformed_json_rate,
                    help="share of answers with broken JSON")  # fmt: skip
+    f.add_argument("--eos-rate", type=float, default=fd.eos_rate,
+                   help="share whose first token ends the sequence (finish_reason stop), unless min_tokens >= 1")
     f.add_argument("--unhealthy", action="store_true", help="/health answers 503")
     f.add_argument("--reasoning-only", action="store_true", help="chat answers carry only reasoning_content")
     return p
@@ -167,6 +187,12 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         engine_id=args.engine_id,
         advertise_host=args.advertise_host,
         tp_size=args.tp_size,
+        vllm_version=args.vllm_version,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        tokens_only=args.tokens_only,
+        dev_mode=args.dev_mode,
+        abort_request_route=args.abort_request_route,
+        incomplete_kv_params=args.incomplete_kv_params,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         max_num_seqs=args.max_num_seqs,

@@ -299,6 +299,26 @@ class KvLedger:
         self._count("held", entry)
         return entry
 
+    def renew(self, owner: str, now: float) -> bool:
+        """Extend ``owner``'s lease to ``now + lease_s`` (a decode engine's heartbeat); ``False`` when not held.
+
+        An entry already expired (or pulled, released) is not brought back. The
+        extension is one whole lease, so insertion order stays deadline order.
+        """
+        entry = self._entries.get(owner)
+        if entry is None:
+            return False
+        entry.expires_at = max(entry.expires_at, now + self.lease_s)
+        self._entries.move_to_end(owner)
+        return True
+
+    def find_blocks(self, block_ids: list[int]) -> KvEntry | None:
+        """The held entry whose blocks are ``block_ids`` (a connector-1 decode engine names no owner)."""
+        for entry in self._entries.values():
+            if entry.block_ids == block_ids:
+                return entry
+        return None
+
     def pull(self, owner: str) -> KvEntry | None:
         """A decode engine took the KV of ``owner``; ``None`` when nothing is held."""
         return self._end(owner, "pulled")
@@ -375,6 +395,9 @@ class FaultPlan:
     omit_kv_params: bool = False
     #: A 200 answer whose body is not valid JSON.
     malformed_json: bool = False
+    #: The first sampled token is the end of sequence (``finish_reason: "stop"``), unless
+    #: the request's ``min_tokens`` forbids it.
+    eos: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -409,6 +432,8 @@ class Faults:
     omit_kv_params_rate: float = 0.0
     #: Share of 200 answers whose JSON is cut short.
     malformed_json_rate: float = 0.0
+    #: Share of requests whose first sampled token ends the sequence (vLLM's FINISHED_STOPPED).
+    eos_rate: float = 0.0
     #: ``/health`` answers 503.
     unhealthy: bool = False
     #: Chat answers carry the text in ``reasoning_content`` and ``content: ""``.
@@ -443,6 +468,7 @@ class Faults:
             or (self.drop_after_chunks is not None and self.drop_after_chunks_rate > 0)
             or self.omit_kv_params_rate > 0
             or self.malformed_json_rate > 0
+            or self.eos_rate > 0
         )
 
     def plan(self, seed: int, request_id: str) -> FaultPlan:
@@ -470,6 +496,7 @@ class Faults:
             ),
             omit_kv_params=fires("omit_kv_params", self.omit_kv_params_rate),
             malformed_json=fires("malformed_json", self.malformed_json_rate),
+            eos=fires("eos", self.eos_rate),
         )
 
 
@@ -481,6 +508,7 @@ _RATE_FIELDS = {
     "drop_after_chunks_rate",
     "omit_kv_params_rate",
     "malformed_json_rate",
+    "eos_rate",
 }
 
 

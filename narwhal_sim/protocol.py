@@ -56,9 +56,18 @@ _ERROR_TYPES = {
 }
 
 
-def error_body(status: int, message: str, *, param: str | None = None, type: str | None = None) -> bytes:
-    """The OpenAI error envelope as vLLM fills it: ``type`` names the error, ``code`` is the status."""
+def error_body(
+    status: int, message: str, *, param: str | None = None, type: str | None = None, flat: bool = False
+) -> bytes:
+    """The error envelope as vLLM fills it: ``type`` names the error class, ``code`` is the HTTP status.
+
+    vLLM 0.10.1 and later nest it (``{"error": {...}}``, ``ErrorResponse``/``ErrorInfo``); earlier
+    releases answered the flat ``{"object": "error", "message", "type", "param", "code"}``
+    (``flat=True``; docs/simulator.md, "vLLM versions").
+    """
     kind = type or _ERROR_TYPES.get(status, "ServerError" if status >= 500 else "BadRequestError")
+    if flat:
+        return orjson.dumps({"object": "error", "message": message, "type": kind, "param": param, "code": status})
     return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
 
 
@@ -71,9 +80,9 @@ class ApiError(Exception):
         self.message = message
         self.param = param
 
-    def body(self) -> bytes:
-        """The envelope bytes."""
-        return error_body(self.status, self.message, param=self.param)
+    def body(self, *, flat: bool = False) -> bytes:
+        """The envelope bytes (``flat``: the shape of vLLM before 0.10.1)."""
+        return error_body(self.status, self.message, param=self.param, flat=flat)
 
 
 class KvParams:
@@ -92,14 +101,19 @@ class KvParams:
         "remote_block_ids",
         "remote_host",
         "remote_port",
+        "tp_size",
+        "missing",
     )
 
-    def __init__(self, data: dict[str, Any]) -> None:
+    def __init__(self, data: dict[str, Any], *, require_request_id: bool = True) -> None:
         self.remote_engine_id = data.get("remote_engine_id")
         self.remote_request_id = data.get("remote_request_id")
         self.remote_block_ids = data.get("remote_block_ids")
         self.remote_host = data.get("remote_host")
         self.remote_port = data.get("remote_port")
+        self.tp_size = data.get("tp_size")
+        #: The first field a decode engine needs that is absent or of the wrong type.
+        self.missing: str | None = None
         decode = data.get("do_remote_decode") is True
         prefill = data.get("do_remote_prefill") is True
         if decode and prefill:
@@ -112,32 +126,58 @@ class KvParams:
         if decode:
             self.mode = "prefill"
         elif prefill:
-            complete = (
-                isinstance(self.remote_request_id, str)
-                and isinstance(self.remote_host, str)
-                and type(self.remote_port) is int
-                and isinstance(self.remote_engine_id, str)
-                and isinstance(self.remote_block_ids, list)
-                and all(type(b) is int for b in self.remote_block_ids)
+            checks = (
+                ("remote_engine_id", isinstance(self.remote_engine_id, str)),
+                ("remote_request_id", not require_request_id or isinstance(self.remote_request_id, str)),
+                ("remote_host", isinstance(self.remote_host, str)),
+                ("remote_port", type(self.remote_port) is int),
+                ("remote_block_ids", block_ids_ok(self.remote_block_ids)),
             )
-            self.mode = "decode" if complete else "invalid"
+            self.missing = next((name for name, ok in checks if not ok), None)
+            self.mode = "decode" if self.missing is None else "invalid"
         else:
             self.mode = None
 
     @classmethod
-    def parse(cls, value: Any) -> KvParams | None:
-        """``None`` for an absent or ``null`` field; 400 when it is not an object."""
+    def parse(cls, value: Any, *, require_request_id: bool = True) -> KvParams | None:
+        """``None`` for an absent or ``null`` field; 400 when it is not an object.
+
+        ``require_request_id``: the connector reads ``remote_request_id`` (NIXL connector version 2).
+        """
         if value is None:
             return None
         if not isinstance(value, dict):
             raise ApiError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
-        return cls(value)
+        return cls(value, require_request_id=require_request_id)
+
+    @property
+    def flat_block_ids(self) -> list[int]:
+        """``remote_block_ids`` as one list (one list per KV-cache group is flattened)."""
+        return flat_block_ids(self.remote_block_ids)
+
+
+def block_ids_ok(value: Any) -> bool:
+    """A list of block ids, or a list of such lists (one per KV-cache group)."""
+    if not isinstance(value, list):
+        return False
+    if value and isinstance(value[0], list):
+        return all(isinstance(group, list) and all(type(b) is int for b in group) for group in value)
+    return all(type(b) is int for b in value)
+
+
+def flat_block_ids(value: Any) -> list[int]:
+    """Block ids of a flat or per-group ``remote_block_ids`` as one list."""
+    if not isinstance(value, list):
+        return []
+    if value and isinstance(value[0], list):
+        return [b for group in value for b in group]
+    return list(value)
 
 
 class CompletionJob:
     """A validated completion request: what the engine must compute and how to answer."""
 
-    __slots__ = ("chat", "prompt", "max_tokens", "stream", "include_usage", "kv", "tool_name")
+    __slots__ = ("chat", "prompt", "max_tokens", "stream", "include_usage", "kv", "tool_name", "min_tokens")
 
     def __init__(
         self,
@@ -149,7 +189,9 @@ class CompletionJob:
         include_usage: bool,
         kv: KvParams | None,
         tool_name: str | None,
+        min_tokens: int = 0,
     ) -> None:
+        self.min_tokens = min_tokens
         self.chat = chat
         self.prompt = prompt
         self.max_tokens = max_tokens
@@ -169,7 +211,13 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
 
 
 def parse_completion(
-    body: bytes, *, chat: bool, served_model: str, max_model_len: int, tokenizer: Tokenizer | None = None
+    body: bytes,
+    *,
+    chat: bool,
+    served_model: str,
+    max_model_len: int,
+    tokenizer: Tokenizer | None = None,
+    require_request_id: bool = True,
 ) -> CompletionJob:
     """Validate a ``/v1/completions`` or ``/v1/chat/completions`` body; :class:`ApiError` when bad."""
     try:
@@ -225,6 +273,7 @@ def parse_completion(
             param="max_tokens",
         )
 
+    min_tokens = _int_field(data, "min_tokens")
     options = data.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     return CompletionJob(
@@ -233,8 +282,9 @@ def parse_completion(
         max_tokens=max_tokens,
         stream=bool(stream),
         include_usage=include_usage,
-        kv=KvParams.parse(data.get("kv_transfer_params")),
+        kv=KvParams.parse(data.get("kv_transfer_params"), require_request_id=require_request_id),
         tool_name=tool_name,
+        min_tokens=min_tokens or 0,
     )
 
 
@@ -264,13 +314,17 @@ def _tool_name(tool: Any) -> str:
 # --------------------------------------------------------------------------- answers
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens``."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, details: bool = True) -> dict[str, Any]:
+    """OpenAI ``usage``; ``prompt_tokens_details.cached_tokens`` with ``details``, else ``prompt_tokens_details: null``.
+
+    vLLM fills the details only with ``--enable-prompt-tokens-details``; without, a whole answer
+    has the key with ``null`` and a streamed usage chunk leaves it out (:meth:`StreamFormat.events`).
+    """
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens} if details else None,
     }
 
 
@@ -282,6 +336,7 @@ def completion_body(
     text: str,
     usage: dict[str, Any],
     kv_transfer_params: dict[str, Any] | None,
+    finish_reason: str = "length",
 ) -> dict[str, Any]:
     """A non-streaming ``text_completion``."""
     return {
@@ -290,7 +345,7 @@ def completion_body(
         "created": created,
         "model": model,
         "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
         ],
         "usage": usage,
         "kv_transfer_params": kv_transfer_params,
@@ -321,11 +376,11 @@ def chat_body(
     digest: str,
     usage: dict[str, Any],
     kv_transfer_params: dict[str, Any] | None,
+    finish_reason: str = "length",
 ) -> dict[str, Any]:
     """A non-streaming ``chat.completion``; ``mode`` is ``text``, ``reasoning`` or ``tool``."""
     text = "".join(tokens)
     message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []}
-    finish_reason = "length"
     if mode == "reasoning":
         message["content"] = ""
         message["reasoning_content"] = text
@@ -369,11 +424,21 @@ class StreamFormat:
     ``usage`` follows; ``data: [DONE]`` ends the stream.
     """
 
-    __slots__ = ("_head", "chat", "mode", "tool_name", "digest")
+    __slots__ = ("_head", "chat", "mode", "tool_name", "digest", "finish_reason")
 
     def __init__(
-        self, *, response_id: str, created: int, model: str, chat: bool, mode: str, tool_name: str | None, digest: str
+        self,
+        *,
+        response_id: str,
+        created: int,
+        model: str,
+        chat: bool,
+        mode: str,
+        tool_name: str | None,
+        digest: str,
+        finish_reason: str = "length",
     ) -> None:
+        self.finish_reason = finish_reason
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = orjson.dumps({"id": response_id, "object": kind, "created": created, "model": model})
         # Every chunk shares the envelope; only ``choices``/``usage`` differ.
@@ -389,7 +454,8 @@ class StreamFormat:
         last = len(tokens) - 1
         if not self.chat:
             for i, token in enumerate(tokens):
-                out.append(self._choice({"index": 0, "text": token, "logprobs": None, **_finish(i == last, "length")}))
+                out.append(self._choice({"index": 0, "text": token, "logprobs": None,
+                                         **_finish(i == last, self.finish_reason)}))
         else:
             out.append(self._delta({"role": "assistant", "content": ""}, None))
             if self.mode == "tool":
@@ -406,8 +472,11 @@ class StreamFormat:
             else:
                 key = "reasoning_content" if self.mode == "reasoning" else "content"
                 for i, token in enumerate(tokens):
-                    out.append(self._delta({key: token}, "length" if i == last else None))
+                    out.append(self._delta({key: token}, self.finish_reason if i == last else None))
         if usage is not None:
+            if usage.get("prompt_tokens_details", 0) is None:
+                # vLLM writes stream chunks with exclude_none: no details, no key.
+                usage = {k: v for k, v in usage.items() if v is not None}
             out.append(self._head + b'"choices":[],"usage":' + orjson.dumps(usage) + b"}\n\n")
         out.append(DONE_EVENT)
         return out

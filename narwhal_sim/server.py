@@ -56,10 +56,12 @@ from narwhal_sim.model import (
     generate_tokens,
     owner_key,
 )
+from narwhal_sim.versions import VllmFamily, resolve_version
 from narwhal_sim.protocol import (
     ApiError,
     CompletionJob,
     KvParams,
+    flat_block_ids,
     StreamFormat,
     chat_body,
     completion_body,
@@ -68,12 +70,19 @@ from narwhal_sim.protocol import (
     usage,
 )
 
-__all__ = ["SimConfig", "SimEngine", "KV_PULL_PATH", "ABORT_PATH", "DEFAULT_MODEL"]
+__all__ = ["SimConfig", "SimEngine", "KV_PULL_PATH", "KV_NOTIFY_PATH", "KV_HEARTBEAT_PATH", "ABORT_PATH",
+           "ABORT_REQUESTS_PATH", "DEFAULT_MODEL"]  # fmt: skip
 
-#: The internal route a decode engine pulls KV from (on the prefill engine's listener).
+#: The internal route a decode engine pulls KV from (on the prefill engine's listener; NIXL's READ).
 KV_PULL_PATH = "/kv/pull"
-#: The route that frees the KV of an owner key (``{"request_id": "<remote_request_id>"}``).
+#: The internal route a decode engine tells a prefill engine to free KV it will not read (NIXL's notification).
+KV_NOTIFY_PATH = "/kv/notify"
+#: The internal route a decode engine renews KV leases on (NIXL's heartbeat, lease family).
+KV_HEARTBEAT_PATH = "/kv/heartbeat"
+#: The simulator's own (not vLLM's) route that frees the KV of an owner key, ``--abort-request-route``.
 ABORT_PATH = "/abort_request"
+#: vLLM's ``POST /abort_requests`` (``--tokens-only`` or ``--dev-mode``; external request IDs).
+ABORT_REQUESTS_PATH = "/abort_requests"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 _SSE = b"text/event-stream; charset=utf-8"
@@ -104,6 +113,21 @@ class SimConfig:
     advertise_host: str | None = None
     #: ``tp_size`` reported in ``kv_transfer_params``.
     tp_size: int = 1
+    #: The vLLM version family modelled (docs/simulator.md, "vLLM versions"): a family name
+    #: (``0.9``, ``0.11``, ``0.14``, ``0.18``, ``lease``) or a release like ``0.14.1``; ``None``: ``lease``.
+    vllm_version: str | None = None
+    #: ``usage.prompt_tokens_details`` is filled (vLLM's ``--enable-prompt-tokens-details``); else ``null``.
+    enable_prompt_tokens_details: bool = False
+    #: vLLM's ``--tokens-only``: ``POST /abort_requests`` (fire and forget), where the family has it.
+    tokens_only: bool = False
+    #: vLLM's dev mode (``VLLM_SERVER_DEV_MODE=1``): ``POST /abort_requests`` answering ``{"status", "aborted"}``.
+    dev_mode: bool = False
+    #: Serve the simulator's own ``POST /abort_request`` (no vLLM has it; SGLang has a route of that name).
+    abort_request_route: bool = False
+    #: A decode request whose ``kv_transfer_params`` lack a field the connector reads: ``reject`` (400),
+    #: ``recompute`` (warn and recompute, what the connector's validity check does) or ``crash`` (the
+    #: engine dies: 500 on every later completion, as CVE-2026-94622 describes).
+    incomplete_kv_params: str = "reject"
     #: Tokens per KV block.
     block_size: int = 16
     #: KV blocks of the engine (28,000 x 16 tokens ~ an H100 80 GB serving Llama-3.1-8B).
@@ -116,8 +140,9 @@ class SimConfig:
     chunked_prefill: bool = True
     #: Longest prompt plus output, in tokens.
     max_model_len: int = 131_072
-    #: Seconds a prefill engine holds unpulled KV before freeing it as *expired* (wall clock).
-    kv_lease_s: float = 30.0
+    #: Seconds a prefill engine holds unpulled KV before freeing it as *expired* (wall clock);
+    #: ``None``: the version family's (120 s, 480 s, or the 30 s lease).
+    kv_lease_s: float | None = None
     #: Whether prompts hit the prefix cache (full blocks kept in the KV pool until evicted).
     prefix_caching: bool = True
     #: Step time: ``step_base_ms + prefill tokens × prefill_per_token_ms + decoding sequences ×
@@ -176,7 +201,10 @@ class SimConfig:
                 raise ValueError(f"{name} must be tcp://HOST:PORT, got {value!r}")
         if self.kv_pull_grace_ms is not None and self.kv_pull_grace_ms < 0:
             raise ValueError("kv_pull_grace_ms must be >= 0")
-        if self.kv_lease_s <= 0 or self.kv_pull_timeout_s <= 0:
+        resolve_version(self.vllm_version)  # ValueError naming the accepted forms
+        if self.incomplete_kv_params not in ("reject", "recompute", "crash"):
+            raise ValueError("incomplete_kv_params must be reject, recompute or crash")
+        if (self.kv_lease_s is not None and self.kv_lease_s <= 0) or self.kv_pull_timeout_s <= 0:
             raise ValueError("kv_lease_s and kv_pull_timeout_s must be > 0")
         if self.kv_load_failure not in ("recompute", "fail"):
             raise ValueError("kv_load_failure must be recompute or fail")
@@ -255,13 +283,18 @@ class _Record:
 
 
 class _DecodeKv:
-    """A decode leg's claim on remote KV: ``pending`` until pulled, released or failed."""
+    """A decode leg's claim on remote KV: ``pending`` until pulled, released or failed.
 
-    __slots__ = ("params", "phase")
+    ``notify_id`` is the request ID the decode engine names when it tells the prefill engine
+    to free the blocks: its own (connector 1) or ``remote_request_id`` (connector 2).
+    """
 
-    def __init__(self, params: KvParams) -> None:
+    __slots__ = ("params", "phase", "notify_id")
+
+    def __init__(self, params: KvParams, notify_id: str | None) -> None:
         self.params = params
         self.phase = "pending"
+        self.notify_id = notify_id
 
 
 class _ClientGone(Exception):
@@ -272,7 +305,7 @@ _COUNTERS = (
     "requests", "completions", "completions_ok", "errors", "client_gone", "auth_failures", "bad_requests",
     "prompt_tokens", "generation_tokens", "cached_tokens", "recomputed",
     "kv_pulls", "kv_pull_failures", "kv_prompt_mismatch", "kv_releases_sent", "kv_release_failures",
-    "kv_params_invalid",
+    "kv_params_invalid", "kv_notifs_unrecognized", "kv_heartbeats", "aborted",
     "faults_error", "faults_drop", "faults_delay", "faults_stall", "faults_drop_after_chunks",
     "faults_omit_kv_params", "faults_malformed_json", "faults_unhealthy",
 )  # fmt: skip
@@ -288,6 +321,12 @@ class SimEngine:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.engine_id = config.engine_id or f"sim-{config.role}-{uuid.uuid4().hex[:12]}"
+        family, self.vllm_version = resolve_version(config.vllm_version)
+        self.family: VllmFamily = family
+        self._flat_errors = not family.nested_errors
+        self._dead = False
+        #: External request ID (``cmpl-<X-Request-Id>-0``) -> engine request ID, of live requests.
+        self._external: dict[str, str] = {}
         self.step_config = config.step_config
         #: The pure engine core; at speed > 0 it steps in real time (one step per token), at
         #: speed 0 instantly (runs of identical decode steps coalesced).
@@ -298,7 +337,7 @@ class SimEngine:
             Tokenizer(config.tokenizer, chat_template=config.chat_template) if config.tokenizer else None
         )
         self.publisher: KvEventPublisher | None = None
-        self.ledger = KvLedger(config.kv_lease_s)
+        self.ledger = KvLedger(config.kv_lease_s if config.kv_lease_s is not None else family.hold_s)
         self._flows: dict[str, _Flow] = {}
         self._core_t0 = time.monotonic()
         self._step_timer: asyncio.TimerHandle | None = None
@@ -328,7 +367,8 @@ class SimEngine:
         self.host = config.host
         self.port = config.port
         self.url = ""
-        self.advertise_host = config.advertise_host or config.host
+        # vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST defaults to "localhost" (docs/simulator.md, "vLLM versions").
+        self.advertise_host = config.advertise_host or "localhost"
         self.started_at = int(time.time())
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/completions": {"POST": self._completions},
@@ -339,9 +379,15 @@ class SimEngine:
             "/tokenize": {"POST": self._tokenize},
             "/detokenize": {"POST": self._detokenize},
             "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
-            ABORT_PATH: {"POST": self._abort_request},
+            "/version": {"GET": self._version},
             KV_PULL_PATH: {"POST": self._kv_pull},
+            KV_NOTIFY_PATH: {"POST": self._kv_notify},
+            KV_HEARTBEAT_PATH: {"POST": self._kv_heartbeat},
         }
+        if config.abort_request_route:
+            self._routes[ABORT_PATH] = {"POST": self._abort_request}
+        if (config.tokens_only or config.dev_mode) and family.abort_requests_route:
+            self._routes[ABORT_REQUESTS_PATH] = {"POST": self._abort_requests}
         self._control: dict[str, dict[str, Handler]] = {
             "/sim/stats": {"GET": self._sim_stats},
             "/sim/requests": {"GET": self._sim_requests},
@@ -362,8 +408,6 @@ class SimEngine:
                 self._log_file = open(self.config.log, "ab")  # noqa: SIM115 - closed in close()
                 self._log_stream = self._log_file
         self.host, self.port = self._http.bind(self.config.host, self.config.port)
-        if self.config.advertise_host is None and self.host in ("0.0.0.0", "::"):
-            self.advertise_host = "127.0.0.1"
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
         config = self.config
@@ -404,6 +448,9 @@ class SimEngine:
         out: dict[str, Any] = {
             "role": self.config.role,
             "engine_id": self.engine_id,
+            "vllm_version": self.vllm_version,
+            "vllm_family": self.family.name,
+            "kv_lease_s": self.ledger.lease_s,
             "model": self.config.model,
             "url": self.url,
             "speed": self.config.speed,
@@ -467,15 +514,15 @@ class SimEngine:
         record = self._record(request)
         if self._auth is not None and not self._authorized(request):
             self.counters["auth_failures"] += 1
-            self._answer(conn, request, 401, error_body(401, "Unauthorized"), outcome="unauthorized")
+            self._answer(conn, request, 401, self._error_body(401, "Unauthorized"), outcome="unauthorized")
             return None
         methods = self._routes.get(path)
         if methods is None:
-            self._answer(conn, request, 404, error_body(404, f"Not Found: {path}"), outcome="error")
+            self._answer(conn, request, 404, self._error_body(404, f"Not Found: {path}"), outcome="error")
             return None
         handler = methods.get(request.method)
         if handler is None:
-            self._answer(conn, request, 405, error_body(405, "Method Not Allowed"), outcome="error")
+            self._answer(conn, request, 405, self._error_body(405, "Method Not Allowed"), outcome="error")
             return None
         return handler(conn, request)
 
@@ -492,12 +539,18 @@ class SimEngine:
         except (orjson.JSONDecodeError, ApiError):
             params = None
         if params is not None and params.mode == "decode" and self.config.role != "prefill":
-            self._release_remote(_DecodeKv(params), record)
+            # Never reached the engine: before the lease family nothing tells the prefill engine.
+            if self.family.notify_on_rejection:
+                self._release_remote(_DecodeKv(params, params.remote_request_id), record)
         self._finish(record)
 
     def bad_request(self) -> None:
         """A connection sent something unparsable or too slow."""
         self.counters["bad_requests"] += 1
+
+    def _error_body(self, status: int, message: str, *, param: str | None = None) -> bytes:
+        """An error body in the shape of the modelled vLLM version (flat before 0.10.1)."""
+        return error_body(status, message, param=param, flat=self._flat_errors)
 
     def _authorized(self, request: HttpRequest) -> bool:
         given = request.authorization
@@ -567,7 +620,7 @@ class SimEngine:
     def _health(self, conn: ServerConnection, request: HttpRequest) -> None:
         if self.faults.unhealthy:
             self.counters["faults_unhealthy"] += 1
-            self._answer(conn, request, 503, error_body(503, "engine unhealthy (injected)"))
+            self._answer(conn, request, 503, self._error_body(503, "engine unhealthy (injected)"))
         else:
             self._answer(conn, request, 200, b"", content_type=None)
 
@@ -622,10 +675,10 @@ class SimEngine:
                 else:
                     ids = list(Prompt(text=prompt).ids()) if prompt else []
         except PromptError as exc:
-            self._answer(conn, request, 400, error_body(400, str(exc), param=exc.param))
+            self._answer(conn, request, 400, self._error_body(400, str(exc), param=exc.param))
             return
         except ApiError as exc:
-            self._answer(conn, request, exc.status, exc.body())
+            self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
             return
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                                   "token_strs": None}  # fmt: skip
@@ -653,7 +706,7 @@ class SimEngine:
             else:
                 text = pseudo_token_text(ids)
         except ApiError as exc:
-            self._answer(conn, request, exc.status, exc.body())
+            self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
             return
         self._answer(conn, request, 200, orjson.dumps({"prompt": text}))
 
@@ -721,7 +774,7 @@ class SimEngine:
             if not isinstance(owner, str):
                 raise ApiError(400, "request_id must be a string", param="request_id")
         except ApiError as exc:
-            self._answer(conn, request, exc.status, exc.body())
+            self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
             return
         # Unknown owners answer 200 and free nothing: releases are idempotent.
         entry = self.ledger.release(owner)
@@ -731,25 +784,42 @@ class SimEngine:
         self._answer(conn, request, 200, orjson.dumps(answer))
 
     def _kv_pull(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """A decode engine reads held blocks (NIXL's READ) and names the request to free (its notification).
+
+        ``remote_request_id`` (connector 2) finds the entry by owner; without it (connector 1)
+        the blocks are found by their ids. The blocks are freed only when ``notify_id`` names
+        the owner; any other name is an "unrecognized request": the data was read but the
+        blocks stay held until the timeout (docs/simulator.md, "vLLM versions").
+        """
         try:
             data = self._json_body(request)
             owner = data.get("remote_request_id")
-            if not isinstance(owner, str):
+            if owner is not None and not isinstance(owner, str):
                 raise ApiError(400, "remote_request_id must be a string", param="remote_request_id")
             expected = data.get("remote_engine_id")
             if expected is not None and expected != self.engine_id:
                 raise ApiError(409, f"this is engine {self.engine_id}, not {expected}", param="remote_engine_id")
-            entry = self.ledger.get(owner)
-            if entry is None:
-                raise ApiError(404, f"no KV held for {owner} (never held, or pulled, released or expired)")
-            block_ids = data.get("remote_block_ids")
-            if block_ids is not None and block_ids != entry.block_ids:
-                raise ApiError(409, f"remote_block_ids do not match the blocks held for {owner}")
+            block_ids = flat_block_ids(data.get("remote_block_ids"))
+            if owner is None:
+                entry = self.ledger.find_blocks(block_ids)
+                if entry is None:
+                    raise ApiError(404, "no KV held in blocks " + str(block_ids[:8]))
+                owner = entry.owner
+            else:
+                entry = self.ledger.get(owner)
+                if entry is None:
+                    raise ApiError(404, f"no KV held for {owner} (never held, or pulled, released or expired)")
+                if data.get("remote_block_ids") is not None and block_ids != entry.block_ids:
+                    raise ApiError(409, f"remote_block_ids do not match the blocks held for {owner}")
         except ApiError as exc:
-            self._answer(conn, request, exc.status, exc.body())
+            self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
             return
-        self.ledger.pull(owner)
-        self._kv_ended(entry)
+        notify_id = data.get("notify_id", owner)
+        if notify_id == owner:
+            self.ledger.pull(owner)
+            self._kv_ended(entry)
+        else:
+            self._unrecognized(notify_id, entry)
         answer = {
             "remote_request_id": owner,
             "num_blocks": len(entry.block_ids),
@@ -771,17 +841,113 @@ class SimEngine:
         record.kv = {"role": "prefill", "owner": owner, "blocks": len(entry.block_ids), "outcome": "held"}
         if self._lease_timer is None:
             self._arm_lease_timer()
-        # The NIXL connector's fields, in its order (docs/simulator.md, "Prefill leg").
-        return {
+        # The NIXL connector's fields, in its order, for the modelled version
+        # (docs/simulator.md, "Prefill leg" and "vLLM versions").
+        family = self.family
+        params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": entry.block_ids,
+            "remote_block_ids": [entry.block_ids] if family.block_groups else entry.block_ids,
             "remote_engine_id": self.engine_id,
-            "remote_request_id": owner,
-            "remote_host": self.advertise_host,
-            "remote_port": self.port,
-            "tp_size": self.config.tp_size,
         }
+        if family.connector >= 2:
+            params["remote_request_id"] = owner
+        params["remote_host"] = self.advertise_host
+        params["remote_port"] = self.port
+        params["tp_size"] = self.config.tp_size
+        if family.lease_keys:
+            params["dcp_size"] = 1
+            params["pp_size"] = 1
+            params["remote_num_tokens"] = prompt.num_tokens
+            params["remote_blocks_expiry_time"] = None
+            params["transfer_mode"] = "pull"
+        return params
+
+    def _unrecognized(self, notify_id: Any, entry: KvEntry | None) -> None:
+        """A notification naming no held request: logged and ignored, as vLLM's prefill side does."""
+        self.counters["kv_notifs_unrecognized"] += 1
+        record: _Record | None = entry.tag if entry is not None else None
+        if record is not None and record.kv is not None:
+            record.kv["unrecognized_notify"] = str(notify_id)[:200]
+        self._log({"ts": time.time(), "event": "kv_unrecognized", "engine_id": self.engine_id,
+                   "notify_id": str(notify_id)[:200], "held_owner": entry.owner if entry is not None else None})
+
+    def _kv_notify(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """A decode engine that will not read the blocks tells the prefill engine to free them."""
+        try:
+            data = self._json_body(request)
+            notify_id = data.get("notify_id")
+            if not isinstance(notify_id, str):
+                raise ApiError(400, "notify_id must be a string", param="notify_id")
+        except ApiError as exc:
+            self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
+            return
+        entry = self.ledger.release(notify_id)
+        if entry is not None:
+            self._kv_ended(entry)
+        else:
+            self._unrecognized(notify_id, self.ledger.find_blocks(flat_block_ids(data.get("remote_block_ids"))))
+        self._answer(conn, request, 200, orjson.dumps({"freed": entry is not None}))
+
+    def _kv_heartbeat(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """Renew the leases a decode engine names (lease family); expired entries stay gone."""
+        try:
+            ids = self._json_body(request).get("remote_request_ids")
+            if not isinstance(ids, list):
+                raise ApiError(400, "remote_request_ids must be an array", param="remote_request_ids")
+        except ApiError as exc:
+            self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
+            return
+        now = self.loop.time()
+        renewed = sum(1 for owner in ids if isinstance(owner, str) and self.ledger.renew(owner, now))
+        if renewed and self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+            self._arm_lease_timer()
+        self._answer(conn, request, 200, orjson.dumps({"renewed": renewed}))
+
+    def _abort_requests(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """vLLM's ``POST /abort_requests``: abort live requests by their external IDs.
+
+        It aborts requests the engine is still working on; a finished prefill's held
+        blocks are not a live request, so they stay held (docs/simulator.md). With
+        ``--tokens-only``: 200 with an empty body, whatever happened; in dev mode
+        ``{"status": "aborted", "aborted": N}``, and an empty list aborts everything.
+        """
+        try:
+            data = self._json_body(request)
+        except ApiError as exc:
+            self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
+            return
+        ids = data.get("request_ids")
+        if self.config.dev_mode and not self.config.tokens_only:
+            targets = list(self._external) if not ids else [i for i in ids if isinstance(i, str)]
+        else:
+            if ids is None:
+                self._answer(conn, request, 400, self._error_body(400, "Missing 'request_ids' in request body"))
+                return
+            targets = [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
+        aborted = 0
+        now = self._core_now()
+        for external in targets:
+            core_id = self._external.get(external)
+            flow = self._flows.get(core_id) if core_id is not None else None
+            if core_id is None or flow is None:
+                continue
+            if self.core.abort(core_id, now=now):
+                flow.block_ids = []
+            flow.abort()
+            aborted += 1
+        self.counters["aborted"] += aborted
+        if aborted:
+            self._pump()
+        if self.config.dev_mode and not self.config.tokens_only:
+            self._answer(conn, request, 200, orjson.dumps({"status": "aborted", "aborted": aborted}))
+        else:
+            self._answer(conn, request, 200, b"", content_type=None)
+
+    def _version(self, conn: ServerConnection, request: HttpRequest) -> None:
+        self._answer(conn, request, 200, orjson.dumps({"version": self.vllm_version}))
 
     def _kv_ended(self, entry: KvEntry) -> None:
         self.core.free_held(entry.owner, now=self._core_now())
@@ -832,13 +998,67 @@ class SimEngine:
                 del memo[next(iter(memo))]
         return hashes
 
-    def _new_owner(self, request_id: str) -> str:
-        """A fresh KV owner key (``remote_request_id``) for a prefill leg."""
+    def _engine_request_id(self, request_id: str, chat: bool) -> tuple[str, str]:
+        """The external and the engine request ID of a completion, as vLLM mangles ``X-Request-Id``.
+
+        External: ``cmpl-<X-Request-Id>-0`` (the prompt's index) or ``chatcmpl-<X-Request-Id>``.
+        Engine: the same, plus ``-<8 hex>`` from the 0.14 family on (deterministic here: from the
+        seed, the ID and a per-engine sequence). The engine ID names the KV (``remote_request_id``).
+        """
+        external = f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}-0"
+        if not self.family.request_id_suffix:
+            if external in self._external or external in self.ledger or self.core.state_of(external) is not None:
+                raise ApiError(400, f"Request id {external} already running.")
+            return external, external
         while True:  # a client reusing a request id may meet a key in use: take the next one
             self._owner_seq += 1
-            owner = owner_key(self.config.seed, request_id, self._owner_seq)
+            owner = owner_key(self.config.seed, external, self._owner_seq)
             if owner not in self.ledger and self.core.state_of(owner) is None:
-                return owner
+                return external, owner
+
+    def _incomplete_params(self, params: KvParams) -> None:
+        """A decode request whose params lack a field the connector reads (docs/simulator.md)."""
+        setting = self.config.incomplete_kv_params
+        if setting == "recompute":
+            return  # counted with the plain request it becomes
+        self.counters["kv_params_invalid"] += 1
+        message = f"kv_transfer_params.{params.missing} is missing or not usable"
+        if setting == "crash":
+            # vLLM through 0.29.0 dies on a KeyError in the scheduler (CVE-2026-94622).
+            self._dead = True
+            raise ApiError(500, f"EngineCore encountered an issue: KeyError: {params.missing!r}")
+        raise ApiError(400, message, param="kv_transfer_params")
+
+    def _rejected_before_admission(self, body: bytes, record: _Record) -> None:
+        """A decode request refused before it reached the engine: only the lease family tells the prefill engine."""
+        if not self.family.notify_on_rejection or self.config.role == "prefill":
+            return
+        try:
+            data = orjson.loads(body)
+            params = KvParams.parse(data.get("kv_transfer_params")) if isinstance(data, dict) else None
+        except (orjson.JSONDecodeError, ApiError):
+            return
+        if params is not None and params.mode == "decode":
+            self._release_remote(_DecodeKv(params, params.remote_request_id), record)
+
+    def _start_heartbeats(self, decode_kv: _DecodeKv) -> None:
+        """Renew the prefill engine's lease while this decode request waits (lease family)."""
+        task = self.loop.create_task(self._heartbeats(decode_kv))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _heartbeats(self, decode_kv: _DecodeKv) -> None:
+        params = decode_kv.params
+        assert params.remote_host is not None and params.remote_port is not None
+        period = self.ledger.lease_s / 6.0  # vLLM: kv_lease_duration // 6
+        body = orjson.dumps({"remote_request_ids": [params.remote_request_id]})
+        while decode_kv.phase == "pending":
+            try:
+                await self.client.post(params.remote_host, params.remote_port, KV_HEARTBEAT_PATH, body)
+                self.counters["kv_heartbeats"] += 1
+            except (OSError, TimeoutError, ConnectionError):
+                pass
+            await asyncio.sleep(period)
 
     # ------------------------------------------------------------------ driving the engine core
 
@@ -934,7 +1154,16 @@ class SimEngine:
         flow: _Flow | None = None
         decode_kv: _DecodeKv | None = None
         done = False
+        admitted = False
+        external: str | None = None
+        finish_reason = "length"
         try:
+            if self._dead:
+                counters["errors"] += 1
+                self._answer(conn, request, 500, self._error_body(
+                    500, "EngineCore encountered an issue. See stack trace (above) for the root cause."))
+                done = True
+                return
             try:
                 job = parse_completion(
                     request.body,
@@ -942,11 +1171,15 @@ class SimEngine:
                     served_model=self.config.model,
                     max_model_len=self.config.max_model_len,
                     tokenizer=self.tokenizer,
+                    require_request_id=self.family.connector >= 2,
                 )
                 self._check_role(job)
+                if job.kv is not None and job.kv.mode == "invalid":
+                    self._incomplete_params(job.kv)
             except ApiError as exc:
                 counters["errors"] += 1
-                self._answer(conn, request, exc.status, exc.body())
+                self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
+                self._rejected_before_admission(request.body, record)
                 done = True
                 return
             if plan.drop:
@@ -962,7 +1195,7 @@ class SimEngine:
                 counters["faults_error"] += 1
                 counters["errors"] += 1
                 status = plan.error_status
-                self._answer(conn, request, status, error_body(status, "injected fault"), outcome="fault_error")
+                self._answer(conn, request, status, self._error_body(status, "injected fault"), outcome="fault_error")
                 done = True
                 return
 
@@ -971,6 +1204,9 @@ class SimEngine:
             prompt = job.prompt
             prompt_tokens = prompt.num_tokens
             out_tokens = 1 if mode == "prefill" else job.max_tokens
+            if plan.eos and job.min_tokens < 1:
+                # The first sampled token is the end of sequence (FINISHED_STOPPED).
+                out_tokens, finish_reason = 1, "stop"
             step = self.step_config
             needed = step.blocks_for(prompt_tokens if mode == "prefill" else prompt_tokens + out_tokens)
             if needed > step.num_gpu_blocks:
@@ -978,23 +1214,29 @@ class SimEngine:
             if not step.chunked_prefill and prompt_tokens > step.max_num_batched_tokens and mode != "decode":
                 raise ApiError(400, f"the prompt has {prompt_tokens} tokens, more than max_num_batched_tokens "
                                     f"({step.max_num_batched_tokens}) with chunked prefill off")  # fmt: skip
+            external, engine_rid = self._engine_request_id(request_id, chat)
             if mode == "decode":
                 assert kv is not None
                 # From here on, a request that ends before its pull releases the
-                # prefill engine's KV, as vLLM's NIXL connector does.
-                decode_kv = _DecodeKv(kv)
+                # prefill engine's KV, as vLLM's NIXL connector does -- naming its own
+                # request ID with connector 1, remote_request_id with connector 2.
+                decode_kv = _DecodeKv(kv, engine_rid if self.family.connector == 1 else kv.remote_request_id)
                 record.kv = {"role": "decode", "owner": kv.remote_request_id, "outcome": "pending"}
+                if self.family.lease_renewal and kv.tp_size is not None:
+                    self._start_heartbeats(decode_kv)
             elif mode == "invalid":
                 counters["kv_params_invalid"] += 1
+            core_id = engine_rid
             if mode == "prefill":
-                kind, core_id = PREFILL_REMOTE, self._new_owner(request_id)
+                kind = PREFILL_REMOTE
             else:
-                self._internal_seq += 1
-                kind, core_id = (DECODE_REMOTE if decode_kv is not None else PLAIN), f"req-{self._internal_seq}"
+                kind = DECODE_REMOTE if decode_kv is not None else PLAIN
             if kind == PLAIN and (self.config.role == "decode" or mode == "invalid"):
                 counters["recomputed"] += 1
             flow = _Flow(kind, prompt_tokens)
             self._flows[core_id] = flow
+            self._external[external] = core_id
+            admitted = True
             events_on = self.publisher is not None
             engine_request = EngineRequest(
                 request_id=core_id,
@@ -1014,6 +1256,7 @@ class SimEngine:
 
             if decode_kv is not None:
                 await flow.wait_for(lambda: flow.started)
+                flow.check_aborted(external)
                 cached = await self._load_kv(conn, job, decode_kv, record)
                 if cached is None and self.config.kv_load_failure == "fail":
                     raise ApiError(500, "KV transfer from the prefill engine failed")
@@ -1028,6 +1271,7 @@ class SimEngine:
                 self._pump()
             if flow.generated < 1:
                 await flow.wait_for(lambda: flow.generated >= 1)
+                flow.check_aborted(external)
             if conn.closed:
                 raise _ClientGone
 
@@ -1037,32 +1281,47 @@ class SimEngine:
             if mode == "prefill":
                 if not flow.finished:
                     await flow.wait_for(lambda: flow.finished)
+                    flow.check_aborted(external)
                 if plan.omit_kv_params:
                     # Like an engine without the KV connector: no params, nothing held.
                     counters["faults_omit_kv_params"] += 1
                     self.core.free_held(core_id, now=self._core_now())
                     self._pump()
+                elif finish_reason == "stop" and self.family.null_params_on_stop:
+                    # Connectors before the lease hold KV only for FINISHED_LENGTH_CAPPED:
+                    # a prefill that stopped frees its blocks and hands off nothing.
+                    self.core.free_held(core_id, now=self._core_now())
+                    self._pump()
+                    record.kv = {"role": "prefill", "owner": None, "blocks": 0, "outcome": "none",
+                                 "reason": "finished_stopped"}  # fmt: skip
                 else:
                     kv_params = self._hold(core_id, flow.block_ids, prompt, record)
                 flow.block_ids = []
-            answer_usage = usage(prompt_tokens, out_tokens, flow.cached)
+            answer_usage = usage(prompt_tokens, out_tokens, flow.cached,
+                                 details=self.config.enable_prompt_tokens_details)  # fmt: skip
             response_id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
             chat_mode = "tool" if job.tool_name else ("reasoning" if faults.reasoning_only else "text")
             if job.stream:
-                await self._stream(conn, request, job, plan, flow, tokens, answer_usage, response_id, chat_mode)
+                await self._stream(conn, request, job, plan, flow, tokens, answer_usage, response_id, chat_mode,
+                                   finish_reason)  # fmt: skip
             else:
                 if not flow.finished:
                     await flow.wait_for(lambda: flow.finished)
-                body = self._whole_body(job, response_id, tokens, chat_mode, answer_usage, kv_params)
+                    flow.check_aborted(external)
+                body = self._whole_body(job, response_id, tokens, chat_mode, answer_usage, kv_params, finish_reason)
                 await self._send_whole(conn, request, plan, body)
             done = True
         except ApiError as exc:
             counters["errors"] += 1
-            self._answer(conn, request, exc.status, exc.body())
+            self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
+            if decode_kv is None:
+                self._rejected_before_admission(request.body, record)
             done = True
         except _ClientGone:
             pass
         finally:
+            if admitted and external is not None:
+                self._external.pop(external, None)
             if core_id is not None:
                 self._flows.pop(core_id, None)
                 now = self._core_now()
@@ -1086,6 +1345,7 @@ class SimEngine:
         chat_mode: str,
         answer_usage: dict[str, Any],
         kv_params: dict[str, Any] | None,
+        finish_reason: str = "length",
     ) -> bytes:
         if job.chat:
             body = chat_body(
@@ -1098,6 +1358,7 @@ class SimEngine:
                 digest=job.prompt.digest,
                 usage=answer_usage,
                 kv_transfer_params=kv_params,
+                finish_reason=finish_reason if chat_mode != "tool" else "tool_calls",
             )
         else:
             body = completion_body(
@@ -1107,6 +1368,7 @@ class SimEngine:
                 text="".join(tokens),
                 usage=answer_usage,
                 kv_transfer_params=kv_params,
+                finish_reason=finish_reason,
             )
         return orjson.dumps(body)
 
@@ -1142,9 +1404,11 @@ class SimEngine:
         answer_usage: dict[str, Any],
         response_id: str,
         chat_mode: str,
+        finish_reason: str = "length",
     ) -> None:
         record: _Record = request.tag
         fmt = StreamFormat(
+            finish_reason=finish_reason if chat_mode != "tool" else "tool_calls",
             response_id=response_id,
             created=int(time.time()),
             model=self.config.model,
@@ -1178,6 +1442,9 @@ class SimEngine:
             while sent < total and upto < limit:
                 if flow.generated <= sent:
                     await flow.wait_for(lambda: flow.generated > sent)
+                if flow.aborted:
+                    limit = upto  # vLLM ends an aborted stream where it stands
+                    break
                 if conn.closed:
                     raise _ClientGone
                 n = min(flow.generated, total) - sent
@@ -1219,7 +1486,7 @@ class SimEngine:
         if speed > 0:
             # The load takes the transfer time (the first token then takes one engine
             # step); a client leaving meanwhile cancels us (and releases).
-            blocks = len(params.remote_block_ids or ())
+            blocks = len(params.flat_block_ids)
             await asyncio.sleep(self.step_config.transfer_s(blocks) / speed)
         if conn.closed:
             raise _ClientGone
@@ -1233,9 +1500,11 @@ class SimEngine:
         assert params.remote_host is not None and params.remote_port is not None
         body = orjson.dumps(
             {
-                "remote_request_id": params.remote_request_id,
+                # Connector 1 reads by block ids and names no remote request.
+                "remote_request_id": params.remote_request_id if self.family.connector >= 2 else None,
                 "remote_engine_id": params.remote_engine_id,
                 "remote_block_ids": params.remote_block_ids,
+                "notify_id": decode_kv.notify_id,
                 "requester_engine_id": self.engine_id,
             }
         )
@@ -1269,15 +1538,16 @@ class SimEngine:
         if record.kv is None:
             record.kv = {"role": "decode", "owner": decode_kv.params.remote_request_id}
         record.kv["outcome"] = "released"
-        task = self.loop.create_task(self._send_release(decode_kv.params))
+        task = self.loop.create_task(self._send_release(decode_kv))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _send_release(self, params: KvParams) -> None:
+    async def _send_release(self, decode_kv: _DecodeKv) -> None:
+        params = decode_kv.params
         assert params.remote_host is not None and params.remote_port is not None
-        body = orjson.dumps({"request_id": params.remote_request_id})
+        body = orjson.dumps({"notify_id": decode_kv.notify_id, "remote_block_ids": params.remote_block_ids})
         try:
-            status, _ = await self.client.post(params.remote_host, params.remote_port, ABORT_PATH, body)
+            status, _ = await self.client.post(params.remote_host, params.remote_port, KV_NOTIFY_PATH, body)
         except (OSError, TimeoutError, ConnectionError):
             status = 0
         if status != 200:
@@ -1311,7 +1581,8 @@ class SimEngine:
 class _Flow:
     """A completion's view of its request in the engine core, updated by :meth:`SimEngine._dispatch`."""
 
-    __slots__ = ("kind", "prompt_tokens", "started", "generated", "finished", "cached", "block_ids", "waiter")
+    __slots__ = ("kind", "prompt_tokens", "started", "generated", "finished", "cached", "block_ids", "waiter",
+                 "aborted")  # fmt: skip
 
     def __init__(self, kind: str, prompt_tokens: int) -> None:
         self.kind = kind
@@ -1322,10 +1593,24 @@ class _Flow:
         self.cached = 0
         self.block_ids: list[int] = []
         self.waiter: asyncio.Future[None] | None = None
+        #: ``POST /abort_requests`` named it (docs/simulator.md, "vLLM versions").
+        self.aborted = False
+
+    def abort(self) -> None:
+        """Mark aborted and wake the waiting handler."""
+        self.aborted = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def check_aborted(self, external: str | None) -> None:
+        """500 for the client of an aborted request (vLLM ends it with ``finish_reason`` ``abort``)."""
+        if self.aborted:
+            raise ApiError(500, f"Request {external} was aborted")
 
     async def wait_for(self, condition: Callable[[], bool]) -> None:
-        """Wait until ``condition()`` holds (checked after each output for this request)."""
-        while not condition():
+        """Wait until ``condition()`` holds (checked after each output for this request) or it is aborted."""
+        while not condition() and not self.aborted:
             waiter = asyncio.get_running_loop().create_future()
             self.waiter = waiter
             await waiter

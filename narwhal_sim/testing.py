@@ -45,6 +45,13 @@ T = TypeVar("T")
 #: Pass ``kv_pull_grace_ms=0`` when no test needs that.
 TEST_PULL_GRACE_MS = 20.0
 
+#: Settings the test helpers use unless told otherwise (``narwhal sim`` defaults to vLLM's):
+#: usage carries ``prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``), and the
+#: simulator's own ``POST /abort_request`` is served, for tests of Narwhal's ``abort_endpoint`` release.
+#: The helpers also advertise their listen host as ``remote_host`` (the command line: ``localhost``,
+#: vLLM's default), so every engine-to-engine request names the address the test configured.
+TEST_DEFAULTS: dict[str, Any] = {"enable_prompt_tokens_details": True, "abort_request_route": True}
+
 #: Environment variable SimProcess uses to hand ``api_key`` to the child.
 API_KEY_ENV = "NARWHAL_SIM_API_KEY"
 
@@ -77,11 +84,11 @@ def _wait_for(
 class SimThread:
     """A simulated engine on a background thread's asyncio loop.
 
-    ``SimThread(role="prefill", speed=50, api_key=None, lease_s=30, seed=0, **options)``
+    ``SimThread(role="prefill", speed=50, api_key=None, lease_s=None, seed=0, **options)``
     where ``options`` are further :class:`~narwhal_sim.server.SimConfig`
     fields (``max_num_seqs=4``, ``faults={"error_rate": 1.0}``, ``log="-"``...).
     At speed > 0 ``kv_pull_grace_ms`` defaults to :data:`TEST_PULL_GRACE_MS`
-    (20 ms; the command line's default is 2 ms). Starts in ``__enter__`` (or :meth:`start`), stops in ``__exit__``.
+    (20 ms; the command line's default is 2 ms), and :data:`TEST_DEFAULTS` apply; ``lease_s=None`` is the version family's hold. Starts in ``__enter__`` (or :meth:`start`), stops in ``__exit__``.
     """
 
     def __init__(
@@ -90,7 +97,7 @@ class SimThread:
         *,
         speed: float = 1.0,
         api_key: str | None = None,
-        lease_s: float = 30.0,
+        lease_s: float | None = None,
         seed: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -100,6 +107,9 @@ class SimThread:
         faults = options.pop("faults", None)
         if faults is not None:
             options["faults"] = _as_faults(faults, {})
+        for name, value in TEST_DEFAULTS.items():
+            options.setdefault(name, value)
+        options.setdefault("advertise_host", "127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         if speed > 0:
             options.setdefault("kv_pull_grace_ms", TEST_PULL_GRACE_MS)
         self.config = SimConfig(
@@ -239,7 +249,7 @@ class SimThread:
 class SimProcess:
     """``python -m narwhal_sim`` as a subprocess, with the accessors of :class:`SimThread` over HTTP.
 
-    ``SimProcess(role="decode", speed=50, api_key=None, lease_s=30, seed=0, **options)``
+    ``SimProcess(role="decode", speed=50, api_key=None, lease_s=None, seed=0, **options)``
     where ``options`` map to flags (``max_num_seqs=4`` → ``--max-num-seqs 4``,
     ``faults={...}`` → fault flags, ``prefix_caching=False`` → ``--no-prefix-caching``,
     ``chunked_prefill=False`` → ``--no-chunked-prefill``);
@@ -253,7 +263,7 @@ class SimProcess:
         *,
         speed: float = 1.0,
         api_key: str | None = None,
-        lease_s: float = 30.0,
+        lease_s: float | None = None,
         seed: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -267,13 +277,18 @@ class SimProcess:
         self.port = port
         self._api_key = api_key
         self._env = dict(env) if env is not None else None
-        args = ["--role", role, "--speed", repr(speed), "--kv-lease-s", repr(lease_s), "--seed", str(seed)]
+        args = ["--role", role, "--speed", repr(speed), "--seed", str(seed)]
+        if lease_s is not None:
+            args += ["--kv-lease-s", repr(lease_s)]
         args += ["--log", log]
         if api_key is not None:
             args += ["--api-key-env", API_KEY_ENV]
         faults = options.pop("faults", None)
         if faults is not None:
             options.update(_as_faults(faults, {}).to_json())
+        for name, value in TEST_DEFAULTS.items():
+            options.setdefault(name, value)
+        options.setdefault("advertise_host", "127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         if speed > 0:
             options.setdefault("kv_pull_grace_ms", TEST_PULL_GRACE_MS)
         for name, value in options.items():

@@ -61,7 +61,7 @@ def test_pd_exchange_sends_the_key(client: httpx.Client) -> None:
         sock.sendall(json_request("/v1/completions", {"prompt": PROMPT, "kv_transfer_params": kv}, GOOD))
         sock.close()
         assert p.wait_for(lambda s: s["kv_released"] == 1)["kv_held"] == 0
-        (abort,) = p.requests("/abort_request")
+        (abort,) = p.requests("/kv/notify")
         assert abort["status"] == 200
 
 

@@ -50,13 +50,19 @@ def test_prefill_answers_kv_transfer_params(client: httpx.Client, pair: tuple[Si
         "remote_host",
         "remote_port",
         "tp_size",
-    ]
+        "dcp_size",
+        "pp_size",
+        "remote_num_tokens",
+        "remote_blocks_expiry_time",
+        "transfer_mode",
+    ]  # the default family: current vLLM (docs/simulator.md, "vLLM versions")
     assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
     assert kv["remote_engine_id"] == p.engine_id
-    assert re.fullmatch(r"abc-p1-[0-9a-f]{8}", kv["remote_request_id"])
-    assert kv["remote_host"] == "127.0.0.1" and kv["remote_port"] == p.port
-    assert kv["tp_size"] == 1
-    assert len(kv["remote_block_ids"]) == 4  # 50 prompt tokens in 16-token blocks
+    assert re.fullmatch(r"cmpl-abc-p1-0-[0-9a-f]{8}", kv["remote_request_id"])
+    assert kv["remote_host"] == "127.0.0.1" and kv["remote_port"] == p.port  # SimThread advertises its listen host
+    assert kv["tp_size"] == 1 and kv["dcp_size"] == 1 and kv["pp_size"] == 1
+    assert kv["remote_num_tokens"] == 50 and kv["remote_blocks_expiry_time"] is None and kv["transfer_mode"] == "pull"
+    assert len(kv["remote_block_ids"]) == 1 and len(kv["remote_block_ids"][0]) == 4  # one group, 50 tokens / 16
     stats = p.stats()
     assert stats["kv_held"] == 1 and stats["kv_held_blocks"] == 4 and stats["kv_held_total"] == 1
     assert stats["free_blocks"] == stats["total_blocks"] - 4

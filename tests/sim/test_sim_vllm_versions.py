@@ -1,0 +1,349 @@
+"""``narwhal sim --vllm-version``: each rule of docs/simulator.md ("vLLM versions") against every family."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal_sim.cli import build_parser, config_from_args
+from narwhal_sim.testing import SimThread
+from narwhal_sim.versions import DEFAULT_FAMILY, FAMILIES, VllmFamily, family_for, resolve_version
+
+from .helpers import MODEL, PROMPT, connect, json_request, prefill_body
+
+FAMILY_NAMES = list(FAMILIES)
+
+
+@pytest.fixture(params=FAMILY_NAMES)
+def family(request: pytest.FixtureRequest) -> VllmFamily:
+    return FAMILIES[request.param]
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=10.0) as c:
+        yield c
+
+
+def prefill(client: httpx.Client, url: str, rid: str, **extra: Any) -> httpx.Response:
+    answer = client.post(url + "/v1/completions", json=prefill_body(**extra), headers={"X-Request-Id": rid})
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
+def decode_body(kv: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": kv, **extra}
+
+
+# ---------------------------------------------------------------------------- version strings
+
+
+@pytest.mark.parametrize(
+    ("version", "name"),
+    [
+        ("0.9", "0.9"), ("0.9.2", "0.9"), ("0.10.0", "0.9"), ("0.10.1", "0.11"), ("0.11", "0.11"),
+        ("0.13.0", "0.11"), ("0.14.1", "0.14"), ("v0.16.0", "0.14"), ("0.17.1", "0.18"), ("0.18.0rc1", "0.18"),
+        ("0.20.2", "0.18"), ("0.21.0", "lease"), ("0.27.1", "lease"), ("1.0.0", "lease"), ("lease", "lease"),
+    ],
+)  # fmt: skip
+def test_a_release_maps_to_its_family(version: str, name: str) -> None:
+    assert family_for(version).name == name
+
+
+def test_bad_versions_are_refused_with_the_accepted_forms() -> None:
+    for bad in ("latest", "0", "zero.14", ""):
+        with pytest.raises(ValueError, match="family .* or a vLLM release like 0.14.1"):
+            family_for(bad)
+    args = build_parser().parse_args(["--vllm-version", "nope"])
+    with pytest.raises(ValueError, match="--vllm-version"):
+        config_from_args(args)
+
+
+def test_default_is_the_lease_family_and_version_reports_the_string(client: httpx.Client) -> None:
+    assert DEFAULT_FAMILY == "lease" and resolve_version(None)[0].name == "lease"
+    config = config_from_args(build_parser().parse_args(["--vllm-version", "0.14.1"]))
+    assert config.vllm_version == "0.14.1"
+    with SimThread("prefill", speed=0, vllm_version="0.14.1") as p:
+        answer = client.get(p.url + "/version")
+        assert answer.status_code == 200 and answer.json() == {"version": "0.14.1"}
+        assert p.stats()["vllm_family"] == "0.14"
+    with SimThread("prefill", speed=0) as p:
+        assert client.get(p.url + "/version").json() == {"version": FAMILIES["lease"].version}
+
+
+# ---------------------------------------------------------------------------- routes
+
+
+def test_routes_exist_as_in_vllm(client: httpx.Client, family: VllmFamily) -> None:
+    with SimThread("prefill", speed=0, vllm_version=family.name, abort_request_route=False) as p:
+        prefill(client, p.url, "r1")
+        # SGLang's route: never on vLLM.
+        assert client.post(p.url + "/abort_request", json={"rid": "cmpl-r1-0"}).status_code == 404
+        # /abort_requests only with --tokens-only (or dev mode).
+        assert client.post(p.url + "/abort_requests", json={"request_ids": ["cmpl-r1-0"]}).status_code == 404
+        assert p.stats()["kv_held"] == 1
+    with SimThread("prefill", speed=0, vllm_version=family.name, tokens_only=True) as p:
+        kv = prefill(client, p.url, "r2").json()["kv_transfer_params"]
+        answer = client.post(p.url + "/abort_requests", json={"request_ids": ["cmpl-r2-0", kv.get("remote_request_id")]})
+        if not family.abort_requests_route:
+            assert answer.status_code == 404
+            return
+        # Fire and forget: 200, empty body; a finished prefill's held blocks are no live request.
+        assert answer.status_code == 200 and answer.content == b""
+        stats = p.stats()
+        assert (stats["kv_held"], stats["kv_released"], stats["aborted"]) == (1, 0, 0)
+        missing = client.post(p.url + "/abort_requests", json={})
+        assert missing.status_code == 400 and "Missing 'request_ids'" in missing.text
+
+
+def test_abort_requests_aborts_a_live_request_by_its_external_id(client: httpx.Client, family: VllmFamily) -> None:
+    if not family.abort_requests_route:
+        pytest.skip(f"vLLM {family.releases} has no /abort_requests")
+    with SimThread("mixed", speed=1, vllm_version=family.name, dev_mode=True) as e, \
+            httpx.Client(timeout=10.0) as other:  # fmt: skip
+        sock = connect(e.port)
+        sock.sendall(json_request("/v1/completions", {"prompt": PROMPT, "max_tokens": 2000}, {"X-Request-Id": "long"}))
+        e.wait_for(lambda s: s["running"] == 1)
+        answer = other.post(e.url + "/abort_requests", json={"request_ids": ["cmpl-long-0"]})
+        assert answer.status_code == 200 and answer.json() == {"status": "aborted", "aborted": 1}
+        stats = e.wait_for(lambda s: s["running"] == 0 and s["aborted"] == 1)
+        assert stats["free_blocks"] == stats["total_blocks"] - stats["kv_held_blocks"]
+        sock.close()
+
+
+# ---------------------------------------------------------------------------- IDs and params
+
+
+def expected_keys(family: VllmFamily) -> list[str]:
+    keys = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id"]
+    if family.connector >= 2:
+        keys.append("remote_request_id")
+    keys += ["remote_host", "remote_port", "tp_size"]
+    if family.lease_keys:
+        keys += ["dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"]
+    return keys
+
+
+def test_prefill_answer_shape_and_request_ids(client: httpx.Client, family: VllmFamily) -> None:
+    with SimThread("prefill", speed=0, vllm_version=family.name, seed=7) as p, \
+            SimThread("prefill", speed=0, vllm_version=family.name, seed=7) as twin:  # fmt: skip
+        body = prefill(client, p.url, "abc").json()
+        assert body["id"] == "cmpl-abc"  # the response id: no index, no suffix
+        kv = body["kv_transfer_params"]
+        assert list(kv) == expected_keys(family)
+        blocks = kv["remote_block_ids"]
+        if family.block_groups:
+            assert len(blocks) == 1 and len(blocks[0]) == 4  # one list per KV-cache group
+        else:
+            assert len(blocks) == 4 and all(type(b) is int for b in blocks)
+        if family.lease_keys:
+            assert (kv["dcp_size"], kv["pp_size"], kv["remote_num_tokens"]) == (1, 1, 50)
+            assert kv["remote_blocks_expiry_time"] is None and kv["transfer_mode"] == "pull"
+        (record,) = p.requests("/v1/completions")
+        owner = record["kv"]["owner"]
+        if family.request_id_suffix:
+            assert re.fullmatch(r"cmpl-abc-0-[0-9a-f]{8}", owner)
+            # Deterministic from the seed: the same request on a twin engine gets the same suffix.
+            assert prefill(client, twin.url, "abc").json()["kv_transfer_params"]["remote_request_id"] == owner
+        else:
+            assert owner == "cmpl-abc-0"
+        if family.connector >= 2:
+            assert kv["remote_request_id"] == owner
+        chat = client.post(p.url + "/v1/chat/completions", headers={"X-Request-Id": "xyz"}, json={
+            "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1,
+            "kv_transfer_params": prefill_body()["kv_transfer_params"]})  # fmt: skip
+        assert chat.json()["id"] == "chatcmpl-xyz"
+        chat_owner = p.requests("/v1/chat/completions")[0]["kv"]["owner"]
+        pattern = r"chatcmpl-xyz-[0-9a-f]{8}" if family.request_id_suffix else r"chatcmpl-xyz"
+        assert re.fullmatch(pattern, chat_owner)
+
+
+def test_default_remote_host_is_localhost(client: httpx.Client, family: VllmFamily) -> None:
+    with SimThread("prefill", speed=0, vllm_version=family.name, advertise_host=None) as p:
+        assert prefill(client, p.url, "h1").json()["kv_transfer_params"]["remote_host"] == "localhost"
+    with SimThread("prefill", speed=0, vllm_version=family.name, advertise_host="10.0.0.7") as p:
+        assert prefill(client, p.url, "h2").json()["kv_transfer_params"]["remote_host"] == "10.0.0.7"
+    assert config_from_args(build_parser().parse_args([])).advertise_host is None  # the command line: localhost
+
+
+@pytest.mark.parametrize("same_ids", [True, False])
+def test_which_decode_frees_the_prefill_blocks(client: httpx.Client, family: VllmFamily, same_ids: bool) -> None:
+    """Connector 1 frees only when the decode leg's request ID is the prefill's; connector 2 by remote_request_id."""
+    with SimThread("prefill", speed=0, vllm_version=family.name) as p, \
+            SimThread("decode", speed=0, vllm_version=family.name) as d:  # fmt: skip
+        kv = prefill(client, p.url, "same").json()["kv_transfer_params"]
+        rid = "same" if same_ids else "other-d1"
+        answer = client.post(d.url + "/v1/completions", json=decode_body(kv), headers={"X-Request-Id": rid})
+        assert answer.status_code == 200
+        # The data was read either way: the decode counts the prompt as cached.
+        assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 50
+        stats = p.stats()
+        freed = family.connector >= 2 or (same_ids and not family.request_id_suffix)
+        if freed:
+            assert (stats["kv_held"], stats["kv_pulled"], stats["kv_notifs_unrecognized"]) == (0, 1, 0)
+        else:
+            # "unrecognized request": held until the timeout
+            assert (stats["kv_held"], stats["kv_pulled"], stats["kv_notifs_unrecognized"]) == (1, 0, 1)
+            assert stats["kv_lease_s"] == family.hold_s
+
+
+# ---------------------------------------------------------------------------- holds and leases
+
+
+def test_hold_timeout_per_family(client: httpx.Client, family: VllmFamily) -> None:
+    with SimThread("prefill", speed=0, vllm_version=family.name) as p:
+        assert p.stats()["kv_lease_s"] == family.hold_s == {"0.9": 120, "0.11": 480, "0.14": 480, "0.18": 480,
+                                                              "lease": 30}[family.name]  # fmt: skip
+    with SimThread("prefill", speed=0, vllm_version=family.name, lease_s=0.2) as p:
+        prefill(client, p.url, "t1")
+        stats = p.wait_for(lambda s: s["kv_expired"] == 1, timeout=5)
+        assert stats["kv_held"] == 0
+
+
+def occupy_the_slot(d: SimThread) -> Any:
+    d.set_faults(stall_after_chunks=0)
+    blocker = connect(d.port)
+    blocker.sendall(json_request("/v1/completions", {"prompt": "busy"}))
+    d.wait_for(lambda s: s["running"] == 1)
+    d.set_faults()
+    return blocker
+
+
+def test_lease_is_renewed_while_the_decode_request_is_queued(client: httpx.Client, family: VllmFamily) -> None:
+    lease = 0.5
+    with SimThread("prefill", speed=50, vllm_version=family.name, lease_s=lease) as p, \
+            SimThread("decode", speed=50, vllm_version=family.name, lease_s=lease, max_num_seqs=1) as d:  # fmt: skip
+        blocker = occupy_the_slot(d)
+        kv = prefill(client, p.url, "queued").json()["kv_transfer_params"]
+        sock = connect(d.port)
+        sock.sendall(json_request("/v1/completions", decode_body(kv), {"X-Request-Id": "queued"}))
+        d.wait_for(lambda s: s["waiting"] == 1)
+        time.sleep(3 * lease)
+        stats = p.stats()
+        if family.lease_renewal:
+            assert (stats["kv_held"], stats["kv_expired"]) == (1, 0)
+            assert d.stats()["kv_heartbeats"] >= 2
+        else:
+            assert (stats["kv_held"], stats["kv_expired"]) == (0, 1)
+            assert d.stats()["kv_heartbeats"] == 0
+        blocker.close()
+        ds = d.wait_for(lambda s: s["running"] == 0 and s["waiting"] == 0 and s["completions_ok"] == 1)
+        assert ds["kv_pulls"] == (1 if family.lease_renewal else 0)
+        sock.close()
+
+
+# ---------------------------------------------------------------------------- dropped decode requests
+
+
+def test_client_gone_while_queued_frees_by_the_connector_rule(client: httpx.Client, family: VllmFamily) -> None:
+    """Reached the decode engine, then the client left: the decode engine notifies (PR #19223)."""
+    with SimThread("prefill", speed=50, vllm_version=family.name) as p, \
+            SimThread("decode", speed=50, vllm_version=family.name, max_num_seqs=1) as d:  # fmt: skip
+        blocker = occupy_the_slot(d)
+        for rid in ("gone", "gone-d1"):
+            kv = prefill(client, p.url, rid if rid == "gone" else "gone-p1").json()["kv_transfer_params"]
+            sock = connect(d.port)
+            sock.sendall(json_request("/v1/completions", decode_body(kv), {"X-Request-Id": rid}))
+            d.wait_for(lambda s: s["waiting"] == 1)
+            sock.close()
+            d.wait_for(lambda s: s["waiting"] == 0 and s["kv_releases_sent"] >= 1)
+        # Same leg IDs ("gone"): freed everywhere but where the suffix makes IDs differ under connector 1;
+        # different leg IDs: freed only with connector 2.
+        expected = 2 if family.connector >= 2 else 1
+        stats = p.wait_for(lambda s: s["kv_released"] + s["kv_notifs_unrecognized"] == 2)
+        assert stats["kv_released"] == expected and stats["kv_held"] == 2 - expected
+        blocker.close()
+
+
+def test_refused_before_admission_frees_only_in_the_lease_family(client: httpx.Client, family: VllmFamily) -> None:
+    with SimThread("prefill", speed=0, vllm_version=family.name) as p, \
+            SimThread("decode", speed=0, vllm_version=family.name) as d:  # fmt: skip
+        kv = prefill(client, p.url, "rej").json()["kv_transfer_params"]
+        answer = client.post(d.url + "/v1/completions", json=decode_body(kv, max_tokens=0))
+        assert answer.status_code == 400
+        if family.notify_on_rejection:
+            assert p.wait_for(lambda s: s["kv_released"] == 1)["kv_held"] == 0
+        else:
+            time.sleep(0.1)
+            assert (p.stats()["kv_held"], p.stats()["kv_released"]) == (1, 0)
+
+
+# ---------------------------------------------------------------------------- incomplete params
+
+
+@pytest.mark.parametrize("drop", ["remote_engine_id", "remote_request_id", "remote_host", "remote_port",
+                                  "remote_block_ids"])  # fmt: skip
+def test_incomplete_params_are_refused(client: httpx.Client, family: VllmFamily, drop: str) -> None:
+    with SimThread("prefill", speed=0, vllm_version=family.name) as p, \
+            SimThread("decode", speed=0, vllm_version=family.name) as d:  # fmt: skip
+        kv = prefill(client, p.url, "inc").json()["kv_transfer_params"]
+        if drop == "remote_request_id" and family.connector == 1:
+            kv["remote_request_id"] = None  # connector 1 never reads it: still complete
+            assert client.post(d.url + "/v1/completions", json=decode_body(kv)).status_code == 200
+            return
+        kv.pop(drop, None)
+        answer = client.post(d.url + "/v1/completions", json=decode_body(kv))
+        assert answer.status_code == 400
+        error = answer.json() if family.nested_errors else {"error": answer.json()}
+        assert error["error"]["param"] == "kv_transfer_params" and drop in error["error"]["message"]
+        assert d.stats()["kv_params_invalid"] == 1
+
+
+def test_incomplete_params_can_crash_the_engine(client: httpx.Client, family: VllmFamily) -> None:
+    with SimThread("decode", speed=0, vllm_version=family.name, incomplete_kv_params="crash") as d:
+        kv = {"do_remote_prefill": True, "remote_block_ids": [[1]] if family.block_groups else [1]}
+        assert client.post(d.url + "/v1/completions", json=decode_body(kv)).status_code == 500
+        # Dead: every later completion fails too.
+        assert client.post(d.url + "/v1/completions", json={"prompt": "hi"}).status_code == 500
+
+
+# ---------------------------------------------------------------------------- answers
+
+
+def test_error_body_shape(client: httpx.Client, family: VllmFamily) -> None:
+    with SimThread("mixed", speed=0, vllm_version=family.name) as e:
+        answer = client.post(e.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0})
+        assert answer.status_code == 400
+        body = answer.json()
+        if family.nested_errors:
+            assert set(body) == {"error"}
+            error = body["error"]
+        else:
+            assert body["object"] == "error"
+            error = body
+        assert error["type"] == "BadRequestError" and error["code"] == 400 and error["param"] == "max_tokens"
+
+
+def test_prompt_tokens_details_only_with_the_flag(client: httpx.Client, family: VllmFamily) -> None:
+    with SimThread("mixed", speed=0, vllm_version=family.name, enable_prompt_tokens_details=False) as e:
+        whole = client.post(e.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).json()
+        assert "prompt_tokens_details" in whole["usage"] and whole["usage"]["prompt_tokens_details"] is None
+        streamed = client.post(e.url + "/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}).text
+        usage = [json.loads(line[6:]) for line in streamed.splitlines()
+                 if line.startswith("data: {") and '"usage"' in line][-1]["usage"]  # fmt: skip
+        assert "prompt_tokens_details" not in usage and usage["prompt_tokens"] == 50
+    with SimThread("mixed", speed=0, vllm_version=family.name, enable_prompt_tokens_details=True) as e:
+        whole = client.post(e.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).json()
+        assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_a_prefill_that_stops_hands_off_by_family(client: httpx.Client, family: VllmFamily) -> None:
+    """FINISHED_STOPPED: null params and nothing held before the lease; held like any other after."""
+    with SimThread("prefill", speed=0, vllm_version=family.name, faults={"eos_rate": 1.0}) as p:
+        body = prefill(client, p.url, "eos").json()
+        assert body["choices"][0]["finish_reason"] == "stop"
+        if family.null_params_on_stop:
+            assert body["kv_transfer_params"] is None
+            assert p.stats()["kv_held"] == 0 and p.stats()["free_blocks"] == p.stats()["total_blocks"]
+        else:
+            assert body["kv_transfer_params"] is not None and p.stats()["kv_held"] == 1
+        # min_tokens >= 1 forbids the end of sequence as the first token.
+        body = prefill(client, p.url, "eos-min", min_tokens=1).json()
+        assert body["choices"][0]["finish_reason"] == "length" and body["kv_transfer_params"] is not None
