@@ -28,8 +28,8 @@ the step in flight), so a long decode costs the simulator O(1) work.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from itertools import islice
 
 import attrs
@@ -172,8 +172,9 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         #: Chained block hash → the block holding it.
         self.cached: dict[int, int] = {}
-        #: Free blocks, head = next handed out (and evicted, if cached).
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        #: Free blocks, head = next handed out (and evicted, if cached): a dict used as an
+        #: insertion-ordered set (deleting and adding keys is cheaper than on an OrderedDict).
+        self.free_queue: dict[int, None] = dict.fromkeys(range(num_blocks))
         #: Events since the last :meth:`take_events` (only when ``record_events``).
         self.events: list[KvEvent] = []
         self.record_events = record_events
@@ -220,24 +221,25 @@ class BlockPool:
             return None
         # The head of the queue in one read (popping one by one costs several times more).
         out = list(islice(queue, count))
-        removed: list[int] = []
         ref = self.ref
         block_hash = self.block_hash
         cached = self.cached
+        removed: list[int] | None = [] if self.record_events else None
         for b in out:
             del queue[b]
             ref[b] = 1
             h = block_hash[b]
             if h is not None:
+                # Evicted: block_hash[b] == h exactly when cached[h] == b (cache() keeps both).
                 block_hash[b] = None
-                if cached.get(h) == b:
-                    del cached[h]
-                removed.append(h)
-        if removed and self.record_events:
+                del cached[h]
+                if removed is not None:
+                    removed.append(h)
+        if removed:
             self.events.append(BlockRemoved(tuple(removed)))
         return out
 
-    def free(self, blocks: Sequence[int]) -> None:
+    def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference on each block, in order; unpinned blocks join the queue's tail."""
         ref = self.ref
         queue = self.free_queue
@@ -770,7 +772,7 @@ class EngineCore:
         # Last blocks first, so a prefix outlives its tail in the free queue (vLLM frees in reverse).
         blocks = seq.blocks
         if blocks:
-            self.pool.free(blocks[::-1])
+            self.pool.free(reversed(blocks))
         seq.blocks = []
 
     def _cache_blocks(self, seq: _Seq) -> None:
