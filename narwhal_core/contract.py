@@ -69,6 +69,10 @@ class AcceptedRequest:
     stripped: tuple[str, ...]
     #: The model name the client used (``None`` when absent).
     requested_model: str | None
+    #: A ``/v1/completions`` batch: its prompts in order (two or more), each
+    #: served by a PD pair of its own (docs/operate.md, "Batch prompts");
+    #: ``None`` for one prompt.
+    prompts: list[Any] | None = None
 
 
 def _is_int(value: object) -> bool:
@@ -79,11 +83,51 @@ def _fail(message: str, param: str | None, *, status: int = 400, code: str | Non
     return ContractError(message, status=status, param=param, code=code)
 
 
-def check_request(route: Route, body: bytes, model_names: Collection[str], model: str) -> AcceptedRequest:
+def _token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+def _prompts(prompt: object, max_prompts: int) -> list[Any] | None:
+    """The prompts of a ``/v1/completions`` request: ``None`` for one, else the list.
+
+    A string or one list of token IDs is one prompt; a list of strings or a
+    list of token-ID lists is one prompt per item. Anything else, an empty
+    list, or more than ``max_prompts`` prompts, is refused.
+    """
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return None
+    assert isinstance(prompt, list)
+    if not prompt:
+        raise _fail("prompt must not be empty", "prompt")
+    if not (all(isinstance(p, str) for p in prompt) or all(_token_ids(p) for p in prompt)):
+        raise _fail(
+            "prompt must be a string, an array of strings, an array of token IDs or an array of "
+            "non-empty token ID arrays",
+            "prompt",
+        )
+    count = len(prompt)
+    if count == 1:
+        return None  # one prompt: the engines take the one-item list as it is
+    if count > max_prompts:
+        if max_prompts <= 1:
+            raise _fail(
+                f"prompt holds {count} prompts; this router serves one prompt per request "
+                "(batch prompts are off: ingress.max_batch_prompts = 1)",
+                "prompt",
+            )
+        raise _fail(f"prompt holds {count} prompts; at most {max_prompts} are allowed per request", "prompt")
+    return prompt
+
+
+def check_request(
+    route: Route, body: bytes, model_names: Collection[str], model: str, *, max_prompts: int = 1
+) -> AcceptedRequest:
     """Apply SPEC §2.1 to a raw body posted to ``route``.
 
     ``model_names`` are the names clients may use (the configured model and
     its aliases); ``model`` is the configured name written into the body.
+    ``max_prompts`` bounds a ``/v1/completions`` batch (``ingress.max_batch_prompts``;
+    1: batches are refused with ``param: "prompt"``).
     """
     # 1. JSON (and UTF-8).
     try:
@@ -113,12 +157,15 @@ def check_request(route: Route, body: bytes, model_names: Collection[str], model
         isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
     ):
         raise _fail("messages must be an array of objects", "messages")
-    # 4. Something to prefill.
+    # 4. Something to prefill: a prompt, or a batch of at most max_prompts.
+    prompts = None
     if route == CHAT:
         if messages is None:
             raise _fail("messages is required", "messages")
     elif prompt is None:
         raise _fail("prompt is required", "prompt")
+    else:
+        prompts = _prompts(prompt, max_prompts)
     # 5. The model.
     if requested is not None and requested not in model_names:
         shown = requested if len(requested) <= _MAX_MODEL_ECHO else requested[:_MAX_MODEL_ECHO] + "..."
@@ -166,4 +213,5 @@ def check_request(route: Route, body: bytes, model_names: Collection[str], model
         stream=stream is True,
         stripped=stripped,
         requested_model=requested,
+        prompts=prompts,
     )

@@ -259,6 +259,19 @@ def oracle_tree(route: str, tree: Node) -> Verdict:
         return reject(4, "messages")
     if route == COMPLETIONS and not present(fields, "prompt"):
         return reject(4, "prompt")
+    if route == COMPLETIONS and fields["prompt"][0] == "arr":
+        # A list: token IDs (one prompt), or strings / token-ID lists, one
+        # prompt each; check_request's default allows one (docs/operate.md, "Batch prompts").
+        items = fields["prompt"][1]
+        if not items:
+            return reject(4, "prompt")
+        if not all(is_integer(t) for t in items):
+            def ids(node: Node) -> bool:
+                return node[0] == "arr" and bool(node[1]) and all(is_integer(t) for t in node[1])
+            if not (all(t[0] == "str" for t in items) or all(ids(t) for t in items)):
+                return reject(4, "prompt")
+            if len(items) > 1:
+                return reject(4, "prompt")
     # 5. Unknown model.
     if present(fields, "model") and fields["model"][1] not in MODEL_NAMES:
         return reject(5, "model", status=404, code="model_not_found")
@@ -428,6 +441,8 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Node]] = {
     "prompt": st.one_of(
         texts.map(s),
         st.lists(st.one_of(texts.map(s), number_literals().map(num)), max_size=3).map(lambda xs: ("arr", xs)),
+        st.lists(st.lists(number_literals().map(num), max_size=2).map(lambda xs: ("arr", xs)), max_size=3).map(
+            lambda xs: ("arr", xs)),
         st.sampled_from([NULL, num("1"), TRUE, obj(("text", s("hi")))]),
     ),
     "messages": st.one_of(
