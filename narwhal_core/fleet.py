@@ -179,6 +179,14 @@ class Fleet:
                 return True
         return False
 
+    def has_room(self, phase: Phase) -> bool:
+        """Whether an engine of ``phase`` in rotation has a free slot (:meth:`pick` would find one)."""
+        limit = self._max
+        for e in self.engines[phase]:
+            if e.healthy and e.outstanding < limit:
+                return True
+        return False
+
     def pick(self, phase: Phase, avoid: Collection[EngineState] = ()) -> EngineState | None:
         """The healthy engine of ``phase`` with the fewest outstanding legs and a free slot.
 

@@ -1,0 +1,213 @@
+"""Each KV release method against each vLLM version the simulator models, counting the prefill engine's held blocks.
+
+(docs/operate.md, "KV release in operation", "KV leases" and "vLLM
+compatibility".) A request is prefilled, then waits for the only decode slot
+(``engine.max_inflight_per_engine = 1``, a long request holds it), so no
+decode request of its own ever reaches a decode engine; its client leaves,
+and Narwhal releases the KV its prefill engine holds. The test counts the
+prefill engine's held KV blocks before the release and after its terminal
+record, and checks that the journal says only what happened: ``released``
+when the blocks were freed and an engine confirmed it, ``release_sent`` when
+nothing confirmed it, ``held_until_lease`` when they are still held.
+
+Then the lease: a prefilled request whose KV lease would run out while it
+waits for a decode engine is prefilled again, and no decode engine ever
+reads expired KV (the simulator counts such reads as failed pulls).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal_sim.testing import SimThread
+from narwhal_sim.versions import FAMILIES
+
+from ..harness import RouterThread, make_config, poll, read_journal
+
+COMPLETIONS = "/v1/completions"
+#: Every vLLM version family the simulator models (docs/simulator.md, "vLLM versions").
+VERSIONS = tuple(FAMILIES)
+#: Tokens of the request that holds the decode slot: about a second of decode steps at speed 1.
+HOLD_TOKENS = 150
+
+
+class Bench:
+    """A prefill and a decode simulator of one vLLM version, a router in front, and a slot holder."""
+
+    def __init__(self, tmp_path: Path, version: str, *, engine: dict[str, Any], prefill: dict[str, Any],
+                 retry: int = 1) -> None:
+        self.journal = tmp_path / "journal.jsonl"
+        self.prefill = SimThread(role="prefill", speed=0, vllm_version=version, **prefill).start()
+        self.decode = SimThread(role="decode", speed=1, vllm_version=version).start()
+        config = make_config(
+            self.journal, prefill=(self.prefill.url,), decode=(self.decode.url,),
+            engine={"max_inflight_per_engine": 1, "control_timeout_s": 10.0, **engine},
+            retry={"max_attempts": retry},
+        )
+        self.router = RouterThread(config, "trio").start()
+        self.results: dict[str, httpx.Response] = {}
+        self._threads: list[threading.Thread] = []
+
+    def close(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=15)
+        self.router.stop()
+        self.prefill.stop()
+        self.decode.stop()
+
+    def post_in_background(self, name: str, body: dict[str, Any]) -> None:
+        def run() -> None:
+            self.results[name] = httpx.post(self.router.url + COMPLETIONS, json=body, timeout=30)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def hold_the_decode_slot(self) -> dict[str, Any]:
+        """Start the slot holder; the prefill engine's stats once the holder's KV has been pulled."""
+        self.post_in_background("holder", {"prompt": "hold the decode slot " * 8, "max_tokens": HOLD_TOKENS})
+        self.decode.wait_for(lambda s: s["running"] >= 1 and s["kv_pulls"] >= 1, timeout=10)
+        # (On 0.9/0.11 the holder's own blocks may stay held: its decode leg's request ID is
+        # not the prefill's. Counts below are relative to this.)
+        return self.prefill.stats()
+
+    def terminals(self) -> list[dict[str, Any]]:
+        return [r for r in read_journal(self.journal) if r.get("terminal") is not None]
+
+
+@pytest.fixture
+def bench(tmp_path: Path) -> Iterator[Any]:
+    made: list[Bench] = []
+
+    def make(version: str, **kw: Any) -> Bench:
+        b = Bench(tmp_path, version, **kw)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def leave_while_waiting_for_decode(b: Bench) -> tuple[dict[str, Any], int, dict[str, Any]]:
+    """A request that is prefilled, waits for the decode slot and loses its client.
+
+    Returns the prefill engine's stats before it, the blocks its KV held
+    while it waited, and the request's terminal record.
+    """
+    base = b.hold_the_decode_slot()
+    body = json.dumps({"prompt": "release my prefilled KV " * 10, "max_tokens": 4}).encode()
+    sock = socket.create_connection(("127.0.0.1", b.router.port), timeout=10)
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: narwhal\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        # Prefilled: the prefill engine holds its KV.
+        stats = b.prefill.wait_for(lambda s: s["kv_held"] == base["kv_held"] + 1, timeout=10)
+        held = stats["kv_held_blocks"] - base["kv_held_blocks"]
+        assert held > 0
+        # Its prefill leg has ended; only the holder's decode leg runs: it waits for the slot.
+        poll(lambda: b.router.statistics().legs == 1, timeout=10, what="the prefill answer read")
+        assert b.router.statistics().requests == 2
+    finally:
+        sock.close()  # the client leaves: Narwhal releases the KV
+    records = poll(
+        lambda: [r for r in b.terminals() if r["terminal"] == "cancelled"], timeout=15, what="the cancelled record"
+    )
+    (record,) = records
+    return base, held, record
+
+
+#: What each method does to the held blocks on each version, and what the journal says.
+#: decode_pull: the release decode request is admitted and pulls: freed, confirmed, on every version (on
+#: 0.9/0.11, connector 1, because it carries the prefill leg's X-Request-Id). decode_abort: the decode
+#: engine sees the disconnect after the request reached it and tells the prefill engine (vLLM since 0.9.1),
+#: freed but never confirmed. abort_endpoint: vLLM has no /abort_request (404): held until the lease.
+#: lease: Narwhal sends nothing.
+EXPECTED = {
+    "decode_pull": ("released", "freed"),
+    "decode_abort": ("release_sent", "freed"),
+    "abort_endpoint": ("held_until_lease", "held"),
+    "lease": ("held_until_lease", "held"),
+}
+
+
+@pytest.mark.parametrize("method", list(EXPECTED))
+@pytest.mark.parametrize("version", VERSIONS)
+def test_release_method_frees_the_prefill_engines_blocks_or_says_they_are_held(
+    bench: Any, version: str, method: str
+) -> None:
+    b = bench(version, engine={"kv_release": method}, prefill={"abort_request_route": False})
+    base, held, record = leave_while_waiting_for_decode(b)
+    (prefill_leg,) = [leg for leg in record["legs"] if leg["phase"] == "prefill"]
+    kv = prefill_leg["kv"]
+    outcome, blocks = EXPECTED[method]
+    assert (kv["outcome"], kv["method"]) == (outcome, method), kv
+    if blocks == "freed":
+        stats = b.prefill.wait_for(lambda s: s["kv_held"] == base["kv_held"], timeout=10)
+        assert (stats["kv_held_blocks"], stats["kv_expired"]) == (base["kv_held_blocks"], 0)
+    else:
+        stats = b.prefill.stats()
+        # Still held: the engine's lease (or abort timeout) will free them.
+        assert (stats["kv_held"], stats["kv_held_blocks"]) == (base["kv_held"] + 1, base["kv_held_blocks"] + held)
+    if method == "abort_endpoint":
+        assert kv["error"].startswith("release answered 404")
+    if method == "decode_pull" and b.prefill.engine.family.connector == 1:
+        assert kv["release_id"] == prefill_leg["backend_id"]  # the X-Request-Id the prefill engine named it by
+    b.results.clear()
+
+
+def test_abort_endpoint_on_an_engine_that_offers_one_frees_and_confirms(bench: Any) -> None:
+    """SGLang-style engines have ``POST /abort_request``; the simulator's answer says it freed the blocks."""
+    b = bench("lease", engine={"kv_release": "abort_endpoint"}, prefill={"abort_request_route": True})
+    base, held, record = leave_while_waiting_for_decode(b)
+    kv = record["legs"][0]["kv"]
+    assert (kv["outcome"], kv["method"], kv["error"]) == ("released", "abort_endpoint", None)
+    stats = b.prefill.stats()
+    assert (stats["kv_held"], stats["kv_held_blocks"]) == (base["kv_held"], base["kv_held_blocks"])
+    assert stats["kv_released_blocks"] == base["kv_released_blocks"] + held
+
+
+@pytest.mark.parametrize(
+    ("router_lease", "reads_expired_kv"), [(0.6, False), (30.0, True)], ids=["narwhal-knows-the-lease", "control"],
+)
+def test_no_decode_leg_reads_kv_whose_lease_has_passed(bench: Any, router_lease: float, reads_expired_kv: bool) -> None:
+    """The prefill engine frees unpulled KV after 0.6 s; the only decode slot is busy for about a second.
+
+    With ``engine.kv_lease_s`` = 0.6 the waiting request is prefilled again
+    whenever its KV is two thirds into its lease, and its decode leg reads
+    fresh KV. The control run tells Narwhal a 30 s lease: its decode leg then
+    asks for KV the engine has already freed (the simulator counts a failed
+    pull and recomputes; real vLLM would read blocks that may hold another
+    request's KV).
+    """
+    b = bench("lease", engine={"kv_lease_s": router_lease}, prefill={"lease_s": 0.6}, retry=10)
+    b.hold_the_decode_slot()
+    b.post_in_background("waiter", {"prompt": "wait for the decode slot " * 10, "max_tokens": 4})
+    poll(lambda: len(b.results) == 2, timeout=20, what="both answers")
+    assert b.results["waiter"].status_code == 200, b.results["waiter"].text
+    assert b.results["holder"].status_code == 200
+    records = {r["rid"]: r for r in b.terminals()}
+    (waiter,) = [r for r in records.values() if r["usage"] and r["usage"]["completion_tokens"] == 4]
+    prefills = [leg for leg in waiter["legs"] if leg["phase"] == "prefill"]
+    decode_stats = b.decode.stats()
+    if reads_expired_kv:
+        assert len(prefills) == 1
+        assert decode_stats["kv_pull_failures"] == 1  # the hazard this rule prevents
+        return
+    assert len(prefills) >= 2, waiter["legs"]  # prefilled again while it waited
+    assert all(leg["kv"]["outcome"] == "held_until_lease" for leg in prefills[:-1])
+    assert prefills[-1]["kv"]["outcome"] == "pulled"
+    assert decode_stats["kv_pull_failures"] == 0 and decode_stats["recomputed"] == 0
+    # The KV left behind is freed by the engine's lease, none of it read.
+    prefill_stats = b.prefill.wait_for(lambda s: s["kv_held"] == 0, timeout=5)
+    assert (prefill_stats["kv_expired"], prefill_stats["kv_pulled"]) == (len(prefills) - 1, 2)
