@@ -86,6 +86,15 @@ class _RouterCollector:
             outstanding.add_metric([url, phase], live.engine_outstanding[(url, phase)])
         yield healthy
         yield outstanding
+        connector = GaugeMetricFamily(
+            "narwhal_engine_kv_connector",
+            "NIXL connector version a prefill engine's answers show: 1 (no remote_request_id; its KV is "
+            "held until the engine's timeout unless the legs' request IDs match; vLLM before 0.14) or 2.",
+            labels=["engine"],
+        )
+        for url, version in sorted(stats.kv_connector.items()):
+            connector.add_metric([url], version)
+        yield connector
 
 
 def render(router: Router) -> bytes:

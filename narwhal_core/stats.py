@@ -61,6 +61,9 @@ class Stats:
     kv: Counter[tuple[str, str]] = attrs.field(factory=Counter)
     #: Journal records written, by kind (progress, terminal).
     journal_records: Counter[str] = attrs.field(factory=Counter)
+    #: NIXL connector version each prefill engine's answers show, by engine URL: 1 (no
+    #: ``remote_request_id``: blocks freed only when the legs' request IDs match) or 2.
+    kv_connector: dict[str, int] = attrs.field(factory=dict)
 
     def observe(self, record: TerminalRecord) -> None:
         """Account for one terminal record."""

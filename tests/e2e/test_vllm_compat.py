@@ -1,0 +1,318 @@
+"""Narwhal against each vLLM version family the simulator models (docs/operate.md, "vLLM compatibility").
+
+The connector-version warning and metric, the prefill answer's KV params passed on byte for byte and
+refused when a decode engine could not use them, vLLM's error types as OpenAI's, ``cached_tokens`` 0
+rather than ``null``, and a streamed decode leg's KV counted ``pulled`` only at its first data event.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal_sim.testing import SimThread
+from narwhal_sim.versions import FAMILIES
+
+from ..harness import MODEL, Fleet, LogCapture, RouterThread, make_config, poll
+from .support import completion_records, exact_json, rid_of
+
+COMPLETIONS = "/v1/completions"
+VERSIONS = tuple(FAMILIES)
+
+
+def journal_record(path: Path, rid: str) -> dict[str, Any]:
+    def find() -> dict[str, Any] | None:
+        if not path.exists():
+            return None
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("rid") == rid and rec.get("terminal"):
+                return rec
+        return None
+
+    return poll(find, what=f"terminal record of {rid}")  # type: ignore[no-any-return]
+
+
+def metric_value(router: RouterThread, name: str, **labels: str) -> float | None:
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Path:
+    return tmp_path / "journal.jsonl"
+
+
+@pytest.fixture
+def routers() -> Iterator[list[RouterThread]]:
+    started: list[RouterThread] = []
+    yield started
+    for router in started:
+        router.stop()
+
+
+def start(routers: list[RouterThread], journal: Path, fleet: Fleet, runtime: str = "trio",
+          **sections: Any) -> RouterThread:  # fmt: skip
+    config = make_config(journal, prefill=fleet.prefill_urls, decode=fleet.decode_urls, **sections)
+    router = RouterThread(config, runtime).start()
+    routers.append(router)
+    return router
+
+
+# ---------------------------------------------------------------------------- item 4: connector version
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_connector_version_is_detected_warned_once_and_exposed(
+    routers: list[RouterThread], journal: Path, version: str
+) -> None:
+    family = FAMILIES[version]
+    with SimThread("prefill", speed=0, vllm_version=version) as p, \
+            SimThread("decode", speed=0, vllm_version=version) as d, LogCapture() as log:  # fmt: skip
+        router = start(routers, journal, Fleet(prefill=[p], decode=[d]))
+        for _ in range(3):
+            answer = httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": "hello " * 20,
+                                                                "max_tokens": 3}, timeout=10)  # fmt: skip
+            assert answer.status_code == 200, answer.text
+        assert metric_value(router, "narwhal_engine_kv_connector", engine=p.url) == family.connector
+        warnings = [e for e in log.events() if e.get("event") == "kv_connector_v1"]
+        if family.connector == 1:
+            (warning,) = warnings  # once per engine, not per request
+            assert warning["engine"] == p.url and warning["level"] == "warning"
+            assert "held until the engine's timeout" in warning["consequence"]
+            assert "0.14" in warning["fix"]
+            # What the warning says happens: each request's blocks stay held on the prefill engine
+            # (the decode legs' IDs differ from the prefill legs'), until the timeout.
+            stats = p.stats()
+            assert stats["kv_held"] == 3 and stats["kv_notifs_unrecognized"] == 3
+        else:
+            assert warnings == []
+            assert p.stats()["kv_held"] == 0
+
+
+# ---------------------------------------------------------------------------- item 6: shapes
+
+
+class FakePrefill:
+    """A prefill engine answering exactly-written ``kv_transfer_params`` (lease-era shape unless told)."""
+
+    def __init__(self) -> None:
+        self.params_text = ""
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._send(200, b"{}")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("content-length", "0")))
+                rid = self.headers.get("x-request-id", "")
+                self._send(200, outer.answer(rid))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True)
+
+    def lease_params(self, rid: str) -> str:
+        # nixl/pull_scheduler.py's keys and order; one block list per KV-cache group (two groups here).
+        return (
+            '{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[11,12,13],[40,41]],'
+            f'"remote_engine_id":"4f6c1d2e-aa","remote_request_id":"cmpl-{rid}-0-9c0e51a2",'
+            f'"remote_host":"127.0.0.1","remote_port":{self.port},"tp_size":2,"dcp_size":1,"pp_size":1,'
+            '"remote_num_tokens":50,"remote_blocks_expiry_time":null,"transfer_mode":"pull"}'
+        )
+
+    def answer(self, rid: str) -> bytes:
+        params = self.params_text.replace("{rid}", rid) if self.params_text else self.lease_params(rid)
+        return (
+            '{"id":"cmpl-x","object":"text_completion","created":1,"model":"' + MODEL + '",'
+            '"choices":[{"index":0,"text":" a","logprobs":null,"finish_reason":"length","stop_reason":null}],'
+            '"usage":{"prompt_tokens":50,"completion_tokens":1,"total_tokens":51,"prompt_tokens_details":null},'
+            '"kv_transfer_params":' + params + "}"
+        ).encode()
+
+    def __enter__(self) -> FakePrefill:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_prefill() -> Iterator[FakePrefill]:
+    with FakePrefill() as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("runtime", ["trio", "asyncio"])
+def test_lease_era_params_reach_the_decode_leg_byte_for_byte(
+    routers: list[RouterThread], journal: Path, fake_prefill: FakePrefill, runtime: str
+) -> None:
+    with SimThread("decode", speed=0) as d:
+        router = start(routers, journal, Fleet(prefill=[fake_prefill], decode=[d]), runtime)
+        answer = httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": "hi " * 40, "max_tokens": 2},
+                            timeout=10)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        record = journal_record(journal, rid_of(answer))
+        prefill_bid = record["legs"][0]["backend_id"]
+        (decode_rec,) = completion_records([d])
+        expected = fake_prefill.lease_params(prefill_bid)
+        # The decode leg's body ends with the prefill engine's params, the same bytes.
+        assert decode_rec["body"].endswith('"kv_transfer_params":' + expected + "}"), decode_rec["body"]
+        assert record["legs"][0]["kv"]["owner"] == f"cmpl-{prefill_bid}-0-9c0e51a2"
+        # Connector 2 seen (remote_request_id): no warning, metric 2.
+        assert metric_value(router, "narwhal_engine_kv_connector", engine=fake_prefill.url) == 2
+        # The prefill engine reported no cached_tokens (prompt_tokens_details: null): 0, not null.
+        assert answer.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert record["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+LEASE_KEYS = ('"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":50,"remote_blocks_expiry_time":null,'
+              '"transfer_mode":"pull"')  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        ('{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2]],'
+         '"remote_request_id":"cmpl-{rid}-0-aa","remote_host":"127.0.0.1","remote_port":PORT,' + LEASE_KEYS + "}",
+         "remote_engine_id"),
+        ('{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2]],"remote_engine_id":"e",'
+         '"remote_host":"127.0.0.1","remote_port":PORT,' + LEASE_KEYS + "}", "remote_request_id"),
+        ('{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2]],"remote_engine_id":"e",'
+         '"remote_request_id":"cmpl-{rid}-0-aa","remote_port":PORT,' + LEASE_KEYS + "}", "remote_host"),
+        ('{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2]],"remote_engine_id":"e",'
+         '"remote_request_id":"cmpl-{rid}-0-aa","remote_host":"127.0.0.1",' + LEASE_KEYS + "}", "remote_port"),
+        ('{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e",'
+         '"remote_request_id":"cmpl-{rid}-0-aa","remote_host":"127.0.0.1","remote_port":PORT,' + LEASE_KEYS + "}",
+         "remote_block_ids"),
+        ('{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,"2"]],"remote_engine_id":"e",'
+         '"remote_request_id":"cmpl-{rid}-0-aa","remote_host":"127.0.0.1","remote_port":PORT,' + LEASE_KEYS + "}",
+         "remote_block_ids"),
+        # A list per group without remote_request_id is a later connector's answer, not connector 1's.
+        ('{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2]],"remote_engine_id":"e",'
+         '"remote_host":"127.0.0.1","remote_port":PORT,"tp_size":1}', "remote_request_id"),
+    ],
+    ids=["no-engine-id", "no-request-id", "no-host", "no-port", "no-blocks", "bad-blocks", "groups-no-request-id"],
+)
+def test_params_a_decode_engine_cannot_use_are_refused_never_forwarded(
+    routers: list[RouterThread], journal: Path, fake_prefill: FakePrefill, params: str, why: str
+) -> None:
+    fake_prefill.params_text = params.replace("PORT", str(fake_prefill.port))
+    with SimThread("decode", speed=0, incomplete_kv_params="crash") as d:
+        router = start(routers, journal, Fleet(prefill=[fake_prefill], decode=[d]))
+        answer = httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                            timeout=10)  # fmt: skip
+        assert answer.status_code == 502, answer.text
+        assert answer.json()["error"]["code"] == "prefill_failed"
+        record = journal_record(journal, rid_of(answer))
+        assert record["terminal"] == "failed"
+        assert why in record["error"]["message"] and {leg["outcome"] for leg in record["legs"]} == {"bad_kv"}
+        assert completion_records([d]) == []  # never forwarded: it could kill a vLLM decode engine
+        assert d.stats()["kv_params_invalid"] == 0
+
+
+def test_a_connector_1_answer_is_accepted(routers: list[RouterThread], journal: Path, fake_prefill: FakePrefill) -> None:
+    fake_prefill.params_text = (
+        '{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2],"remote_engine_id":"e",'
+        f'"remote_host":"127.0.0.1","remote_port":{fake_prefill.port},"tp_size":1}}'
+    )
+    with SimThread("decode", speed=0, vllm_version="0.11") as d:
+        router = start(routers, journal, Fleet(prefill=[fake_prefill], decode=[d]))
+        answer = httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                            timeout=10)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        (decode_rec,) = completion_records([d])
+        assert decode_rec["body"].endswith('"kv_transfer_params":' + fake_prefill.params_text + "}")
+        assert metric_value(router, "narwhal_engine_kv_connector", engine=fake_prefill.url) == 1
+
+
+# ---------------------------------------------------------------------------- item 7
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_an_engine_bad_request_reaches_the_client_as_invalid_request_error(
+    routers: list[RouterThread], journal: Path, version: str
+) -> None:
+    with SimThread("prefill", speed=0, vllm_version=version, max_model_len=64) as p, \
+            SimThread("decode", speed=0, vllm_version=version, max_model_len=64) as d:  # fmt: skip
+        router = start(routers, journal, Fleet(prefill=[p], decode=[d]))
+        answer = httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": "x" * 400, "max_tokens": 2},
+                            timeout=10)  # fmt: skip
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        # The engine said BadRequestError (flat before 0.10.1, nested after); the client gets OpenAI's type.
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == "max_tokens" and "maximum context length" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_cached_tokens_is_zero_when_the_engine_reports_none(
+    routers: list[RouterThread], journal: Path, version: str, stream: bool
+) -> None:
+    with SimThread("prefill", speed=0, vllm_version=version, enable_prompt_tokens_details=False) as p, \
+            SimThread("decode", speed=0, vllm_version=version, enable_prompt_tokens_details=False) as d:  # fmt: skip
+        router = start(routers, journal, Fleet(prefill=[p], decode=[d]))
+        body: dict[str, Any] = {"model": MODEL, "prompt": "hello " * 20, "max_tokens": 3}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        answer = httpx.post(router.url + COMPLETIONS, json=body, timeout=10)
+        assert answer.status_code == 200, answer.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in answer.text.splitlines()
+                      if line.startswith("data: {")]  # fmt: skip
+            usage = [c["usage"] for c in chunks if c.get("usage")][-1]
+        else:
+            usage = answer.json()["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+        record = journal_record(journal, rid_of(answer))
+        assert record["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+@pytest.mark.parametrize("chunks", [0, 1])
+def test_a_streamed_decode_leg_counts_as_pulled_only_after_a_data_event(
+    routers: list[RouterThread], journal: Path, chunks: int
+) -> None:
+    """The decode engine's response head proves nothing; its first data event proves it had the KV."""
+    with SimThread("prefill", speed=0) as p, \
+            SimThread("decode", speed=0, faults={"drop_after_chunks": chunks}) as d:  # fmt: skip
+        router = start(routers, journal, Fleet(prefill=[p], decode=[d]), retry={"max_attempts": 1},
+                       engine={"kv_release": "lease"})  # fmt: skip
+        answer = httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": "hello " * 20,
+                                                            "max_tokens": 5, "stream": True}, timeout=10)  # fmt: skip
+        record = journal_record(journal, rid_of(answer))
+        assert record["terminal"] == "failed"
+        kv = record["legs"][0]["kv"]
+        if chunks == 0:
+            assert kv["outcome"] != "pulled", kv  # head only: not counted as pulled
+        else:
+            assert kv["outcome"] == "pulled", kv
