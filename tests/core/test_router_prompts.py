@@ -306,3 +306,26 @@ def test_a_batch_whose_client_leaves_mid_way_is_cancelled_once() -> None:
     assert record["terminal"] == "cancelled" and record["status"] == 499
     assert [leg.get("prompt") for leg in record["legs"]] == [0, 0, 1, 1]
     d.check_invariants(final=True)
+
+
+def test_a_prefill_answering_null_after_its_client_left_needs_no_release() -> None:
+    # The prefill's answer was arriving when the client left: Narwhal reads it
+    # to name the KV to release; a null answer names none, so nothing is sent.
+    d = Driver()
+    client = d.post(COMPLETIONS, completion_body())
+    prefill = d.leg("prefill")
+    answer = decode_answer(COMPLETIONS, text="", completion_tokens=1)
+    answer["choices"][0]["finish_reason"] = "stop"
+    raw = http_response(200, json.dumps(answer).encode())
+    d.send_leg(prefill.bid, raw[:40])
+    client.leave()
+    d.send_leg(prefill.bid, raw[40:])
+    d.advance(30)
+    record = d.terminal(prefill.rid)
+    assert record["terminal"] == "cancelled"
+    assert [(leg["phase"], leg["outcome"], leg["kv"]["outcome"]) for leg in record["legs"]] == [
+        ("prefill", "ok", "none"),
+    ]
+    assert not [c for c in d.controls.values() if c.kind == "release"]
+    assert d.open_legs() == []
+    d.check_invariants(final=True)
