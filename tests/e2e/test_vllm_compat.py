@@ -316,3 +316,16 @@ def test_a_streamed_decode_leg_counts_as_pulled_only_after_a_data_event(
             assert kv["outcome"] != "pulled", kv  # head only: not counted as pulled
         else:
             assert kv["outcome"] == "pulled", kv
+
+
+def test_vllms_default_remote_host_localhost_is_accepted(routers: list[RouterThread], journal: Path) -> None:
+    """vLLM advertises VLLM_NIXL_SIDE_CHANNEL_HOST, "localhost" unless set: a one-machine fleet works as is."""
+    with SimThread("prefill", speed=0, advertise_host=None) as p, SimThread("decode", speed=0) as d:
+        router = start(routers, journal, Fleet(prefill=[p], decode=[d]))
+        answer = httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": "hello " * 20, "max_tokens": 2},
+                            timeout=10)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        (decode_rec,) = completion_records([d])
+        assert exact_json(decode_rec["body"])["kv_transfer_params"]["remote_host"] == "localhost"
+        assert journal_record(journal, rid_of(answer))["legs"][0]["kv"]["outcome"] == "pulled"
+        assert (p.stats()["kv_pulled"], p.stats()["kv_held"]) == (1, 0)
