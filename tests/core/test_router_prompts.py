@@ -329,3 +329,16 @@ def test_a_prefill_answering_null_after_its_client_left_needs_no_release() -> No
     assert not [c for c in d.controls.values() if c.kind == "release"]
     assert d.open_legs() == []
     d.check_invariants(final=True)
+
+
+def test_a_batch_without_prefill_engines_gets_one_decode_leg_per_prompt() -> None:
+    d = Driver(prefill=())
+    client = d.post(COMPLETIONS, completion_body(PROMPTS[:2]))  # type: ignore[arg-type]
+    rid = d.leg().rid
+    for i, prompt in enumerate(PROMPTS[:2]):
+        leg = d.leg("decode")
+        assert leg.body["prompt"] == prompt and "kv_transfer_params" not in leg.body
+        d.answer_decode(leg.bid, text=f"t{i}")
+    assert [(c["index"], c["text"]) for c in client.last.json()["choices"]] == [(0, "t0"), (1, "t1")]
+    assert journal_legs(d, rid) == [("decode", 0, "ok"), ("decode", 1, "ok")]
+    d.check_invariants(final=True)
