@@ -21,10 +21,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["PURE_ENV", "compiled_files", "core_build", "pure_requested", "stale_files", "use_pure_core"]
+__all__ = [
+    "COMPILED", "PURE_ENV", "compiled_files", "core_build", "pure_requested", "stale_files", "use_pure_core",
+]
 
 #: The environment variable asking for the pure Python core (at install time: build no extension).
 PURE_ENV = "NARWHAL_PURE_PYTHON"
+
+#: The modules of the core that ``setup.py`` compiles (it reads this list): those
+#: whose compiled build measurably lowers the router's CPU per request
+#: (``benchmarks/README.md``, "Which modules are compiled"). The others always
+#: run from their sources.
+COMPILED = ("http1", "http1_fast", "planning", "router", "wire")
 
 _CORE = "narwhal_core"
 #: Where the core's sources are (the compiled modules, when built in place, sit next to them).
@@ -108,8 +116,8 @@ def core_build() -> tuple[str, list[str]]:
     compiled: list[str] = []
     pure: list[str] = []
     for name, module in sorted(sys.modules.items()):
-        # config is never compiled (setup.py says why).
-        if not name.startswith(_CORE + ".") or name == f"{_CORE}.config" or module is None:
+        # Only the modules the build compiles count (the others are always pure).
+        if not name.startswith(_CORE + ".") or name.partition(".")[2] not in COMPILED or module is None:
             continue
         path = Path(getattr(module, "__file__", None) or "")
         (pure if path.suffix == ".py" else compiled).append(name)

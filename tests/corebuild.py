@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.corebuild import PURE_ENV, compiled_files, pure_requested, stale_files, use_pure_core
+from narwhal.corebuild import COMPILED, PURE_ENV, compiled_files, pure_requested, stale_files, use_pure_core
 
-__all__ = ["PURE_ENV", "check", "compiled_files", "pure_requested"]
+__all__ = ["COMPILED", "PURE_ENV", "check", "compiled_files", "pure_requested"]
 
 
 def check() -> None:

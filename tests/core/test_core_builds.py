@@ -59,15 +59,38 @@ def test_this_run_loaded_the_build_it_should() -> None:
             assert path.endswith(".py"), f"{name} should run from its source, runs {path}"
         else:
             assert Path(path) == compiled[name], f"{name} should run compiled ({compiled[name]}), runs {path}"
-    # What the router's `listening` log line reports (config is never compiled).
+    # What the router's `listening` log line reports (only the modules the build compiles count).
     kind, stale = core_build()
     assert stale == []
+    built = [f"narwhal_core.{stem}" for stem in corebuild.COMPILED]
     if corebuild.pure_requested() or not compiled:
         assert kind == "pure"
-    elif all(name in compiled for name in loaded if name != "narwhal_core.config"):
+    elif all(name in compiled for name in built):
         assert kind == "compiled"
     else:
         assert kind == "mixed"  # a module the compiler failed on stays pure
+
+
+def test_the_build_compiles_exactly_the_listed_modules() -> None:
+    # setup.py reads the list from narwhal/corebuild.py; an install compiles those and no other.
+    for stem in corebuild.COMPILED:
+        assert (CORE / f"{stem}.py").is_file(), stem
+        assert stem not in ("__init__", "config"), "config's attrs field types must stay real types (setup.py)"
+    if corebuild.pure_requested():
+        return  # nothing compiled runs here, whatever lies beside the sources
+    compiled = set(corebuild.compiled_files())
+    listed = {f"narwhal_core.{stem}" for stem in corebuild.COMPILED}
+    # One left over from an older build would shadow its source with old code (setup.py removes them).
+    assert compiled <= listed, f"compiled, but no longer in the list: {sorted(compiled - listed)}"
+
+
+def test_every_declaration_file_belongs_to_a_compiled_module() -> None:
+    # A .pxd is read only when its module is compiled; one beside a pure module would be dead weight.
+    for pxd in CORE.glob("*.pxd"):
+        assert pxd.stem in corebuild.COMPILED, f"{pxd.name}: {pxd.stem} is not compiled (narwhal/corebuild.py)"
+        # An extension type's base declared in another module must be compiled too.
+        for cimported in re.findall(r"^from narwhal_core\.(\w+) cimport", pxd.read_text(), re.MULTILINE):
+            assert cimported in corebuild.COMPILED, f"{pxd.name} cimports {cimported}, which is not compiled"
 
 
 def test_the_pure_python_core_passes_the_core_tests() -> None:
@@ -86,16 +109,16 @@ def test_the_pure_python_core_passes_the_core_tests() -> None:
 
 def test_a_compiled_module_older_than_its_source_is_reported_stale() -> None:
     compiled = corebuild.compiled_files()
-    if corebuild.pure_requested() or "narwhal_core.lifecycle" not in compiled:
+    if corebuild.pure_requested() or "narwhal_core.wire" not in compiled:
         # Nothing compiled runs: nothing can be stale.
         assert core_build() == ("pure", [])
         return
-    source = ROOT / "narwhal_core" / "lifecycle.py"
+    source = ROOT / "narwhal_core" / "wire.py"
     before = source.stat()
-    built = compiled["narwhal_core.lifecycle"].stat().st_mtime
+    built = compiled["narwhal_core.wire"].stat().st_mtime
     try:
         os.utime(source, (before.st_atime, built + 10))  # edited after it was compiled
-        assert core_build()[1] == ["narwhal_core.lifecycle"]
+        assert core_build()[1] == ["narwhal_core.wire"]
     finally:
         os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert core_build()[1] == []
