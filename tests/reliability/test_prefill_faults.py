@@ -96,7 +96,7 @@ def test_prefill_fault_retried_on_the_other_engine(start_router, make_fleet, jou
     ], legs
     assert legs[0]["status"] == leg_status and legs[0]["kv"] is None
     assert legs[1]["kv"]["outcome"] == "pulled" and legs[1]["kv"]["engine"] == good.url
-    assert legs[1]["kv"]["owner"].startswith(f"{rid}-p2")
+    assert legs[1]["kv"]["owner"].startswith(f"cmpl-{rid}-p2-")  # the engine's ID: cmpl-<X-Request-Id>-0-<8 hex>
     assert_backend_ids(record)
     # The retry is a new attempt with a new backend ID, on the other engine.
     assert [r["request_id"] for r in sim_requests(bad)] == [f"{rid}-p1"]
