@@ -79,8 +79,12 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
                    help="vLLM's --tokens-only: serve POST /abort_requests (0.14 family on)")  # fmt: skip
     v.add_argument("--dev-mode", action="store_true",
                    help="vLLM's VLLM_SERVER_DEV_MODE: POST /abort_requests answering {status, aborted}")  # fmt: skip
-    v.add_argument("--abort-request-route", action="store_true",
-                   help="serve the simulator's own POST /abort_request (no vLLM has it)")  # fmt: skip
+    v.add_argument("--abort-request-route", nargs="?", const="json", default=False, choices=("json", "bare"),
+                   help="serve the simulator's own POST /abort_request (no vLLM has it): json answers "
+                        "{released}, bare answers 200 with no body as SGLang")  # fmt: skip
+    v.add_argument("--pre-admission-ms", type=float, default=d.pre_admission_ms,
+                   help="real ms before a request reaches the engine; a decode client leaving within it "
+                        "never reached the engine")  # fmt: skip
     v.add_argument("--incomplete-kv-params", choices=("reject", "recompute", "crash"), default=d.incomplete_kv_params,
                    help="a decode request whose kv_transfer_params lack a needed field: 400, recompute, "
                         "or the engine dies (500 on every later completion)")  # fmt: skip
@@ -156,6 +160,8 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
                    help="share of answers with broken JSON")  # fmt: skip
     f.add_argument("--eos-rate", type=float, default=fd.eos_rate,
                    help="share whose first token ends the sequence (finish_reason stop), unless min_tokens >= 1")
+    f.add_argument("--pull-fail-rate", type=float, default=fd.pull_fail_rate,
+                   help="share of decode legs whose KV read fails (the prefill engine keeps the blocks)")
     f.add_argument("--unhealthy", action="store_true", help="/health answers 503")
     f.add_argument("--reasoning-only", action="store_true", help="chat answers carry only reasoning_content")
     return p
@@ -193,6 +199,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         dev_mode=args.dev_mode,
         abort_request_route=args.abort_request_route,
         incomplete_kv_params=args.incomplete_kv_params,
+        pre_admission_ms=args.pre_admission_ms,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         max_num_seqs=args.max_num_seqs,

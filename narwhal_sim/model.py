@@ -398,6 +398,8 @@ class FaultPlan:
     #: The first sampled token is the end of sequence (``finish_reason: "stop"``), unless
     #: the request's ``min_tokens`` forbids it.
     eos: bool = False
+    #: A decode leg's KV read fails (the prefill engine is not told; it keeps the blocks).
+    pull_fail: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -434,6 +436,8 @@ class Faults:
     malformed_json_rate: float = 0.0
     #: Share of requests whose first sampled token ends the sequence (vLLM's FINISHED_STOPPED).
     eos_rate: float = 0.0
+    #: Share of decode legs whose KV read fails (then recompute or fail per ``kv_load_failure``).
+    pull_fail_rate: float = 0.0
     #: ``/health`` answers 503.
     unhealthy: bool = False
     #: Chat answers carry the text in ``reasoning_content`` and ``content: ""``.
@@ -469,6 +473,7 @@ class Faults:
             or self.omit_kv_params_rate > 0
             or self.malformed_json_rate > 0
             or self.eos_rate > 0
+            or self.pull_fail_rate > 0
         )
 
     def plan(self, seed: int, request_id: str) -> FaultPlan:
@@ -497,6 +502,7 @@ class Faults:
             omit_kv_params=fires("omit_kv_params", self.omit_kv_params_rate),
             malformed_json=fires("malformed_json", self.malformed_json_rate),
             eos=fires("eos", self.eos_rate),
+            pull_fail=fires("pull_fail", self.pull_fail_rate),
         )
 
 
@@ -509,6 +515,7 @@ _RATE_FIELDS = {
     "omit_kv_params_rate",
     "malformed_json_rate",
     "eos_rate",
+    "pull_fail_rate",
 }
 
 

@@ -122,8 +122,13 @@ class SimConfig:
     tokens_only: bool = False
     #: vLLM's dev mode (``VLLM_SERVER_DEV_MODE=1``): ``POST /abort_requests`` answering ``{"status", "aborted"}``.
     dev_mode: bool = False
-    #: Serve the simulator's own ``POST /abort_request`` (no vLLM has it; SGLang has a route of that name).
-    abort_request_route: bool = False
+    #: Serve the simulator's own ``POST /abort_request`` (no vLLM has it; SGLang has a route of that name):
+    #: ``True``/``"json"`` answers ``{"request_id", "released", "num_blocks"}``; ``"bare"`` answers 200 with
+    #: no body, as SGLang does.
+    abort_request_route: bool | str = False
+    #: Real milliseconds the serving layer takes before a request reaches the engine (rendering,
+    #: tokenizing); a decode request whose client leaves within it never reached the engine.
+    pre_admission_ms: float = 0.0
     #: A decode request whose ``kv_transfer_params`` lack a field the connector reads: ``reject`` (400),
     #: ``recompute`` (warn and recompute, what the connector's validity check does) or ``crash`` (the
     #: engine dies: 500 on every later completion, as CVE-2026-94622 describes).
@@ -202,6 +207,10 @@ class SimConfig:
         if self.kv_pull_grace_ms is not None and self.kv_pull_grace_ms < 0:
             raise ValueError("kv_pull_grace_ms must be >= 0")
         resolve_version(self.vllm_version)  # ValueError naming the accepted forms
+        if self.abort_request_route not in (False, True, "json", "bare"):
+            raise ValueError("abort_request_route must be json or bare")
+        if self.pre_admission_ms < 0:
+            raise ValueError("pre_admission_ms must be >= 0")
         if self.incomplete_kv_params not in ("reject", "recompute", "crash"):
             raise ValueError("incomplete_kv_params must be reject, recompute or crash")
         if (self.kv_lease_s is not None and self.kv_lease_s <= 0) or self.kv_pull_timeout_s <= 0:
@@ -289,12 +298,14 @@ class _DecodeKv:
     to free the blocks: its own (connector 1) or ``remote_request_id`` (connector 2).
     """
 
-    __slots__ = ("params", "phase", "notify_id")
+    __slots__ = ("params", "phase", "notify_id", "fail_pull")
 
     def __init__(self, params: KvParams, notify_id: str | None) -> None:
         self.params = params
         self.phase = "pending"
         self.notify_id = notify_id
+        #: The ``pull_fail`` fault: the read fails (the prefill engine is not told).
+        self.fail_pull = False
 
 
 class _ClientGone(Exception):
@@ -307,7 +318,7 @@ _COUNTERS = (
     "kv_pulls", "kv_pull_failures", "kv_prompt_mismatch", "kv_releases_sent", "kv_release_failures",
     "kv_params_invalid", "kv_notifs_unrecognized", "kv_heartbeats", "aborted",
     "faults_error", "faults_drop", "faults_delay", "faults_stall", "faults_drop_after_chunks",
-    "faults_omit_kv_params", "faults_malformed_json", "faults_unhealthy",
+    "faults_omit_kv_params", "faults_malformed_json", "faults_unhealthy", "faults_pull_fail",
 )  # fmt: skip
 
 Handler = Callable[[ServerConnection, HttpRequest], "Coroutine[Any, Any, None] | None"]
@@ -770,7 +781,8 @@ class SimEngine:
 
     def _abort_request(self, conn: ServerConnection, request: HttpRequest) -> None:
         try:
-            owner = self._json_body(request).get("request_id")
+            data = self._json_body(request)
+            owner = data.get("request_id", data.get("rid"))  # "rid": SGLang's name
             if not isinstance(owner, str):
                 raise ApiError(400, "request_id must be a string", param="request_id")
         except ApiError as exc:
@@ -780,6 +792,9 @@ class SimEngine:
         entry = self.ledger.release(owner)
         if entry is not None:
             self._kv_ended(entry)
+        if self.config.abort_request_route == "bare":
+            self._answer(conn, request, 200, b"", content_type=None)  # SGLang confirms nothing
+            return
         answer = {"request_id": owner, "released": entry is not None, "num_blocks": len(entry.block_ids) if entry else 0}
         self._answer(conn, request, 200, orjson.dumps(answer))
 
@@ -1214,6 +1229,12 @@ class SimEngine:
             if not step.chunked_prefill and prompt_tokens > step.max_num_batched_tokens and mode != "decode":
                 raise ApiError(400, f"the prompt has {prompt_tokens} tokens, more than max_num_batched_tokens "
                                     f"({step.max_num_batched_tokens}) with chunked prefill off")  # fmt: skip
+            if mode == "decode" and self.config.pre_admission_ms > 0:
+                # The serving layer's own work before the engine sees the request: a client that
+                # leaves meanwhile wins the race, and the request never reaches the engine.
+                if conn.closed or await conn.wait_closed(self.config.pre_admission_ms / 1000.0):
+                    self._rejected_before_admission(request.body, record)
+                    raise _ClientGone
             external, engine_rid = self._engine_request_id(request_id, chat)
             if mode == "decode":
                 assert kv is not None
@@ -1221,6 +1242,7 @@ class SimEngine:
                 # prefill engine's KV, as vLLM's NIXL connector does -- naming its own
                 # request ID with connector 1, remote_request_id with connector 2.
                 decode_kv = _DecodeKv(kv, engine_rid if self.family.connector == 1 else kv.remote_request_id)
+                decode_kv.fail_pull = plan.pull_fail
                 record.kv = {"role": "decode", "owner": kv.remote_request_id, "outcome": "pending"}
                 if self.family.lease_renewal and kv.tp_size is not None:
                     self._start_heartbeats(decode_kv)
@@ -1509,6 +1531,14 @@ class SimEngine:
             }
         )
         kv_record = record.kv if record.kv is not None else {}
+        if decode_kv.fail_pull:
+            # An injected failed read: nothing reaches the prefill engine, which keeps the blocks.
+            decode_kv.phase = "failed"
+            self.counters["kv_pull_failures"] += 1
+            self.counters["faults_pull_fail"] += 1
+            kv_record["outcome"] = "pull_failed"
+            kv_record["error"] = "injected pull failure"
+            return None
         try:
             status, answer = await self.client.post(params.remote_host, params.remote_port, KV_PULL_PATH, body)
             if status != 200:

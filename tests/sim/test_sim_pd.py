@@ -165,7 +165,7 @@ def test_abort_releases_and_is_idempotent(client: httpx.Client, pair: tuple[SimT
     stats = p.stats()
     assert (stats["kv_held"], stats["kv_released"], stats["kv_released_blocks"]) == (0, 1, 4)
     assert stats["free_blocks"] == stats["total_blocks"]
-    bad = client.post(p.url + "/abort_request", json={"rid": owner})
+    bad = client.post(p.url + "/abort_request", json={"id": owner})  # neither request_id nor SGLang's rid
     assert bad.status_code == 400 and "error" in bad.json()
 
 

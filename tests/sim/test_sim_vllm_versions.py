@@ -347,3 +347,52 @@ def test_a_prefill_that_stops_hands_off_by_family(client: httpx.Client, family: 
         # min_tokens >= 1 forbids the end of sequence as the first token.
         body = prefill(client, p.url, "eos-min", min_tokens=1).json()
         assert body["choices"][0]["finish_reason"] == "length" and body["kv_transfer_params"] is not None
+
+
+# ---------------------------------------------------------------------------- races and faults (H8's needs)
+
+
+def test_a_client_gone_before_admission_frees_only_in_the_lease_family(client: httpx.Client,
+                                                                       family: VllmFamily) -> None:  # fmt: skip
+    """The disconnect wins the race: the request never reached the decode engine (PR 41269 for the notice)."""
+    with SimThread("prefill", speed=0, vllm_version=family.name) as p, \
+            SimThread("decode", speed=0, vllm_version=family.name, pre_admission_ms=300) as d:  # fmt: skip
+        kv = prefill(client, p.url, "race").json()["kv_transfer_params"]
+        sock = connect(d.port)
+        sock.sendall(json_request("/v1/completions", decode_body(kv), {"X-Request-Id": "race"}))
+        sock.close()
+        ds = d.wait_for(lambda s: s["client_gone"] == 1)
+        assert ds["kv_pulls"] == 0 and ds["running"] == 0 and ds["waiting"] == 0
+        if family.notify_on_rejection:
+            assert p.wait_for(lambda s: s["kv_released"] == 1)["kv_held"] == 0
+        else:
+            time.sleep(0.1)
+            assert (p.stats()["kv_held"], p.stats()["kv_released"]) == (1, 0)
+
+
+def test_an_sglang_style_bare_abort_route(client: httpx.Client) -> None:
+    with SimThread("prefill", speed=0, abort_request_route="bare") as p:
+        prefill(client, p.url, "bare")
+        owner = p.requests("/v1/completions")[0]["kv"]["owner"]
+        answer = client.post(p.url + "/abort_request", json={"rid": owner})
+        assert answer.status_code == 200 and answer.content == b""
+        assert p.stats()["kv_released"] == 1
+    args = build_parser().parse_args(["--abort-request-route"])
+    assert config_from_args(args).abort_request_route == "json"
+    assert config_from_args(build_parser().parse_args([])).abort_request_route is False
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_pull_leaves_the_blocks_held(client: httpx.Client, family: VllmFamily, policy: str) -> None:
+    with SimThread("prefill", speed=0, vllm_version=family.name) as p, \
+            SimThread("decode", speed=0, vllm_version=family.name, kv_load_failure=policy,
+                      faults={"pull_fail_rate": 1.0}) as d:  # fmt: skip
+        kv = prefill(client, p.url, "pf").json()["kv_transfer_params"]
+        answer = client.post(d.url + "/v1/completions", json=decode_body(kv), headers={"X-Request-Id": "pf"})
+        if policy == "recompute":
+            assert answer.status_code == 200  # 2xx, yet the prefill engine was never told
+            assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        else:
+            assert answer.status_code == 500
+        assert d.stats()["kv_pull_failures"] == 1 and p.requests("/kv/pull") == []
+        assert (p.stats()["kv_held"], p.stats()["kv_pulled"]) == (1, 0)
