@@ -18,12 +18,14 @@ to the router.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from narwhal.app import control_request
+from narwhal.engine_probe import addresses_of, describe_failure
 from narwhal_core import (
     ControlDone,
     Event,
@@ -33,6 +35,7 @@ from narwhal_core import (
     StartLeg,
     local_failure,
 )
+from narwhal_core.events import EngineResolved
 
 __all__ = ["Engines"]
 
@@ -303,6 +306,11 @@ class Engines:
         body = b""
         try:
             async with asyncio.timeout(cmd.timeout):
+                if cmd.resolve:
+                    # The engine's name, resolved at every probe: its addresses
+                    # may name its KV side channel (docs/configure.md).
+                    infos = await self._loop.getaddrinfo(cmd.engine.host, cmd.engine.port, type=socket.SOCK_STREAM)
+                    self._feed(EngineResolved(cmd.engine, addresses_of(infos)))
                 if cmd.drop_after_send:
                     transport, _ = await self._loop.create_connection(
                         asyncio.Protocol, cmd.engine.host, cmd.engine.port
@@ -313,12 +321,15 @@ class Engines:
                         transport.close()  # after the bytes are written
                 else:
                     if self._http is None:
-                        self._http = httpx.AsyncClient(trust_env=False)
+                        # identity: the answer's bytes are read raw (a KV release's is parsed).
+                        self._http = httpx.AsyncClient(trust_env=False, headers={"accept-encoding": "identity"})
                     status, body = await control_request(self._http, cmd)
+        except httpx.ConnectTimeout:
+            error = "connect timeout"  # nothing was sent (a KV release's record says so)
         except (TimeoutError, httpx.TimeoutException):
             error = "timeout"
         except (OSError, httpx.HTTPError) as exc:
-            error = type(exc).__name__
+            error = describe_failure(exc)
             local = local_failure(exc)
         except BaseException:
             self._feed(ControlDone(cmd.key, None, "cancelled"))

@@ -36,10 +36,15 @@ from narwhal.app import (
     HIGH_WATER,
     LINGER_BYTES,
     LINGER_S,
+    STOPPED_BY_SIGNAL,
     build_router,
+    contain,
+    journal_failure,
+    listen_failure,
     load_authenticator,
     log_listening,
     settle_gc,
+    startup_failure,
 )
 from narwhal.log import log_event
 from narwhal_core import (
@@ -289,7 +294,10 @@ class Server:
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
         self.config = config
         self.router = router or build_router(config, now=clock())
-        self.journal = JournalFile(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
+        try:
+            self.journal = JournalFile(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
+        except OSError as exc:
+            raise journal_failure(config.journal.path, exc) from None
         self._journal_ok = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: set[_Client] = set()
@@ -332,7 +340,10 @@ class Server:
         loop = self._loop = asyncio.get_running_loop()
         self._drained = loop.create_future()
         i = self.config.ingress
-        listener = _Listener.open(loop, i.listen_host, i.listen_port, lambda: _Client(self))
+        try:
+            listener = _Listener.open(loop, i.listen_host, i.listen_port, lambda: _Client(self))
+        except OSError as exc:
+            raise listen_failure(i.listen, exc) from None
         host, port = listener.sockets[0].getsockname()[:2]
         self.address = (host, port)
         sync_task: asyncio.Task[None] | None = None
@@ -367,11 +378,16 @@ class Server:
             log_event("stopped", runtime=RUNTIME)
 
     def shutdown(self) -> None:
-        """Begin a graceful shutdown: stop accepting, drain, then :meth:`serve` returns."""
+        """Begin a graceful shutdown: drain, then :meth:`serve` returns.
+
+        Until the drain ends, new connections are still accepted: their
+        requests get 503 ``shutting_down`` (docs/operate.md). Called again
+        (a second signal), it cuts the drain short: what is left is
+        cancelled at once.
+        """
         if self.engines is None:
             self._stopping = True  # serve() shuts down as soon as it listens
             return
-        self._stop_listening()
         self.feed(ShutdownRequested())
 
     def reload_keys(self) -> None:
@@ -413,10 +429,9 @@ class Server:
         try:
             self.router.receive(event, now=clock())
         except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
-            # The router failed closed (it journals and queues what it must);
-            # act on whatever it queued before the error.
-            log_event("router_error", level="error", error=f"{type(exc).__name__}: {exc}",
-                      event=type(event).__name__)
+            # What the event concerned ends (500, journalled); the router
+            # queued what it must: act on it as after any event.
+            contain(self.router, event, exc)
         self._drain()
 
     def _drain(self) -> None:
@@ -517,8 +532,8 @@ class Server:
         self._armed = math.inf
         try:
             self.router.handle_deadline(now=clock())
-        except Exception as exc:  # noqa: BLE001
-            log_event("router_error", level="error", error=f"{type(exc).__name__}: {exc}", event="timer")
+        except Exception as exc:  # noqa: BLE001 - one bad timer must not stop the server
+            contain(self.router, None, exc)
         self._drain()
 
     # -------------------------------------------------------------- clients
@@ -639,34 +654,52 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:
     """``narwhal serve --runtime asyncio``: serve until SIGTERM/SIGINT, then drain and exit 0.
 
-    SIGHUP re-reads the API keys file without dropping traffic.
+    SIGHUP re-reads the API keys file without dropping traffic. A second
+    SIGTERM/SIGINT cancels what the drain has left at once (exit status
+    128 + its number: 130 for Ctrl-C); a third stops without waiting for
+    the router. A failure to start is one line on stderr, exit status 1.
     """
+    status = 0
+    serving = False
 
     async def main() -> None:
+        nonlocal status
         loop = asyncio.get_running_loop()
         server = Server(config)
+        serve = asyncio.current_task()
+        stops = 0
 
         def on_signal(signum: int) -> None:
+            nonlocal stops, status
             if signum == signal.SIGHUP:
                 if server.engines is not None:
                     server.reload_keys()
                 return
-            # The first SIGTERM/SIGINT drains; from then on signals get their default action.
-            for sig in _SIGNALS:
-                loop.remove_signal_handler(sig)
+            stops += 1
             log_event("signal", signal=signal.Signals(signum).name)
-            server.shutdown()
+            if stops == 1:
+                server.shutdown()  # serve() returns once the drain completes
+            elif stops == 2:
+                status = STOPPED_BY_SIGNAL + signum
+                server.shutdown()  # cut the drain short
+            elif serve is not None:
+                serve.cancel()  # serve() still writes the journal out
 
         for sig in _SIGNALS:
             loop.add_signal_handler(sig, on_signal, sig)
 
         def started(address: tuple[str, int]) -> None:
+            nonlocal serving
+            serving = True
             settle_gc()
             if on_ready is not None:
                 on_ready(*address)
 
         try:
             await server.serve(started=started)
+        except asyncio.CancelledError:
+            if stops < 3:
+                raise
         finally:
             for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
@@ -675,10 +708,15 @@ def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> i
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(main())
-    except OSError as exc:
-        print(f"narwhal: cannot listen on {config.ingress.listen}: {exc.strerror or exc}", file=sys.stderr)
+    except KeyboardInterrupt:  # a Ctrl-C before the signal handlers were in place
+        return STOPPED_BY_SIGNAL + signal.SIGINT
+    except BaseException as exc:
+        failure = None if serving else startup_failure(exc)
+        if failure is None:
+            raise
+        print(f"narwhal: {failure}", file=sys.stderr)
         return 1
-    return 0
+    return status
 
 
 def run_demo(config: Config, on_ready: Callable[[str, int], None]) -> int:

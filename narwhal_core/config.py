@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 AuthMode = Literal["none", "api_keys", "trusted_header"]
-KvRelease = Literal["abort_endpoint", "decode_abort", "lease"]
+KvRelease = Literal["decode_pull", "abort_endpoint", "decode_abort", "lease"]
 FsyncPolicy = Literal["always", "interval", "never"]
 
 _Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
@@ -281,7 +281,7 @@ def _split_host_port(text: str, *, min_port: int) -> tuple[str, int]:
         raise ValueError(f"has an invalid port {_describe(port_text)}")
     port = int(port_text)
     if not min_port <= port <= 65535:
-        raise ValueError(f"port must be between {min_port} and 65535, got {port}")
+        raise ValueError(f"port must be between {min_port} and 65535")
     return host, port
 
 
@@ -525,6 +525,15 @@ class IngressConfig:
         "connection that grows the total gets 503 overloaded.",
         minimum=1,
     )
+    max_batch_prompts: int = _count(
+        8,
+        "Most prompts one /v1/completions request may carry (a list of strings or of token-ID lists); each "
+        "is served by its own prefill and decode legs, one prompt after another, and the answers are merged "
+        "in prompt order. More get 400 with param prompt; 1 turns batches off (every list of two or more "
+        "prompts gets that 400).",
+        minimum=1,
+        maximum=1024,
+    )
     busy_poll_us: int = _count(
         0,
         "After each event the router is fed, keep the event loop polling for this many microseconds before "
@@ -588,14 +597,20 @@ class EngineConfig:
         ),
     )
     kv_release: KvRelease = attrs.field(
-        default="decode_abort",
+        default="decode_pull",
         validator=_one_of(KvRelease),
-        metadata=_doc("How unpulled prefill KV is released: abort_endpoint, decode_abort or lease."),
+        metadata=_doc(
+            "How unpulled prefill KV is released: decode_pull (vLLM), abort_endpoint (engines that offer one, "
+            "SGLang-style), decode_abort or lease."
+        ),
     )
     abort_path: str = attrs.field(
         default="/abort_request",
         validator=_string(_printable_path),
         metadata=_doc('Prefill engine path for KV releases when kv_release = "abort_endpoint".'),
+    )
+    kv_lease_s: float = _seconds(
+        30.0, "Seconds a prefill engine keeps unpulled KV (vLLM's kv_lease_duration); decode legs start well within it."
     )
     kv_hosts: tuple[str, ...] = attrs.field(
         factory=tuple,

@@ -37,7 +37,12 @@ __all__ = [
 
 Terminal = Literal["completed", "invalid", "denied", "rejected", "failed", "cancelled"]
 TERMINALS: Final = ("completed", "invalid", "denied", "rejected", "failed", "cancelled")
-KvOutcome = Literal["pulled", "released", "held_until_lease"]
+#: What became of a prefill's KV, saying only what was confirmed (docs/operate.md,
+#: "KV release in operation"): ``pulled`` (a decode leg took it), ``released``
+#: (an engine confirmed the release), ``release_sent`` (a release went out, or
+#: may have, and nothing confirmed it), ``held_until_lease`` (nothing Narwhal
+#: sent reached the engine: it frees the blocks when their lease ends).
+KvOutcome = Literal["pulled", "released", "release_sent", "held_until_lease", "none"]
 #: How a leg ended: ``ok`` (2xx), ``refused`` (engine 4xx), ``http_error``
 #: (5xx), ``connect_failed``, ``dropped``, ``timeout``, ``bad_kv`` (prefill
 #: answer without usable KV params), ``bad_response`` (not HTTP or not JSON),
@@ -58,19 +63,23 @@ LegOutcome = Literal[
 class KvRecord:
     """What became of the KV blocks a prefill leg left on its engine (SPEC §3)."""
 
-    #: ``pulled``, ``released`` or ``held_until_lease``.
+    #: ``pulled``, ``released``, ``release_sent`` or ``held_until_lease``; ``none`` when the
+    #: prefill answer handed off no KV (``kv_transfer_params: null``): the
+    #: engine holds nothing and the decode leg recomputed the prompt.
     outcome: KvOutcome
     #: The engine's key for the blocks (``remote_request_id``).
     owner: str
     #: The prefill engine holding the blocks.
     engine: str
     #: How the outcome came about: ``decode`` (pulled by a decode leg),
-    #: ``abort_endpoint``, ``decode_abort`` or ``lease``.
+    #: ``decode_pull``, ``abort_endpoint``, ``decode_abort`` or ``lease``; ``none`` with the
+    #: outcome ``none``.
     method: str
-    #: Why a release did not happen, when it failed.
+    #: Why a release did not happen, when it failed; with the outcome
+    #: ``none``, why the prefill handed off no KV.
     error: str | None = None
-    #: For ``decode_abort``: the backend ID of the dropped decode request that
-    #: carried the release (it uses up one decode attempt number).
+    #: For ``decode_pull`` and ``decode_abort``: the backend ID of the decode
+    #: request that carried the release.
     release_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -100,12 +109,15 @@ class LegRecord:
     duration_ms: float
     #: For a prefill leg that returned KV params: what became of the KV.
     kv: KvRecord | None = None
+    #: For a batch of prompts: the index of the prompt the leg served
+    #: (absent from the JSON of a one-prompt request's legs).
+    prompt: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
         return leg_json(
             self.phase, self.attempt, self.backend_id, self.engine, self.status, self.outcome,
-            self.started, self.duration_ms, None if self.kv is None else self.kv.to_json(),
+            self.started, self.duration_ms, None if self.kv is None else self.kv.to_json(), self.prompt,
         )
 
 
@@ -234,14 +246,17 @@ def kv_json(
 
 def leg_json(
     phase: str, attempt: int, backend_id: str, engine: str, status: int | None, outcome: LegOutcome,
-    started: float, duration_ms: float, kv: dict[str, Any] | None,
+    started: float, duration_ms: float, kv: dict[str, Any] | None, prompt: int | None = None,
 ) -> dict[str, Any]:
     """A :class:`LegRecord` as a JSON object, from its fields in order (``kv`` from :func:`kv_json`)."""
-    return {
+    out = {
         "phase": phase, "attempt": attempt, "backend_id": backend_id,
         "engine": engine, "status": status, "outcome": outcome,
         "started": started, "duration_ms": duration_ms, "kv": kv,
     }
+    if prompt is not None:
+        out["prompt"] = prompt
+    return out
 
 
 def _progress_json(

@@ -79,6 +79,8 @@ S = State
 I = Input
 _END: Final = frozenset({S.RELEASING, S.DONE})
 _LIVE: Final = (S.PREFILL, S.PREFILL_WAIT, S.DECODE, S.DECODE_WAIT, S.STREAMING)
+#: Where a batch request goes when one prompt is answered and the next begins.
+_NEXT_PROMPT: Final = frozenset({S.PREFILL, S.PREFILL_WAIT, S.DECODE, S.DECODE_WAIT})
 
 TRANSITIONS: Final[dict[tuple[State, Input], tuple[str, frozenset[State]]]] = {
     (S.QUEUED, I.ADMIT): ("_begin", frozenset({S.PREFILL, S.DECODE, S.PREFILL_WAIT, S.DECODE_WAIT}) | _END),
@@ -90,12 +92,14 @@ TRANSITIONS: Final[dict[tuple[State, Input], tuple[str, frozenset[State]]]] = {
     (S.PREFILL, I.LEG_REFUSED): ("_refused", _END),
     (S.PREFILL, I.LEG_FAILED): ("_leg_failed", frozenset({S.PREFILL_WAIT}) | _END),
     (S.PREFILL_WAIT, I.WAKE): ("_resume", frozenset({S.PREFILL, S.PREFILL_WAIT}) | _END),
-    (S.DECODE, I.LEG_OK): ("_decode_ok", _END),
+    # (A batch prompt's answer starts the next prompt's legs: docs/operate.md, "Batch prompts".)
+    (S.DECODE, I.LEG_OK): ("_decode_ok", _NEXT_PROMPT | _END),
     (S.DECODE, I.LEG_REFUSED): ("_refused", _END),
     (S.DECODE, I.LEG_FAILED): ("_leg_failed", frozenset({S.PREFILL_WAIT, S.DECODE_WAIT}) | _END),
     (S.DECODE, I.FIRST_BYTES): ("_first_bytes", frozenset({S.STREAMING})),
-    (S.DECODE_WAIT, I.WAKE): ("_resume", frozenset({S.DECODE, S.DECODE_WAIT}) | _END),
-    (S.STREAMING, I.LEG_OK): ("_decode_ok", _END),
+    # (PREFILL/PREFILL_WAIT: the KV's lease ran short before a decode engine had room: prefilled again.)
+    (S.DECODE_WAIT, I.WAKE): ("_resume", frozenset({S.DECODE, S.DECODE_WAIT, S.PREFILL, S.PREFILL_WAIT}) | _END),
+    (S.STREAMING, I.LEG_OK): ("_decode_ok", _NEXT_PROMPT | _END),
     (S.STREAMING, I.LEG_FAILED): ("_stream_failed", _END),
     (S.RELEASING, I.RELEASED): ("_released", frozenset({S.DONE})),
     (S.RELEASING, I.CLIENT_GONE): ("_ignore", frozenset({S.RELEASING})),

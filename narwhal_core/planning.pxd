@@ -8,3 +8,4 @@
 cdef class SseRelay:
     cdef public object route, model, pd, cached_tokens, redact, max_event_bytes, _buffer, _lines, _event_size
     cdef public object done, error, usage, events, good_before_error
+    cdef public object index, last, response_id, prior_usage, _held, _drop

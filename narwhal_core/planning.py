@@ -19,6 +19,8 @@ from .errors import NarwhalError
 
 __all__ = [
     "PREFILL_KV_REQUEST",
+    "NO_KV_STOPPED",
+    "NO_KV_OTHER",
     "prefill_body",
     "decode_body",
     "KvHandoff",
@@ -26,7 +28,13 @@ __all__ = [
     "check_prefill_answer",
     "normalise_answer",
     "engine_error",
+    "openai_error_type",
     "release_found_nothing",
+    "release_said",
+    "release_body",
+    "release_unconfirmed",
+    "merge_usage",
+    "merge_answers",
     "SseRelay",
 ]
 
@@ -40,8 +48,17 @@ PREFILL_KV_REQUEST: Final[dict[str, Any]] = {
     "remote_port": None,
 }
 
-_DROPPED_FOR_PREFILL: Final = frozenset({"min_tokens", "min_completion_tokens", "stream_options"})
+_DROPPED_FOR_PREFILL: Final = frozenset({"min_completion_tokens", "stream_options"})
 _INTERNAL_ANSWER_FIELDS: Final = ("kv_transfer_params",)
+#: The journal's reason for a prefill answer with ``kv_transfer_params: null``.
+NO_KV_STOPPED: Final = (
+    "the prefill answer carried no kv_transfer_params: its one token ended the sequence "
+    "(finish_reason stop), so the engine holds no KV; the decode leg recomputes the prompt"
+)
+NO_KV_OTHER: Final = (
+    "the prefill answer carried no kv_transfer_params (finish_reason {}): the engine holds no KV "
+    "for it; the decode leg recomputes the prompt"
+)
 _MAX_ENGINE_MESSAGE: Final = 1000
 
 
@@ -50,15 +67,24 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
     Edits, and only these (SPEC §3.1): ``max_tokens`` = 1 (and
     ``max_completion_tokens`` = 1 where the client sent it), ``stream`` =
-    false, ``min_tokens``/``min_completion_tokens``/``stream_options`` removed,
-    ``kv_transfer_params`` added last. Every other key keeps its value and its
-    position; ``max_tokens`` and ``stream`` are appended when absent.
+    false, ``min_completion_tokens``/``stream_options`` removed,
+    ``kv_transfer_params`` added last. ``min_tokens`` becomes 1 when the
+    client asked for at least one token, and is removed otherwise: the one
+    token the prefill samples may then be an end of sequence only when the
+    client allowed it (an engine refuses ``min_tokens`` above ``max_tokens``,
+    so the client's own value cannot be sent; docs/operate.md, "Prefill
+    answers without KV"). Every other key keeps its value and its position;
+    ``max_tokens`` and ``stream`` are appended when absent.
     """
     out: dict[str, Any] = {}
     for key, value in body.items():
         if key in _DROPPED_FOR_PREFILL:
             continue
-        if key == "max_tokens" or key == "max_completion_tokens":
+        if key == "min_tokens":
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                continue
+            value = 1
+        elif key == "max_tokens" or key == "max_completion_tokens":
             value = 1
         elif key == "stream":
             value = False
@@ -71,10 +97,15 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
-    """The decode leg's body: the client's body plus the prefill's KV params verbatim (SPEC §3.3)."""
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg's body: the client's body plus the prefill's KV params verbatim (SPEC §3.3).
+
+    Without params (the prefill handed off none) it is the client's body as
+    it is: a plain request, which recomputes the prompt.
+    """
     out = dict(body)
-    out["kv_transfer_params"] = kv_transfer_params
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = kv_transfer_params
     return out
 
 
@@ -82,13 +113,19 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
 class KvHandoff:
     """What a successful prefill leg hands to the decode leg (a value; not frozen, see AcceptedRequest)."""
 
-    #: The prefill answer's ``kv_transfer_params``, passed on verbatim.
-    params: dict[str, Any]
+    #: The prefill answer's ``kv_transfer_params``, passed on verbatim;
+    #: ``None`` when the answer carried none (``null``): nothing to hand off,
+    #: the decode leg runs as a plain request and recomputes the prompt.
+    params: dict[str, Any] | None
     #: The engine's name for the KV: its ``remote_request_id`` (engines may
     #: suffix the ID they were sent), else the leg's backend ID.
     owner: str
     #: ``usage.prompt_tokens_details.cached_tokens`` of the prefill answer.
     cached_tokens: int | None
+    #: When ``params`` is ``None``: why, for the journal.
+    reason: str | None = None
+    #: When ``params`` is ``None``: the prefill answer's ``finish_reason``.
+    finish_reason: str | None = None
 
 
 class PrefillAnswerError(NarwhalError):
@@ -112,13 +149,51 @@ def _cached_tokens(answer: dict[str, Any]) -> int | None:
     return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
+def _finish_reason(answer: dict[str, Any]) -> str | None:
+    choices = answer.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        reason = choices[0].get("finish_reason")
+        if isinstance(reason, str):
+            return reason[:40]
+    return None
+
+
+#: Keys only NIXL connectors of version 2 and later send (docs/operate.md, "vLLM compatibility"):
+#: an answer with one of them and no ``remote_request_id`` is incomplete, not connector 1.
+_CONNECTOR_2_KEYS: Final = ("transfer_mode", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time")
+
+
+def _block_ids_ok(blocks: list[Any]) -> bool:
+    # A list of block ids, or one list of them per KV-cache group (vLLM's HMA connectors).
+    if blocks and isinstance(blocks[0], list):
+        return all(
+            isinstance(group, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in group)
+            for group in blocks
+        )
+    return all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)
+
+
 def check_prefill_answer(
-    body: bytes, backend_id: str, kv_host_allowed: Callable[[str], bool]
+    body: bytes, backend_id: str, kv_host_allowed: Callable[[str], bool], *, require_request_id: bool = False
 ) -> KvHandoff:
     """Validate a 2xx prefill answer (SPEC §3.2); raise :class:`PrefillAnswerError` if unusable.
 
     ``remote_host`` must name a host of the configured fleet (``kv_host_allowed``),
     so a forged answer cannot point a decode engine elsewhere.
+
+    ``kv_transfer_params`` ``null`` (or absent) is not an error: vLLM's NIXL
+    connector hands off nothing when the one-token prefill ended on an end of
+    sequence or a stop token (``FINISHED_STOPPED``, connectors before the KV
+    lease) and then holds no blocks. The handoff returned has ``params``
+    ``None`` and the reason; the decode leg runs without KV (docs/operate.md,
+    "Prefill answers without KV").
+
+    Params the decode engine cannot use are refused, never forwarded: a vLLM
+    decode engine may die on a missing key (docs/operate.md, "vLLM
+    compatibility"). ``remote_request_id`` may be absent only from a connector
+    1 engine: not when the params carry a later connector's keys, a block list
+    per KV-cache group, or ``require_request_id`` (the engine sent it before).
+    Every field that is kept goes on verbatim.
     """
     try:
         # Exact decoding: the KV params go on to the decode leg verbatim.
@@ -128,8 +203,14 @@ def check_prefill_answer(
     if not isinstance(answer, dict):
         raise PrefillAnswerError("prefill answer is not a JSON object")
     params = answer.get("kv_transfer_params")
+    if params is None:
+        finish = _finish_reason(answer)
+        return KvHandoff(
+            params=None, owner=backend_id, cached_tokens=_cached_tokens(answer), finish_reason=finish,
+            reason=NO_KV_STOPPED if finish == "stop" else NO_KV_OTHER.format(finish),
+        )
     if not isinstance(params, dict):
-        raise PrefillAnswerError("prefill answer carries no kv_transfer_params")
+        raise PrefillAnswerError("prefill answer's kv_transfer_params is not an object")
     if params.get("do_remote_prefill") is not True:
         raise PrefillAnswerError("kv_transfer_params.do_remote_prefill is not true")
     engine_id = params.get("remote_engine_id")
@@ -138,6 +219,8 @@ def check_prefill_answer(
     blocks = params.get("remote_block_ids")
     if not isinstance(blocks, list):
         raise PrefillAnswerError("kv_transfer_params.remote_block_ids is not a list")
+    if not _block_ids_ok(blocks):
+        raise PrefillAnswerError("kv_transfer_params.remote_block_ids is not a list of block ids (or one per group)")
     host = params.get("remote_host")
     if not isinstance(host, str) or not host:
         raise PrefillAnswerError("kv_transfer_params.remote_host is missing")
@@ -147,21 +230,29 @@ def check_prefill_answer(
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise PrefillAnswerError("kv_transfer_params.remote_port is not a port number")
     owner = params.get("remote_request_id")
+    if "remote_request_id" in params or require_request_id:
+        if not isinstance(owner, str) or not owner:
+            raise PrefillAnswerError("kv_transfer_params.remote_request_id is missing or not a string")
+    elif (blocks and isinstance(blocks[0], list)) or any(key in params for key in _CONNECTOR_2_KEYS):
+        raise PrefillAnswerError("kv_transfer_params.remote_request_id is missing")
     if not isinstance(owner, str) or not owner:
-        owner = backend_id
+        owner = backend_id  # connector 1: the engine names its blocks by the leg's own request ID
     return KvHandoff(params=params, owner=owner, cached_tokens=_cached_tokens(answer))
 
 
 def _normalise_usage(usage: Any, cached_tokens: int | None) -> None:
     # SPEC §2.3: a decode engine counts the transferred KV as cached; the
-    # prefill leg's figure is the one that means something.
+    # prefill leg's figure is the one that means something. A prefill engine
+    # that did not report it (vLLM without --enable-prompt-tokens-details)
+    # counts as 0 cached tokens, never null (docs/operate.md, "vLLM compatibility").
     if not isinstance(usage, dict):
         return
+    cached = 0 if cached_tokens is None else cached_tokens
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict):
-        details["cached_tokens"] = cached_tokens
-    elif cached_tokens is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        details["cached_tokens"] = cached
+    else:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
 
 
 def _normalise_message(message: Any) -> None:
@@ -197,6 +288,26 @@ def normalise_answer(
     return answer
 
 
+#: vLLM names an error by its exception class (``BadRequestError``...); OpenAI's ``type`` is one of
+#: a few snake_case words (docs/operate.md, "vLLM compatibility").
+_OPENAI_ERROR_TYPES: Final = {
+    "BadRequestError": "invalid_request_error",
+    "NotFoundError": "invalid_request_error",
+    "UnprocessableEntityError": "invalid_request_error",
+    "NotImplementedError": "invalid_request_error",
+    "AuthenticationError": "authentication_error",
+    "PermissionDeniedError": "permission_error",
+    "RateLimitError": "rate_limit_error",
+    "InternalServerError": "server_error",
+    "ServiceUnavailableError": "server_error",
+}
+
+
+def openai_error_type(value: str) -> str:
+    """An engine error's ``type`` as OpenAI names it: vLLM's class names mapped, others kept."""
+    return _OPENAI_ERROR_TYPES.get(value, value)
+
+
 def engine_error(status: int, body: bytes) -> NarwhalError:
     """An engine's 4xx answer as an error for the client, in the OpenAI envelope (SPEC §2.3).
 
@@ -220,7 +331,7 @@ def engine_error(status: int, body: bytes) -> NarwhalError:
             message = text[:_MAX_ENGINE_MESSAGE]
         value = inner.get("type")
         if isinstance(value, str):
-            etype = value[:100]
+            etype = openai_error_type(value[:100])
         value = inner.get("param")
         if isinstance(value, str):
             param = value[:200]
@@ -230,6 +341,62 @@ def engine_error(status: int, body: bytes) -> NarwhalError:
     if message is None:
         message = f"The engine refused the request with status {status}."
     return NarwhalError(message, status=status, type=etype, param=param, code=code)
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def merge_usage(first: Any, second: Any) -> dict[str, Any] | None:
+    """Two prompts' usage objects as one: token counts summed (docs/operate.md, "Batch prompts").
+
+    A count is summed when both sides give an integer; ``cached_tokens``
+    becomes ``None`` when either side does not know it. The second
+    object's other keys are kept. A side that is not an object counts as
+    absent.
+    """
+    if not isinstance(first, dict):
+        return dict(second) if isinstance(second, dict) else None
+    if not isinstance(second, dict):
+        return dict(first)
+    out = dict(second)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        a, b = _int(first.get(key)), _int(second.get(key))
+        if a is not None and b is not None:
+            out[key] = a + b
+    a_details, b_details = first.get("prompt_tokens_details"), second.get("prompt_tokens_details")
+    if isinstance(a_details, dict) or isinstance(b_details, dict):
+        details = dict(b_details) if isinstance(b_details, dict) else {}
+        a = _int(a_details.get("cached_tokens")) if isinstance(a_details, dict) else None
+        b = _int(details.get("cached_tokens"))
+        details["cached_tokens"] = a + b if a is not None and b is not None else None
+        out["prompt_tokens_details"] = details
+    return out
+
+
+def merge_answers(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch's normalised answers, in prompt order, as one answer (docs/operate.md, "Batch prompts").
+
+    The first answer's ``id``, ``created`` and other fields; every answer's
+    choices in prompt order, ``index`` set as OpenAI does (prompt index
+    times ``n``, plus the choice's own index; ``n`` is always 1 here); the
+    usage summed (:func:`merge_usage`).
+    """
+    out = answers[0]
+    choices: list[Any] = []
+    usage: Any = None
+    for position, answer in enumerate(answers):
+        listed = answer.get("choices")
+        if isinstance(listed, list):
+            for choice in listed:
+                if isinstance(choice, dict):
+                    choice["index"] = position + (_int(choice.get("index")) or 0)
+                choices.append(choice)
+        usage = merge_usage(usage, answer.get("usage")) if position else answer.get("usage")
+    out["choices"] = choices
+    if usage is not None or "usage" in out:
+        out["usage"] = usage
+    return out
 
 
 def release_found_nothing(body: bytes) -> bool:
@@ -249,6 +416,85 @@ def release_found_nothing(body: bytes) -> bool:
     return isinstance(answer, dict) and answer.get("released") is False
 
 
+def release_said(body: bytes) -> bool | None:
+    """What an abort endpoint's answer says it did: its ``released`` field, or ``None`` if it says nothing.
+
+    The engine simulator answers ``{"request_id": ..., "released": true|false,
+    ...}``: ``false`` when the blocks were already gone (see
+    :func:`release_found_nothing`). SGLang's ``/abort_request`` answers 200
+    with no body: it took the abort and says nothing of the blocks.
+    """
+    try:
+        answer = wire.loads(body)
+    except wire.JsonError:
+        return None
+    said = answer.get("released") if isinstance(answer, dict) else None
+    return said if isinstance(said, bool) else None
+
+
+#: Removed from a ``decode_pull`` release: they would only make its answer
+#: longer (``echo``, log probabilities, several choices) or refuse it
+#: (``min_tokens`` above one token). None of them changes the prompt.
+_DROPPED_FOR_RELEASE: Final = frozenset({
+    "min_tokens", "min_completion_tokens", "stream_options", "echo", "logprobs", "top_logprobs",
+    "prompt_logprobs", "n", "best_of", "use_beam_search",
+})
+
+
+def release_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """A ``decode_pull`` release: the client's body as a one-token, whole-answer decode leg.
+
+    The decode engine admits it, pulls the prefill's KV (which frees the
+    prefill engine's blocks, docs/operate.md "KV release in operation") and
+    answers with one token that nobody reads. ``max_tokens`` (and
+    ``max_completion_tokens`` where sent) = 1, ``stream`` = false, the keys
+    of ``_DROPPED_FOR_RELEASE`` removed, the prefill's ``kv_transfer_params``
+    verbatim; the prompt is untouched (the KV is the prompt's).
+    """
+    out: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in _DROPPED_FOR_RELEASE or key == "kv_transfer_params":
+            continue
+        if key == "max_tokens" or key == "max_completion_tokens":
+            value = 1
+        elif key == "stream":
+            value = False
+        out[key] = value
+    if "max_tokens" not in out:
+        out["max_tokens"] = 1
+    if "stream" not in out:
+        out["stream"] = False
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+def release_unconfirmed(status: int, body: bytes) -> str | None:
+    """Why a ``decode_pull`` release's answer does not confirm the pull, or ``None`` when it does.
+
+    A whole (non-streamed) 2xx answer comes once the decode engine has run
+    the request, its KV pulled. An error object in it, or a choice that
+    finished with ``error`` or ``abort``, says the run did not go through.
+    """
+    if not 200 <= status < 300:
+        return f"the decode engine answered {status}"
+    if not body.strip():
+        return "the decode engine's answer was empty"
+    try:
+        answer = wire.loads_answer(body)
+    except wire.JsonError:
+        return None  # (an answer longer than the part read: its 2xx head came after the run)
+    if not isinstance(answer, dict):
+        return "the decode engine's answer is not a JSON object"
+    if answer.get("error") is not None:
+        return "the decode engine answered an error"
+    choices = answer.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("finish_reason") in ("error", "abort"):
+                return f"the decode engine finished the release with {choice['finish_reason']!r}"
+    return None
+
+
 class SseRelay:
     """Splits a decode leg's SSE byte stream into events and normalises each one.
 
@@ -261,11 +507,18 @@ class SseRelay:
     event (``id:``, ``event:``, comments) are kept. ``feed`` returns the
     bytes to relay now. (A plain class: compiled, an extension type declared
     in ``planning.pxd``.)
+
+    For one prompt of a batch (:meth:`batch`), every event is rewritten: its
+    choices' ``index`` is the prompt's, its ``id`` the batch's first; a
+    usage-only event is held back and summed, and ``[DONE]`` is relayed only
+    after the last prompt, preceded by one event with the summed usage
+    (docs/operate.md, "Batch prompts").
     """
 
     __slots__ = (
         "route", "model", "pd", "cached_tokens", "redact", "max_event_bytes", "_buffer", "_lines", "_event_size",
         "done", "error", "usage", "events", "good_before_error",
+        "index", "last", "response_id", "prior_usage", "_held", "_drop",
     )
 
     def __init__(
@@ -292,6 +545,26 @@ class SseRelay:
         self.events = 0
         #: When :meth:`feed` raised: the good events it had before the bad one.
         self.good_before_error = b""
+        #: A batch prompt's index (``None``: not part of a batch; see :meth:`batch`).
+        self.index: int | None = None
+        #: The batch's last prompt: its ``[DONE]`` ends the client's stream.
+        self.last = True
+        #: The ``id`` every event of the batch carries (the first one seen).
+        self.response_id: Any = None
+        #: The usage of the batch's earlier prompts, summed.
+        self.prior_usage: dict[str, Any] | None = None
+        #: The usage-only event held back (a batch's), to send summed before ``[DONE]``.
+        self._held: dict[str, Any] | None = None
+        #: The event just parsed is not relayed.
+        self._drop = False
+
+    def batch(self, index: int, last: bool, prior_usage: dict[str, Any] | None, response_id: Any) -> None:
+        """Relay prompt ``index`` of a batch (``last``: the final one) after the earlier prompts'."""
+        self.index = index
+        self.last = last
+        self.prior_usage = prior_usage
+        self.usage = prior_usage
+        self.response_id = response_id
 
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return complete, normalised events to send to the client."""
@@ -361,8 +634,11 @@ class SseRelay:
         payload = line[5:].lstrip(b" ")
         if payload == b"[DONE]":
             self.done = True
-            return b"data: [DONE]\n\n"
+            return b"data: [DONE]\n\n" if self.index is None else self._batch_done(b"")
         fixed = self._payload(payload)
+        if self._drop:
+            self._drop = False
+            return b""
         return None if fixed is None else b"data: " + wire.dumps(fixed) + b"\n\n"
 
     def _check_size(self, more: int) -> None:
@@ -382,8 +658,12 @@ class SseRelay:
         others = [line for line in lines if not line.startswith(b"data:")]
         if payload == b"[DONE]":
             self.done = True
-            return b"".join(line + b"\n" for line in others) + b"data: [DONE]\n\n"
+            prefix = b"".join(line + b"\n" for line in others)
+            return prefix + b"data: [DONE]\n\n" if self.index is None else self._batch_done(prefix)
         fixed = self._payload(payload)
+        if self._drop:
+            self._drop = False
+            return b""
         if fixed is None:
             return b"\n".join(lines) + b"\n\n"  # relay the engine's bytes
         return b"".join(line + b"\n" for line in others) + b"data: " + wire.dumps(fixed) + b"\n\n"
@@ -403,9 +683,18 @@ class SseRelay:
         error = obj.get("error")
         if isinstance(error, dict):
             self.error = error
+            etype = error.get("type")
+            if isinstance(etype, str) and etype in _OPENAI_ERROR_TYPES:
+                # vLLM's class name (BadRequestError) becomes OpenAI's type; message and param stay.
+                error["type"] = _OPENAI_ERROR_TYPES[etype]
+                return obj
             return None
         usage = obj.get("usage")
-        if obj.get("model", self.model) == self.model and "kv_transfer_params" not in obj and usage is None:
+        index = self.index
+        if (
+            obj.get("model", self.model) == self.model and "kv_transfer_params" not in obj and usage is None
+            and index is None
+        ):
             return None
         if "model" in obj:
             obj["model"] = self.model
@@ -413,5 +702,34 @@ class SseRelay:
         if isinstance(usage, dict):
             if self.pd:
                 _normalise_usage(usage, self.cached_tokens)
-            self.usage = usage
+            self.usage = usage if index is None else merge_usage(self.prior_usage, usage)
+        if index is not None:
+            if "id" in obj:
+                if self.response_id is None:
+                    self.response_id = obj["id"]
+                else:
+                    obj["id"] = self.response_id
+            choices = obj.get("choices")
+            if isinstance(choices, list):
+                if not choices and isinstance(usage, dict):
+                    # A usage-only event: held back, sent summed before the last [DONE].
+                    self._held = obj
+                    self._drop = True
+                    return obj
+                for choice in choices:
+                    if isinstance(choice, dict):
+                        choice["index"] = index + (_int(choice.get("index")) or 0)
         return obj
+
+    def _batch_done(self, prefix: bytes) -> bytes:
+        # A batch prompt's [DONE]: dropped but for the last prompt's, which
+        # follows one usage event with the whole batch's usage (when the
+        # engines sent usage at all).
+        if not self.last:
+            return b""
+        out = b""
+        held = self._held
+        if held is not None and self.usage is not None:
+            held["usage"] = self.usage
+            out = b"data: " + wire.dumps(held) + b"\n\n"
+        return out + prefix + b"data: [DONE]\n\n"

@@ -27,7 +27,7 @@ import attrs
 
 from . import journal, wire
 from .auth import Authenticator
-from .config import Config, EngineAddress
+from .config import Config, EngineAddress, is_ip_address
 from .contract import CHAT, COMPLETIONS, AcceptedRequest, Route, check_request
 from .errors import AuthError, ContractError, NarwhalError, RemoteProtocolError, TransitionError
 from .events import (
@@ -40,6 +40,7 @@ from .events import (
     CloseClient,
     Command,
     ControlDone,
+    EngineResolved,
     Event,
     FinishLeg,
     JournalHealth,
@@ -77,9 +78,12 @@ from .planning import (
     check_prefill_answer,
     decode_body,
     engine_error,
+    merge_answers,
     normalise_answer,
     prefill_body,
-    release_found_nothing,
+    release_body,
+    release_said,
+    release_unconfirmed,
 )
 from .stats import Stats
 
@@ -100,6 +104,16 @@ _REDACTED: Final = b"[redacted]"
 NOTHING_HELD: Final = (
     "the engine held no KV for this owner any more: pulled or freed by the decode engine, or its lease expired"
 )
+#: A decode leg (or a release carried by a decode request) starts only within
+#: this share of ``engine.kv_lease_s`` after the prefill's answer; the rest
+#: covers its way to the decode engine's scheduler and, on vLLM with KV
+#: leases, the decode engine's first lease renewal, sent every sixth of the
+#: lease (docs/operate.md, "KV leases").
+_LEASE_START_SHARE: Final = 2.0 / 3.0
+#: A KV record's ``error`` when its lease ran short before a decode request could carry it.
+LEASE_SHORT: Final = "its lease was running short before a decode request could carry it"
+#: Failures that mean a control request never reached the engine (nothing was sent).
+_NOT_SENT: Final = ("connection refused", "DNS failure", "connection failed", "connect timeout")
 
 # Why a leg failed -> (status, code) once retries are exhausted, per phase.
 _GIVE_UP: Final[dict[str, tuple[int, str]]] = {
@@ -108,6 +122,11 @@ _GIVE_UP: Final[dict[str, tuple[int, str]]] = {
     "connect_timeout": (503, "engine_unavailable"),
     "local_error": (503, "router_resources_exhausted"),
 }
+# An engine's 4xx that is not a verdict on the client's request: a timeout or
+# overload (another engine may take it), a credential, route or model name of
+# Narwhal's own. These fail the leg like a 5xx; any other 4xx is the client's
+# mistake (see Router._refused).
+_NOT_THE_CLIENTS: Final = frozenset({401, 403, 404, 408, 429})
 # Leg outcomes that say nothing about the engine's health.
 _NO_VERDICT: Final = frozenset({"cancelled", "local_error"})
 
@@ -138,6 +157,8 @@ class RouterStatistics:
     ready: bool
     #: Bytes of unfinished requests held across client connections.
     buffered_bytes: int = 0
+    #: Every engine's first health probe (sent at start) has finished.
+    engines_probed: bool = True
 
 
 # The per-request state below is plain classes, not attrs ones: compiled,
@@ -173,7 +194,7 @@ class _Conn:
 
 
 class _Kv:
-    __slots__ = ("handoff", "engine", "leg", "outcome", "method", "error", "release_id")
+    __slots__ = ("handoff", "engine", "leg", "outcome", "method", "error", "release_id", "start_by")
 
     def __init__(self, handoff: KvHandoff, engine: EngineState, leg: str) -> None:
         self.handoff = handoff
@@ -183,13 +204,16 @@ class _Kv:
         self.method: str | None = None
         self.error: str | None = None
         self.release_id: str | None = None
+        #: No decode request (leg or release) carries this KV from then on:
+        #: its lease may run out before it gets there (see Router._lease_ok).
+        self.start_by = math.inf
 
 
 class _Leg:
     __slots__ = (
         "bid", "phase", "attempt", "engine", "codec", "rid", "started", "data", "deadline", "timer", "armed",
         "status", "body", "outcome", "ended", "kv", "open", "streaming", "got_bytes", "fresh_retry", "orphan",
-        "held",
+        "held", "prompt",
     )
 
     def __init__(
@@ -222,6 +246,8 @@ class _Leg:
         #: Held back by the adapter for a client that is not reading
         #: (:class:`ClientStalled`): its time limit does not run.
         self.held = False
+        #: The batch prompt it serves (``None``: a one-prompt request).
+        self.prompt: int | None = None
 
 
 class _Request:
@@ -229,7 +255,7 @@ class _Request:
         "rid", "conn", "route", "client", "client_rid", "received", "stream", "accepted", "state", "attempts",
         "failed_on", "leg", "legs", "kv", "pending_releases", "admitted", "answered", "bytes_sent",
         "first_byte", "relay", "retry_phase", "pulled_cached_tokens", "waiting_for_slot", "terminal",
-        "status", "error", "usage", "timers",
+        "status", "error", "usage", "timers", "plain_decode", "prompts", "prompt", "answers", "prompt_base",
     )
 
     def __init__(
@@ -265,6 +291,19 @@ class _Request:
         self.error: ErrorRecord | None = None
         self.usage: dict[str, Any] | None = None
         self.timers: dict[str, list[Any]] = {}
+        #: The last prefill handed off no KV: the decode leg runs as a plain
+        #: request (docs/operate.md, "Prefill answers without KV").
+        self.plain_decode = False
+        #: A batch's prompts (``None``: one prompt), served one after another;
+        #: ``prompt`` is the current one's index, ``answers`` the finished
+        #: ones' answers (not streamed), ``prompt_base`` the attempts per
+        #: phase before the current prompt began (docs/operate.md, "Batch prompts").
+        self.prompts: list[Any] | None = accepted.prompts
+        self.prompt = 0
+        self.answers: list[dict[str, Any]] = []
+        self.prompt_base: dict[str, int] = {PREFILL: 0, DECODE: 0}
+        if self.prompts is not None:
+            accepted.body["prompt"] = self.prompts[0]
 
 
 class Router:
@@ -298,6 +337,7 @@ class Router:
             max_inflight_per_engine=e.max_inflight_per_engine,
             unhealthy_after=config.health.unhealthy_after,
             healthy_after=config.health.healthy_after,
+            kv_host_allowed=e.kv_host_allowed,
         )
         a = config.admission
         self.admission: Final = Admission(
@@ -337,6 +377,8 @@ class Router:
         self._journal_ok = True
         self._journal_problem: str | None = None
         self._probe_seq = 0
+        #: Prefill engines already warned about answers without KV (see _no_handoff).
+        self._no_kv_warned: set[str] = set()
         #: Bytes of unfinished requests held across client connections, and their bound.
         self._buffered = 0
         self._max_buffered: Final = config.ingress.max_buffered_bytes
@@ -348,9 +390,9 @@ class Router:
         self._transitions: Final = {
             key: (getattr(self, handler), handler, allowed) for key, (handler, allowed) in TRANSITIONS.items()
         }
-        interval = config.health.probe_interval_s
+        # Every engine is probed at once: /ready waits for answers (docs/operate.md).
         for engine in self.fleet.all():
-            self._arm("probe", engine, now + interval * engine.index / max(1, len(self.fleet.all())))
+            self._probe(engine)
 
     # ------------------------------------------------------------ public API
 
@@ -380,7 +422,11 @@ class Router:
         elif isinstance(event, LegFailed):
             leg = self._legs.get(event.leg)
             if leg is not None and leg.open:
-                self._leg_connection_failed(leg, event)
+                if leg.outcome is not None:
+                    leg.open = False  # a finished stream's connection broke: nothing is lost
+                    self._drop_tail(leg)
+                else:
+                    self._leg_connection_failed(leg, event)
         elif isinstance(event, ControlDone):
             self._control_done(event)
         elif isinstance(event, ShutdownRequested):
@@ -388,6 +434,8 @@ class Router:
         elif isinstance(event, AuthenticatorChanged):
             self._auth = event.authenticator
             self._log("keys_reloaded")
+        elif isinstance(event, EngineResolved):
+            self.fleet.resolved(event.engine, event.addresses)
         elif isinstance(event, JournalHealth):
             if event.ok != self._journal_ok:
                 self._log("journal_ok" if event.ok else "journal_failed", message=event.message)
@@ -442,6 +490,7 @@ class Router:
             draining=self._draining,
             ready=not self._ready_problems(),
             buffered_bytes=self._buffered,
+            engines_probed=self.fleet.all_probed(),
         )
 
     # --------------------------------------------------------------- timers
@@ -495,13 +544,14 @@ class Router:
             leg.timer = None
             if leg.deadline > now:
                 self._leg_deadline(leg, leg.deadline)
+            elif leg.outcome is not None:
+                self._drop_tail(leg)  # a finished stream's body that never ended
             elif not leg.held:  # (held: re-armed when its client catches up)
                 self._leg_broke(leg, "timeout")
         elif kind == "probe":
             self._probe(owner)
         elif kind == "shutdown":
-            for pending in list(self._requests.values()):
-                self._fire(pending, Input.ABANDON)
+            self._abandon_all()
             self._check_shutdown()
         else:
             req: _Request = owner
@@ -512,6 +562,8 @@ class Router:
                 self._fire(req, Input.QUEUE_TIMEOUT)
             elif kind == "wake":
                 self._fire(req, Input.WAKE)
+            elif kind == "lease" and req.state is State.DECODE_WAIT:
+                self._fire(req, Input.WAKE)  # its KV's lease runs short: _start_leg prefills it again
 
     # ----------------------------------------------------- client connections
 
@@ -525,9 +577,9 @@ class Router:
         )
         conn = _Conn(handle=event.conn, codec=codec, peer_host=event.peer_host)
         self._conns[event.conn] = conn
-        if self._draining:
-            self._close(conn)
-            return
+        # While draining too: until the adapter closes its listener, a new
+        # client's request gets its answer (503 shutting_down, journalled),
+        # not a connection closed unanswered (docs/operate.md).
         conn.reading = True  # a new client must send its request head promptly
         self._wait_for_request(conn, i.header_timeout_s)
 
@@ -582,13 +634,31 @@ class Router:
         return e.prefill_timeout_s if phase == PREFILL else e.decode_timeout_s
 
     def _read_timeout(self, conn: _Conn) -> None:
-        # An idle keep-alive connection just closes; a half-sent request gets 408.
+        # An idle keep-alive connection just closes; a half-sent request gets
+        # 408, and its terminal record when it names a completion route (the
+        # rid in its answer must be in the journal: docs/operate.md).
         if conn.reading:
+            message = "Timed out reading the request."
+            rid = self._rid()
+            route = _COMPLETION_ROUTES.get((conn.codec.partial_target or "").partition("?")[0])
+            if route is not None:
+                self._journal_refused(rid, route, "invalid", NarwhalError(
+                    message, status=408, type="invalid_request_error", code="request_timeout"
+                ))
             self._send(conn, conn.codec.send_error_response(
-                408, self._error_headers(self._rid()),
-                _error_body("Timed out reading the request.", "request_timeout"),
+                408, self._error_headers(rid), _error_body(message, "request_timeout"),
             ))
         self._close(conn)
+
+    def _journal_refused(self, rid: str, route: Route, terminal: Terminal, error: NarwhalError) -> None:
+        """The terminal record of a completion request refused before it was read whole."""
+        wall = self._wall()
+        self._write_terminal(journal.TerminalRecord(
+            ts=wall, rid=rid, client_rid=None, client=None, route=route, model=None,
+            stream=False, mode=self._mode, terminal=terminal, status=error.status,
+            error=_error_record(error), legs=(), usage=None, received=wall,
+            duration_ms=0.0, ttft_ms=None, stripped=(),
+        ))
 
     def _client_data(self, handle: Hashable, data: bytes) -> None:
         conn = self._conns.get(handle)
@@ -654,13 +724,7 @@ class Router:
         route = _COMPLETION_ROUTES.get((conn.codec.partial_target or "").partition("?")[0])
         if route is not None:
             conn.rid = rid
-            wall = self._wall()
-            self._write_terminal(journal.TerminalRecord(
-                ts=wall, rid=rid, client_rid=None, client=None, route=route, model=None,
-                stream=False, mode=self._mode, terminal="rejected", status=503,
-                error=_error_record(error), legs=(), usage=None, received=wall,
-                duration_ms=0.0, ttft_ms=None, stripped=(),
-            ))
+            self._journal_refused(rid, route, "rejected", error)
         self._send(conn, conn.codec.send_error_response(
             503, (*self._error_headers(rid), (b"retry-after", self._retry_after)), _error_body(message, "overloaded")
         ))
@@ -668,23 +732,20 @@ class Router:
 
     def _bad_request(self, conn: _Conn, exc: RemoteProtocolError) -> None:
         if exc.reason != "dropped":
-            message = {413: "Request body too large.", 431: "Request header fields too large."}.get(
-                exc.status, "Malformed HTTP request."
+            message = {
+                413: "Request body too large.", 431: "Request header fields too large.",
+                505: "HTTP version not supported; use HTTP/1.1.",
+            }.get(exc.status, "Malformed HTTP request.")
+            code = {413: "body_too_large", 431: "headers_too_large", 505: "http_version_not_supported"}.get(
+                exc.status, "bad_http_request"
             )
-            code = {413: "body_too_large", 431: "headers_too_large"}.get(exc.status, "bad_http_request")
             rid = self._rid()
             route = _COMPLETION_ROUTES.get((exc.target or "").partition("?")[0])
             if route is not None:
-                # A completion request whose head parsed: journalled (SPEC §5).
+                # Its request line named a completion route: journalled (docs/operate.md).
                 conn.rid = rid
                 error = NarwhalError(message, status=exc.status, type="invalid_request_error", code=code)
-                wall = self._wall()
-                self._write_terminal(journal.TerminalRecord(
-                    ts=wall, rid=rid, client_rid=None, client=None, route=route, model=None,
-                    stream=False, mode=self._mode, terminal="invalid", status=exc.status,
-                    error=_error_record(error), legs=(), usage=None, received=wall,
-                    duration_ms=0.0, ttft_ms=None, stripped=(),
-                ))
+                self._journal_refused(rid, route, "invalid", error)
             self._send(conn, conn.codec.send_error_response(
                 exc.status, self._error_headers(rid), _error_body(message, code)
             ))
@@ -774,6 +835,9 @@ class Router:
         for phase in self._phases:
             if not self.fleet.has_healthy(phase):
                 problems.append(f"no healthy {phase} engine")
+            elif not self.fleet.has_answered(phase):
+                # Never reached yet (a typo'd host looks healthy until its probes fail).
+                problems.append(f"no {phase} engine has answered yet")
         return problems
 
     # ----------------------------------------------------- completion ingress
@@ -786,7 +850,9 @@ class Router:
             self._denied(conn, rid, route, client_rid, exc)
             return
         try:
-            accepted = check_request(route, request.body, self._names, self._model)
+            accepted = check_request(
+                route, request.body, self._names, self._model, max_prompts=self.config.ingress.max_batch_prompts
+            )
         except ContractError as exc:
             self._refuse(conn, rid, route, client_rid, client, "invalid", exc)
             return
@@ -883,15 +949,92 @@ class Router:
             self._fire(req, Input.RELEASED)
 
     def _force_end(self, req: _Request, why: str) -> None:
-        # Fail closed: stop everything the request holds and journal it.
         self._log("internal_error", rid=req.rid, problem=why)
+        self._fail_closed(req)
+
+    def _fail_closed(self, req: _Request) -> None:
+        # Fail closed: stop everything the request holds, answer its client
+        # 500 internal_error if it has no answer yet (a stream gets its error
+        # event), free its slot and journal it. Its unpulled KV is left to the
+        # engine's lease: the request's state cannot be trusted to release it.
         if req.leg is not None:
             self._stop_leg(req.leg, "cancelled")
         self._stop_orphans(req)
+        if not req.answered:
+            if req.state is State.QUEUED:
+                self.admission.leave_queue(req.rid, req.client)
+            self._end(req, "failed", NarwhalError("Internal router error.", status=500, code="internal_error"),
+                      sent=req.bytes_sent)
+            conn = self._live_conn(req)
+            if conn is not None:
+                try:
+                    self._send_error(req)
+                except Exception:  # noqa: BLE001 - the connection's state is what failed
+                    if not req.bytes_sent:
+                        self._send_internal_error(conn, req.rid)
+                self._close(conn)  # what it was in the middle of cannot be trusted either
+            self._after_answer(req)
+        elif req.terminal is None:
+            self._end(req, "failed", NarwhalError("Internal router error.", status=500, code="internal_error"))
         req.pending_releases = 0
-        self._end(req, "failed", NarwhalError("Internal router error.", status=500, code="internal_error"))
         req.state = State.DONE
         self._write_request_terminal(req)
+
+    def contain_failure(self, event: Event | None, problem: str, trace: str | None = None) -> None:
+        """The adapter caught ``problem``, raised by :meth:`receive` on ``event`` (``None``: :meth:`handle_deadline`).
+
+        The request the event concerns ends ``failed`` with 500
+        ``internal_error`` and its terminal record; a connection with no
+        request yet is answered 500 and closed. One ``internal_error`` log
+        line names the request and carries ``trace``. Everything else goes
+        on; drain :meth:`next_output` as after any event.
+        """
+        req = self._request_of(event)
+        fields: dict[str, Any] = {
+            "rid": None if req is None else req.rid, "problem": problem,
+            "during": "deadline" if event is None else type(event).__name__,
+        }
+        if trace:
+            fields["traceback"] = trace
+        self._log("internal_error", **fields)
+        if req is not None:
+            self._fail_closed(req)
+            return
+        handle = getattr(event, "conn", None)
+        conn = self._conns.get(handle) if handle is not None else None
+        if conn is not None and not conn.closed:
+            self._send_internal_error(conn, None)
+            self._close(conn)
+
+    def _send_internal_error(self, conn: _Conn, rid: str | None) -> None:
+        try:
+            self._send(conn, conn.codec.send_error_response(500, self._error_headers(rid), _error_body(
+                "Internal router error.", "internal_error", "server_error")))
+        except Exception:  # noqa: BLE001 - a response had begun: closing is all that is left
+            pass
+
+    def _request_of(self, event: Event | None) -> _Request | None:
+        """The unfinished request ``event`` is about, if any (a client's, or one of its legs')."""
+        if isinstance(event, (ClientData, ClientGone, ClientStalled, ClientConnected)):
+            handle = event.conn
+            conn = self._conns.get(handle)
+            if conn is not None and conn.rid is not None:
+                return self._requests.get(conn.rid)
+            for req in self._requests.values():
+                if req.conn is not None and req.conn.handle == handle:
+                    return req
+        elif isinstance(event, (LegData, LegFailed)):
+            leg = self._legs.get(event.leg)
+            if leg is not None:
+                return self._requests.get(leg.rid)
+            for req in self._requests.values():
+                if any(leg.bid == event.leg for leg in req.legs):
+                    return req
+        elif isinstance(event, ControlDone):
+            control = self._controls.get(event.key)
+            if control is not None and control[0] == "release":
+                return self._requests.get(control[1][0].rid)
+        return None
 
     # handlers: each returns the request's next state
 
@@ -907,6 +1050,10 @@ class Router:
         return self._start_leg(req, req.retry_phase)
 
     def _prefill_ok(self, req: _Request) -> State:
+        kv = req.kv
+        if kv is not None:
+            # Its lease runs from the prefill's answer (docs/operate.md, "KV leases").
+            kv.start_by = self._now + self.config.engine.kv_lease_s * _LEASE_START_SHARE
         return self._start_leg(req, DECODE)
 
     def _first_bytes(self, req: _Request) -> State:
@@ -917,6 +1064,20 @@ class Router:
         if kv is not None:
             kv.outcome, kv.method = "pulled", "decode"
             req.kv = None
+        prompts = req.prompts
+        if prompts is not None:
+            if req.stream:
+                assert req.relay is not None
+                if req.prompt + 1 < len(prompts) and req.relay.error is None:
+                    req.usage = req.relay.usage
+                    return self._next_prompt(req)
+            else:
+                assert answer is not None
+                req.answers.append(answer)
+                if req.prompt + 1 < len(prompts):
+                    return self._next_prompt(req)
+                answer = merge_answers(req.answers)
+                req.answers = []
         conn = self._live_conn(req)
         if req.stream:
             relay = req.relay
@@ -945,9 +1106,27 @@ class Router:
                 ), body))
         return self._after_answer(req)
 
+    def _next_prompt(self, req: _Request) -> State:
+        """The current batch prompt is answered: the next one gets its own legs (docs/operate.md, "Batch prompts")."""
+        assert req.prompts is not None
+        req.prompt += 1
+        req.accepted.body["prompt"] = req.prompts[req.prompt]
+        req.prompt_base = dict(req.attempts)
+        req.plain_decode = False
+        req.pulled_cached_tokens = None
+        return self._start_leg(req, self._first_phase)
+
     def _refused(self, req: _Request, error: NarwhalError, leg: _Leg) -> State:
-        self._release(req)
-        return self._fail(req, error, leg=leg)
+        # The engine judged the request itself bad (a bad temperature, a
+        # prompt longer than the context...): the client's mistake, answered
+        # 400 with the engine's message and param, journalled `invalid` with
+        # the leg and engine; never retried elsewhere (docs/operate.md).
+        self._stop(req)  # releases the prefilled KV no decode leg pulled
+        self._end(req, "invalid", NarwhalError(
+            error.message, status=400, type="invalid_request_error", param=error.param, code=error.code,
+        ), leg=leg, sent=req.bytes_sent)  # (sent: a batch's earlier prompts streamed already)
+        self._send_error(req)
+        return self._after_answer(req)
 
     def _leg_failed(self, req: _Request, reason: str, leg: _Leg, error: NarwhalError | None = None) -> State:
         phase = leg.phase
@@ -957,7 +1136,10 @@ class Router:
         if phase == PREFILL:
             retry_phase = PREFILL
         r = self.config.retry
-        if req.attempts[retry_phase] < r.max_attempts and self.fleet.has_healthy(retry_phase) and (
+        # (Attempts count per prompt of a batch: prompt_base is what earlier prompts used.)
+        if req.attempts[retry_phase] - req.prompt_base[retry_phase] < r.max_attempts and self.fleet.has_healthy(
+            retry_phase
+        ) and (
             retry_phase == DECODE or self.fleet.has_healthy(DECODE)
         ):
             req.retry_phase = retry_phase
@@ -977,7 +1159,9 @@ class Router:
                 "descriptors, memory or local ports."
             )
         else:
-            message = f"The {phase} leg failed ({reason}) after {req.attempts[phase]} attempt(s)."
+            message = (
+                f"The {phase} leg failed ({reason}) after {req.attempts[phase] - req.prompt_base[phase]} attempt(s)."
+            )
         return self._fail(req, NarwhalError(message, status=status, code=code), leg=leg)
 
     def _stream_failed(self, req: _Request, reason: str, leg: _Leg, error: NarwhalError | None = None) -> State:
@@ -1048,7 +1232,10 @@ class Router:
         for leg in req.legs:
             kv = leg.kv
             if kv is not None and kv.outcome is None:
-                kv.outcome, kv.method, kv.error = "held_until_lease", kv.method or "lease", "shutdown before release"
+                if kv.method is not None and kv.method != "lease":
+                    kv.outcome, kv.error = "release_sent", "shutdown before the release was confirmed"
+                else:
+                    kv.outcome, kv.method, kv.error = "held_until_lease", "lease", "shutdown before release"
         req.pending_releases = 0
         self._write_request_terminal(req)
         return State.DONE
@@ -1117,7 +1304,9 @@ class Router:
             self.admission.release(req.client)
             self._admit_from_queue()
         req.conn = None
-        self._disarm_request(req, "deadline", "queue", "wake")
+        self._disarm_request(req, "deadline", "queue", "wake", "lease")
+        if self._slot_waiters[PREFILL]:
+            self._wake_prefills()  # it may have been the last one waiting for a decode engine
         return State.RELEASING
 
     def _write_request_terminal(self, req: _Request) -> None:
@@ -1146,7 +1335,7 @@ class Router:
             duration = _ms((now if leg.ended is None else leg.ended) - leg.started)
             legs.append(journal.leg_json(
                 leg.phase, leg.attempt, leg.bid, leg.engine.url, leg.status, outcome,
-                leg.started + offset, duration, kv_line,
+                leg.started + offset, duration, kv_line, leg.prompt,
             ))
             stats.observe_leg(leg.phase, outcome, leg.attempt, duration, kv_counted)
         received = req.received + offset
@@ -1181,17 +1370,31 @@ class Router:
     # ----------------------------------------------------------------- legs
 
     def _start_leg(self, req: _Request, phase: Phase) -> State:
-        engine = self.fleet.pick(phase, req.failed_on[phase])
+        if phase == DECODE:
+            kv = req.kv
+            if kv is not None and self._now >= kv.start_by:
+                return self._lease_ran_short(req, kv)  # never decode from KV whose lease may be gone
+            engine = self.fleet.pick(phase, req.failed_on[phase])
+        elif self._pd and self._decode_backlog():
+            engine = None  # prefilled requests waiting for a decode engine go first (docs/operate.md, "KV leases")
+        else:
+            engine = self.fleet.pick(phase, req.failed_on[phase])
         if engine is None:
             if self.fleet.has_healthy(phase):
                 req.waiting_for_slot = True
                 req.retry_phase = phase
                 self._slot_waiters[phase].append(req.rid)
-                return State.PREFILL_WAIT if phase == PREFILL else State.DECODE_WAIT
+                if phase == PREFILL:
+                    return State.PREFILL_WAIT
+                if req.kv is not None:
+                    self._arm_request(req, "lease", req.kv.start_by)
+                return State.DECODE_WAIT
             return self._fail(req, NarwhalError(
                 f"No healthy {phase} engine is available.", status=503, code="engine_unavailable"
             ))
         req.waiting_for_slot = False
+        if phase == DECODE and "lease" in req.timers:
+            self._disarm_request(req, "lease")
         attempt = req.attempts[phase] + 1
         req.attempts[phase] = attempt
         bid = backend_id(req.rid, phase, attempt)
@@ -1215,6 +1418,8 @@ class Router:
         self._legs[bid] = leg
         req.leg = leg
         req.legs.append(leg)
+        if req.prompts is not None:
+            leg.prompt = req.prompt
         self.fleet.leg_started(engine)
         self._out.append(StartLeg(
             bid, engine.address, data, None if req.conn is None else req.conn.handle,
@@ -1235,6 +1440,9 @@ class Router:
             leg.got_bytes = True  # the engine saw the request: never re-send it
         codec = leg.codec
         codec.receive_data(data)
+        if leg.outcome is not None:
+            self._read_tail(leg)
+            return
         req = self._requests[leg.rid]
         while leg.open:
             try:
@@ -1248,6 +1456,9 @@ class Router:
             if kind is BodyData:
                 if leg.streaming:
                     self._relay(req, leg, event.data)  # type: ignore[union-attr]
+                    if leg.outcome is not None and leg.open:
+                        self._read_tail(leg)  # [DONE] came: what follows is dropped
+                        return
                 else:
                     leg.body.append(event.data)  # type: ignore[union-attr]
             elif kind is ResponseHead:
@@ -1257,17 +1468,24 @@ class Router:
                     kv = req.kv
                     if req.stream:
                         leg.streaming = True
+                        previous = req.relay
                         req.relay = SseRelay(
-                            route=req.route, model=self._model, pd=self._pd,
+                            route=req.route, model=self._model, pd=self._pd and not req.plain_decode,
                             cached_tokens=None if kv is None else kv.handoff.cached_tokens,
                             redact=self._secret,
                         )
-                    if kv is not None:
-                        # A decode engine answers 2xx once it has the KV: the
-                        # handoff happened, whatever becomes of the body.
-                        kv.outcome, kv.method = "pulled", "decode"
-                        req.pulled_cached_tokens = kv.handoff.cached_tokens
-                        req.kv = None
+                        if req.prompts is not None:
+                            # One prompt of a batch: indexes rewritten, one [DONE] at the end.
+                            req.relay.batch(
+                                req.prompt, req.prompt + 1 == len(req.prompts), req.usage,
+                                None if previous is None else previous.response_id,
+                            )
+                    if kv is not None and not req.stream:
+                        # A whole answer's head comes after the generation: the
+                        # decode engine had the KV. A stream's head proves nothing
+                        # (vLLM sends it before the request reaches its engine):
+                        # its KV counts as pulled at the first data event (_relay).
+                        self._kv_pulled(req, kv)
             elif kind is ResponseEnd:
                 leg.open = False
                 self._out.append(FinishLeg(leg.bid, event.reusable))  # type: ignore[union-attr]
@@ -1286,8 +1504,89 @@ class Router:
             return
         # (_leg_limit(phase, True), read directly: this runs once per relayed chunk)
         self._leg_deadline(leg, self._now + self.config.engine.stream_idle_timeout_s)
+        kv = req.kv
+        if kv is not None and relay.events and relay.error is None:
+            # The first data event: the decode engine sampled a token, so it had the KV.
+            self._kv_pulled(req, kv)
         if out:
             self._relay_out(req, out)
+        if relay.done and leg.outcome is None:
+            self._stream_done(req, leg)
+
+    def _kv_pulled(self, req: _Request, kv: _Kv) -> None:
+        kv.outcome, kv.method = "pulled", "decode"
+        req.pulled_cached_tokens = kv.handoff.cached_tokens
+        req.kv = None
+
+    def _note_connector(self, url: str, params: dict[str, Any]) -> None:
+        """Record the NIXL connector version a prefill engine's answer shows; warn once about version 1."""
+        version = 2 if "remote_request_id" in params else 1
+        known = self.stats.kv_connector.get(url)
+        self.stats.kv_connector[url] = version
+        if version == 1 and known != 1:
+            self._log(
+                "kv_connector_v1", level="warning", engine=url,
+                consequence="its answers carry no remote_request_id (NIXL connector version 1): the decode "
+                            "engine asks it to free the blocks by the decode leg's own request ID, which differs "
+                            "from the prefill leg's, so every request's KV stays held until the engine's timeout "
+                            "(VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 120 s or 480 s)",
+                fix="run vLLM 0.14 or later (connector version 2, remote_request_id) on every engine",
+            )
+
+    def _stream_done(self, req: _Request, leg: _Leg) -> None:
+        """``data: [DONE]`` is relayed: the client's answer is complete.
+
+        Its chunked body ends now and the request is ``completed``, whenever
+        the engine's body ends (a client such as the openai SDK closes as
+        soon as it reads ``[DONE]``). The leg is done too; its connection is
+        still read, what comes is dropped, and it goes back to the pool if
+        the body ends cleanly within the stream idle limit, else it is
+        closed (:meth:`_read_tail`).
+        """
+        # The leg's outcome is settled; it stays in self._legs (fed LegData
+        # and LegFailed) and counts against its engine until its body ends.
+        leg.outcome = "ok"
+        leg.ended = self._now
+        leg.held = False
+        self.fleet.record_success(leg.engine, probe=False)
+        if req.leg is leg:
+            req.leg = None
+        self._leg_deadline(leg, self._now + self.config.engine.stream_idle_timeout_s)
+        if req.state is State.STREAMING or req.state is State.DECODE:
+            self._fire(req, Input.LEG_OK)
+
+    def _read_tail(self, leg: _Leg) -> None:
+        """Read a finished stream's leg to the end of its body, dropping what comes (see :meth:`_stream_done`)."""
+        codec = leg.codec
+        while leg.open:
+            try:
+                event = codec.next_event()
+            except RemoteProtocolError:
+                self._drop_tail(leg)
+                return
+            if event is NEED_DATA:
+                return
+            if type(event) is ResponseEnd:
+                leg.open = False
+                self._out.append(FinishLeg(leg.bid, event.reusable))
+                self._tail_ended(leg)
+                return
+
+    def _drop_tail(self, leg: _Leg) -> None:
+        """Close a finished stream's leg whose body did not end cleanly (no verdict on the engine)."""
+        if leg.open:
+            leg.open = False
+            self._out.append(CancelLeg(leg.bid))
+        self._tail_ended(leg)
+
+    def _tail_ended(self, leg: _Leg) -> None:
+        if self._legs.pop(leg.bid, None) is None:
+            return
+        self._disarm(leg.timer)
+        leg.timer = None
+        self.fleet.leg_ended(leg.engine)
+        if self._slot_waiters[leg.phase]:
+            self._wake_slot_waiter(leg.phase)
 
     def _relay_out(self, req: _Request, out: bytes) -> None:
         conn = self._live_conn(req)
@@ -1305,6 +1604,10 @@ class Router:
                 *_SSE_HEADERS, (b"x-request-id", req.rid.encode()),
             )))
             self._fire(req, Input.FIRST_BYTES)
+        elif req.state is State.DECODE:
+            # A later prompt of a batch streams its first event: from now on
+            # its decode leg cannot be retried (docs/operate.md, "Batch prompts").
+            self._fire(req, Input.FIRST_BYTES)
         self._send(conn, conn.codec.send_stream_data(out))
 
     def _leg_answered(self, req: _Request, leg: _Leg) -> None:
@@ -1321,13 +1624,22 @@ class Router:
         if 200 <= status < 300:
             if leg.phase == PREFILL:
                 try:
-                    handoff = check_prefill_answer(body, leg.bid, self.config.engine.kv_host_allowed)
+                    handoff = check_prefill_answer(
+                        body, leg.bid, self._kv_host_allowed,
+                        require_request_id=self.stats.kv_connector.get(leg.engine.url) == 2,
+                    )
                 except PrefillAnswerError as exc:
                     self._leg_done(leg, "bad_kv", failed=True)
                     self._fire(req, Input.LEG_FAILED, reason="bad_kv", leg=leg, error=exc)
                     return
+                if handoff.params is not None:
+                    self._note_connector(leg.engine.url, handoff.params)
                 self._leg_done(leg, "ok")
-                leg.kv = req.kv = _Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
+                if handoff.params is None:
+                    self._no_handoff(req, leg, handoff)
+                else:
+                    req.plain_decode = False
+                    leg.kv = req.kv = _Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
                 self._fire(req, Input.LEG_OK)
             elif leg.streaming:
                 relay = req.relay
@@ -1349,15 +1661,39 @@ class Router:
                     return
                 self._leg_done(leg, "ok")
                 normalise_answer(
-                    req.route, answer, self._model, pd=self._pd, cached_tokens=req.pulled_cached_tokens,
+                    req.route, answer, self._model, pd=self._pd and not req.plain_decode,
+                    cached_tokens=req.pulled_cached_tokens,
                 )
                 self._fire(req, Input.LEG_OK, answer=answer)
-        elif 400 <= status < 500:
+        elif 400 <= status < 500 and status not in _NOT_THE_CLIENTS:
             self._leg_done(leg, "refused")
             self._fire(req, Input.LEG_REFUSED, error=engine_error(status, body), leg=leg)
         else:
             self._leg_done(leg, "http_error", failed=True)
             self._fire(req, Input.LEG_FAILED, reason="http_error", leg=leg)
+
+    def _no_handoff(self, req: _Request, leg: _Leg, handoff: KvHandoff) -> None:
+        """A 2xx prefill answer with ``kv_transfer_params: null``: nothing to hand off.
+
+        The engine holds no KV (vLLM's connector keeps none when the one
+        token ended the sequence), so there is nothing to pull or release:
+        the leg's KV record says ``none`` and why, and the decode leg runs
+        as a plain request that recomputes the prompt. Never retried: a
+        greedy prefill would end the same way again (docs/operate.md).
+        """
+        kv = leg.kv = _Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
+        kv.outcome, kv.method, kv.error = "none", "none", handoff.reason
+        req.plain_decode = True
+        url = leg.engine.url
+        if handoff.finish_reason != "stop" and url not in self._no_kv_warned:
+            # Not the end-of-sequence case: an engine without a KV connector
+            # answers like this for every request. Said once per engine.
+            self._no_kv_warned.add(url)
+            self._log(
+                "prefill_without_kv", level="warning", engine=url, finish_reason=handoff.finish_reason,
+                fix="check the prefill engine's --kv-transfer-config (kv_role kv_producer or kv_both); "
+                    "until then every decode leg recomputes its prompt",
+            )
 
     def _leg_done(self, leg: _Leg, outcome: LegOutcome, *, failed: bool = False) -> None:
         """Account for a leg's end: engine load, health, the request's current leg."""
@@ -1370,7 +1706,8 @@ class Router:
         self.fleet.leg_ended(engine)
         req = self._requests.get(leg.rid)
         if failed:
-            self._engine_failed(engine)
+            self._engine_failed(engine, f"{leg.phase} leg: " + (
+                f"HTTP {leg.status}" if outcome == "http_error" and leg.status else outcome))
             if req is not None:
                 req.failed_on[leg.phase].append(engine)
         elif outcome not in _NO_VERDICT:
@@ -1382,6 +1719,8 @@ class Router:
 
     def _wake_slot_waiter(self, phase: Phase) -> None:
         waiters = self._slot_waiters[phase]
+        if phase == PREFILL and self._pd and self._decode_backlog():
+            return  # prefilled requests waiting for a decode engine go first
         while waiters:
             req = self._requests.get(waiters.popleft())
             if (
@@ -1391,7 +1730,35 @@ class Router:
                 and req.state in (State.PREFILL_WAIT, State.DECODE_WAIT)
             ):
                 self._fire(req, Input.WAKE)
+                leg = req.leg
+                if (leg is not None and leg.phase == phase) or (req.waiting_for_slot and req.retry_phase == phase):
+                    break  # it took the slot (or found none)
+                # It went elsewhere (its KV's lease ran short: prefilled again): the slot is still free.
+        if phase == DECODE and self._slot_waiters[PREFILL]:
+            self._wake_prefills()
+
+    def _decode_backlog(self) -> bool:
+        """Whether a prefilled request waits for a decode engine's slot (the head of its queue; stale heads dropped)."""
+        waiters = self._slot_waiters[DECODE]
+        while waiters:
+            req = self._requests.get(waiters[0])
+            if (
+                req is not None
+                and req.waiting_for_slot
+                and req.retry_phase == DECODE
+                and req.state is State.DECODE_WAIT
+            ):
+                return True
+            waiters.popleft()
+        return False
+
+    def _wake_prefills(self) -> None:
+        """Start the prefills held back behind the decode backlog, as many as the prefill engines take."""
+        waiters = self._slot_waiters[PREFILL]
+        for _ in range(len(waiters)):
+            if not waiters or (self._pd and self._decode_backlog()) or not self.fleet.has_room(PREFILL):
                 return
+            self._wake_slot_waiter(PREFILL)
 
     def _stop_leg(self, leg: _Leg, outcome: LegOutcome) -> None:
         if leg.open:
@@ -1415,13 +1782,16 @@ class Router:
     def _orphan_answered(self, req: _Request, leg: _Leg, status: int, body: bytes) -> None:
         if 200 <= status < 300:
             try:
-                handoff = check_prefill_answer(body, leg.bid, self.config.engine.kv_host_allowed)
+                handoff = check_prefill_answer(body, leg.bid, self._kv_host_allowed)
             except PrefillAnswerError:
                 self._leg_done(leg, "bad_kv", failed=True)
             else:
                 self._leg_done(leg, "ok")
-                leg.kv = req.kv = _Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
-                self._release(req)
+                if handoff.params is None:
+                    self._no_handoff(req, leg, handoff)  # nothing held: nothing to release
+                else:
+                    leg.kv = req.kv = _Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
+                    self._release(req)
         else:
             self._leg_done(leg, "refused" if 400 <= status < 500 else "http_error", failed=status >= 500)
         self._orphan_settled(req)
@@ -1437,7 +1807,7 @@ class Router:
                 self._stop_leg(leg, "cancelled")
 
     def _leg_connection_failed(self, leg: _Leg, event: LegFailed) -> None:
-        if event.reused and not leg.got_bytes and not leg.fresh_retry:
+        if event.reused and not leg.got_bytes and not leg.fresh_retry and self._may_resend(leg):
             # A pooled connection the engine had closed: try once more on a
             # fresh one; the engine never saw the request.
             leg.fresh_retry = True
@@ -1463,8 +1833,47 @@ class Router:
 
     # ------------------------------------------------------------ KV release
 
-    def _release(self, req: _Request) -> None:
-        """Release the request's prefilled KV that no decode leg pulled (SPEC §3)."""
+    def _may_resend(self, leg: _Leg) -> bool:
+        """Whether a leg may go out again on a fresh connection: a decode leg not past its KV's ``start_by``."""
+        if leg.phase != DECODE:
+            return True
+        req = self._requests.get(leg.rid)
+        kv = None if req is None else req.kv
+        return kv is None or self._now < kv.start_by
+
+    def _lease_ran_short(self, req: _Request, kv: _Kv) -> State:
+        """No decode engine had room before the KV's ``start_by``: prefill again (a new attempt), or fail 503.
+
+        Never decode from KV whose lease may have run out: the prefill
+        engine may have handed its blocks to another request
+        (docs/operate.md, "KV leases").
+        """
+        req.waiting_for_slot = False
+        self._disarm_request(req, "lease")
+        retry = req.attempts[PREFILL] < self.config.retry.max_attempts
+        self._log(
+            "kv_lease_short", level="warning", rid=req.rid, engine=kv.engine.url, owner=kv.handoff.owner,
+            kv_lease_s=self.config.engine.kv_lease_s, then="prefill again" if retry else "fail 503",
+        )
+        self._release(req, LEASE_SHORT + ": no decode engine had room in time")
+        if retry:
+            return self._start_leg(req, PREFILL)
+        return self._fail(req, NarwhalError(
+            "No decode engine had room before the prefilled KV's lease ran short; try again later.",
+            status=503, code="kv_lease_expired",
+        ))
+
+    def _release(self, req: _Request, short: str = LEASE_SHORT) -> None:
+        """Release the request's prefilled KV that no decode leg pulled (docs/operate.md, "KV release in operation").
+
+        ``decode_pull`` (the default) sends a one-token decode request that
+        the decode engine runs, pulling the KV, which frees it on the prefill
+        engine; ``abort_endpoint`` asks the prefill engine's abort endpoint;
+        ``decode_abort`` sends a decode request and closes at once; ``lease``
+        does nothing. The outcome is settled by :meth:`_control_done`. A
+        decode request never carries KV past its ``start_by`` (``short``
+        says why in the record).
+        """
         kv = req.kv
         if kv is None:
             return
@@ -1477,28 +1886,48 @@ class Router:
         timeout = self.config.engine.control_timeout_s
         if mode == "abort_endpoint":
             engine = kv.engine.address
-            body = wire.dumps({"request_id": kv.handoff.owner})
+            owner = kv.handoff.owner
+            # SGLang's AbortReq names the request "rid"; the simulator reads "request_id".
+            body = wire.dumps({"rid": owner, "request_id": owner})
             command = StartControl(
                 key, engine, "POST", self.config.engine.abort_path,
                 ((b"host", engine.authority), _JSON, *self._auth_header), body, timeout,
             )
         else:
+            if self._now >= kv.start_by:
+                kv.outcome, kv.method, kv.error = "held_until_lease", "lease", short
+                return
             target = self.fleet.pick(DECODE, req.failed_on[DECODE]) or next(
                 (e for e in self.fleet.engines[DECODE] if e.healthy), None
             )
             if target is None:
-                kv.outcome, kv.method, kv.error = "held_until_lease", "decode_abort", "no healthy decode engine"
+                kv.outcome, kv.method, kv.error = "held_until_lease", mode, "no healthy decode engine"
                 return
-            attempt = req.attempts[DECODE] + 1
-            req.attempts[DECODE] = attempt
-            bid = backend_id(req.rid, DECODE, attempt)
-            body = wire.dumps(decode_body(req.accepted.body, kv.handoff.params))
-            raw = self._codec.engine_connection(max_body_bytes=None).send_request(
-                "POST", req.route, self._leg_headers(target.address, bid), body
-            )
-            command = StartControl(
-                key, target.address, "POST", req.route, (), b"", timeout, drop_after_send=True, data=raw
-            )
+            params = kv.handoff.params
+            assert params is not None  # (a prefill that handed off nothing holds nothing: never req.kv)
+            if not isinstance(params.get("remote_request_id"), str):
+                # Params without remote_request_id (vLLM's NIXL connector before
+                # version 2): the decode engine names the KV to the prefill
+                # engine by its own request ID, which matches the prefill's
+                # only when both were sent the same X-Request-Id.
+                bid = kv.leg
+            else:
+                attempt = req.attempts[DECODE] + 1
+                req.attempts[DECODE] = attempt
+                bid = backend_id(req.rid, DECODE, attempt)
+            headers = self._leg_headers(target.address, bid)
+            if mode == "decode_pull":
+                command = StartControl(
+                    key, target.address, "POST", req.route, headers,
+                    wire.dumps(release_body(req.accepted.body, params)), timeout,
+                )
+            else:
+                raw = self._codec.engine_connection(max_body_bytes=None).send_request(
+                    "POST", req.route, headers, wire.dumps(decode_body(req.accepted.body, params))
+                )
+                command = StartControl(
+                    key, target.address, "POST", req.route, (), b"", timeout, drop_after_send=True, data=raw
+                )
             kv.release_id = bid
         kv.method = mode
         req.pending_releases += 1
@@ -1513,13 +1942,19 @@ class Router:
         ok = event.error is None and (event.status is None or 200 <= event.status < 300)
         if kind == "probe":
             engine: EngineState = owner
+            first = not engine.probed
+            engine.probed = True
             if event.local:
                 change = None  # Narwhal's own shortage: no verdict on the engine
                 self._shortage("health probe")
             elif ok and event.status is not None:
                 change = self.fleet.record_success(engine, probe=True)
             else:
-                change = self._engine_failed(engine)
+                reason = event.error if event.status is None else f"HTTP {event.status}"
+                if first and not engine.answered:
+                    self._log("engine_not_answering", level="warning", engine=engine.url, phase=engine.phase,
+                              reason=reason or "no answer")
+                change = self._engine_failed(engine, reason or "no answer")
             if not self._draining:
                 self._arm("probe", engine, self._now + self.config.health.probe_interval_s)
             if change == "up":
@@ -1527,17 +1962,43 @@ class Router:
                 self._wake_slot_waiter(engine.phase)
             return
         req, kv = owner
-        if ok:
-            kv.outcome = "released"
-            if kv.method == "abort_endpoint" and release_found_nothing(event.body):
-                # Nothing was left to free: not a leak, and not Narwhal's doing.
-                kv.error = NOTHING_HELD
-        else:
-            kv.outcome = "held_until_lease"
-            kv.error = event.error or f"release answered {event.status}"
+        kv.outcome, kv.error = self._release_outcome(kv.method, event)
         req.pending_releases -= 1
         if req.pending_releases == 0 and req.state is State.RELEASING:
             self._fire(req, Input.RELEASED)
+
+    def _release_outcome(self, method: str | None, event: ControlDone) -> tuple[str, str | None]:
+        """A release's KV outcome and error: ``released`` only when the engine confirmed it.
+
+        (docs/operate.md, "KV release in operation".) ``release_sent``: it
+        went out (or may have: a timeout) and nothing confirmed it;
+        ``held_until_lease``: it never reached the engine, or the engine
+        refused it.
+        """
+        status = event.status
+        if status is None:
+            error = event.error
+            if error is None:
+                return "release_sent", None  # decode_abort: written, and nothing comes back
+            if event.local or error.startswith(_NOT_SENT):
+                return "held_until_lease", error
+            return "release_sent", error
+        if method == "decode_pull":
+            why = release_unconfirmed(status, event.body)
+            return ("released", None) if why is None else ("release_sent", why)
+        if not 200 <= status < 300:
+            if status == 404:
+                return "held_until_lease", (
+                    f"release answered 404: the engine has no {self.config.engine.abort_path} "
+                    '(vLLM has none: use kv_release = "decode_pull")'
+                )
+            return "held_until_lease", f"release answered {status}"
+        said = release_said(event.body)
+        if said is True:
+            return "released", None
+        if said is False:
+            return "released", NOTHING_HELD  # nothing was left to free: not a leak, not Narwhal's doing
+        return "release_sent", "the engine took the abort and did not say whether it freed anything"
 
     # --------------------------------------------------------------- health
 
@@ -1549,18 +2010,39 @@ class Router:
         self._out.append(StartControl(
             key, engine.address, "GET", h.probe_path,
             ((b"host", engine.address.authority), *self._auth_header), b"", h.probe_timeout_s,
+            # A prefill engine's name is resolved at every probe: its addresses
+            # may name its KV side channel (docs/configure.md, engine.kv_hosts).
+            resolve=engine.phase == PREFILL and not is_ip_address(engine.address.host),
         ))
 
-    def _engine_failed(self, engine: EngineState) -> Any:
+    def _engine_failed(self, engine: EngineState, reason: str | None = None) -> Any:
         change = self.fleet.record_failure(engine)
         if change == "down":
-            self._log("engine_down", engine=engine.url, phase=engine.phase, failures=engine.failures)
+            self._log("engine_down", engine=engine.url, phase=engine.phase, failures=engine.failures,
+                      reason=reason or "failed")
         return change
+
+    def _kv_host_allowed(self, host: str) -> bool:
+        """The SSRF guard on a prefill answer's ``remote_host``; a refused value is logged once, with the fix."""
+        if self.fleet.kv_host_allowed(host):
+            return True
+        if self.fleet.first_refusal(host):
+            self._log(
+                "kv_host_refused", level="warning", remote_host=host[:200],
+                fix="if this is a prefill engine's KV side channel host (VLLM_NIXL_SIDE_CHANNEL_HOST), "
+                    "add it, or its network in CIDR form, to engine.kv_hosts",
+            )
+        return False
 
     # -------------------------------------------------------------- shutdown
 
     def _begin_shutdown(self) -> None:
         if self._draining:
+            # Asked again (a second signal): what is left is cut short now,
+            # as when the grace period ends, KV releases included.
+            self._abandon_all()
+            self._abandon_all()
+            self._check_shutdown()
             return
         self._draining = True
         self._log("draining", requests=len(self._requests))
@@ -1569,6 +2051,11 @@ class Router:
                 self._close(conn)
         self._arm("shutdown", self, self._now + self.config.shutdown.grace_s)
         self._check_shutdown()
+
+    def _abandon_all(self) -> None:
+        for pending in list(self._requests.values()):
+            if pending.state is not State.DONE:
+                self._fire(pending, Input.ABANDON)
 
     def _check_shutdown(self) -> None:
         if self._draining and not self._requests and not self._shutdown_reported:

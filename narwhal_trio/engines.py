@@ -31,6 +31,7 @@ import httpx
 import trio
 
 from narwhal.app import control_request
+from narwhal.engine_probe import addresses_of, describe_failure
 from narwhal_core import (
     ControlDone,
     Event,
@@ -40,6 +41,7 @@ from narwhal_core import (
     StartLeg,
     local_failure,
 )
+from narwhal_core.events import EngineResolved
 
 __all__ = ["Engines", "plain_socket", "close_socket", "send_all", "receive"]
 
@@ -314,6 +316,11 @@ class Engines:
         body = b""
         try:
             with trio.fail_after(cmd.timeout):
+                if cmd.resolve:
+                    # The engine's name, resolved at every probe: its addresses
+                    # may name its KV side channel (docs/configure.md).
+                    infos = await trio.socket.getaddrinfo(cmd.engine.host, cmd.engine.port, type=socket.SOCK_STREAM)
+                    await self._feed(EngineResolved(cmd.engine, addresses_of(infos)))
                 if cmd.drop_after_send:
                     stream = await trio.open_tcp_stream(cmd.engine.host, cmd.engine.port)
                     try:
@@ -322,12 +329,15 @@ class Engines:
                         stream.socket.close()
                 else:
                     if self._http is None:
-                        self._http = httpx.AsyncClient(trust_env=False)
+                        # identity: the answer's bytes are read raw (a KV release's is parsed).
+                        self._http = httpx.AsyncClient(trust_env=False, headers={"accept-encoding": "identity"})
                     status, body = await control_request(self._http, cmd)
+        except httpx.ConnectTimeout:
+            error = "connect timeout"  # nothing was sent (a KV release's record says so)
         except (trio.TooSlowError, httpx.TimeoutException):
             error = "timeout"
         except (OSError, httpx.HTTPError, trio.BrokenResourceError) as exc:
-            error = type(exc).__name__
+            error = describe_failure(exc)
             local = local_failure(exc)
         except BaseException:
             with trio.CancelScope(shield=True):

@@ -47,10 +47,15 @@ from narwhal.app import (
     HIGH_WATER,
     LINGER_BYTES,
     LINGER_S,
+    STOPPED_BY_SIGNAL,
     build_router,
+    contain,
+    journal_failure,
+    listen_failure,
     load_authenticator,
     log_listening,
     settle_gc,
+    startup_failure,
 )
 from narwhal.log import log_event
 from narwhal_core import (
@@ -111,7 +116,10 @@ class Server:
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
         self.config = config
         self.router = router or build_router(config, now=trio.current_time())
-        self.journal = JournalFile(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
+        try:
+            self.journal = JournalFile(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
+        except OSError as exc:
+            raise journal_failure(config.journal.path, exc) from None
         self._journal_ok = True
         self._send_timeout = config.ingress.send_timeout_s
         self._clients: dict[int, _Client] = {}
@@ -157,7 +165,10 @@ class Server:
         ``task_status.started`` receives the bound ``(host, port)``.
         """
         i = self.config.ingress
-        listeners = await trio.open_tcp_listeners(i.listen_port, host=i.listen_host)
+        try:
+            listeners = await trio.open_tcp_listeners(i.listen_port, host=i.listen_host)
+        except OSError as exc:
+            raise listen_failure(i.listen, exc) from None
         sock = listeners[0].socket
         host, port = sock.getsockname()[:2]
         self.address = (host, port)
@@ -178,8 +189,11 @@ class Server:
                 log_listening(self.config, host, port, RUNTIME, "trio")
                 task_status.started((host, port))
                 await self._drained.wait()
+                self._stop_accepting.set()
                 nursery.cancel_scope.cancel()
         finally:
+            for listener in listeners:
+                listener.socket.close()  # (closed already once drained)
             trio.lowlevel.remove_instrument(end_of_batch)
             self._flush_batch()  # what the last drain produced
             with trio.CancelScope(shield=True):
@@ -189,8 +203,13 @@ class Server:
             log_event("stopped", runtime=RUNTIME)
 
     def shutdown(self) -> None:
-        """Begin a graceful shutdown: stop accepting, drain, then :meth:`serve` returns."""
-        self._stop_accepting.set()
+        """Begin a graceful shutdown: drain, then :meth:`serve` returns.
+
+        Until the drain ends, new connections are still accepted: their
+        requests get 503 ``shutting_down`` (docs/operate.md). Called again
+        (a second signal), it cuts the drain short: what is left is
+        cancelled at once.
+        """
         self._feed_now(ShutdownRequested())
 
     def reload_keys(self) -> None:
@@ -210,7 +229,7 @@ class Server:
             await self._stop_accepting.wait()
             accepting.cancel_scope.cancel()
         for listener in listeners:
-            await listener.aclose()
+            listener.socket.close()
 
     async def _accept(self, listener: trio.SocketListener, limit: trio.Semaphore) -> None:
         assert self._nursery is not None
@@ -232,7 +251,10 @@ class Server:
 
     async def feed(self, event: Event) -> None:
         """Feed one event and act on the commands; wait if a client it fed is far behind."""
-        self.router.receive(event, now=trio.current_time())
+        try:
+            self.router.receive(event, now=trio.current_time())
+        except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
+            contain(self.router, event, exc)
         self._drain()
         if self._backlogged:
             backlogged, self._backlogged = self._backlogged, []
@@ -249,7 +271,10 @@ class Server:
 
     def _feed_now(self, event: Event) -> None:
         # For callers that must not block on a client socket (timer, cleanup).
-        self.router.receive(event, now=trio.current_time())
+        try:
+            self.router.receive(event, now=trio.current_time())
+        except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
+            contain(self.router, event, exc)
         self._drain()
         self._backlogged.clear()
 
@@ -461,7 +486,10 @@ class Server:
             now = trio.current_time()
             if now >= self._armed:
                 self._armed = math.inf
-                self.router.handle_deadline(now=now)
+                try:
+                    self.router.handle_deadline(now=now)
+                except Exception as exc:  # noqa: BLE001 - one bad timer must not stop the server
+                    contain(self.router, None, exc)
                 self._drain()
                 self._backlogged.clear()
                 if self._armed == math.inf:
@@ -528,32 +556,57 @@ def _nothing() -> None:
 def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:
     """``narwhal serve --runtime trio``: serve until SIGTERM/SIGINT, then drain and exit 0.
 
-    SIGHUP re-reads the API keys file without dropping traffic.
+    SIGHUP re-reads the API keys file without dropping traffic. A second
+    SIGTERM/SIGINT cancels what the drain has left at once (exit status
+    128 + its number: 130 for Ctrl-C); a third stops without waiting for
+    the router. A failure to start is one line on stderr, exit status 1.
     """
+    status = 0
+    serving = False
 
     async def main() -> None:
+        nonlocal status, serving
         server = Server(config)
-        async with trio.open_nursery() as nursery:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-                host, port = await nursery.start(server.serve)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async with trio.open_nursery() as nursery:
+
+                async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                    try:
+                        await server.serve(task_status=task_status)
+                    finally:
+                        nursery.cancel_scope.cancel()  # the signal loop below ends with it
+
+                host, port = await nursery.start(serve)
+                serving = True
                 settle_gc()
                 if on_ready is not None:
                     on_ready(host, port)
+                stops = 0
                 async for signum in signals:
                     if signum == signal.SIGHUP:
                         server.reload_keys()
                         continue
+                    stops += 1
                     log_event("signal", signal=signal.Signals(signum).name)
-                    server.shutdown()
-                    break
-            # serve() returns once draining completes (or the grace period ends).
+                    if stops == 1:
+                        server.shutdown()  # serve() returns once the drain completes
+                    elif stops == 2:
+                        status = STOPPED_BY_SIGNAL + signum
+                        server.shutdown()  # cut the drain short
+                    else:
+                        nursery.cancel_scope.cancel()  # serve() still writes the journal out
 
     try:
         trio.run(main)
-    except OSError as exc:
-        print(f"narwhal: cannot listen on {config.ingress.listen}: {exc.strerror or exc}", file=sys.stderr)
+    except KeyboardInterrupt:  # a Ctrl-C before the signal handlers were in place
+        return STOPPED_BY_SIGNAL + signal.SIGINT
+    except BaseException as exc:
+        failure = None if serving else startup_failure(exc)
+        if failure is None:
+            raise
+        print(f"narwhal: {failure}", file=sys.stderr)
         return 1
-    return 0
+    return status
 
 
 def run_demo(config: Config, on_ready: Callable[[str, int], None]) -> int:

@@ -105,6 +105,12 @@ class RouterThread:
             raise TimeoutError("router did not start")
         if self._error is not None:
             raise self._error
+        # The router probes every engine at start and /ready waits for their
+        # answers: let the first probes finish (a dead engine's fails fast, or
+        # within health.probe_timeout_s), so a test starts from settled health.
+        deadline = time.monotonic() + self.config.health.probe_timeout_s + 5.0
+        while not self.statistics().engines_probed and time.monotonic() < deadline:
+            time.sleep(0.005)
         return self
 
     def stop(self, timeout: float = 20.0) -> None:

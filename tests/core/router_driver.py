@@ -589,6 +589,8 @@ class EngineLeg:
     sent: bytearray = attrs.field(factory=bytearray)
     #: The KV params this engine handed out in a complete 2xx prefill answer.
     kv_params: dict[str, Any] | None = None
+    #: Clock when it handed them out (the KV's lease runs from about then).
+    kv_at: float | None = None
     #: A streamed answer's head went out; events sent so far.
     stream_started: bool = False
     stream_sent: int = 0
@@ -617,6 +619,8 @@ class Control:
     cmd: StartControl
     step: int
     index: int
+    #: Clock when the router started it.
+    started_at: float = 0.0
     done: bool = False
     status: int | None = None
     error: str | None = None
@@ -836,7 +840,7 @@ class Driver:
             else:
                 leg.state = "finished"
         elif isinstance(cmd, StartControl):
-            control = Control(cmd, self.step, index)
+            control = Control(cmd, self.step, index, started_at=self.now)
             if cmd.drop_after_send:
                 control.parsed = parse_request(cmd.data)
             if cmd.key in self.controls and not self.controls[cmd.key].done:
@@ -926,6 +930,7 @@ class Driver:
         self.respond(bid, http_response(200, json.dumps(answer).encode()), pieces=pieces)
         if was_open and self.usable_kv(answer["kv_transfer_params"]):
             leg.kv_params = answer["kv_transfer_params"]
+            leg.kv_at = self.now
         return answer["kv_transfer_params"]  # type: ignore[no-any-return]
 
     def usable_kv(self, params: dict[str, Any]) -> bool:
@@ -1048,9 +1053,31 @@ class Driver:
         self.feed(ControlDone(key, status, error, local, body))
 
     def complete_releases(self, *, ok: bool = True, body: bytes = b"") -> None:
-        """Answer every pending KV release (``body``: what an abort endpoint answers)."""
+        """Answer every pending KV release (``body``: what an abort endpoint answers).
+
+        When ``ok`` and no ``body`` is given, a ``decode_pull`` release (a
+        one-token decode request) gets a one-token decode answer, and an
+        abort endpoint answers as the engine simulator does, confirming it
+        freed the blocks.
+        """
         for control in self.pending_controls("release"):
-            self.complete_control(control.cmd.key, status=200 if ok else 500, body=body)
+            answer = body
+            if ok and not body and self.is_decode_pull(control):
+                answer = self.release_answer(control)
+            elif ok and not body and not control.cmd.drop_after_send:
+                owner = json.loads(control.cmd.body).get("request_id")
+                answer = json.dumps({"request_id": owner, "released": True, "num_blocks": 15}).encode()
+            self.complete_control(control.cmd.key, status=200 if ok else 500, body=answer)
+
+    @staticmethod
+    def is_decode_pull(control: Control) -> bool:
+        """Whether a release control is a ``decode_pull`` (a whole decode request to a completion route)."""
+        return not control.cmd.drop_after_send and control.cmd.target in (COMPLETIONS, CHAT)
+
+    @staticmethod
+    def release_answer(control: Control) -> bytes:
+        """A decode engine's one-token answer to a ``decode_pull`` release."""
+        return json.dumps(decode_answer(control.cmd.target, text="T", completion_tokens=1)).encode()
 
     def shutdown(self) -> None:
         """SIGTERM."""
@@ -1094,6 +1121,7 @@ class Driver:
         problems.extend(f"log: {log.event} {log.fields}" for log in self.logs if log.event == "internal_error")
         if final:
             problems.extend(self._kv_problems())
+            problems.extend(self._lease_problems())
             problems.extend(self._response_problems())
         if problems:
             raise InvariantError("router invariants broken:\n  " + "\n  ".join(problems[:40]))
@@ -1270,7 +1298,7 @@ class Driver:
                 problems.append(f"{leg.bid}: prefill leg missing from its terminal record")
                 continue
             kv = records[-1]["kv"]
-            if kv is None or kv.get("outcome") not in ("pulled", "released", "held_until_lease"):
+            if kv is None or kv.get("outcome") not in ("pulled", "released", "release_sent", "held_until_lease"):
                 problems.append(f"{leg.bid}: returned KV params but ends with KV record {kv!r}")
                 continue
             if kv["owner"] != leg.kv_params.get("remote_request_id"):
@@ -1287,15 +1315,62 @@ class Driver:
                 if release is not None:
                     problems.append(f"{leg.bid}: KV both pulled and released ({release.cmd.key})")
             elif kv["outcome"] == "released":
-                if release is None or not release.ok:
-                    problems.append(f"{leg.bid}: KV 'released' without a successful release control")
+                if release is None or not release.ok or release.cmd.drop_after_send:
+                    problems.append(f"{leg.bid}: KV 'released' without a release control that confirmed it")
+            elif kv["outcome"] == "release_sent":
+                if release is None or not release.done:
+                    problems.append(f"{leg.bid}: KV 'release_sent' without a release control that went out")
             if release is not None:
                 problems.extend(self._release_problems(leg, release, mode))
         return problems
 
+    def _lease_problems(self) -> list[str]:
+        """No decode request -- leg, fresh-connection restart or release -- carries KV late in its lease.
+
+        A decode request may carry a prefill's KV only within the first two
+        thirds of ``engine.kv_lease_s`` after the prefill answered
+        (docs/operate.md, "KV leases"): never from KV whose lease may be gone.
+        """
+        window = self.config.engine.kv_lease_s * 2.0 / 3.0
+        source = {
+            leg.kv_params.get("remote_request_id"): leg
+            for leg in self.leg_history if leg.kv_params is not None and leg.kv_at is not None
+        }
+        carried: list[tuple[str, float, Any]] = [
+            (leg.bid, leg.started_at, leg.body.get("kv_transfer_params"))
+            for leg in self.leg_history if leg.phase == "decode" and isinstance(leg.body, dict)
+        ]
+        for control in self.controls.values():
+            if control.kind != "release":
+                continue
+            if control.parsed is not None:
+                body = control.parsed[3]
+            elif self.is_decode_pull(control):
+                body = json.loads(control.cmd.body)
+            else:
+                continue  # an abort endpoint: the prefill engine itself, no KV read
+            carried.append((control.cmd.key, control.started_at, body.get("kv_transfer_params")))
+        problems = []
+        for what, at, params in carried:
+            if not isinstance(params, dict):
+                continue
+            prefill = source.get(params.get("remote_request_id"))
+            if prefill is not None and prefill.kv_at is not None and at > prefill.kv_at + window + 1e-9:
+                problems.append(f"{what} carried {prefill.bid}'s KV at {at:g}, past {prefill.kv_at + window:g} "
+                                f"(two thirds of its {self.config.engine.kv_lease_s:g} s lease)")
+        return problems
+
     def _release_problems(self, leg: EngineLeg, release: Control, mode: str) -> list[str]:
         cmd = release.cmd
-        if mode == "abort_endpoint":
+        if mode == "decode_pull":
+            body = json.loads(cmd.body)
+            if cmd.drop_after_send or (cmd.method, cmd.target) != ("POST", leg.route) or \
+                    body.get("kv_transfer_params") != leg.kv_params or body.get("max_tokens") != 1 or \
+                    body.get("stream") is not False:
+                return [f"{leg.bid}: decode_pull {cmd.key} is not a one-token whole decode request carrying the KV"]
+            if cmd.engine not in self.router.config.engine.decode_engines:
+                return [f"{leg.bid}: decode_pull sent to {cmd.engine.url}, not a decode engine"]
+        elif mode == "abort_endpoint":
             body = json.loads(cmd.body)
             if (cmd.method, cmd.target, cmd.engine) != ("POST", self.config.engine.abort_path, leg.engine) or \
                     body.get("request_id") != leg.kv_params.get("remote_request_id"):  # type: ignore[union-attr]

@@ -163,10 +163,12 @@ DEFAULTS: dict[str, object] = {
     "ingress.max_connections": 20000,
     "ingress.max_buffered_bytes": 536870912,
     "ingress.busy_poll_us": 0,
+    "ingress.max_batch_prompts": 8,
     "engine.prefill": (),
     "engine.engine_api_key_env": None,
-    "engine.kv_release": "decode_abort",
+    "engine.kv_release": "decode_pull",
     "engine.abort_path": "/abort_request",
+    "engine.kv_lease_s": 30.0,
     "engine.kv_hosts": (),
     "engine.max_inflight_per_engine": 256,
     "engine.pool_connections_per_engine": 128,
@@ -617,7 +619,10 @@ MINIMUMS = {
 
 def test_minimums_table_covers_every_integer_key() -> None:
     ints = {f"{s}.{a.name}" for s, a in all_keys() if a.type is int}
-    assert set(MINIMUMS) | {"retry.max_attempts", "ingress.max_buffered_bytes", "ingress.busy_poll_us"} == ints
+    assert set(MINIMUMS) | {
+        "retry.max_attempts", "ingress.max_buffered_bytes", "ingress.busy_poll_us",
+        "ingress.max_batch_prompts",  # 1..1024: tests/core/test_router_prompts.py
+    } == ints
 
 
 def test_max_buffered_bytes_is_at_least_max_body_bytes() -> None:
@@ -671,7 +676,7 @@ def test_backoff_max_is_at_least_backoff_base() -> None:
     ("section", "name", "values"),
     [
         ("ingress", "auth", ["none", "api_keys", "trusted_header"]),
-        ("engine", "kv_release", ["abort_endpoint", "decode_abort", "lease"]),
+        ("engine", "kv_release", ["decode_pull", "abort_endpoint", "decode_abort", "lease"]),
         ("journal", "fsync", ["always", "interval", "never"]),
     ],
 )

@@ -75,7 +75,7 @@ json_values = st.recursive(
 )
 
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "min_completion_tokens")
-DROPPED = ("min_tokens", "min_completion_tokens", "stream_options")
+DROPPED = ("min_completion_tokens", "stream_options")
 
 REAL_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "model": st.just(MODEL),
@@ -139,18 +139,27 @@ def test_prefill_body_has_exactly_the_spec_edits(body: dict[str, Any]) -> None:
         assert "max_completion_tokens" not in out
     for key in DROPPED:
         assert key not in out
+    # min_tokens: 1 when the client asked for at least one token, else gone
+    # (the prefill's one token may end the sequence only if the client allowed it).
+    min_tokens = body.get("min_tokens")
+    wants_tokens = type(min_tokens) is int and min_tokens >= 1
+    if wants_tokens:
+        assert tagged(out["min_tokens"]) == ("int", 1)
+    else:
+        assert "min_tokens" not in out
 
     # Nothing else: every other key keeps its value and its relative order.
-    edited = {"max_tokens", "max_completion_tokens", "stream", "kv_transfer_params", *DROPPED}
+    edited = {"max_tokens", "max_completion_tokens", "stream", "kv_transfer_params", "min_tokens", *DROPPED}
     kept = [k for k in body if k not in edited]
     assert set(out) == set(kept) | {"max_tokens", "stream", "kv_transfer_params"} | (
         {"max_completion_tokens"} if "max_completion_tokens" in body else set()
-    )
+    ) | ({"min_tokens"} if wants_tokens else set())
     for key in kept:
         assert tagged(out[key]) == tagged(body[key]), key
     assert subsequence(kept, list(out)) == kept
     # Edited keys the client sent stay where the client put them.
-    sent = [k for k in body if k in ("max_tokens", "max_completion_tokens", "stream") or k in kept]
+    sent = [k for k in body if k in ("max_tokens", "max_completion_tokens", "stream") or k in kept or (
+        k == "min_tokens" and wants_tokens)]
     assert subsequence(sent, list(out)) == sent
     # The engine sees what we think: it survives encoding.
     assert json.loads(wire.dumps(out)) == json.loads(json.dumps(out))
@@ -308,9 +317,26 @@ def test_each_unusable_kv_shape_is_a_failed_prefill(kv: dict[str, Any], edit: st
 
 
 @SETTINGS
-@given(kv=st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5), st.lists(json_values, max_size=2)))
+@given(kv=st.one_of(st.booleans(), st.integers(), st.text(max_size=5), st.lists(json_values, max_size=2)))
 def test_kv_params_not_an_object(kv: Any) -> None:
     assert_failed_prefill(json.dumps(prefill_answer(kv)).encode())
+
+
+@pytest.mark.parametrize("omit", [False, True], ids=["null", "absent"])
+@pytest.mark.parametrize("finish", ["stop", "length", None])
+def test_null_kv_params_are_nothing_to_hand_off(omit: bool, finish: str | None) -> None:
+    # vLLM's connector returns no params when the one-token prefill ended the
+    # sequence (FINISHED_STOPPED): not a failure, a plain decode leg follows.
+    answer = prefill_answer(None, omit_kv=omit)
+    answer["choices"][0]["finish_reason"] = finish
+    handoff = check_prefill_answer(json.dumps(answer).encode(), "r1-p1", allowed)
+    assert handoff.params is None and handoff.owner == "r1-p1" and handoff.cached_tokens == 7
+    assert handoff.finish_reason == finish
+    assert handoff.reason is not None and "recomputes the prompt" in handoff.reason
+    assert ("finish_reason stop" in handoff.reason) == (finish == "stop")
+    # The decode leg is the client's body as it is: no kv_transfer_params at all.
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5}
+    assert decode_body(body, handoff.params) == body
 
 
 @pytest.mark.parametrize(
@@ -323,7 +349,6 @@ def test_kv_params_not_an_object(kv: Any) -> None:
         b'[{"kv_transfer_params": {}}]',
         b'"kv_transfer_params"',
         b"null",
-        json.dumps(prefill_answer(None, omit_kv=True)).encode(),
         b'{"kv_transfer_params": {"do_remote_prefill": true, "remote_port": NaN}}',
         b'{"kv_transfer_params": {"remote_engine_id": "\\ud800"}}',
         b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
@@ -439,8 +464,9 @@ def test_normalise_answer(case: tuple[str, dict[str, Any]], pd: bool, cached: in
             # SPEC §2.3: cached_tokens comes from the prefill leg.
             assert isinstance(details, dict) and details["cached_tokens"] == cached
         else:
-            # The prefill leg gave none: the decode engine's figure must not be relayed.
-            assert not isinstance(details, dict) or details.get("cached_tokens") is None
+            # The prefill leg gave none: the decode engine's figure must not be relayed;
+            # Narwhal reports 0, never null (issue 21 item 7; docs/operate.md, "vLLM compatibility").
+            assert isinstance(details, dict) and details["cached_tokens"] == 0
 
 
 # --------------------------------------------------------------------------
@@ -563,7 +589,7 @@ def test_sse_events_are_normalised(
             elif cached is not None:
                 assert isinstance(details, dict) and details["cached_tokens"] == cached
             else:
-                assert not isinstance(details, dict) or details.get("cached_tokens") is None
+                assert isinstance(details, dict) and details["cached_tokens"] == 0  # 0, never null (issue 21)
         else:
             assert "usage" not in got
     assert r.usage == last_usage

@@ -19,8 +19,9 @@ counters match the legs really open; every timer that is due has fired
 leg is answered, every control completed and time moved past every
 deadline, and then: one terminal record per rid, capacity counters all
 zero, every prefill leg that handed out KV params settled (``pulled``,
-``released`` or ``held_until_lease``, consistent with the controls that
-ran), and every client that sent complete requests and stayed connected
+``released``, ``release_sent`` or ``held_until_lease``, consistent with the
+controls that ran), no decode request that carried KV late in its lease,
+and every client that sent complete requests and stayed connected
 got exactly one complete response to each (SSE streams properly ended).
 
 Nothing but the core's error family may escape ``receive`` or
@@ -135,7 +136,8 @@ class RouterMachine(RuleBasedStateMachine):
     @initialize(
         prefills=st.sampled_from([2, 1, 1, 0]),
         decodes=st.sampled_from([1, 2]),
-        kv_release=st.sampled_from(["abort_endpoint", "decode_abort", "lease"]),
+        kv_release=st.sampled_from(["decode_pull", "abort_endpoint", "decode_abort", "lease"]),
+        kv_lease=st.sampled_from([30.0, 6.0]),
         max_inflight=st.sampled_from([3, 2, 4, 1]),
         queue_size=st.integers(0, 3),
         per_client=st.integers(0, 2),
@@ -149,7 +151,7 @@ class RouterMachine(RuleBasedStateMachine):
         auto_probe=st.booleans(),
     )
     def setup(
-        self, prefills: int, decodes: int, kv_release: str, max_inflight: int, queue_size: int,
+        self, prefills: int, decodes: int, kv_release: str, kv_lease: float, max_inflight: int, queue_size: int,
         per_client: int, per_engine: int, decode_timeout: float, request_timeout: float, grace: float,
         attempts: int, unhealthy_after: int, healthy_after: int, auto_probe: bool,
     ) -> None:
@@ -161,7 +163,7 @@ class RouterMachine(RuleBasedStateMachine):
                 "header_timeout_s": 5.0, "body_timeout_s": 10.0, "keepalive_timeout_s": 30.0,
             },
             engine={
-                "kv_release": kv_release, "max_inflight_per_engine": per_engine,
+                "kv_release": kv_release, "kv_lease_s": kv_lease, "max_inflight_per_engine": per_engine,
                 "prefill_timeout_s": 8.0, "decode_timeout_s": decode_timeout, "stream_idle_timeout_s": 3.0,
                 "control_timeout_s": 5.0,
             },

@@ -109,8 +109,12 @@ def test_pd_non_stream_completion() -> None:
     assert prefill.headers[b"x-request-id"] == prefill.bid.encode()
     assert prefill.headers[b"host"] == b"10.0.0.1:8100"
     assert not {b"authorization", b"x-narwhal-client"} & prefill.headers.keys()
-    assert list(prefill.body) == ["model", "prompt", "max_tokens", "temperature", "stream", "kv_transfer_params"]
+    assert list(prefill.body) == [
+        "model", "prompt", "max_tokens", "temperature", "min_tokens", "stream", "kv_transfer_params",
+    ]
     assert prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
+    # The client asked for min_tokens >= 1: the prefill's one token may not end the sequence.
+    assert prefill.body["min_tokens"] == 1
     assert prefill.body["kv_transfer_params"] == PREFILL_KV_REQUEST
     assert prefill.body["model"] == MODEL
     # Nothing else happens until the prefill answers.
@@ -381,7 +385,9 @@ def test_prefill_5xx_is_retried_on_the_other_engine_after_backoff() -> None:
     ]
 
 
-@pytest.mark.parametrize("answer", ["no-kv", "not-remote", "foreign-host", "bad-port"])
+# (A null kv_transfer_params is not unusable: nothing to hand off, see
+# tests/core/test_router_prompts.py.)
+@pytest.mark.parametrize("answer", ["not-remote", "foreign-host", "bad-port"])
 def test_prefill_without_usable_kv_is_retried_then_502_prefill_failed(answer: str) -> None:
     d = Driver(retry={"max_attempts": 3})
     client = d.post(COMPLETIONS, completion_body())
@@ -389,9 +395,7 @@ def test_prefill_without_usable_kv_is_retried_then_502_prefill_failed(answer: st
     for attempt in (1, 2, 3):
         leg = d.leg("prefill")
         assert leg.bid == f"{rid}-p{attempt}"
-        if answer == "no-kv":
-            d.answer_without_kv(leg.bid)
-        elif answer == "not-remote":
+        if answer == "not-remote":
             d.answer_prefill(leg.bid, do_remote_prefill=False)
         elif answer == "foreign-host":
             d.answer_prefill(leg.bid, remote_host="203.0.113.9")
@@ -411,8 +415,13 @@ def test_prefill_without_usable_kv_is_retried_then_502_prefill_failed(answer: st
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-@pytest.mark.parametrize("status", [400, 422])
-def test_engine_4xx_is_relayed_with_its_status_and_never_retried(phase: str, status: int) -> None:
+@pytest.mark.parametrize("status", [400, 413, 422])
+def test_engine_4xx_is_the_clients_mistake_answered_400_journalled_invalid_never_retried(
+    phase: str, status: int
+) -> None:
+    # The engine judged the request (a prompt longer than the context): the
+    # client gets 400 with the engine's message and param; the record is
+    # `invalid` (not `failed`) and names the leg and the engine.
     d = Driver()
     client = d.post(CHAT, chat_body())
     if phase == "decode":
@@ -425,23 +434,44 @@ def test_engine_4xx_is_relayed_with_its_status_and_never_retried(phase: str, sta
     mark = len(d.commands)
     d.advance(30)
     assert new_starts(d, mark) == []
-    assert client.last.status == status
+    assert client.last.status == 400
     error = error_of(client)
     assert error["message"] == "This model's maximum context length is 8192 tokens."
     assert error["param"] == "messages"
+    assert error["type"] == "invalid_request_error"
     if phase == "decode":
         # The decode engine refused before pulling: the prefill KV is released.
         assert [c.cmd.key for c in d.pending_controls("release")] == [f"release-{leg.rid}-p1"]
         d.complete_releases()
     record = d.terminal(leg.rid)
-    assert record["terminal"] == "failed" and record["status"] == status
-    assert record["legs"][-1]["outcome"] == "refused"
+    assert record["terminal"] == "invalid" and record["status"] == 400
+    assert (record["error"]["leg"], record["error"]["engine"]) == (phase, leg.engine.url)
+    assert record["error"]["param"] == "messages"
+    assert record["legs"][-1]["outcome"] == "refused" and record["legs"][-1]["status"] == status
+    assert len(record["legs"]) == (1 if phase == "prefill" else 2)
     if phase == "decode":
         assert record["legs"][0]["kv"]["outcome"] == "released"
     finish(d)
 
 
-@pytest.mark.parametrize("mode", ["abort_endpoint", "decode_abort", "lease"])
+@pytest.mark.parametrize("status", [401, 403, 404, 408, 429])
+def test_engine_4xx_that_is_not_about_the_request_fails_the_leg_and_is_retried(status: int) -> None:
+    # A timeout, an overload, or a credential, route or model name of
+    # Narwhal's own: not the client's mistake, so the leg is retried elsewhere.
+    d = Driver(retry=SLOW_BACKOFF)
+    client = d.post(COMPLETIONS, completion_body())
+    first = d.leg("prefill")
+    d.answer_status(first.bid, status)
+    d.advance(2)
+    retry = d.leg("prefill")
+    assert retry.bid == f"{first.rid}-p2" and retry.engine != first.engine
+    finish(d)
+    assert client.last.status == 200
+    legs = d.terminal(first.rid)["legs"]
+    assert [(leg["outcome"], leg["status"]) for leg in legs] == [("http_error", status), ("ok", 200), ("ok", 200)]
+
+
+@pytest.mark.parametrize("mode", ["decode_pull", "abort_endpoint", "decode_abort", "lease"])
 def test_decode_failure_before_handoff_releases_kv_then_prefills_again(mode: str) -> None:
     d = Driver(engine={"kv_release": mode, "abort_path": "/v1/abort"}, retry=SLOW_BACKOFF)
     client = d.post(COMPLETIONS, completion_body())
@@ -455,8 +485,19 @@ def test_decode_failure_before_handoff_releases_kv_then_prefills_again(mode: str
         cmd = control.cmd
         # A control request naming the owner key, to the PREFILL engine that holds the KV.
         assert (cmd.method, cmd.target, cmd.engine) == ("POST", "/v1/abort", prefill.engine)
-        assert json.loads(cmd.body) == {"request_id": kv["remote_request_id"]}
+        # SGLang's AbortReq field (rid) and the simulator's (request_id).
+        assert json.loads(cmd.body) == {"rid": kv["remote_request_id"], "request_id": kv["remote_request_id"]}
         assert dict(cmd.headers)[b"host"] == b"10.0.0.1:8100"
+    elif mode == "decode_pull":
+        (control,) = releases
+        cmd = control.cmd
+        # A whole one-token decode request carrying the KV, read to its end.
+        assert not cmd.drop_after_send and cmd.engine.url in DECODE_URLS
+        assert (cmd.method, cmd.target) == ("POST", COMPLETIONS)
+        body = json.loads(cmd.body)
+        assert body["kv_transfer_params"] == kv
+        assert (body["max_tokens"], body["stream"], body["prompt"]) == (1, False, completion_body()["prompt"])
+        assert dict(cmd.headers)[b"x-request-id"].decode().startswith(prefill.rid + "-d")
     elif mode == "decode_abort":
         (control,) = releases
         cmd = control.cmd
@@ -476,7 +517,8 @@ def test_decode_failure_before_handoff_releases_kv_then_prefills_again(mode: str
     assert client.last.status == 200
     legs = d.terminal(prefill.rid)["legs"]
     first_kv = legs[0]["kv"]
-    expected = "held_until_lease" if mode == "lease" else "released"
+    # decode_abort: nothing comes back to confirm the release.
+    expected = {"lease": "held_until_lease", "decode_abort": "release_sent"}.get(mode, "released")
     assert (first_kv["outcome"], first_kv["owner"], first_kv["method"]) == (
         expected, kv["remote_request_id"], mode,
     )
@@ -489,31 +531,37 @@ def test_decode_failure_before_handoff_releases_kv_then_prefills_again(mode: str
     [
         (b'{"request_id": "x", "released": false, "num_blocks": 0}', True),
         (b'{"request_id": "x", "released": true, "num_blocks": 4}', False),
-        (b"", False),
-        (b"not json", False),
-        (b'{"released": 0}', False),
-        (b'[false]', False),
+        (b"", None),
+        (b"not json", None),
+        (b'{"released": 0}', None),
+        (b'[false]', None),
     ],
     ids=["released-false", "released-true", "no-body", "not-json", "not-a-bool", "not-an-object"],
 )
-def test_an_abort_endpoint_that_held_nothing_is_journalled_so(answer: bytes, nothing_held: bool) -> None:
+def test_an_abort_endpoint_that_held_nothing_is_journalled_so(answer: bytes, nothing_held: bool | None) -> None:
     # The decode engine pulled the KV, then failed before its response head:
     # the release finds nothing, and the engine says so. The journal must not
-    # claim Narwhal freed blocks; it is still no leak.
+    # claim Narwhal freed blocks; it is still no leak. An answer that says
+    # nothing either way (SGLang's 200 without a body) confirms only that the
+    # abort was taken: release_sent (nothing_held None).
     d = Driver(engine={"kv_release": "abort_endpoint"}, retry=SLOW_BACKOFF)
     client = d.post(COMPLETIONS, completion_body())
     prefill = d.leg("prefill")
     kv = d.answer_prefill(prefill.bid)
     d.answer_status(d.leg("decode").bid, 500)
-    d.complete_releases(body=answer)
+    (release,) = d.pending_controls("release")
+    d.complete_control(release.cmd.key, status=200, body=answer)
     d.advance(1.5)
     finish(d)
     assert client.last.status == 200
     first_kv = d.terminal(prefill.rid)["legs"][0]["kv"]
     assert (first_kv["outcome"], first_kv["owner"], first_kv["method"]) == (
-        "released", kv["remote_request_id"], "abort_endpoint",
+        "released" if nothing_held is not None else "release_sent", kv["remote_request_id"], "abort_endpoint",
     )
-    assert first_kv["error"] == (NOTHING_HELD if nothing_held else None)
+    if nothing_held is None:
+        assert "did not say" in first_kv["error"]
+    else:
+        assert first_kv["error"] == (NOTHING_HELD if nothing_held else None)
 
 
 def test_dropped_and_malformed_prefill_answers_are_retried() -> None:
@@ -984,6 +1032,13 @@ def test_local_connect_failures_are_not_charged_to_the_engine() -> None:
 def test_ready_is_503_when_every_engine_of_a_phase_is_down() -> None:
     d = Driver(auto_probe=None, health={"unhealthy_after": 1, "probe_interval_s": 5.0})
     client = d.connect()
+    # Every engine is probed at start; until one of each phase answers, not ready.
+    assert sorted(c.cmd.engine.url for c in d.pending_controls("probe")) == sorted(PREFILL_URLS + DECODE_URLS)
+    client.request("GET", "/ready")
+    assert client.last.status == 503
+    assert client.last.json()["problems"] == ["no prefill engine has answered yet", "no decode engine has answered yet"]
+    for control in d.pending_controls("probe"):
+        d.complete_control(control.cmd.key, status=200)
     client.request("GET", "/ready")
     assert client.last.status == 200 and client.last.json()["ready"] is True
     d.advance(5)
@@ -1007,7 +1062,7 @@ def test_ready_is_503_when_every_engine_of_a_phase_is_down() -> None:
 # ----------------------------------------------------------------- shutdown
 
 
-def test_shutdown_lets_inflight_requests_finish_and_stops_accepting() -> None:
+def test_shutdown_lets_inflight_requests_finish_and_answers_new_ones_503() -> None:
     d = Driver()
     idle = d.connect()
     busy = d.post(COMPLETIONS, completion_body())
@@ -1015,8 +1070,11 @@ def test_shutdown_lets_inflight_requests_finish_and_stops_accepting() -> None:
     d.shutdown()
     assert idle.closed_by_router and not busy.closed_by_router
     assert d.router.statistics().draining and not d.router.statistics().ready
-    late = d.connect()
-    assert late.closed_by_router and late.responses == []
+    # A connection that arrives while draining is answered, not dropped unanswered.
+    late = d.post(COMPLETIONS, completion_body(prompt="late"))
+    assert late.last.status == 503 and error_of(late)["code"] == "shutting_down"
+    assert late.closed_by_router
+    assert d.terminal(only_rid(late))["terminal"] == "rejected"
     assert d.shutdown_complete == []
     d.serve(leg.bid)
     d.serve(d.leg().bid)

@@ -66,9 +66,14 @@ def _expected_prefill(client: dict[str, Any], stripped: set[str]) -> dict[str, A
     """SPEC §3.1 applied to the client's body (values only; order is checked separately)."""
     out: dict[str, Any] = {}
     for key, value in client.items():
-        if key in stripped or key in ("min_tokens", "min_completion_tokens", "stream_options"):
+        if key in stripped or key in ("min_completion_tokens", "stream_options"):
             continue
-        if key in ("max_tokens", "max_completion_tokens"):
+        if key == "min_tokens":
+            # Kept as 1 when the client asked for at least one token (docs/operate.md).
+            if not (type(value) is int and value >= 1):
+                continue
+            value = 1
+        elif key in ("max_tokens", "max_completion_tokens"):
             value = 1
         elif key == "stream":
             value = False
@@ -170,7 +175,7 @@ def test_prefill_and_decode_bodies_are_the_client_body_with_the_listed_edits(
     prefill = exact_json(prefill_rec["body"])
     assert prefill == _expected_prefill(client, set()), prefill
     # Other fields keep their order (SPEC §3.1): the client's keys appear in the client's order.
-    kept = [k for k in client if k not in ("min_tokens", "min_completion_tokens", "stream_options")]
+    kept = [k for k in client if k not in ("min_completion_tokens", "stream_options")]
     assert _is_subsequence(kept, list(prefill)), (kept, list(prefill))
     assert "max_completion_tokens" not in prefill or "max_completion_tokens" in client
 
@@ -444,7 +449,7 @@ def test_probes_without_the_credential_would_fail(start_router, secure_fleet) ->
     assert all(p["status"] == 401 for e in secure_fleet.all() for p in e.requests("/health"))
 
 
-@pytest.mark.parametrize("mode", ["abort_endpoint", "decode_abort"])
+@pytest.mark.parametrize("mode", ["decode_pull", "abort_endpoint", "decode_abort"])
 def test_kv_release_requests_carry_the_engine_credential(
     start_secure_router, secure_fleet, engine_key, journal_path, mode
 ) -> None:
@@ -463,10 +468,27 @@ def test_kv_release_requests_carry_the_engine_credential(
         releases = poll(lambda: prefill.requests("/abort_request"), timeout=10, what="an abort request")
         assert len(releases) == 1
         assert header_values(releases[0], "authorization") == [f"Bearer {engine_key}"]
-        assert json.loads(releases[0]["body"]) == {"request_id": kv["owner"]}
+        assert json.loads(releases[0]["body"]) == {"rid": kv["owner"], "request_id": kv["owner"]}
         assert releases[0]["status"] == 200
         assert kv["outcome"] == "released" and kv["error"] is None
         assert prefill.stats()["kv_released"] == 1
+    elif mode == "decode_pull":
+        # A whole one-token decode request; this decode engine refuses every request (400), so
+        # nothing confirms the release (and no vLLM before 0.21 tells the prefill engine).
+        sent = poll(lambda: len(completion_records([decode])) >= 2 and completion_records([decode]), timeout=10,
+                    what="a decode_pull request")
+        release = sent[1]
+        assert header_values(release, "authorization") == [f"Bearer {engine_key}"]
+        # A control request goes out through the HTTP client, with its own default headers; none is client state.
+        assert set(n for n, _ in header_pairs(release)) <= LEG_HEADERS | {"accept", "accept-encoding", "connection",
+                                                                           "user-agent"}
+        assert header_values(release, "accept-encoding") == ["identity"]
+        body = exact_json(release["body"])
+        assert (body["max_tokens"], body["stream"]) == (1, False)
+        assert body["kv_transfer_params"]["remote_request_id"] == kv["owner"]
+        assert (kv["outcome"], kv["method"], kv["error"]) == (
+            "release_sent", "decode_pull", "the decode engine answered 400",
+        )
     else:
         sent = poll(lambda: len(completion_records([decode])) >= 2 and completion_records([decode]), timeout=10,
                     what="a decode_abort request")
@@ -477,7 +499,8 @@ def test_kv_release_requests_carry_the_engine_credential(
         assert BACKEND_ID_RE.match(bid)
         assert bid not in {leg["backend_id"] for leg in record["legs"]}, "a release needs its own backend ID"
         assert exact_json(release["body"])["kv_transfer_params"]["remote_request_id"] == kv["owner"]
-        assert kv["outcome"] in ("released", "held_until_lease")
+        # Nothing comes back from a decode_abort: never "released" (docs/operate.md).
+        assert kv["outcome"] in ("release_sent", "held_until_lease")
         assert kv["method"] == "decode_abort"
 
 
@@ -498,7 +521,7 @@ def test_a_release_that_finds_the_kv_already_pulled_says_so(start_router, fleet,
     kv = record["legs"][0]["kv"]
     assert (kv["outcome"], kv["method"], kv["error"]) == ("released", "abort_endpoint", NOTHING_HELD)
     (release,) = prefill.requests("/abort_request")
-    assert json.loads(release["body"]) == {"request_id": kv["owner"]}
+    assert json.loads(release["body"]) == {"rid": kv["owner"], "request_id": kv["owner"]}
     stats = prefill.stats()
     assert (stats["kv_pulled"], stats["kv_released"], stats["kv_held"]) == (1, 0, 0)
 

@@ -2,7 +2,7 @@
 
 * Before the handoff (5xx, dropped connection, 4xx, the whole-request
   deadline): the prefill engine still owns the KV, so the router must release
-  it by ``engine.kv_release`` — each test runs under all three modes and
+  it by ``engine.kv_release`` — each test runs under all four modes and
   checks the journal's ``legs[i].kv`` against the prefill engine's counters.
 * After the first byte reached the client (dropped or stalled stream): no
   retry; the stream ends with ONE ``data: {"error": ...}`` event and the
@@ -10,7 +10,7 @@
 
 The fleets have two decode engines: the first (where a fresh router sends its
 first decode leg) carries the fault, the second is healthy — so a
-``decode_abort`` release, which is itself a decode request, lands on an
+``decode_pull`` or ``decode_abort`` release, which is itself a decode request, lands on an
 engine that can act on it, and a retry has somewhere to go.
 """
 
@@ -51,8 +51,8 @@ BEFORE_HANDOFF = {
 
 
 def _check_release_request(record: dict, leg: dict, mode: str, decode_engines: list) -> None:
-    """Under decode_abort the release is a decode request that its engine turned into a KV release."""
-    if mode != "decode_abort":
+    """Under decode_abort (decode_pull) the release is a decode request that its engine turned into a KV release (pull)."""
+    if mode not in ("decode_abort", "decode_pull"):
         return
     release_id = leg["kv"]["release_id"]
 
@@ -64,7 +64,7 @@ def _check_release_request(record: dict, leg: dict, mode: str, decode_engines: l
 
     seen = poll(settled, what=f"the engine settled the release {release_id}")
     assert len(seen) == 1, (release_id, [sim_requests(d) for d in decode_engines])
-    assert seen[0]["kv"]["outcome"] == "released", seen[0]
+    assert seen[0]["kv"]["outcome"] == ("pulled" if mode == "decode_pull" else "released"), seen[0]
 
 
 @MODES
@@ -92,7 +92,8 @@ def test_decode_fault_before_handoff_releases_kv(start_router, make_fleet, journ
     _check_release_request(record, legs[0], mode, fleet.decode)
     assert_idle(router)
     assert_kv_settled(fleet.prefill, mode, unpulled=1)
-    assert prefill.stats()["kv_pulled"] == 0
+    # (decode_pull: the release is itself a pull.)
+    assert prefill.stats()["kv_pulled"] == (1 if mode == "decode_pull" else 0)
 
 
 @MODES
@@ -111,8 +112,8 @@ def test_decode_5xx_retried_with_new_legs(start_router, make_fleet, journal_path
     legs = record["legs"]
     # The failed decode leg's KV is released and the prompt prefilled again on the
     # other prefill engine; the new decode attempt avoids the engine that failed.
-    # (Under decode_abort the release took decode attempt 2: the retry is -d3.)
-    retry_attempt = 3 if mode == "decode_abort" else 2
+    # (Under decode_abort and decode_pull the release took decode attempt 2: the retry is -d3.)
+    retry_attempt = 3 if mode in ("decode_abort", "decode_pull") else 2
     assert [(leg["phase"], leg["attempt"], leg["engine"], leg["outcome"]) for leg in legs] == [
         ("prefill", 1, p0.url, "ok"),
         ("decode", 1, bad.url, "http_error"),
@@ -160,7 +161,7 @@ def test_decode_4xx_is_relayed_never_retried_and_releases_kv(start_router, make_
     # Never retried: no second prefill, and the healthy decode engine saw at most the release.
     assert sum(len(sim_requests(p)) for p in fleet.prefill) == 1
     assert [r["request_id"] for r in sim_requests(good)] == (
-        [legs[0]["kv"]["release_id"]] if mode == "decode_abort" else []
+        [legs[0]["kv"]["release_id"]] if mode in ("decode_abort", "decode_pull") else []
     )
     assert_idle(router)
     assert_kv_settled(fleet.prefill, mode, unpulled=1)
@@ -185,7 +186,7 @@ def test_request_deadline_in_decode_releases_kv(start_router, make_fleet, journa
     assert_idle(router)
     # The slow decode engine's own abort (it sees the router hang up) may free the KV too.
     assert_kv_settled(fleet.prefill, mode, unpulled=1, expire=False)
-    assert prefill.stats()["kv_pulled"] == 0
+    assert prefill.stats()["kv_pulled"] == (1 if mode == "decode_pull" else 0)  # (decode_pull's release pulls)
 
 
 # ------------------------------------------------------------ after the first byte
