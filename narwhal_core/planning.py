@@ -76,11 +76,25 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     answers without KV"). Every other key keeps its value and its position;
     ``max_tokens`` and ``stream`` are appended when absent.
     """
+    out = _one_token_body(body, _DROPPED_FOR_PREFILL, keep_min_tokens=True)
+    out["kv_transfer_params"] = dict(PREFILL_KV_REQUEST)
+    return out
+
+
+def _one_token_body(body: dict[str, Any], dropped: frozenset[str], *, keep_min_tokens: bool) -> dict[str, Any]:
+    """``body`` asking for one whole-answer token: the rewrite both one-token legs share.
+
+    ``max_tokens``/``max_completion_tokens`` = 1, ``stream`` = false, the
+    keys in ``dropped`` and ``kv_transfer_params`` removed; with
+    ``keep_min_tokens`` a ``min_tokens`` of at least one becomes 1 (any
+    other value is removed). Every other key keeps its value and position;
+    ``max_tokens`` and ``stream`` are appended when absent.
+    """
     out: dict[str, Any] = {}
     for key, value in body.items():
-        if key in _DROPPED_FOR_PREFILL:
+        if key in dropped or key == "kv_transfer_params":
             continue
-        if key == "min_tokens":
+        if key == "min_tokens" and keep_min_tokens:
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 continue
             value = 1
@@ -93,7 +107,6 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         out["max_tokens"] = 1
     if "stream" not in out:
         out["stream"] = False
-    out["kv_transfer_params"] = dict(PREFILL_KV_REQUEST)
     return out
 
 
@@ -451,19 +464,7 @@ def release_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> di
     of ``_DROPPED_FOR_RELEASE`` removed, the prefill's ``kv_transfer_params``
     verbatim; the prompt is untouched (the KV is the prompt's).
     """
-    out: dict[str, Any] = {}
-    for key, value in body.items():
-        if key in _DROPPED_FOR_RELEASE or key == "kv_transfer_params":
-            continue
-        if key == "max_tokens" or key == "max_completion_tokens":
-            value = 1
-        elif key == "stream":
-            value = False
-        out[key] = value
-    if "max_tokens" not in out:
-        out["max_tokens"] = 1
-    if "stream" not in out:
-        out["stream"] = False
+    out = _one_token_body(body, _DROPPED_FOR_RELEASE, keep_min_tokens=False)
     out["kv_transfer_params"] = kv_transfer_params
     return out
 
