@@ -322,7 +322,11 @@ class Engines:
                 else:
                     if self._http is None:
                         # identity: the answer's bytes are read raw (a KV release's is parsed).
-                        self._http = httpx.AsyncClient(trust_env=False, headers={"accept-encoding": "identity"})
+                        # Engines are plain http:// (config refuses https://): no TLS context,
+                        # whose certificate loading would delay every first probe.
+                        self._http = httpx.AsyncClient(
+                            trust_env=False, verify=False, headers={"accept-encoding": "identity"}
+                        )
                     status, body = await control_request(self._http, cmd)
         except httpx.ConnectTimeout:
             error = "connect timeout"  # nothing was sent (a KV release's record says so)
