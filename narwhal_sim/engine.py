@@ -28,7 +28,7 @@ the step in flight), so a long decode costs the simulator O(1) work.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
@@ -172,9 +172,11 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         #: Chained block hash → the block holding it.
         self.cached: dict[int, int] = {}
-        #: Free blocks, head = next handed out (and evicted, if cached): a dict used as an
-        #: insertion-ordered set (deleting and adding keys is cheaper than on an OrderedDict).
-        self.free_queue: dict[int, None] = dict.fromkeys(range(num_blocks))
+        #: Free blocks, head = next handed out (and evicted, if cached): an OrderedDict used
+        #: as an insertion-ordered set. Not a plain dict: deleting at a dict's head leaves
+        #: slots that every later read of the head walks past, so each allocation would
+        #: cost in proportion to the blocks freed since the dict last resized.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         #: Events since the last :meth:`take_events` (only when ``record_events``).
         self.events: list[KvEvent] = []
         self.record_events = record_events
