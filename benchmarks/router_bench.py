@@ -105,8 +105,14 @@ PURE_TARGETS = ("narwhal-trio-pure", "narwhal-asyncio-pure")
 #: that long after each event: lower latency at low load, for CPU).
 POLL_TARGETS = ("narwhal-trio-poll", "narwhal-asyncio-poll")
 BUSY_POLL_US = 200
-KNOWN_TARGETS = ALL_TARGETS + PURE_TARGETS + POLL_TARGETS
+#: Also measurable, with ``--baseline DIR``: Narwhal from another source tree
+#: (a checkout of an earlier commit with its core built in place, ``python
+#: setup.py build_ext --inplace``), for an A/B of two versions in one run.
+BASE_TARGETS = ("narwhal-trio-base", "narwhal-asyncio-base")
+KNOWN_TARGETS = ALL_TARGETS + PURE_TARGETS + POLL_TARGETS + BASE_TARGETS
 PEERS = ("vllm-router", "sglang-router")
+#: ``--baseline``: where the ``-base`` targets import Narwhal from (set once by ``main``).
+BASELINE_TREE = ""
 SCENARIOS = {
     # name: (stream, concurrency, max_tokens, label)
     "pd-c1": (False, 1, 16, "non-stream PD, c=1"),
@@ -402,6 +408,11 @@ def start_target(name: str, core: int | None, work: Path, engines: dict[str, dic
     if name.startswith("narwhal-"):
         runtime = name.split("-")[1]
         env[PURE_ENV] = "1" if name.endswith("-pure") else ""
+        if name.endswith("-base"):
+            if not BASELINE_TREE:
+                t.error = "no --baseline tree given"
+                return t
+            env["PYTHONPATH"] = BASELINE_TREE
         cfg = work / f"{name}.toml"
         extra = {section: dict(keys) for section, keys in (narwhal_extra or {}).items()}
         if name.endswith("-poll"):
@@ -679,6 +690,22 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
             p(f"  {n:<16} / {peer:<14} " + "   ".join(parts))
     if not any_ratio:
         p("  (none: a Narwhal target or every peer is missing)")
+    bases = [n for n in narwhals if n.endswith("-base")]
+    if bases:
+        p("")
+        p(f"A/B, this tree / --baseline {BASELINE_TREE} (same run; < 1 means this tree uses less):")
+        for base in bases:
+            n = base.removesuffix("-base")
+            parts = []
+            for scen, key, label in (("pd-c1", "cpu_us_per_req", "CPU/req c=1"),
+                                     ("pd-c32", "cpu_us_per_req", "CPU/req c=32"),
+                                     ("stream", "cpu_us_per_chunk", "CPU/chunk"),
+                                     ("pd-c1", "add_p50_us", "+p50 c=1"),
+                                     ("pd-c32", "add_p50_us", "+p50 c=32")):  # fmt: skip
+                a = summary.get(n, {}).get(scen, {}).get(key)
+                b = summary.get(base, {}).get(scen, {}).get(key)
+                parts.append(f"{label} {a / b:.3f}" if a is not None and b else f"{label} -")
+            p(f"  {n:<16} / {base:<22} " + "   ".join(parts))
     # the issue's targets
     p("")
     p("Targets (issue 7), against vllm-router in PD mode:")
@@ -1231,6 +1258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=5, help="seconds of each measured load window")
     parser.add_argument("--warmup", type=int, default=1, help="seconds of warm-up load before each window (0: none)")
     parser.add_argument("--targets", default=",".join(ALL_TARGETS), help="comma-separated targets")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="source tree (built in place) the narwhal-*-base targets run from")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated table scenarios")
     parser.add_argument("--engine", choices=("instant", "sim"), default="instant",
                         help="instant: benchmarks/instant_engine.py; sim: python -m narwhal_sim --speed 0")  # fmt: skip
@@ -1265,6 +1294,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.streams == 10_000:
             args.streams = 2_000
         args.stream_seconds = min(args.stream_seconds, 20.0)
+    global BASELINE_TREE
+    BASELINE_TREE = str(Path(args.baseline).resolve()) if args.baseline else ""
     args.code_at_start = code_state()  # the code the targets load (others may be editing the tree)
     args.busy_before = busy_elsewhere()
     if args.busy_before > 10:
