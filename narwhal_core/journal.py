@@ -1,4 +1,4 @@
-"""Journal records (SPEC §5): how each request went, one JSON line each.
+"""Journal records (docs/contract.md, "The journal"; docs/operate.md): how each request went, one JSON line each.
 
 Every request to a completion route gets exactly one :class:`TerminalRecord`
 (``terminal`` not null), and it is the last record for its ``rid``. An
@@ -61,7 +61,7 @@ LegOutcome = Literal[
 #: record cost twice as much. Treat them as values all the same.
 @attrs.define(kw_only=True)
 class KvRecord:
-    """What became of the KV blocks a prefill leg left on its engine (SPEC §3)."""
+    """What became of the KV blocks a prefill leg left on its engine (docs/contract.md, "Prefill and decode legs")."""
 
     #: ``pulled``, ``released``, ``release_sent`` or ``held_until_lease``; ``none`` when the
     #: prefill answer handed off no KV (``kv_transfer_params: null``): the
