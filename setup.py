@@ -67,9 +67,9 @@ DIRECTIVES = {
 
 #: After Python's own flags (``-g -O3``), so these win: without debug
 #: information and with gcc's cheaper optimisation level, router.py compiles
-#: in a third of the CPU time (19.5 against 56 s) and its compiled build runs
-#: as many instructions per request (0.4 % more; ``benchmarks/README.md``,
-#: "Which modules are compiled"). The modules are calls into Python's C API
+#: in far less CPU time and its compiled build runs about as many
+#: instructions per request (the figures: ``benchmarks/README.md``, "Which
+#: modules are compiled"). The modules are calls into Python's C API
 #: either way; a traceback through them names their Python source lines.
 UNIX_COMPILE_ARGS = ["-O1", "-g0"]
 

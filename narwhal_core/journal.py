@@ -58,7 +58,8 @@ LegOutcome = Literal[
 #: Records are plain slotted attrs classes, not frozen ones: each is built
 #: once per leg or request and encoded at once, and a frozen class's
 #: ``__init__`` (``object.__setattr__`` per field) made building a terminal
-#: record cost twice as much. Treat them as values all the same.
+#: record markedly dearer (benchmarks/README.md, "Figures behind the code").
+#: Treat them as values all the same.
 @attrs.define(kw_only=True)
 class KvRecord:
     """What became of the KV blocks a prefill leg left on its engine (docs/contract.md, "Prefill and decode legs")."""

@@ -84,9 +84,10 @@ def _scan_loop(data: bytes) -> int:
 
     Returns ``2 * openers + risky``: the number of ``[`` and ``{`` bytes, and
     whether a risky number (above) may be present. Compiled, ``wire.pxd``
-    types its locals and the loop runs in C, three to four times faster than
-    the bytes operations; interpreted, it is many times slower, so the pure
-    build uses :func:`_scan_classes` (``tests/core/test_contract_properties.py``
+    types its locals and the loop runs in C, faster than the bytes
+    operations; interpreted, it is far slower than they are, so the pure
+    build uses :func:`_scan_classes` (benchmarks/README.md, "Figures behind
+    the code") (``tests/core/test_contract_properties.py``
     checks that the two always agree).
     """
     run = 0  # digits or dots in a row
