@@ -56,7 +56,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Before the core: NARWHAL_PURE_PYTHON=1 measures its sources, not the compiled build.
-from narwhal.corebuild import core_build  # noqa: E402
+from narwhal_build import core_build, use_pure_core_if_requested  # noqa: E402
+
+use_pure_core_if_requested()
+
 from narwhal_core import (  # noqa: E402
     ClientConnected,
     ClientData,
