@@ -2,7 +2,7 @@
 
 ``pyproject.toml`` holds everything else. Only the modules whose compiled
 build measurably lowers the router's CPU per request are compiled
-(``COMPILED`` in ``narwhal/corebuild.py``; ``benchmarks/README.md``,
+(``COMPILED`` in ``narwhal_build/__init__.py``; ``benchmarks/README.md``,
 "Which modules are compiled (`setup.py`)", has the figures): they are the same source
 files, built by Cython in pure-Python mode, so behaviour is the Python
 source's. The others stay pure Python: compiled, each saved under 1 % of
@@ -28,7 +28,7 @@ in the environment at install time, the install goes on with the pure
 Python modules; a module whose compilation fails is left pure.
 ``narwhal serve`` logs which one it runs (``core``: ``compiled``, ``pure``
 or ``mixed``); ``NARWHAL_PURE_PYTHON=1`` at run time picks the sources
-(``narwhal/corebuild.py``).
+(``narwhal_build``).
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def _compiled_modules() -> tuple[str, ...]:
-    """``COMPILED`` of ``narwhal/corebuild.py``, read without importing the package (its dependencies may be absent)."""
-    tree = ast.parse((HERE / "narwhal" / "corebuild.py").read_text(encoding="utf-8"))
+    """``COMPILED`` of ``narwhal_build/__init__.py``, read without importing it (the environment may lack what it imports)."""
+    tree = ast.parse((HERE / "narwhal_build" / "__init__.py").read_text(encoding="utf-8"))
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
         if isinstance(target, ast.Name) and target.id == "COMPILED" and node.value is not None:
             return tuple(ast.literal_eval(node.value))
-    raise RuntimeError("narwhal/corebuild.py defines no COMPILED")
+    raise RuntimeError("narwhal_build/__init__.py defines no COMPILED")
 
 
 #: Python semantics throughout: annotations never become C types (but in
@@ -67,9 +67,9 @@ DIRECTIVES = {
 
 #: After Python's own flags (``-g -O3``), so these win: without debug
 #: information and with gcc's cheaper optimisation level, router.py compiles
-#: in a third of the CPU time (19.5 against 56 s) and its compiled build runs
-#: as many instructions per request (0.4 % more; ``benchmarks/README.md``,
-#: "Which modules are compiled"). The modules are calls into Python's C API
+#: in far less CPU time and its compiled build runs about as many
+#: instructions per request (the figures: ``benchmarks/README.md``, "Which
+#: modules are compiled"). The modules are calls into Python's C API
 #: either way; a traceback through them names their Python source lines.
 UNIX_COMPILE_ARGS = ["-O1", "-g0"]
 

@@ -1,7 +1,7 @@
 """Micro-benchmark of the HTTP/1.1 codecs: the reference (h11) and the fast one, side by side.
 
 Pure CPU, no sockets. Each scenario is what the router does once per request
-(SPEC §1: one client exchange and two engine exchanges per PD request):
+(docs/design.md: one client exchange and two engine exchanges per PD request):
 
 * ``server cycle (keep-alive)``  a 1 KB JSON ``POST /v1/completions`` arrives
   in one read on an open connection; the router gets the ``HttpRequest`` and

@@ -9,7 +9,7 @@ requests, ``--repeat`` times (the best and the median repeat are reported):
     ``decode_body`` + ``wire.dumps``), check the prefill answer
     (``check_prefill_answer``), normalise the decode answer (``wire.loads``,
     ``normalise_answer``, ``wire.dumps``), and encode the progress and terminal
-    journal records. Target: >= 50,000 requests/s on one core.
+    journal records. Its target and results: benchmarks/README.md, "Core benchmark".
 
 (b) ``router`` -- the whole router path through the HTTP/1.1 codec: the client's
     request bytes in through ``Router.receive(ClientData)`` on a keep-alive
@@ -56,7 +56,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Before the core: NARWHAL_PURE_PYTHON=1 measures its sources, not the compiled build.
-from narwhal.corebuild import core_build  # noqa: E402
+from narwhal_build import core_build, use_pure_core_if_requested  # noqa: E402
+
+use_pure_core_if_requested()
+
 from narwhal_core import (  # noqa: E402
     ClientConnected,
     ClientData,

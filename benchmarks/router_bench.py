@@ -88,7 +88,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from narwhal.corebuild import PURE_ENV, core_build  # noqa: E402
+from narwhal_build import PURE_ENV, core_build  # noqa: E402
 PEERS_VENV = HERE / ".peers-venv"
 #: The peers and the profiler, pinned so a rerun measures the same code.
 PEER_PACKAGES = ("vllm-router==0.1.17", "sglang-router==0.3.2", "py-spy==0.4.3")

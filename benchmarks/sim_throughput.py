@@ -1,7 +1,7 @@
 """How many requests per second one simulated engine serves on one core at ``--speed 0``.
 
-The router aims at ~50-100 µs of CPU per request; the simulator must not be
-the bottleneck of its benchmarks. This starts ``python -m narwhal_sim`` pinned
+The simulator must not be the bottleneck of the router's benchmarks (the
+router's CPU per request: benchmarks/README.md). This starts ``python -m narwhal_sim`` pinned
 to one core (``taskset``-style, via ``sched_setaffinity``), drives it from a
 lean closed-loop client pinned to another core over keep-alive connections,
 and reports requests/s and the engine's CPU time per request (from

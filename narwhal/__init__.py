@@ -1,10 +1,11 @@
-from __future__ import annotations
+"""Narwhal: the ``narwhal`` command.
 
-from .corebuild import pure_requested, use_pure_core
+Importing this package does nothing but define the version: the choice of
+the core's build (``NARWHAL_PURE_PYTHON``) is made by the entry points that
+honour it (:mod:`narwhal_build`).
+"""
+
+from __future__ import annotations
 
 #: The version of the source tree (``narwhal --version`` prefers the installed distribution's).
 __version__ = "0.1.0"
-
-# Before anything imports the core (see corebuild): NARWHAL_PURE_PYTHON=1.
-if pure_requested():
-    use_pure_core()

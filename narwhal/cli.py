@@ -26,6 +26,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from narwhal_build import use_pure_core_if_requested
+
 __all__ = ["main", "version"]
 
 RUNTIMES = ("trio", "asyncio")
@@ -104,6 +106,8 @@ _COMMANDS = {"serve": _serve, "sim": _sim, "demo": _demo, "journal": _journal, "
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``narwhal`` command; returns the exit status."""
+    # Before any command imports the core: NARWHAL_PURE_PYTHON=1 picks its sources.
+    use_pure_core_if_requested()
     args = list(sys.argv[1:] if argv is None else argv)
     usage = (__doc__ or "").split("\n", 2)[2].strip()
     if args and args[0] in ("-h", "--help"):

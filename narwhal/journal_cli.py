@@ -1,4 +1,4 @@
-"""``narwhal journal``: read a Narwhal journal (SPEC §5, §8).
+"""``narwhal journal``: read a Narwhal journal (docs/operate.md, "The journal").
 
 The journal is JSON Lines written one record at a time by a process that may
 be killed at any moment, so this reader takes the file as it finds it:
@@ -299,7 +299,7 @@ class UnfinishedTracker:
     Holds one record per unfinished request, so its memory follows the
     number of requests in flight, not the size of the journal. A progress
     record arriving after its request's terminal record (which the writer
-    never does, SPEC §5) opens the request again.
+    never does: docs/contract.md, "The journal") opens the request again.
     """
 
     def __init__(self) -> None:

@@ -7,6 +7,3 @@ Pure parts: :mod:`narwhal_bench.trace` (workloads and prompts),
 discrete-event fleet, no sockets), :mod:`narwhal_bench.plot` (matplotlib).
 See docs/bench.md.
 """
-
-# Before anything imports the core: ``narwhal`` applies NARWHAL_PURE_PYTHON=1 (narwhal/corebuild.py).
-import narwhal  # noqa: E402, F401

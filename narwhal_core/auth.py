@@ -1,4 +1,4 @@
-"""Ingress authentication (SPEC §6): who is asking, as a trusted client ID.
+"""Ingress authentication (docs/security.md): who is asking, as a trusted client ID.
 
 Three modes, chosen by ``ingress.auth``:
 
@@ -118,7 +118,9 @@ def _field_problem(what: str, value: object) -> str:
 
 
 def parse_api_keys(text: str) -> ApiKeys:
-    """Parse the TOML keys file of SPEC §6; raise ConfigError("ingress.api_keys_file", ...).
+    """Parse the TOML keys file; raise ConfigError("ingress.api_keys_file", ...).
+
+    The format: docs/configure.md, "The API keys file".
 
     Each ``[[keys]]`` table has exactly ``client`` and ``sha256`` (64 hex
     digits). Entries are counted from 0 in messages: ``keys[2].sha256``.

@@ -1,4 +1,4 @@
-"""The configuration model (SPEC §7): typed, frozen, validated values.
+"""The configuration model (docs/configure.md): typed, frozen, validated values.
 
 A config is a tree of frozen attrs classes, one per TOML section. The rules a
 value must obey live in the classes themselves (attrs validators and
@@ -554,7 +554,7 @@ class IngressConfig:
         _set_derived(self, "listen_port", port)
         networks = tuple(ipaddress.ip_network(p, strict=False) for p in self.trusted_proxies)
         _set_derived(self, "trusted_networks", networks)
-        # SPEC §6: without authentication Narwhal must not be reachable from elsewhere.
+        # Without authentication Narwhal must not be reachable from elsewhere (docs/security.md).
         if self.auth == "none" and not _is_loopback(host):
             raise ConfigError(
                 "ingress.auth", f'auth = "none" is only allowed on a loopback listen address, not {host}'
@@ -700,7 +700,7 @@ class EngineConfig:
 
 @attrs.frozen(kw_only=True)
 class AdmissionConfig:
-    """``[admission]``: how many requests run and wait at once (SPEC §4)."""
+    """``[admission]``: how many requests run and wait at once (docs/contract.md, "Admission, capacity and retries")."""
 
     SECTION: ClassVar[str] = "admission"
 
@@ -714,7 +714,10 @@ class AdmissionConfig:
 
 @attrs.frozen(kw_only=True)
 class RetryConfig:
-    """``[retry]``: leg retries before any byte reached the client (SPEC §4)."""
+    """``[retry]``: leg retries before any byte reached the client.
+
+    (docs/contract.md, "Admission, capacity and retries".)
+    """
 
     SECTION: ClassVar[str] = "retry"
 
@@ -734,7 +737,7 @@ class RetryConfig:
 
 @attrs.frozen(kw_only=True)
 class HealthConfig:
-    """``[health]``: active probes and passive failure counting (SPEC §4)."""
+    """``[health]``: active probes and passive failure counting (docs/operate.md, "Engine health and rotation")."""
 
     SECTION: ClassVar[str] = "health"
 
@@ -753,7 +756,7 @@ class HealthConfig:
 
 @attrs.frozen(kw_only=True)
 class JournalConfig:
-    """``[journal]``: where request records go and how durably (SPEC §5)."""
+    """``[journal]``: where request records go and how durably (docs/operate.md, "The journal")."""
 
     SECTION: ClassVar[str] = "journal"
 

@@ -1,12 +1,12 @@
-"""The request contract of the seed page, made exact by SPEC §2.1.
+"""The body rules of a completion request (docs/contract.md, "Request rules").
 
 :func:`check_request` runs the seven checks in order; the first failure
 raises a :class:`~narwhal_core.errors.ContractError` carrying the status,
 ``param``, ``code`` and message of the OpenAI error envelope. Nothing here
 reserves capacity. A request that passes is returned as
-:class:`AcceptedRequest`: the body with router-owned fields removed (SPEC
-§2.2) and ``model`` set to the configured model, every other key kept in its
-place with its value.
+:class:`AcceptedRequest`: the body with router-owned fields removed
+(docs/contract.md, "The engine request") and ``model`` set to the configured
+model, every other key kept in its place with its value.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
 
 #: Body fields that engines treat as internal routing state: a client may not
-#: set them (SPEC §2.2; sglang's ``bootstrap_*`` are matched by prefix).
+#: set them (docs/contract.md, "The engine request"; sglang's
+#: ``bootstrap_*`` are matched by prefix).
 ROUTER_OWNED_FIELDS: Final = frozenset({"kv_transfer_params", "request_id"})
 _ROUTER_OWNED_PREFIXES: Final = ("bootstrap_",)  # the pre-check in check_request knows it
 
-# Check 3, in the order of the seed's table: (field, predicate name, message).
+# Check 3 checks these in this order (docs/contract.md, "Request rules").
 _INTEGER_FIELDS: Final = ("n", "best_of", "max_tokens", "max_completion_tokens")
 # The output lengths: router-interpreted (the prefill leg sets them to 1), so
 # a value below 1 is refused here, before it costs a prefill leg.
@@ -47,7 +48,7 @@ _MAX_MODEL_ECHO: Final = 256
 
 
 def is_router_owned(key: str) -> bool:
-    """Whether a body field is router-owned and must be stripped (SPEC §2.2)."""
+    """Whether a body field is router-owned and must be stripped (docs/contract.md, "The engine request")."""
     return key in ROUTER_OWNED_FIELDS or key.startswith(_ROUTER_OWNED_PREFIXES)
 
 
@@ -122,7 +123,7 @@ def _prompts(prompt: object, max_prompts: int) -> list[Any] | None:
 def check_request(
     route: Route, body: bytes, model_names: Collection[str], model: str, *, max_prompts: int = 1
 ) -> AcceptedRequest:
-    """Apply SPEC §2.1 to a raw body posted to ``route``.
+    """Apply the body rules (docs/contract.md, "Request rules") to a raw body posted to ``route``.
 
     ``model_names`` are the names clients may use (the configured model and
     its aliases); ``model`` is the configured name written into the body.
@@ -138,7 +139,7 @@ def check_request(
     if not isinstance(data, dict):
         raise _fail("The request body must be a JSON object.", None)
     get = data.get
-    # 3. Field types, in the seed's order; absent or null passes.
+    # 3. Field types, in the documented order; absent or null passes.
     requested = get("model")
     if requested is not None and not isinstance(requested, str):
         raise _fail("model must be a string", "model")

@@ -1,7 +1,7 @@
 """The one error family that escapes ``narwhal_core``.
 
 Every error carries the HTTP status it implies and renders the OpenAI error
-envelope (SPEC §2.1), so an adapter never has to invent an answer: it catches
+envelope (docs/contract.md, "Responses and errors"), so an adapter never has to invent an answer: it catches
 :class:`NarwhalError` and sends ``error.body()`` with ``error.status``.
 Anything else escaping the core is a bug, and a property test says so.
 """
@@ -78,7 +78,7 @@ class NarwhalError(Exception):
 
 
 class ContractError(NarwhalError):
-    """A request broke the request contract of SPEC §2.1 (400 or 404)."""
+    """A request broke the request rules of docs/contract.md (400 or 404)."""
 
     status = 400
     type = "invalid_request_error"
@@ -134,7 +134,7 @@ class TransitionError(NarwhalError):
 
 
 class AuthError(NarwhalError):
-    """Ingress authentication refused the request (SPEC §6): 401, journal ``denied``."""
+    """Ingress authentication refused the request (docs/security.md): 401, journal ``denied``."""
 
     status = 401
     type = "authentication_error"

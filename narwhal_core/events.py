@@ -10,7 +10,8 @@ Every value is immutable by contract. The ones that pass once or more per
 request (``ClientData``, ``LegData``, ``Transmit``, ``StartLeg``,
 ``FinishLeg``, ``WriteJournal``) are plain slotted attrs classes rather than
 frozen ones, because a frozen class's ``__init__`` sets each field through
-``object.__setattr__`` (three times the cost); nothing may assign to them.
+``object.__setattr__``, which makes every construction dearer
+(benchmarks/README.md, "Figures behind the code"); nothing may assign to them.
 """
 
 from __future__ import annotations

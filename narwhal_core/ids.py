@@ -1,4 +1,4 @@
-"""Request and backend IDs (SPEC §3 "IDs").
+"""Request and backend IDs (docs/contract.md, "Prefill and decode legs").
 
 The router request ID (``rid``) is assigned at ingress from an injected
 source. Every leg attempt gets a *backend ID*, a pure function of
@@ -96,7 +96,7 @@ _SAFE_RID: Final = re.compile(rb"[\x20-\x5b\x5d-\x7e]*")
 
 
 def sanitize_client_rid(raw: bytes | None) -> str | None:
-    """The client's ``x-request-id`` as journal-safe text, never trusted (SPEC §2.2).
+    """The client's ``x-request-id`` as journal-safe text, never trusted (docs/contract.md, "The engine request").
 
     Printable ASCII is kept; every other byte (and ``\\``) is escaped as
     ``\\xNN``; the result is cut to 128 characters.

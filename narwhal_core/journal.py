@@ -1,4 +1,4 @@
-"""Journal records (SPEC §5): how each request went, one JSON line each.
+"""Journal records (docs/contract.md, "The journal"; docs/operate.md): how each request went, one JSON line each.
 
 Every request to a completion route gets exactly one :class:`TerminalRecord`
 (``terminal`` not null), and it is the last record for its ``rid``. An
@@ -58,10 +58,11 @@ LegOutcome = Literal[
 #: Records are plain slotted attrs classes, not frozen ones: each is built
 #: once per leg or request and encoded at once, and a frozen class's
 #: ``__init__`` (``object.__setattr__`` per field) made building a terminal
-#: record cost twice as much. Treat them as values all the same.
+#: record markedly dearer (benchmarks/README.md, "Figures behind the code").
+#: Treat them as values all the same.
 @attrs.define(kw_only=True)
 class KvRecord:
-    """What became of the KV blocks a prefill leg left on its engine (SPEC §3)."""
+    """What became of the KV blocks a prefill leg left on its engine (docs/contract.md, "Prefill and decode legs")."""
 
     #: ``pulled``, ``released``, ``release_sent`` or ``held_until_lease``; ``none`` when the
     #: prefill answer handed off no KV (``kv_transfer_params: null``): the

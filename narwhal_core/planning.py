@@ -1,4 +1,7 @@
-"""The PD legs (SPEC §3) and what comes back from them (SPEC §2.3).
+"""The PD legs and what comes back from them.
+
+The rules are docs/contract.md, "Prefill and decode legs" and "Responses
+and errors".
 
 Pure functions from values to values: the prefill and decode bodies built
 from the accepted client body, the check of the prefill answer's
@@ -65,7 +68,7 @@ _MAX_ENGINE_MESSAGE: Final = 1000
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's body: one token, no stream, KV kept for a remote decode.
 
-    Edits, and only these (SPEC §3.1): ``max_tokens`` = 1 (and
+    Edits, and only these (docs/contract.md, "Prefill and decode legs"): ``max_tokens`` = 1 (and
     ``max_completion_tokens`` = 1 where the client sent it), ``stream`` =
     false, ``min_completion_tokens``/``stream_options`` removed,
     ``kv_transfer_params`` added last. ``min_tokens`` becomes 1 when the
@@ -111,7 +114,9 @@ def _one_token_body(body: dict[str, Any], dropped: frozenset[str], *, keep_min_t
 
 
 def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode leg's body: the client's body plus the prefill's KV params verbatim (SPEC §3.3).
+    """The decode leg's body: the client's body plus the prefill's KV params verbatim.
+
+    (docs/contract.md, "Prefill and decode legs".)
 
     Without params (the prefill handed off none) it is the client's body as
     it is: a plain request, which recomputes the prompt.
@@ -189,7 +194,9 @@ def _block_ids_ok(blocks: list[Any]) -> bool:
 def check_prefill_answer(
     body: bytes, backend_id: str, kv_host_allowed: Callable[[str], bool], *, require_request_id: bool = False
 ) -> KvHandoff:
-    """Validate a 2xx prefill answer (SPEC §3.2); raise :class:`PrefillAnswerError` if unusable.
+    """Validate a 2xx prefill answer; raise :class:`PrefillAnswerError` if unusable.
+
+    The rules: docs/contract.md, "Prefill and decode legs".
 
     ``remote_host`` must name a host of the configured fleet (``kv_host_allowed``),
     so a forged answer cannot point a decode engine elsewhere.
@@ -254,7 +261,7 @@ def check_prefill_answer(
 
 
 def _normalise_usage(usage: Any, cached_tokens: int | None) -> None:
-    # SPEC §2.3: a decode engine counts the transferred KV as cached; the
+    # docs/contract.md, "Responses and errors": a decode engine counts the transferred KV as cached; the
     # prefill leg's figure is the one that means something. A prefill engine
     # that did not report it (vLLM without --enable-prompt-tokens-details)
     # counts as 0 cached tokens, never null (docs/operate.md, "vLLM compatibility").
@@ -269,7 +276,7 @@ def _normalise_usage(usage: Any, cached_tokens: int | None) -> None:
 
 
 def _normalise_message(message: Any) -> None:
-    # Seed: content is null when the message carries only reasoning or tool calls.
+    # content is null when the message carries only reasoning or tool calls (docs/contract.md, "Responses and errors").
     if not isinstance(message, dict) or message.get("content") not in ("", None):
         return
     if message.get("tool_calls") or message.get("reasoning_content") or message.get("reasoning"):
@@ -284,7 +291,7 @@ def normalise_answer(
     pd: bool,
     cached_tokens: int | None,
 ) -> dict[str, Any]:
-    """Make a decode leg's answer object the client's answer (SPEC §2.3), in place."""
+    """Make a decode leg's answer object the client's answer (docs/contract.md, "Responses and errors"), in place."""
     answer["object"] = "chat.completion" if route == CHAT else "text_completion"
     answer["model"] = model
     for key in _INTERNAL_ANSWER_FIELDS:
@@ -322,7 +329,9 @@ def openai_error_type(value: str) -> str:
 
 
 def engine_error(status: int, body: bytes) -> NarwhalError:
-    """An engine's 4xx answer as an error for the client, in the OpenAI envelope (SPEC §2.3).
+    """An engine's 4xx answer as an error for the client, in the OpenAI envelope.
+
+    (docs/contract.md, "Responses and errors".)
 
     vLLM answers either with the envelope or with a flat error object
     (``{"object": "error", "message": ...}``); both become the envelope with

@@ -1,8 +1,8 @@
 """JSON on the wire: exact decoding and encoding of request and answer bodies.
 
-SPEC §2.1 asks that fields Narwhal does not interpret reach the engines as
-the same JSON value the client sent: numbers by exact decimal value, strings
-by code point. ``orjson`` is fast but parses every number into a C double or
+The request rules (docs/contract.md) promise that fields Narwhal does not
+interpret reach the engines as the same JSON value the client sent: numbers
+by exact decimal value, strings by code point. ``orjson`` is fast but parses every number into a C double or
 a 64-bit integer, which changes the value of numbers with more than 15
 significant digits, of integers beyond 64 bits and of tiny exponents
 (``1e-400`` becomes ``0.0``; ``1e400`` is even refused). So bodies are decoded in two ways:
@@ -84,9 +84,10 @@ def _scan_loop(data: bytes) -> int:
 
     Returns ``2 * openers + risky``: the number of ``[`` and ``{`` bytes, and
     whether a risky number (above) may be present. Compiled, ``wire.pxd``
-    types its locals and the loop runs in C, three to four times faster than
-    the bytes operations; interpreted, it is many times slower, so the pure
-    build uses :func:`_scan_classes` (``tests/core/test_contract_properties.py``
+    types its locals and the loop runs in C, faster than the bytes
+    operations; interpreted, it is far slower than they are, so the pure
+    build uses :func:`_scan_classes` (benchmarks/README.md, "Figures behind
+    the code") (``tests/core/test_contract_properties.py``
     checks that the two always agree).
     """
     run = 0  # digits or dots in a row
@@ -221,9 +222,9 @@ def loads_answer(data: bytes) -> Any:
     """Decode an engine's answer (or one stream event): orjson first.
 
     The exactness :func:`loads` guarantees is owed to what clients send
-    (SPEC §2.1); an engine's numbers were written by a JSON encoder from
-    doubles, and orjson reads them back to the same doubles and writes the
-    same shortest text. Anything orjson refuses (``1e400``, or not JSON at
+    (docs/contract.md, "Request rules"); an engine's numbers were written
+    by a JSON encoder from doubles, and orjson reads them back to the same
+    doubles and writes the same shortest text. Anything orjson refuses (``1e400``, or not JSON at
     all) goes through :func:`loads`, for its exactness or its error.
     """
     if len(data) >= _DEEP_SIZE and data.count(b"[") + data.count(b"{") > MAX_DEPTH and not _depth_ok(data):

@@ -10,7 +10,9 @@ import pytest
 
 from . import corebuild
 
-# Before anything imports the core: which build of it this run tests.
+# Before anything imports the core: which build of it this run tests
+# (NARWHAL_PURE_PYTHON=1 installs the pure core here, explicitly: importing
+# a package never does).
 corebuild.check()
 
 from narwhal_sim.testing import SimThread  # noqa: E402

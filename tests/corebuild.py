@@ -2,8 +2,8 @@
 
 The suite runs whatever is installed (``setup.py`` compiles the core where it
 can); ``tests/core/test_core_builds.py`` runs the core's tests again in a
-subprocess with ``NARWHAL_PURE_PYTHON=1``, which importing :mod:`narwhal`
-honours (:mod:`narwhal.corebuild`). Without that variable, a compiled module
+subprocess with ``NARWHAL_PURE_PYTHON=1``, which :func:`check` honours
+(:mod:`narwhal_build`; importing a package never does). Without that variable, a compiled module
 older than its source (an editable install edited afterwards) would test old
 code: :func:`check` refuses.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.corebuild import COMPILED, PURE_ENV, compiled_files, pure_requested, stale_files, use_pure_core
+from narwhal_build import COMPILED, PURE_ENV, compiled_files, pure_requested, stale_files, use_pure_core
 
 __all__ = ["COMPILED", "PURE_ENV", "check", "compiled_files", "pure_requested"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import narwhal_core
-from narwhal.corebuild import core_build
+from narwhal_build import core_build
 
 from .. import corebuild
 
@@ -72,7 +72,7 @@ def test_this_run_loaded_the_build_it_should() -> None:
 
 
 def test_the_build_compiles_exactly_the_listed_modules() -> None:
-    # setup.py reads the list from narwhal/corebuild.py; an install compiles those and no other.
+    # setup.py reads the list from narwhal_build/__init__.py; an install compiles those and no other.
     for stem in corebuild.COMPILED:
         assert (CORE / f"{stem}.py").is_file(), stem
         assert stem not in ("__init__", "config"), "config's attrs field types must stay real types (setup.py)"
@@ -87,7 +87,7 @@ def test_the_build_compiles_exactly_the_listed_modules() -> None:
 def test_every_declaration_file_belongs_to_a_compiled_module() -> None:
     # A .pxd is read only when its module is compiled; one beside a pure module would be dead weight.
     for pxd in CORE.glob("*.pxd"):
-        assert pxd.stem in corebuild.COMPILED, f"{pxd.name}: {pxd.stem} is not compiled (narwhal/corebuild.py)"
+        assert pxd.stem in corebuild.COMPILED, f"{pxd.name}: {pxd.stem} is not compiled (narwhal_build)"
         # An extension type's base declared in another module must be compiled too.
         for cimported in re.findall(r"^from narwhal_core\.(\w+) cimport", pxd.read_text(), re.MULTILINE):
             assert cimported in corebuild.COMPILED, f"{pxd.name} cimports {cimported}, which is not compiled"

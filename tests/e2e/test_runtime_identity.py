@@ -16,7 +16,7 @@ import httpx
 import pytest
 import trio
 
-from narwhal.corebuild import PURE_ENV, compiled_files
+from narwhal_build import PURE_ENV, compiled_files
 
 from ..harness import RUNTIMES, RouterThread, make_config, read_journal, terminals_by_rid
 from .support import ServeProcess, serve_config
