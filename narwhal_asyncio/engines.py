@@ -33,7 +33,7 @@ READ_SIZE = 65536
 class _LegConnection(PooledConnection, asyncio.Protocol):
     """One keep-alive connection to an engine."""
 
-    __slots__ = ("_engines", "transport", "task", "client", "paused", "unsent")
+    __slots__ = ("_engines", "transport", "task", "client", "paused")
 
     def __init__(self, engines: Engines, url: str) -> None:
         super().__init__(url)
@@ -45,8 +45,6 @@ class _LegConnection(PooledConnection, asyncio.Protocol):
         #: The client connection the answer is for (its ``relays`` holds this connection).
         self.client: Any = None
         self.paused = False
-        #: The leg's request, until :meth:`Engines.write_unsent` writes it.
-        self.unsent = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -89,8 +87,11 @@ class Engines:
         self._pool: Pool[_LegConnection] = Pool(pool_size)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
-        #: Pooled connections given a leg whose request is not written yet.
-        self.unsent: list[_LegConnection] = []
+
+    @property
+    def unsent(self) -> bool:
+        """Legs started on pooled connections wait for :meth:`write_unsent`."""
+        return bool(self._pool.unsent)
 
     # commands from the router (synchronous: they only write, flag or start things)
 
@@ -98,11 +99,9 @@ class Engines:
         """Queue the leg on a pooled connection (see :meth:`write_unsent`), or open one in a task."""
         if self._closed:
             return  # shutting down: the loop is about to end
-        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, fresh=cmd.fresh_connection)
+        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection)
         if conn is not None:
             self._link(conn, cmd.conn)
-            conn.unsent = cmd.data
-            self.unsent.append(conn)
             return
         conn = _LegConnection(self, cmd.engine.url)
         self._pool.attach(conn, cmd.leg)
@@ -134,12 +133,9 @@ class Engines:
 
     def write_unsent(self) -> None:
         """Write the requests of legs started on pooled connections since the last call."""
-        unsent, self.unsent = self.unsent, []
-        for conn in unsent:
-            data, conn.unsent = conn.unsent, b""
-            if data and conn.leg is not None and not conn.closed:
-                assert conn.transport is not None
-                conn.transport.write(data)
+        for conn, data in self._pool.take_unsent():
+            assert conn.transport is not None
+            conn.transport.write(data)
 
     def start_control(self, cmd: StartControl) -> None:
         """Run a control request in its own task."""

@@ -61,21 +61,25 @@ C = TypeVar("C", bound=PooledConnection)
 class Pool(Generic[C]):
     """The idle connections per engine URL and the connection of every running leg."""
 
-    __slots__ = ("size", "idle", "legs")
+    __slots__ = ("size", "idle", "legs", "unsent")
 
     def __init__(self, size: int) -> None:
         #: Most idle connections kept per engine (``engine.pool_connections_per_engine``).
         self.size = size
         self.idle: dict[str, list[C]] = {}
         self.legs: dict[str, C] = {}
+        #: Leg requests for pooled connections, not written yet: (connection, leg, request).
+        self.unsent: list[tuple[C, str, bytes]] = []
 
     # a leg starts
 
-    def take_idle(self, url: str, key: str, *, fresh: bool = False) -> C | None:
+    def take_idle(self, url: str, key: str, data: bytes, *, fresh: bool = False) -> C | None:
         """An idle open connection to ``url``, now carrying leg ``key``; ``None``: open a new one.
 
-        Connections closed while idle are dropped on the way (the adapter
-        closed them, or saw them close, already).
+        The leg's request ``data`` waits in :attr:`unsent` until the adapter
+        writes it (:meth:`take_unsent`, once the loop iteration's journal
+        lines are out). Connections closed while idle are dropped on the way
+        (the adapter closed them, or saw them close, already).
         """
         idle = None if fresh else self.idle.get(url)
         while idle:
@@ -83,8 +87,15 @@ class Pool(Generic[C]):
             if not conn.closed:
                 conn.reused = True
                 self.attach(conn, key)
+                self.unsent.append((conn, key, data))
                 return conn
         return None
+
+    def take_unsent(self) -> list[tuple[C, bytes]]:
+        """The leg requests to write now on pooled connections: those queued since the last call still wanted."""
+        unsent, self.unsent = self.unsent, []
+        # A leg cancelled, or a connection failed, before its request went out: nothing to write.
+        return [(conn, data) for conn, key, data in unsent if conn.leg == key and not conn.closed]
 
     def attach(self, conn: C, key: str) -> None:
         """``conn`` carries leg ``key`` from now on (a new connection, even before it is open)."""

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from narwhal_core import Event, LegData, LegFailed, StartControl, StartLeg, local_failure
+from narwhal_core import Event, StartControl, StartLeg, local_failure
 from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlExchange, ControlRefused
 from narwhal_runtime.pool import Pool, PooledConnection
@@ -94,16 +94,17 @@ class Engines:
         self._nursery = nursery
         self._feed = feed
         self._pool: Pool[_Connection] = Pool(pool_size)
-        #: Leg requests for pooled connections, written by :meth:`write_unsent`.
-        self.unsent: list[tuple[_Connection, str, bytes]] = []
+
+    @property
+    def unsent(self) -> bool:
+        """Legs started on pooled connections wait for :meth:`write_unsent`."""
+        return bool(self._pool.unsent)
 
     # commands from the router (synchronous: they only write, flag or start things)
 
     def start_leg(self, cmd: StartLeg) -> None:
         """Queue the leg on a pooled connection (see :meth:`write_unsent`), or open one in a task."""
-        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, fresh=cmd.fresh_connection)
-        if conn is not None:
-            self.unsent.append((conn, cmd.leg, cmd.data))
+        if self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection) is not None:
             return
         conn = _Connection(cmd.engine.url)
         self._pool.attach(conn, cmd.leg)
@@ -111,11 +112,8 @@ class Engines:
 
     def write_unsent(self) -> bool:
         """Write the queued leg requests; return whether a task was started to finish one."""
-        unsent, self.unsent = self.unsent, []
         started = False
-        for conn, key, data in unsent:
-            if conn.closed or conn.leg != key:
-                continue  # cancelled, or its connection failed, before it went out
+        for conn, data in self._pool.take_unsent():
             assert conn.sock is not None
             try:
                 sent = conn.sock.send(data)
@@ -215,17 +213,15 @@ class Engines:
                 data = await receive(sock)
                 if data is None and conn.closed:
                     return  # we closed it: the router knows why
-                event: LegData | LegFailed | None
-                if data:
-                    event = self._pool.received(conn, data)
-                    if event is None:
-                        return  # an idle connection spoke: unusable
-                else:
-                    event = self._pool.ended(conn, reset=data is None)
-                if event is not None:
-                    await self._feed(event)
                 if not data:
+                    end = self._pool.ended(conn, reset=data is None)
+                    if end is not None:
+                        await self._feed(end)
                     return
+                event = self._pool.received(conn, data)
+                if event is None:
+                    return  # an idle connection spoke: unusable
+                await self._feed(event)
         except BaseException:
             # Cancelled from outside (shutdown): the router must not think the leg still runs.
             with trio.CancelScope(shield=True):

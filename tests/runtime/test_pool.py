@@ -10,7 +10,7 @@ B = "http://10.0.0.2:8100"
 
 
 def leg_on_new_connection(pool: Pool[PooledConnection], url: str, key: str) -> PooledConnection:
-    assert pool.take_idle(url, key, fresh=True) is None
+    assert pool.take_idle(url, key, b"GET", fresh=True) is None
     conn = PooledConnection(url)
     pool.attach(conn, key)
     return conn
@@ -25,7 +25,7 @@ def pooled(pool: Pool[PooledConnection], url: str, key: str = "leg-0") -> Pooled
 
 def test_an_empty_pool_says_open_a_new_connection_attached_at_once() -> None:
     pool: Pool[PooledConnection] = Pool(4)
-    assert pool.take_idle(A, "leg-1") is None
+    assert pool.take_idle(A, "leg-1", b"GET") is None
     conn = leg_on_new_connection(pool, A, "leg-1")
     assert pool.legs == {"leg-1": conn}
     assert (conn.leg, conn.reused, conn.got_bytes, conn.closed) == ("leg-1", False, False, False)
@@ -35,8 +35,8 @@ def test_a_finished_reusable_connection_is_reused_by_the_next_leg_to_its_engine_
     pool: Pool[PooledConnection] = Pool(4)
     conn = pooled(pool, A)
     assert (conn.leg, pool.idle, pool.legs) == (None, {A: [conn]}, {})
-    assert pool.take_idle(B, "leg-b") is None
-    assert pool.take_idle(A, "leg-a") is conn
+    assert pool.take_idle(B, "leg-b", b"GET") is None
+    assert pool.take_idle(A, "leg-a", b"GET") is conn
     assert (conn.leg, conn.reused, pool.legs, pool.idle[A]) == ("leg-a", True, {"leg-a": conn}, [])
 
 
@@ -46,14 +46,36 @@ def test_the_most_recently_idled_connection_goes_first() -> None:
     second = leg_on_new_connection(pool, A, "leg-2")
     pool.finish("leg-1", True)
     pool.finish("leg-2", True)
-    assert pool.take_idle(A, "leg-3") is second
-    assert pool.take_idle(A, "leg-4") is first
+    assert pool.take_idle(A, "leg-3", b"GET") is second
+    assert pool.take_idle(A, "leg-4", b"GET") is first
+
+
+def test_a_leg_on_a_pooled_connection_waits_to_be_written_unless_it_ended_first() -> None:
+    pool: Pool[PooledConnection] = Pool(4)
+    kept = pooled(pool, A, "leg-0")
+    cancelled = pooled(pool, B, "leg-00")
+    broken = pooled(pool, "http://10.0.0.3:8100", "leg-000")
+    pool.take_idle(A, "leg-1", b"request 1")
+    pool.take_idle(B, "leg-2", b"request 2")
+    pool.take_idle("http://10.0.0.3:8100", "leg-3", b"request 3")
+    assert len(pool.unsent) == 3
+    pool.cancel("leg-2")
+    broken.closed = True
+    assert pool.take_unsent() == [(kept, b"request 1")]
+    assert pool.unsent == [] and pool.take_unsent() == []
+    assert cancelled.leg is None
+
+
+def test_a_new_connection_writes_its_own_request() -> None:
+    pool: Pool[PooledConnection] = Pool(4)
+    leg_on_new_connection(pool, A, "leg-1")
+    assert pool.unsent == []
 
 
 def test_a_fresh_connection_skips_the_idle_list() -> None:
     pool: Pool[PooledConnection] = Pool(4)
     conn = pooled(pool, A)
-    assert pool.take_idle(A, "leg-1", fresh=True) is None
+    assert pool.take_idle(A, "leg-1", b"GET", fresh=True) is None
     assert pool.idle[A] == [conn]
 
 
@@ -62,7 +84,7 @@ def test_closed_idle_connections_are_passed_over() -> None:
     good = pooled(pool, A, "leg-1")
     dead = pooled(pool, A, "leg-2")
     dead.closed = True
-    assert pool.take_idle(A, "leg-3") is good
+    assert pool.take_idle(A, "leg-3", b"GET") is good
     assert pool.idle[A] == []
 
 
@@ -135,11 +157,11 @@ def test_a_new_connection_closed_before_answering_is_an_answers_end_too() -> Non
 def test_a_reused_connection_closed_before_any_answer_is_stale() -> None:
     pool: Pool[PooledConnection] = Pool(4)
     conn = pooled(pool, A)
-    assert pool.take_idle(A, "leg-1") is conn
+    assert pool.take_idle(A, "leg-1", b"GET") is conn
     assert pool.ended(conn) == LegFailed("leg-1", "dropped", reused=True)
     # Detached before the report: the router may start the leg again under the same key.
     assert conn.leg is None and pool.legs == {}
-    assert pool.take_idle(A, "leg-1", fresh=True) is None
+    assert pool.take_idle(A, "leg-1", b"GET", fresh=True) is None
 
 
 def test_a_reset_fails_the_leg_saying_whether_the_connection_was_reused() -> None:
@@ -148,7 +170,7 @@ def test_a_reset_fails_the_leg_saying_whether_the_connection_was_reused() -> Non
     new_answering = leg_on_new_connection(pool, A, "leg-2")
     pool.received(new_answering, b"HTTP/1.1 200 OK\r\n")
     reused = pooled(pool, B)
-    pool.take_idle(B, "leg-3")
+    pool.take_idle(B, "leg-3", b"GET")
     pool.received(reused, b"HTTP/1.1 200 OK\r\n")
     assert pool.ended(new, reset=True) == LegFailed("leg-1", "dropped", reused=False)
     assert pool.ended(new_answering, reset=True) == LegFailed("leg-2", "dropped", reused=False)
@@ -167,7 +189,7 @@ def test_a_failed_connect_reports_its_reason_once() -> None:
 def test_a_failure_does_not_detach_a_newer_leg_under_the_same_key() -> None:
     pool: Pool[PooledConnection] = Pool(4)
     old = pooled(pool, A)
-    pool.take_idle(A, "leg-1")
+    pool.take_idle(A, "leg-1", b"GET")
     assert pool.ended(old, reset=True) == LegFailed("leg-1", "dropped", reused=True)
     retry = leg_on_new_connection(pool, A, "leg-1")
     old.leg = "leg-1"  # (as if a late report came from the old connection)
