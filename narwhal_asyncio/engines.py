@@ -1,117 +1,79 @@
-"""Engine connections on asyncio: pooled keep-alive legs and control requests.
+"""Engine connections on asyncio: pooled keep-alive legs and control requests, the I/O only.
 
-Legs run on pooled HTTP/1.1 connections, each an :class:`asyncio.Protocol`:
-write the request bytes the router built, feed every read back as
-``LegData`` straight from ``data_received``, and return the connection to
-the pool when the router says the answer is complete and the connection
-reusable. A leg on a pooled connection is written when the server flushes
-the loop iteration (after the journal: :meth:`Engines.write_unsent`); one
-on a new connection as soon as it is open. A task runs only to open a new
-connection. A leg's connection
-stops reading while the client it relays to cannot take more bytes (the
-server pauses and resumes the legs linked to a client). Control requests
-(health probes, KV releases) use httpx; a ``decode_abort`` release writes a
-raw request and hangs up. Every failure and cancellation is reported back
-to the router.
+What to reuse, when a pooled connection is stale, what returns to the pool
+is decided by :mod:`narwhal_runtime.pool`; a control request's bytes and
+its answer by :mod:`narwhal_runtime.control`. Here: each engine connection
+is an :class:`asyncio.Protocol` feeding every read back from
+``data_received``, also while idle (an engine's close is noticed at once).
+A leg on a pooled connection is written when the server flushes the loop
+iteration (after the journal: :meth:`Engines.write_unsent`), one on a new
+connection as soon as it is open; a task runs only to open a connection. A
+leg's connection stops reading while the client it relays to cannot take
+more bytes (the server pauses and resumes the legs linked to a client).
+Every failure and cancellation is reported back to the router.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import httpx
-
-from narwhal.app import control_request
-from narwhal.engine_probe import addresses_of, describe_failure
-from narwhal_core import (
-    ControlDone,
-    Event,
-    LegData,
-    LegFailed,
-    StartControl,
-    StartLeg,
-    local_failure,
-)
-from narwhal_core.events import EngineResolved
+from narwhal_core import Event, LegData, LegFailed, StartControl, StartLeg, local_failure
+from narwhal_core.events import LegFailure
+from narwhal_runtime.control import ControlExchange, ControlRefused
+from narwhal_runtime.pool import Pool, PooledConnection
 
 __all__ = ["Engines"]
 
-
-class _Connecting:
-    """A leg waiting for its new connection."""
-
-    __slots__ = ("task", "cancelled")
-
-    def __init__(self) -> None:
-        self.task: asyncio.Task[None] | None = None
-        self.cancelled = False
+READ_SIZE = 65536
 
 
-class _LegConnection(asyncio.Protocol):
-    """One keep-alive connection to an engine: idle in the pool, or carrying one leg."""
+class _LegConnection(PooledConnection, asyncio.Protocol):
+    """One keep-alive connection to an engine."""
 
-    __slots__ = ("_engines", "url", "transport", "leg", "client", "reused", "got_bytes", "lost", "paused", "unsent")
+    __slots__ = ("_engines", "transport", "task", "client", "paused")
 
     def __init__(self, engines: Engines, url: str) -> None:
+        super().__init__(url)
         self._engines = engines
-        self.url = url
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
-        #: The backend ID of the leg it carries, ``None`` while idle.
-        self.leg: str | None = None
+        #: ``None`` while connecting.
+        self.transport: asyncio.Transport | None = None
+        #: The task opening it.
+        self.task: asyncio.Task[None] | None = None
         #: The client connection the answer is for (its ``relays`` holds this connection).
         self.client: Any = None
-        #: It carried an earlier leg (a stale pooled connection can fail unseen by the engine).
-        self.reused = False
-        self.got_bytes = False
-        self.lost = False
         self.paused = False
-        #: The leg's request, until :meth:`Engines.write_unsent` writes it.
-        self.unsent = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        leg = self.leg
-        if leg is None:
-            # An idle connection has nothing to say: bytes here make it unusable.
-            self._engines._drop_idle(self)
-            self.transport.abort()
-            return
-        self.got_bytes = True
-        self._engines._feed(LegData(leg, data))
+        event = self._engines._pool.received(self, data)
+        if event is None:  # an idle connection spoke: unusable
+            self._engines._close(self, abort=True)
+        else:
+            self._engines._feed(event)
 
     def eof_received(self) -> bool:
-        leg = self.leg
-        if leg is not None:
-            if self.reused and not self.got_bytes:
-                # The engine closed a pooled connection before answering:
-                # it never saw the request (the router retries on a fresh one).
-                self._engines._lost(self, leg)
-            else:
-                self._engines._feed(LegData(leg, b""))
+        self.closed = True  # the transport closes itself (returning False)
+        self._engines._deliver(self, self._engines._pool.ended(self))
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        leg = self.leg
-        if leg is None:
-            self._engines._drop_idle(self)
-        else:
-            self._engines._lost(self, leg)
+        self.closed = True
+        self._engines._deliver(self, self._engines._pool.ended(self, reset=True))
 
     def pause(self) -> None:
         """Stop reading: the client this leg relays to is not keeping up."""
-        if not self.paused:
+        if not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
         """Read again."""
-        if self.paused:
+        if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
 
@@ -119,83 +81,61 @@ class _LegConnection(asyncio.Protocol):
 class Engines:
     """Legs and control requests for one router, on one event loop."""
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        feed: Callable[[Event], None],
-        *,
-        pool_size: int,
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, feed: Callable[[Event], None], *, pool_size: int) -> None:
         self._loop = loop
         self._feed = feed
-        self._pool_size = pool_size
-        self._idle: dict[str, list[_LegConnection]] = {}
-        self._legs: dict[str, _LegConnection | _Connecting] = {}
+        self._pool: Pool[_LegConnection] = Pool(pool_size)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._http: httpx.AsyncClient | None = None
         self._closed = False
-        #: Pooled connections given a leg whose request is not written yet.
-        self.unsent: list[_LegConnection] = []
+
+    @property
+    def unsent(self) -> bool:
+        """Legs started on pooled connections wait for :meth:`write_unsent`."""
+        return bool(self._pool.unsent)
 
     # commands from the router (synchronous: they only write, flag or start things)
 
     def start_leg(self, cmd: StartLeg) -> None:
-        """Write the leg on a pooled connection, or open one in a task."""
+        """Queue the leg on a pooled connection (see :meth:`write_unsent`), or open one in a task."""
         if self._closed:
             return  # shutting down: the loop is about to end
-        idle = None if cmd.fresh_connection else self._idle.get(cmd.engine.url)
-        while idle:
-            conn = idle.pop()
-            if not conn.lost and not conn.transport.is_closing():
-                conn.reused = True
-                self._attach(conn, cmd)
-                conn.unsent = cmd.data
-                self.unsent.append(conn)
-                return
-        pending = _Connecting()
-        self._legs[cmd.leg] = pending
-        pending.task = self._spawn(self._connect(cmd, pending))
+        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection)
+        if conn is not None:
+            self._link(conn, cmd.conn)
+            return
+        conn = _LegConnection(self, cmd.engine.url)
+        self._pool.attach(conn, cmd.leg)
+        conn.task = self._spawn(self._connect(conn, cmd))
 
     def cancel_leg(self, key: str) -> None:
         """Stop a leg: closing its connection makes the engine abort the request."""
-        conn = self._legs.pop(key, None)
+        conn = self._pool.cancel(key)
         if conn is None:
             return
-        if type(conn) is _Connecting:
-            conn.cancelled = True
+        if conn.transport is None:
             assert conn.task is not None
-            conn.task.cancel()
+            conn.task.cancel()  # still connecting
             return
-        assert isinstance(conn, _LegConnection)
-        conn.leg = None
         self._unlink(conn)
-        conn.transport.abort()
+        self._close(conn, abort=True)
 
     def finish_leg(self, key: str, reusable: bool) -> None:
-        """The answer is complete: return the connection to the pool, or close it."""
-        conn = self._legs.pop(key, None)
-        if conn is None or type(conn) is _Connecting:
+        """The answer is complete: the connection goes back to the pool (reading on), or is closed."""
+        finished = self._pool.finish(key, reusable)
+        if finished is None:
             return
-        assert isinstance(conn, _LegConnection)
-        conn.leg = None
+        conn, kept = finished
         self._unlink(conn)
-        if reusable and not conn.lost and not conn.transport.is_closing():
-            pool = self._idle.get(conn.url)
-            if pool is None:
-                pool = self._idle[conn.url] = []
-            if len(pool) < self._pool_size:
-                conn.resume()  # an idle connection reads, so an engine's close is noticed at once
-                pool.append(conn)
-                return
-        conn.transport.close()
+        if kept:
+            conn.resume()
+        else:
+            self._close(conn)
 
     def write_unsent(self) -> None:
         """Write the requests of legs started on pooled connections since the last call."""
-        unsent, self.unsent = self.unsent, []
-        for conn in unsent:
-            data, conn.unsent = conn.unsent, b""
-            if data and conn.leg is not None and not conn.lost:
-                conn.transport.write(data)
+        for conn, data in self._pool.take_unsent():
+            assert conn.transport is not None
+            conn.transport.write(data)
 
     def start_control(self, cmd: StartControl) -> None:
         """Run a control request in its own task."""
@@ -210,15 +150,9 @@ class Engines:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        for pool in self._idle.values():
-            for conn in pool:
-                conn.transport.abort()
-        self._idle.clear()
-        for leg in list(self._legs.values()):
-            if isinstance(leg, _LegConnection):
-                leg.transport.abort()
-        if self._http is not None:
-            await self._http.aclose()
+        for conn in self._pool.all_connections():
+            if conn.transport is not None:
+                self._close(conn, abort=True)
 
     # connections
 
@@ -228,15 +162,19 @@ class Engines:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _attach(self, conn: _LegConnection, cmd: StartLeg) -> None:
-        conn.leg = cmd.leg
-        conn.got_bytes = False
-        self._legs[cmd.leg] = conn
-        client = cmd.conn
+    def _close(self, conn: _LegConnection, *, abort: bool = False) -> None:
+        conn.closed = True
+        assert conn.transport is not None
+        if abort:
+            conn.transport.abort()
+        else:
+            conn.transport.close()
+
+    def _link(self, conn: _LegConnection, client: Any) -> None:
         if client is not None:
             conn.client = client
-            client.relays.add(conn)  # type: ignore[attr-defined]
-            if client.write_paused:  # type: ignore[attr-defined]
+            client.relays.add(conn)
+            if client.write_paused:
                 conn.pause()
 
     def _unlink(self, conn: _LegConnection) -> None:
@@ -245,97 +183,94 @@ class Engines:
             conn.client = None
             client.relays.discard(conn)
 
-    def _lost(self, conn: _LegConnection, key: str) -> None:
-        # Detach before reporting: the router may start the leg again at once
-        # (a fresh connection after a stale pooled one), under the same key.
-        if self._legs.get(key) is conn:
-            del self._legs[key]
-        conn.leg = None
-        self._unlink(conn)
-        self._feed(LegFailed(key, "dropped", conn.reused))
+    def _deliver(self, conn: _LegConnection, event: LegData | LegFailed | None) -> None:
+        if conn.leg is None:
+            self._unlink(conn)  # the pool detached the leg: the router may start it again at once
+        if event is not None:
+            self._feed(event)
 
-    def _drop_idle(self, conn: _LegConnection) -> None:
-        pool = self._idle.get(conn.url)
-        if pool:
-            try:
-                pool.remove(conn)
-            except ValueError:
-                pass
+    def _fail(self, conn: _LegConnection, reason: LegFailure) -> None:
+        self._deliver(conn, self._pool.failed(conn, reason))  # None: the leg was cancelled, the router knows
 
-    def _connect_failed(self, key: str, pending: _Connecting, reason: Any) -> None:
-        if self._legs.get(key) is pending:
-            del self._legs[key]
-            self._feed(LegFailed(key, reason))
-
-    async def _connect(self, cmd: StartLeg, pending: _Connecting) -> None:
+    async def _connect(self, conn: _LegConnection, cmd: StartLeg) -> None:
         key = cmd.leg
-        engine = cmd.engine
         try:
             async with asyncio.timeout(cmd.connect_timeout):
-                transport, conn = await self._loop.create_connection(
-                    lambda: _LegConnection(self, engine.url), engine.host, engine.port
-                )
+                transport, _ = await self._loop.create_connection(lambda: conn, cmd.engine.host, cmd.engine.port)
         except TimeoutError:  # before OSError, of which it is a subclass
-            self._connect_failed(key, pending, "connect_timeout")
+            self._fail(conn, "connect_timeout")
             return
         except OSError as exc:
-            self._connect_failed(key, pending, "local_error" if local_failure(exc) else "connect_failed")
+            self._fail(conn, "local_error" if local_failure(exc) else "connect_failed")
             return
         except BaseException:
-            # CancelLeg: the router knows. Anything else (shutdown): tell it.
-            if not pending.cancelled:
-                self._connect_failed(key, pending, "dropped")
+            self._fail(conn, "dropped")  # shutdown (a CancelLeg detached the leg first)
             raise
-        if self._legs.get(key) is not pending:
-            transport.abort()  # cancelled just as the connection opened
+        if conn.leg != key or conn.closed:
+            transport.abort()  # cancelled just as the connection opened, or already lost (reported)
             return
-        if conn.lost or transport.is_closing():
-            del self._legs[key]
-            self._feed(LegFailed(key, "dropped"))
-            return
-        self._attach(conn, cmd)
+        self._link(conn, cmd.conn)
         # Its journal line was flushed with the iteration that started the leg.
         transport.write(cmd.data)
 
     # control requests
 
     async def _run_control(self, cmd: StartControl) -> None:
-        status: int | None = None
-        error: str | None = None
-        local = False
-        body = b""
+        exchange = ControlExchange(cmd)
+        deadline = asyncio.timeout(cmd.timeout)
+        loop = self._loop
         try:
-            async with asyncio.timeout(cmd.timeout):
+            async with deadline:
+                data = exchange.request()
+                infos = await _addresses(loop, cmd.engine.host, cmd.engine.port)
                 if cmd.resolve:
-                    # The engine's name, resolved at every probe: its addresses
-                    # may name its KV side channel (docs/configure.md).
-                    infos = await self._loop.getaddrinfo(cmd.engine.host, cmd.engine.port, type=socket.SOCK_STREAM)
-                    self._feed(EngineResolved(cmd.engine, addresses_of(infos)))
-                if cmd.drop_after_send:
-                    transport, _ = await self._loop.create_connection(
-                        asyncio.Protocol, cmd.engine.host, cmd.engine.port
-                    )
-                    try:
-                        transport.write(cmd.data)
-                    finally:
-                        transport.close()  # after the bytes are written
-                else:
-                    if self._http is None:
-                        # identity: the answer's bytes are read raw (a KV release's is parsed).
-                        # Engines are plain http:// (config refuses https://): no TLS context,
-                        # whose certificate loading would delay every first probe.
-                        self._http = httpx.AsyncClient(
-                            trust_env=False, verify=False, headers={"accept-encoding": "identity"}
-                        )
-                    status, body = await control_request(self._http, cmd)
-        except httpx.ConnectTimeout:
-            error = "connect timeout"  # nothing was sent (a KV release's record says so)
-        except (TimeoutError, httpx.TimeoutException):
-            error = "timeout"
-        except (OSError, httpx.HTTPError) as exc:
-            error = describe_failure(exc)
-            local = local_failure(exc)
+                    # Resolved at every probe: the addresses may name the KV side channel.
+                    self._feed(exchange.resolved(infos))
+                sock = await _connect(loop, infos)
+                try:
+                    exchange.connected()
+                    await loop.sock_sendall(sock, data)
+                    done = exchange.sent() if exchange.hang_up else None
+                    while done is None:
+                        done = exchange.receive_data(await loop.sock_recv(sock, READ_SIZE))
+                finally:
+                    sock.close()
+        except TimeoutError as exc:  # before OSError, of which it is a subclass
+            done = exchange.timed_out() if deadline.expired() else exchange.failed(exc)
+        except (OSError, ControlRefused) as exc:
+            done = exchange.failed(exc)
         except BaseException:
-            self._feed(ControlDone(cmd.key, None, "cancelled"))
+            self._feed(exchange.cancelled())
             raise
-        self._feed(ControlDone(cmd.key, status, error, local, body))
+        self._feed(done)
+
+
+async def _addresses(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[Any]:
+    """``getaddrinfo`` for ``host``: at once for an IP address, else in the loop's resolver thread."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, infos: Sequence[Any]) -> socket.socket:
+    """A socket connected to the first address of ``infos`` that takes the connection.
+
+    ``loop.create_connection`` on Python 3.11 sums up several failed
+    addresses (``localhost``: ``::1`` and ``127.0.0.1``) in one ``OSError``
+    without an errno; this one keeps each (a refusal is named as one).
+    """
+    errors: list[OSError] = []
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            errors.append(exc)
+        except BaseException:
+            sock.close()
+            raise
+    raise OSError("no address of the engine took the connection") from ExceptionGroup("connect", errors)

@@ -1,25 +1,21 @@
-"""Engine connections on trio: pooled keep-alive legs and control requests.
+"""Engine connections on trio: pooled keep-alive legs and control requests, the I/O only.
 
-Legs run on pooled HTTP/1.1 connections, one task per connection (not per
-leg), as the asyncio adapter has one protocol object per connection: the
-task reads whatever the engine sends and feeds it back as ``LegData``, and
-the connection returns to the pool when the router says the answer is
-complete and the connection reusable; an idle connection is read too, so an
-engine's close is noticed at once. A leg on a pooled connection is written
-straight from the drain that started it (a non-blocking ``send`` of the
-whole request; a send the socket cannot take at once is finished by a
-task); a new connection is opened by the task that will then serve it.
+What to reuse, when a pooled connection is stale, what returns to the pool
+is decided by :mod:`narwhal_runtime.pool`; a control request's bytes and
+its answer by :mod:`narwhal_runtime.control`. Here: one task per engine
+connection (not per leg), reading whatever the engine sends, also while the
+connection is idle (an engine's close is noticed at once); a leg on a pooled
+connection is written straight from the drain that started it (a
+non-blocking ``send``; what the socket cannot take at once is finished by a
+task); a new connection is opened by the task that then serves it.
 
 The sockets are plain non-blocking sockets driven with
 :func:`trio.lowlevel.wait_readable` / :func:`~trio.lowlevel.wait_writable`:
 a ``SocketStream`` call costs a cancel scope, two context managers and a
 yield per call, several times the ``recv`` it wraps. Each wait is a
 checkpoint; closing a socket another task may wait on goes through
-:func:`trio.lowlevel.notify_closing`.
-
-Control requests (health probes, KV releases) use httpx; a ``decode_abort``
-release writes a raw request and hangs up. Every failure and cancellation
-is reported back to the router.
+:func:`trio.lowlevel.notify_closing`. Every failure and cancellation is
+reported back to the router.
 """
 
 from __future__ import annotations
@@ -27,21 +23,12 @@ from __future__ import annotations
 import socket
 from collections.abc import Awaitable, Callable
 
-import httpx
 import trio
 
-from narwhal.app import control_request
-from narwhal.engine_probe import addresses_of, describe_failure
-from narwhal_core import (
-    ControlDone,
-    Event,
-    LegData,
-    LegFailed,
-    StartControl,
-    StartLeg,
-    local_failure,
-)
-from narwhal_core.events import EngineResolved
+from narwhal_core import Event, StartControl, StartLeg, local_failure
+from narwhal_core.events import LegFailure
+from narwhal_runtime.control import ControlExchange, ControlRefused
+from narwhal_runtime.pool import Pool, PooledConnection
 
 __all__ = ["Engines", "plain_socket", "close_socket", "send_all", "receive"]
 
@@ -87,22 +74,15 @@ async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
         view = view[sent:]
 
 
-class _Connection:
-    """One keep-alive connection to an engine: idle in the pool, or carrying one leg."""
+class _Connection(PooledConnection):
+    """One keep-alive connection to an engine, and the task serving it."""
 
-    __slots__ = ("url", "sock", "leg", "reused", "got_bytes", "closed", "scope")
+    __slots__ = ("sock", "scope")
 
     def __init__(self, url: str) -> None:
-        self.url = url
+        super().__init__(url)
         #: ``None`` while connecting.
         self.sock: socket.socket | None = None
-        #: The backend ID of the leg it carries, ``None`` while idle.
-        self.leg: str | None = None
-        #: It carried an earlier leg (a stale pooled connection can fail unseen by the engine).
-        self.reused = False
-        self.got_bytes = False
-        #: We closed it (cancelled leg, finished and not reusable, pool full, shutdown).
-        self.closed = False
         #: The connect in progress, cancelled by a CancelLeg.
         self.scope: trio.CancelScope | None = None
 
@@ -110,45 +90,30 @@ class _Connection:
 class Engines:
     """Legs and control requests for one router, on one nursery."""
 
-    def __init__(
-        self,
-        nursery: trio.Nursery,
-        feed: Callable[[Event], Awaitable[None]],
-        *,
-        pool_size: int,
-    ) -> None:
+    def __init__(self, nursery: trio.Nursery, feed: Callable[[Event], Awaitable[None]], *, pool_size: int) -> None:
         self._nursery = nursery
         self._feed = feed
-        self._pool_size = pool_size
-        self._idle: dict[str, list[_Connection]] = {}
-        self._legs: dict[str, _Connection] = {}
-        self._http: httpx.AsyncClient | None = None
-        #: Leg requests for pooled connections, written by :meth:`write_unsent`.
-        self.unsent: list[tuple[_Connection, str, bytes]] = []
+        self._pool: Pool[_Connection] = Pool(pool_size)
+
+    @property
+    def unsent(self) -> bool:
+        """Legs started on pooled connections wait for :meth:`write_unsent`."""
+        return bool(self._pool.unsent)
 
     # commands from the router (synchronous: they only write, flag or start things)
 
     def start_leg(self, cmd: StartLeg) -> None:
         """Queue the leg on a pooled connection (see :meth:`write_unsent`), or open one in a task."""
-        idle = None if cmd.fresh_connection else self._idle.get(cmd.engine.url)
-        while idle:
-            conn = idle.pop()
-            if not conn.closed:
-                conn.reused = True
-                self._attach(conn, cmd.leg)
-                self.unsent.append((conn, cmd.leg, cmd.data))
-                return
+        if self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection) is not None:
+            return
         conn = _Connection(cmd.engine.url)
-        self._attach(conn, cmd.leg)
+        self._pool.attach(conn, cmd.leg)
         self._nursery.start_soon(self._connect, conn, cmd)
 
     def write_unsent(self) -> bool:
         """Write the queued leg requests; return whether a task was started to finish one."""
-        unsent, self.unsent = self.unsent, []
         started = False
-        for conn, key, data in unsent:
-            if conn.closed or conn.leg != key:
-                continue  # cancelled, or its connection failed, before it went out
+        for conn, data in self._pool.take_unsent():
             assert conn.sock is not None
             try:
                 sent = conn.sock.send(data)
@@ -159,52 +124,32 @@ class Engines:
                 # reports the leg (the router retries a stale connection).
                 continue
             if sent < len(data):
-                self._nursery.start_soon(self._send_rest, conn, key, memoryview(data)[sent:])
+                self._nursery.start_soon(self._send_rest, conn, memoryview(data)[sent:])
                 started = True
         return started
 
     def cancel_leg(self, key: str) -> None:
         """Stop a leg: closing its connection makes the engine abort the request."""
-        conn = self._legs.pop(key, None)
-        if conn is None:
-            return
-        conn.leg = None
-        self._close(conn)
+        conn = self._pool.cancel(key)
+        if conn is not None:
+            self._close(conn)
 
     def finish_leg(self, key: str, reusable: bool) -> None:
-        """The answer is complete: return the connection to the pool, or close it."""
-        conn = self._legs.pop(key, None)
-        if conn is None:
-            return
-        conn.leg = None
-        if reusable and not conn.closed:
-            pool = self._idle.setdefault(conn.url, [])
-            if len(pool) < self._pool_size:
-                pool.append(conn)  # its task reads on, so an engine's close is noticed at once
-                return
-        self._close(conn)
+        """The answer is complete: the connection goes back to the pool (its task reads on), or is closed."""
+        finished = self._pool.finish(key, reusable)
+        if finished is not None and not finished[1]:
+            self._close(finished[0])
 
     def start_control(self, cmd: StartControl) -> None:
         """Run a control request in its own task."""
         self._nursery.start_soon(self._run_control, cmd)
 
     async def aclose(self) -> None:
-        """Close every connection and the control client."""
-        for pool in self._idle.values():
-            for conn in pool:
-                self._close(conn)
-        self._idle.clear()
-        for conn in list(self._legs.values()):
+        """Close every connection (their tasks report the legs they carried)."""
+        for conn in self._pool.all_connections():
             self._close(conn)
-        if self._http is not None:
-            await self._http.aclose()
 
     # connections
-
-    def _attach(self, conn: _Connection, key: str) -> None:
-        conn.leg = key
-        conn.got_bytes = False
-        self._legs[key] = conn
 
     def _close(self, conn: _Connection) -> None:
         conn.closed = True
@@ -213,22 +158,12 @@ class Engines:
         elif conn.scope is not None:
             conn.scope.cancel()  # still connecting
 
-    def _drop_idle(self, conn: _Connection) -> None:
-        pool = self._idle.get(conn.url)
-        if pool and conn in pool:
-            pool.remove(conn)
-
-    async def _report(self, conn: _Connection, event: Event) -> None:
-        # Detach before reporting: the router may start the leg again at once
-        # (a fresh connection after a stale pooled one), under the same key.
-        key = conn.leg
-        if key is not None and self._legs.get(key) is conn:
-            del self._legs[key]
-        conn.leg = None
-        await self._feed(event)
+    async def _fail(self, conn: _Connection, reason: LegFailure) -> None:
+        event = self._pool.failed(conn, reason)  # None: the leg was cancelled, the router knows
+        if event is not None:
+            await self._feed(event)
 
     async def _connect(self, conn: _Connection, cmd: StartLeg) -> None:
-        key = cmd.leg
         try:
             try:
                 with trio.CancelScope() as scope:
@@ -236,10 +171,10 @@ class Engines:
                     with trio.fail_after(cmd.connect_timeout):
                         stream = await trio.open_tcp_stream(cmd.engine.host, cmd.engine.port)
             except trio.TooSlowError:
-                await self._report(conn, LegFailed(key, "connect_timeout"))
+                await self._fail(conn, "connect_timeout")
                 return
             except OSError as exc:
-                await self._report(conn, LegFailed(key, "local_error" if local_failure(exc) else "connect_failed"))
+                await self._fail(conn, "local_error" if local_failure(exc) else "connect_failed")
                 return
             conn.scope = None
             if scope.cancelled_caught:
@@ -251,19 +186,17 @@ class Engines:
             try:
                 await send_all(sock, cmd.data)
             except (trio.ClosedResourceError, OSError):
-                if conn.leg == key:
-                    await self._report(conn, LegFailed(key, "dropped"))
+                await self._fail(conn, "dropped")
                 close_socket(sock)
                 return
         except BaseException:
             # Cancelled from outside (shutdown): the router must not think the leg still runs.
-            if conn.leg == key:
-                with trio.CancelScope(shield=True):
-                    await self._report(conn, LegFailed(key, "dropped"))
+            with trio.CancelScope(shield=True):
+                await self._fail(conn, "dropped")
             raise
         await self._serve(conn)
 
-    async def _send_rest(self, conn: _Connection, key: str, rest: memoryview) -> None:
+    async def _send_rest(self, conn: _Connection, rest: memoryview) -> None:
         # The rare leg request a socket could not take at once.
         assert conn.sock is not None
         try:
@@ -280,71 +213,51 @@ class Engines:
                 data = await receive(sock)
                 if data is None and conn.closed:
                     return  # we closed it: the router knows why
-                key = conn.leg
-                if key is None:
-                    # An idle connection has nothing to say: bytes or a close
-                    # here make it unusable.
-                    self._drop_idle(conn)
-                    return
                 if not data:
-                    if data is None or (conn.reused and not conn.got_bytes):
-                        # Reset, or a pooled connection the engine had closed
-                        # while idle: then the router retries on a fresh one.
-                        await self._report(conn, LegFailed(key, "dropped", conn.reused))
-                        return
-                    await self._feed(LegData(key, b""))
+                    end = self._pool.ended(conn, reset=data is None)
+                    if end is not None:
+                        await self._feed(end)
                     return
-                conn.got_bytes = True
-                await self._feed(LegData(key, data))
+                event = self._pool.received(conn, data)
+                if event is None:
+                    return  # an idle connection spoke: unusable
+                await self._feed(event)
         except BaseException:
             # Cancelled from outside (shutdown): the router must not think the leg still runs.
-            if conn.leg is not None:
-                with trio.CancelScope(shield=True):
-                    await self._report(conn, LegFailed(conn.leg, "dropped"))
+            with trio.CancelScope(shield=True):
+                await self._fail(conn, "dropped")
             raise
         finally:
             conn.closed = True
-            self._drop_idle(conn)
+            self._pool.forget(conn)
             close_socket(sock)
 
     # control requests
 
     async def _run_control(self, cmd: StartControl) -> None:
-        status: int | None = None
-        error: str | None = None
-        local = False
-        body = b""
+        exchange = ControlExchange(cmd)
         try:
             with trio.fail_after(cmd.timeout):
+                data = exchange.request()
                 if cmd.resolve:
-                    # The engine's name, resolved at every probe: its addresses
-                    # may name its KV side channel (docs/configure.md).
+                    # Resolved at every probe: the addresses may name the KV side channel.
                     infos = await trio.socket.getaddrinfo(cmd.engine.host, cmd.engine.port, type=socket.SOCK_STREAM)
-                    await self._feed(EngineResolved(cmd.engine, addresses_of(infos)))
-                if cmd.drop_after_send:
-                    stream = await trio.open_tcp_stream(cmd.engine.host, cmd.engine.port)
-                    try:
-                        await stream.send_all(cmd.data)
-                    finally:
-                        stream.socket.close()
-                else:
-                    if self._http is None:
-                        # identity: the answer's bytes are read raw (a KV release's is parsed).
-                        # Engines are plain http:// (config refuses https://): no TLS context,
-                        # whose certificate loading would delay every first probe.
-                        self._http = httpx.AsyncClient(
-                            trust_env=False, verify=False, headers={"accept-encoding": "identity"}
-                        )
-                    status, body = await control_request(self._http, cmd)
-        except httpx.ConnectTimeout:
-            error = "connect timeout"  # nothing was sent (a KV release's record says so)
-        except (trio.TooSlowError, httpx.TimeoutException):
-            error = "timeout"
-        except (OSError, httpx.HTTPError, trio.BrokenResourceError) as exc:
-            error = describe_failure(exc)
-            local = local_failure(exc)
+                    await self._feed(exchange.resolved(infos))
+                stream = await trio.open_tcp_stream(cmd.engine.host, cmd.engine.port)
+                exchange.connected()
+                try:
+                    await stream.send_all(data)
+                    done = exchange.sent() if exchange.hang_up else None
+                    while done is None:
+                        done = exchange.receive_data(await stream.receive_some(READ_SIZE))
+                finally:
+                    stream.socket.close()
+        except trio.TooSlowError:
+            done = exchange.timed_out()
+        except (OSError, trio.BrokenResourceError, ControlRefused) as exc:
+            done = exchange.failed(exc)
         except BaseException:
             with trio.CancelScope(shield=True):
-                await self._feed(ControlDone(cmd.key, None, "cancelled"))
+                await self._feed(exchange.cancelled())
             raise
-        await self._feed(ControlDone(cmd.key, status, error, local, body))
+        await self._feed(done)

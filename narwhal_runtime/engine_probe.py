@@ -15,7 +15,7 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["describe_failure", "addresses_of", "MAX_REASON"]
+__all__ = ["describe_failure", "addresses_of", "shorten", "MAX_REASON"]
 
 #: Longest failure description passed on (a resolver's or a library's message can be long).
 MAX_REASON = 200
@@ -23,7 +23,7 @@ MAX_REASON = 200
 
 def _chain(exc: BaseException) -> list[BaseException]:
     # The exception, its causes and contexts, and the members of exception
-    # groups, outermost first (httpx and trio wrap the socket call's error).
+    # groups, outermost first (trio wraps the socket call's error).
     seen: set[int] = set()
     out: list[BaseException] = []
     todo: list[BaseException] = [exc]
@@ -51,7 +51,7 @@ def describe_failure(exc: BaseException) -> str:
     chain = _chain(exc)
     for e in chain:
         if isinstance(e, socket.gaierror):
-            return _short(f"DNS failure: {e.strerror or e}")
+            return shorten(f"DNS failure: {e.strerror or e}")
     for e in chain:
         if isinstance(e, ConnectionRefusedError):
             return "connection refused"
@@ -62,9 +62,9 @@ def describe_failure(exc: BaseException) -> str:
             return "timeout"
     for e in chain:
         if isinstance(e, OSError) and e.strerror:
-            return _short(f"connection failed: {e.strerror}")
+            return shorten(f"connection failed: {e.strerror}")
     text = str(exc)
-    return _short(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+    return shorten(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
 
 
 def addresses_of(infos: Iterable[Any]) -> tuple[str, ...]:
@@ -77,5 +77,6 @@ def addresses_of(infos: Iterable[Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _short(text: str) -> str:
+def shorten(text: str) -> str:
+    """``text``, cut to :data:`MAX_REASON` characters."""
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."

@@ -1,0 +1,142 @@
+"""A control request to an engine (health probe, KV release), sans-IO: its bytes out, its answer in.
+
+The router asks for control requests with ``StartControl`` and hears how
+each went with ``ControlDone`` (docs/embedding.md). Both adapters run them
+the same way, so everything but the socket calls and the deadline lives
+here: the request is encoded by the core's own engine-side codec, the one
+the legs use (:class:`~narwhal_core.http1_fast.FastEngineConnection`), on a
+connection of its own that carries this one request (``connection:
+close``), and the answer is parsed back by it, up to
+:data:`~narwhal_core.CONTROL_BODY_LIMIT` bytes of body: an abort endpoint's
+answer is a few dozen bytes, a decode release's is read for its verdict.
+
+An adapter runs one :class:`ControlExchange` per ``StartControl``::
+
+    exchange = ControlExchange(cmd)
+    data = exchange.request()            # before connecting: may refuse
+    ...connect (resolving first if cmd.resolve: feed exchange.resolved(infos))...
+    exchange.connected()
+    ...write data; if exchange.hang_up: close, feed exchange.sent()...
+    ...else read: done = exchange.receive_data(chunk) until not None (b"" at EOF)...
+    failures: exchange.failed(exc), exchange.timed_out(), exchange.cancelled()
+
+The request carries the engine credential where the router put it; no
+error text made here holds a request header, so the credential reaches
+neither the log nor the journal (docs/security.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Final
+
+from narwhal_core import CONTROL_BODY_LIMIT, ControlDone, StartControl, local_failure
+from narwhal_core.errors import LocalProtocolError, RemoteProtocolError
+from narwhal_core.events import EngineResolved
+from narwhal_core.http1 import NEED_DATA, BodyData, ResponseEnd, ResponseHead
+from narwhal_core.http1_fast import FastEngineConnection
+
+from .engine_probe import addresses_of, describe_failure, shorten
+
+__all__ = ["ControlExchange", "ControlRefused", "CONTROL_HEADERS"]
+
+#: Added to every control request (``decode_abort``'s raw request aside):
+#: the answer's bytes are read as they come (a KV release's body is parsed,
+#: never decompressed), and the connection carries this one request.
+CONTROL_HEADERS: Final = ((b"accept-encoding", b"identity"), (b"connection", b"close"))
+
+
+class ControlRefused(Exception):
+    """The codec refused to encode the request (a header HTTP/1.1 does not allow).
+
+    Its message names no header value: the refused one may be the engine
+    credential.
+    """
+
+
+class ControlExchange:
+    """One control request: the bytes to write, and the ``ControlDone`` its answer (or failure) makes."""
+
+    __slots__ = ("cmd", "hang_up", "_codec", "_status", "_body", "_connected")
+
+    def __init__(self, cmd: StartControl) -> None:
+        self.cmd = cmd
+        #: ``decode_abort``: write the raw request and close the connection, reading nothing.
+        self.hang_up = cmd.drop_after_send
+        # The answer is read only up to CONTROL_BODY_LIMIT: no body limit (whatever
+        # follows is never read), the codec's head limit.
+        self._codec = FastEngineConnection(max_body_bytes=None)
+        self._status: int | None = None
+        self._body = bytearray()
+        self._connected = False
+
+    def request(self) -> bytes:
+        """The bytes to write on a new connection to ``cmd.engine``; raises :class:`ControlRefused`."""
+        cmd = self.cmd
+        if self.hang_up:
+            return cmd.data
+        try:
+            return self._codec.send_request(cmd.method, cmd.target, (*cmd.headers, *CONTROL_HEADERS), cmd.body)
+        except LocalProtocolError:
+            pass
+        # Raised outside the handler: the codec's message, which quotes the
+        # header, is not even its context.
+        raise ControlRefused("cannot encode the request: a header HTTP/1.1 does not allow (value not shown)")
+
+    def resolved(self, infos: Iterable[Any]) -> EngineResolved:
+        """What the engine's name resolved to (``cmd.resolve``), for the router (docs/configure.md)."""
+        return EngineResolved(self.cmd.engine, addresses_of(infos))
+
+    def connected(self) -> None:
+        """The connection is open: a timeout from now on may have let the request reach the engine."""
+        self._connected = True
+
+    def sent(self) -> ControlDone:
+        """A ``decode_abort`` request was written and the connection closed: nothing comes back."""
+        return ControlDone(self.cmd.key, None)
+
+    def receive_data(self, data: bytes) -> ControlDone | None:
+        """Bytes from the engine (``b""``: it closed); the outcome once known, else ``None``."""
+        codec = self._codec
+        codec.receive_data(data)
+        body = self._body
+        try:
+            while True:
+                event = codec.next_event()
+                if event is NEED_DATA:
+                    return None
+                if type(event) is ResponseHead:
+                    self._status = event.status
+                elif type(event) is BodyData:
+                    body += event.data
+                    if len(body) >= CONTROL_BODY_LIMIT:
+                        break  # enough to know what the engine said
+                else:
+                    assert type(event) is ResponseEnd
+                    break
+        except RemoteProtocolError as exc:
+            # The engine's bytes broke HTTP/1.1 or stopped short: the
+            # message quotes at most the engine's own bytes.
+            return ControlDone(self.cmd.key, None, shorten(str(exc)))
+        assert self._status is not None
+        return ControlDone(self.cmd.key, self._status, None, False, bytes(body[:CONTROL_BODY_LIMIT]))
+
+    def failed(self, exc: BaseException) -> ControlDone:
+        """The request failed with ``exc`` (a socket error, :class:`ControlRefused`): why, in a few words."""
+        if isinstance(exc, ControlRefused):
+            return ControlDone(self.cmd.key, None, str(exc))
+        return ControlDone(self.cmd.key, None, describe_failure(exc), local_failure(exc))
+
+    def timed_out(self) -> ControlDone:
+        """``cmd.timeout`` ran out.
+
+        ``connect timeout`` before the connection opened: nothing was sent,
+        which a KV release's record says (docs/operate.md); ``timeout``
+        otherwise.
+        """
+        return ControlDone(self.cmd.key, None, "timeout" if self._connected else "connect timeout")
+
+    def cancelled(self) -> ControlDone:
+        """The adapter is shutting down and stopped the request."""
+        return ControlDone(self.cmd.key, None, "cancelled")
+
