@@ -75,6 +75,8 @@ from narwhal_core.config import (
 )
 from narwhal_core.http1 import H11_CODEC, Codec
 
+from ..helpers import ALIAS, CHAT, COMPLETIONS, MODEL
+
 __all__ = [
     "MODEL", "ALIAS", "COMPLETIONS", "CHAT", "PREFILL_URLS", "DECODE_URLS", "PROMPT",
     "make_config", "completion_body", "chat_body", "http_request", "json_request",
@@ -83,10 +85,6 @@ __all__ = [
     "FakeClient", "ClientResponse", "SentRequest", "EngineLeg", "Control", "JournalEntry", "Driver",
 ]
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-ALIAS = "llama-3.1-8b"
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 PREFILL_URLS = ("http://10.0.0.1:8100", "http://10.0.0.2:8100")
 DECODE_URLS = ("http://10.0.1.1:8200", "http://10.0.1.2:8200")
 #: A prompt of about 1 KB, as a real chat turn would be.

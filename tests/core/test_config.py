@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import attrs
@@ -32,7 +31,9 @@ from narwhal_core.config import (
 )
 from narwhal_core.errors import ConfigError
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "configure.md"
+from ..helpers import REPO
+
+DOCS = REPO / "docs" / "configure.md"
 
 DECODE = "http://127.0.0.1:8200"
 MINIMAL: dict[str, Any] = {"model": {"name": "m"}, "engine": {"decode": [DECODE]}}

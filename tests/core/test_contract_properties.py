@@ -24,11 +24,9 @@ from narwhal_core import wire
 from narwhal_core.contract import check_request
 from narwhal_core.errors import ContractError
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-ALIASES = ("llama-3.1-8b",)
-MODEL_NAMES = frozenset({MODEL, *ALIASES})
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+from ..helpers import ALIAS, CHAT, COMPLETIONS, MODEL
+
+MODEL_NAMES = frozenset({MODEL, ALIAS})
 ROUTES = st.sampled_from([COMPLETIONS, CHAT])
 
 # The seed page's table, in its order (SPEC §2.1 check 3).
@@ -428,7 +426,7 @@ int_like = st.sampled_from(["-1", "0", "1", "2", "7", "-0", "1.0", "1e0", "0.5",
 
 FIELD_VALUES: dict[str, st.SearchStrategy[Node]] = {
     "model": st.one_of(
-        st.sampled_from([s(MODEL), s(ALIASES[0]), s("gpt-4o"), s(MODEL.lower()), s(""), NULL, TRUE, num("1")]),
+        st.sampled_from([s(MODEL), s(ALIAS), s("gpt-4o"), s(MODEL.lower()), s(""), NULL, TRUE, num("1")]),
         texts.map(s),
         json_trees,
     ),
@@ -490,7 +488,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Node]] = {
 
 # Values of the typed fields that pass check 3, so that checks 4-7 get exercised.
 WELL_TYPED: dict[str, st.SearchStrategy[Node]] = {
-    "model": st.sampled_from([s(MODEL), s(ALIASES[0]), s("gpt-4o"), NULL]),
+    "model": st.sampled_from([s(MODEL), s(ALIAS), s("gpt-4o"), NULL]),
     "stream": st.sampled_from([TRUE, FALSE, NULL]),
     "n": st.sampled_from(["-1", "0", "1", "1", "2", "-0", "123456789012345678901234567890"]).map(num),
     "best_of": st.sampled_from(["0", "1", "1", "3", NULL]).map(lambda v: v if isinstance(v, tuple) else num(v)),
@@ -622,7 +620,7 @@ EXACT_NUMBERS = [
 def test_numbers_pass_through_by_exact_decimal_value(route: str, literal: str) -> None:
     """SPEC §2.1: never rounded through a float, never turned into ``Infinity``."""
     body = (
-        f'{{"model":"{ALIASES[0]}","prompt":"p","messages":[],"x":{literal},"y":[{literal}],'
+        f'{{"model":"{ALIAS}","prompt":"p","messages":[],"x":{literal},"y":[{literal}],'
         f'"z":{{"k":{literal}}},"w":"1e400"}}'
     ).encode()
     accepted = check_request(route, body, MODEL_NAMES, MODEL)  # type: ignore[arg-type]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..helpers import REPO as ROOT
+
 PACKAGE = ROOT / "narwhal_core"
 
 FORBIDDEN_IMPORTS = (

@@ -29,20 +29,10 @@ from narwhal_core.planning import (
     prefill_body,
 )
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+from ..helpers import CHAT, COMPLETIONS, MODEL, PREFILL_KV_REQUEST
+
 ROUTES = st.sampled_from([COMPLETIONS, CHAT])
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def tagged(value: Any) -> Any:
@@ -132,7 +122,7 @@ def test_prefill_body_has_exactly_the_spec_edits(body: dict[str, Any]) -> None:
     # What SPEC §3.1 changes.
     assert tagged(out["max_tokens"]) == ("int", 1)
     assert tagged(out["stream"]) == ("bool", False)
-    assert tagged(out["kv_transfer_params"]) == tagged(PREFILL_KV)
+    assert tagged(out["kv_transfer_params"]) == tagged(PREFILL_KV_REQUEST)
     if "max_completion_tokens" in body:
         assert tagged(out["max_completion_tokens"]) == ("int", 1)
     else:
@@ -169,7 +159,7 @@ def test_prefill_kv_request_is_a_fresh_object_each_time() -> None:
     first = prefill_body({"prompt": "a"})
     first["kv_transfer_params"]["remote_host"] = "evil"
     second = prefill_body({"prompt": "a"})
-    assert second["kv_transfer_params"] == PREFILL_KV
+    assert second["kv_transfer_params"] == PREFILL_KV_REQUEST
 
 
 usable_kv = st.fixed_dictionaries(

@@ -15,23 +15,21 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import MODEL, Fleet, read_journal
-from .support import (
-    BASE_BODY,
+from ..harness import Fleet
+from ..helpers import (
     CHAT,
     COMPLETIONS,
-    COMPLETION_PATHS,
+    MODEL,
     assert_envelope,
     completion_records,
-    http,
+    each_route,
     journal_terminal,
     poll,
+    read_journal,
     rid_of,
-    sse_chunks,
-    streamed_text,
 )
+from .support import BASE_BODY, http, sse_chunks, streamed_text
 
-ROUTES = pytest.mark.parametrize("route", COMPLETION_PATHS, ids=["completions", "chat"])
 
 #: A prompt of several full 16-token blocks, so a second request hits the prefill engine's prefix cache.
 LONG_PROMPT = "Narwhals are medium-sized toothed whales that live all year in the Arctic. " * 6
@@ -51,7 +49,7 @@ def _answer_text(route: str, answer: dict) -> str:
 # ------------------------------------------------------------------ whole answers
 
 
-@ROUTES
+@each_route
 def test_whole_answer_through_both_legs(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     answer = http.post(router.url + route, json=_body(route, "Hello there", max_tokens=5), timeout=10)
@@ -79,7 +77,7 @@ def test_whole_answer_through_both_legs(start_router, fleet, journal_path, route
     assert [r["path"] for r in completion_records(fleet.decode)] == [route]
 
 
-@ROUTES
+@each_route
 def test_whole_answer_with_alias_and_without_model(start_router, fleet, route) -> None:
     """``model`` in responses is the configured public name, whatever name (or none) the client used."""
     router = start_router()
@@ -94,7 +92,7 @@ def test_whole_answer_with_alias_and_without_model(start_router, fleet, route) -
         assert answer.json()["model"] == MODEL
 
 
-@ROUTES
+@each_route
 def test_usage_cached_tokens_come_from_the_prefill_leg(start_router, fleet, journal_path, route) -> None:
     """SPEC §2.3: the decode engine counts the transferred KV as cached; the client sees the prefill's figure."""
     router = start_router()
@@ -117,7 +115,7 @@ def test_usage_cached_tokens_come_from_the_prefill_leg(start_router, fleet, jour
 # ----------------------------------------------------------------------- streams
 
 
-@ROUTES
+@each_route
 def test_stream_is_sse_relayed_from_the_decode_leg(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     with httpx.Client(timeout=10, verify=False) as client:
@@ -144,7 +142,7 @@ def test_stream_is_sse_relayed_from_the_decode_leg(start_router, fleet, journal_
     assert '"stream":true' in decode_body.replace(" ", "")
 
 
-@ROUTES
+@each_route
 def test_stream_usage_chunk_takes_cached_tokens_from_prefill(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     prefill = fleet.prefill[0]

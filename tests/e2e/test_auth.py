@@ -7,22 +7,17 @@ import json
 import httpx
 import pytest
 
-from ..harness import read_journal
-from .support import (
-    BASE_BODY,
+from ..helpers import (
     CHAT,
     COMPLETIONS,
-    RawClient,
-    ServeProcess,
     assert_envelope,
     completion_records,
     header_values,
-    http,
     journal_terminal,
-    request_bytes,
+    read_journal,
     rid_of,
-    serve_config,
 )
+from .support import BASE_BODY, RawClient, ServeProcess, http, request_bytes, serve_config
 
 
 def _denied(answer: httpx.Response, journal_path, fleet, before) -> dict:

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,15 +23,9 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import Fleet, LogCapture, RouterThread, make_config, poll
-from .support import COMPLETIONS, completion_records, http, journal_terminal, rid_of
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from ..harness import Fleet, LogCapture, RouterThread, make_config
+from ..helpers import COMPLETIONS, completion_records, free_port, journal_terminal, poll, rid_of
+from .support import http
 
 
 def events(log: LogCapture, name: str) -> list[dict[str, Any]]:

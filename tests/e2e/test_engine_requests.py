@@ -19,31 +19,27 @@ import pytest
 
 from narwhal_core.router import NOTHING_HELD
 
-from ..harness import MODEL, Fleet, read_journal
-from .support import (
+from ..harness import Fleet
+from ..helpers import (
     BACKEND_ID_RE,
     CHAT,
     COMPLETIONS,
     COMPLETION_PATHS,
     LEG_HEADERS,
+    MODEL,
+    PREFILL_KV_REQUEST,
     completion_records,
-    exact_json,
+    each_route,
     header_pairs,
     header_values,
-    http,
     journal_terminal,
     poll,
+    read_journal,
     rid_of,
-    sse_chunks,
 )
+from .support import exact_json, http, sse_chunks
 
-ROUTES = pytest.mark.parametrize("route", COMPLETION_PATHS, ids=["completions", "chat"])
 
-#: SPEC §3.1: what the prefill leg asks of the engine.
-PREFILL_KV_REQUEST = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}
 #: Client headers that must never reach an engine (SPEC §2.2).
 HOSTILE_HEADERS = {
     "Authorization": "Bearer client-secret-abc",
@@ -148,7 +144,7 @@ _CLIENT_BODIES = {
 }
 
 
-@ROUTES
+@each_route
 @pytest.mark.parametrize("model", ["configured", "alias", "absent"])
 def test_prefill_and_decode_bodies_are_the_client_body_with_the_listed_edits(
     start_router, fleet, journal_path, route, model
@@ -192,7 +188,7 @@ def test_prefill_and_decode_bodies_are_the_client_body_with_the_listed_edits(
     assert record["legs"][0]["kv"]["outcome"] == "pulled"
 
 
-@ROUTES
+@each_route
 def test_model_is_set_to_the_configured_name_on_both_legs(start_router, fleet, route) -> None:
     router = start_router()
     for model in ("llama-3.1-8b", None, MODEL):
@@ -277,7 +273,7 @@ def vendor_prefill() -> Iterator[_VendorPrefill]:
         yield engine
 
 
-@ROUTES
+@each_route
 def test_decode_leg_gets_the_prefill_kv_params_verbatim(
     start_router, fleet, journal_path, vendor_prefill, route
 ) -> None:
@@ -301,7 +297,7 @@ def test_decode_leg_gets_the_prefill_kv_params_verbatim(
 # ----------------------------------------------------------------- stripped
 
 
-@ROUTES
+@each_route
 def test_router_owned_fields_are_stripped_and_journaled(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     client = {
@@ -392,7 +388,7 @@ def test_huge_exponent_reaches_the_engine_exactly(start_router, fleet, journal_p
 # ------------------------------------------------------------------ headers
 
 
-@ROUTES
+@each_route
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_legs_carry_only_narwhal_headers_and_the_engine_credential(
     start_secure_router, secure_fleet, engine_key, journal_path, route, stream

@@ -12,18 +12,8 @@ import json
 
 import pytest
 
-from ..harness import MODEL
-from .support import (
-    CHAT,
-    COMPLETIONS,
-    RID_RE,
-    RawClient,
-    Response,
-    chunked,
-    completion_records,
-    journal_terminal,
-    request_bytes,
-)
+from ..helpers import CHAT, COMPLETIONS, MODEL, RID_RE, completion_records, journal_terminal
+from .support import RawClient, Response, chunked, request_bytes
 
 JSON = ("content-type", "application/json")
 

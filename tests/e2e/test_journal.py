@@ -16,8 +16,18 @@ from typing import Any
 
 import httpx
 
-from ..harness import MODEL, read_journal, terminals_by_rid, wait_for_terminals
-from .support import BASE_BODY, CHAT, COMPLETIONS, http, journal_terminal, poll, rid_of, sse_chunks
+from ..helpers import (
+    CHAT,
+    COMPLETIONS,
+    MODEL,
+    journal_terminal,
+    poll,
+    read_journal,
+    rid_of,
+    terminals_by_rid,
+    wait_for_terminals,
+)
+from .support import BASE_BODY, http, sse_chunks
 
 _TERMINAL_FIELDS = {"rid", "client_rid", "client", "route", "model", "stream", "terminal", "status", "error", "legs",
                     "usage", "stripped", "ts", "received", "mode"}

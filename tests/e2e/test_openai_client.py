@@ -7,8 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from ..harness import MODEL
-from .support import journal_terminal
+from ..helpers import MODEL, journal_terminal
 
 MESSAGES = [{"role": "user", "content": "What is a narwhal's tusk?"}]
 

@@ -18,7 +18,8 @@ import trio
 
 from narwhal.corebuild import PURE_ENV, compiled_files
 
-from ..harness import RUNTIMES, RouterThread, make_config, read_journal, terminals_by_rid
+from ..harness import RUNTIMES, RouterThread, make_config
+from ..helpers import read_journal, terminals_by_rid
 from .support import ServeProcess, serve_config
 
 try:

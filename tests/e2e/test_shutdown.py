@@ -21,19 +21,8 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import read_journal, terminals_by_rid
-from .support import (
-    CHAT,
-    COMPLETIONS,
-    RawClient,
-    ServeProcess,
-    http,
-    poll,
-    request_bytes,
-    serve_config,
-    sse_chunks,
-    streamed_text,
-)
+from ..helpers import CHAT, COMPLETIONS, poll, read_journal, terminals_by_rid
+from .support import RawClient, ServeProcess, http, request_bytes, serve_config, sse_chunks, streamed_text
 
 #: Output tokens per request: ~7 ms each at speed 1, so a decode leg takes about a second.
 TOKENS = 150

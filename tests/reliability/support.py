@@ -10,29 +10,24 @@ subprocess for the signal scenarios.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..harness import MODEL, RouterThread, poll, read_journal
+from ..harness import RouterThread
+from ..helpers import COMPLETION_PATHS, COMPLETIONS, MODEL, REPO, poll, rid_of
 from ..rawhttp import RawClient, request_bytes
 from ..serving import ServeProcess, write_config  # noqa: F401  (re-exported for the suite)
 
-REPO = Path(__file__).resolve().parents[2]
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-ROUTES = (COMPLETIONS, CHAT)
-
 #: The three ways a router may release unpulled KV (SPEC §3, ``engine.kv_release``).
 KV_MODES = ("decode_pull", "abort_endpoint", "decode_abort", "lease")
+#: Run a test once per KV release mode, as ``mode``.
+each_kv_mode = pytest.mark.parametrize("mode", KV_MODES)
 
 #: Upper bound of every wait in this suite; the scenarios normally settle in well under a second.
 WAIT = 10.0
@@ -60,32 +55,6 @@ def post(router: RouterThread, route: str = COMPLETIONS, *, headers: Mapping[str
     """POST a completion request and read the whole answer."""
     return httpx.post(router.url + route, json=body(route, **fields), headers=dict(headers or {}),
                       timeout=timeout)
-
-
-def rid_of(response: httpx.Response) -> str:
-    rid = response.headers.get("x-request-id")
-    assert rid, f"no x-request-id on {response.status_code}"
-    return rid
-
-
-def assert_envelope(response: httpx.Response, status: int, *, code: str | None, type: str = "server_error",
-                    retry_after: bool | None = None) -> dict[str, Any]:
-    """Check an OpenAI error envelope answer; return its ``error`` object."""
-    assert response.status_code == status, (response.status_code, response.text)
-    assert response.headers["content-type"].startswith("application/json"), response.headers
-    data = response.json()
-    assert set(data) == {"error"}, data
-    error = data["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"], error
-    assert error["type"] == type, error
-    assert error["code"] == code, error
-    if retry_after is True:
-        value = response.headers.get("retry-after")
-        assert value is not None and value.isdigit(), response.headers
-    elif retry_after is False:
-        assert "retry-after" not in response.headers, response.headers
-    return error  # type: ignore[no-any-return]
 
 
 def sse_payloads(text: str) -> list[str]:
@@ -205,52 +174,6 @@ class CompletionClient(RawClient):
 
 
 # ---------------------------------------------------------------- the journal
-
-
-def terminal_of(journal_path: str | os.PathLike[str], rid: str, timeout: float = WAIT) -> dict[str, Any]:
-    """The terminal record of ``rid`` once written; it must be its only terminal record and its last record."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = [r for r in read_journal(journal_path) if r.get("rid") == rid]
-        terminals = [r for r in records if r.get("terminal") is not None]
-        if terminals:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no terminal record for {rid}: {records}")
-        time.sleep(0.01)
-    assert len(terminals) == 1, terminals
-    assert records[-1] is terminals[0], records
-    return terminals[0]
-
-
-def wait_terminal_count(journal_path: str | os.PathLike[str], count: int,
-                        timeout: float = WAIT) -> list[dict[str, Any]]:
-    """Wait until the journal holds ``count`` terminal records; return every record."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = read_journal(journal_path)
-        n = sum(1 for r in records if r.get("terminal") is not None)
-        if n >= count:
-            return records
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{n} terminal records, wanted {count}: {records}")
-        time.sleep(0.01)
-
-
-def only_terminals(journal_path: str | os.PathLike[str], count: int, timeout: float = WAIT) -> dict[str, dict[str, Any]]:
-    """Wait for ``count`` terminal records: every rid has exactly one, and it is its last record (SPEC §5)."""
-    records = wait_terminal_count(journal_path, count, timeout)
-    out: dict[str, dict[str, Any]] = {}
-    seen: dict[str, list[dict[str, Any]]] = {}
-    for record in records:
-        seen.setdefault(record["rid"], []).append(record)
-    for rid, rs in seen.items():
-        terminals = [r for r in rs if r.get("terminal") is not None]
-        assert len(terminals) == 1, (rid, rs)
-        assert rs[-1] is terminals[0], (rid, rs)
-        out[rid] = terminals[0]
-    assert len(out) == count, (count, out)
-    return out
 
 
 def assert_failed(record: dict[str, Any], *, code: str, leg: str | None, engine: str | None,
@@ -380,12 +303,10 @@ def wait_sim_finished(sim: Any, request_id: str, timeout: float = WAIT) -> dict[
 
 def sim_requests(sim: Any, *, route: str | None = None) -> list[dict[str, Any]]:
     """Completion requests a sim received (releases included), oldest first."""
-    return [r for r in sim.requests() if r["path"].split("?")[0] in ((route,) if route else ROUTES)]
+    return [r for r in sim.requests() if r["path"].split("?")[0] in ((route,) if route else COMPLETION_PATHS)]
 
 
 # --------------------------------------------------------- narwhal serve process
-
-
 
 
 def run_journal_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[bytes]:

@@ -15,7 +15,8 @@ import httpx
 
 from narwhal_core import router as router_module
 
-from .support import COMPLETIONS, assert_idle, body, only_terminals
+from ..helpers import COMPLETIONS, only_terminals
+from .support import assert_idle, body
 
 
 def _live(cls: type) -> int:

@@ -13,24 +13,19 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
+from ..helpers import only_terminals, poll, wait_for_terminals
 from .support import (
-    KV_MODES,
     CompletionClient,
     assert_idle,
     assert_kv_settled,
     assert_unpulled_kv,
-    only_terminals,
-    poll,
+    each_kv_mode,
     post,
     sim_requests,
     wait_kv,
     wait_sim_finished,
-    wait_terminal_count,
 )
 
-MODES = pytest.mark.parametrize("mode", KV_MODES)
 
 
 def _assert_cancelled(record: dict) -> None:
@@ -89,7 +84,7 @@ def test_disconnect_during_prefill(start_router, make_fleet, journal_path) -> No
     assert sim_requests(decode) == []
 
 
-@MODES
+@each_kv_mode
 def test_disconnect_between_legs_releases_kv(start_router, make_fleet, journal_path, mode) -> None:
     # One decode slot, taken by a stream that stalls: the second request's prefill
     # finishes and its decode leg waits for the slot — between the legs.
@@ -103,7 +98,7 @@ def test_disconnect_between_legs_releases_kv(start_router, make_fleet, journal_p
     poll(lambda: prefill.stats()["kv_held"] == 1, what="second prefill done")
     poll(lambda: (lambda s: s.requests == 2 and s.legs == 1)(router.statistics()), what="decode leg waiting")
     waiting.close()
-    wait_terminal_count(journal_path, 1)
+    wait_for_terminals(journal_path, 1)
     holder.close()
     records = only_terminals(journal_path, 2)
 
@@ -120,7 +115,7 @@ def test_disconnect_between_legs_releases_kv(start_router, make_fleet, journal_p
     assert prefill.stats()["kv_pulled"] == (2 if mode == "decode_pull" else 1)  # (decode_pull's release pulls)
 
 
-@MODES
+@each_kv_mode
 def test_disconnect_during_decode_releases_kv(start_router, make_fleet, journal_path, mode) -> None:
     # The decode engine waits 1.5 s before it pulls: the KV is still the prefill engine's.
     fleet = make_fleet(prefill=[{}], decode=[{"delay_s": 1.5}, {}], mode=mode)

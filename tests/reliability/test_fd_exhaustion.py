@@ -17,7 +17,8 @@ import os
 import socket
 from typing import Any
 
-from .support import COMPLETIONS, MODEL, ServeProcess, poll, read_journal, write_config
+from ..helpers import COMPLETIONS, MODEL, poll, read_journal
+from .support import ServeProcess, write_config
 
 #: The router's soft RLIMIT_NOFILE: room for start-up, a handful of clients and engine sockets.
 NOFILE = 160

@@ -21,20 +21,8 @@ from typing import Any
 
 import httpx
 
-from .support import (
-    CHAT,
-    COMPLETIONS,
-    ServeProcess,
-    StreamClient,
-    assert_completed_stream,
-    only_terminals,
-    poll,
-    post,
-    read_journal,
-    rid_of,
-    run_journal_cli,
-    write_config,
-)
+from ..helpers import CHAT, COMPLETIONS, only_terminals, poll, read_journal, rid_of
+from .support import ServeProcess, StreamClient, assert_completed_stream, post, run_journal_cli, write_config
 
 
 def _stdout_records(result: Any) -> list[dict[str, Any]]:

@@ -27,30 +27,33 @@ import pytest
 import narwhal_core.auth
 from narwhal_sim.testing import SimThread
 
-from ..harness import MODEL, Fleet
-from .support import (
+from ..harness import Fleet
+from ..helpers import (
     CHAT,
-    COMPLETION_PATHS,
     COMPLETIONS,
+    COMPLETION_PATHS,
     LEG_HEADERS,
+    MODEL,
+    REPO,
+    assert_envelope,
+    assert_journal_consistent,
+    completion_records,
+    header_values,
+    journal_terminal,
+    poll,
+    write_keys_file,
+)
+from .support import (
     Answer,
     FakeEngine,
     RawClient,
     Received,
-    assert_envelope,
-    assert_journal_consistent,
     assert_still_serves,
     body_for,
-    completion_records,
     header_names,
-    header_values,
-    journal_terminal,
     json_post,
-    poll,
-    write_keys_file,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _client_headers(client_key: str) -> list[tuple[str, str]]:

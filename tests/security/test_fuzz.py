@@ -34,6 +34,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 
+from ..helpers import ALIAS, MODEL
+
 from narwhal_core import (
     CancelLeg,
     ClientConnected,
@@ -77,8 +79,6 @@ except ImportError:  # pragma: no cover
 #: Every client-facing codec in the tree, by name.
 CODECS: dict[str, Codec] = {"h11": H11_CODEC, **({"fast": FAST_CODEC} if FAST_CODEC is not None else {})}
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-ALIAS = "llama-3.1-8b"
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 CLIENT_KEY = "sk-client-fuzz-0123456789"
 

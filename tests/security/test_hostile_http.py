@@ -19,21 +19,17 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import Fleet, read_journal
-from .support import (
+from ..harness import Fleet
+from ..helpers import (
     COMPLETIONS,
-    Closed,
-    RawClient,
-    Response,
     assert_envelope,
     assert_journal_consistent,
-    assert_still_serves,
-    body_for,
     completion_records,
     journal_terminal,
-    json_post,
     poll,
+    read_journal,
 )
+from .support import Closed, RawClient, Response, assert_still_serves, body_for, json_post
 
 #: A whole, valid completion request that must never be served when it follows a hostile one.
 SMUGGLED = json_post(COMPLETIONS, body_for(COMPLETIONS, "smuggled", max_tokens=1), [("x-request-id", "smuggled")])
@@ -107,7 +103,7 @@ SMUGGLING: list[tuple[str, bytes, int]] = [
 def _single_error(responses: list[Response], status: int) -> Response:
     assert len(responses) == 1, [(r.status, r.body[:80]) for r in responses]
     response = responses[0]
-    assert_envelope(response, status)
+    assert_envelope(response, status, type="invalid_request_error")
     assert response.header("connection") == "close"
     assert response.header("x-request-id")
     return response
@@ -381,7 +377,7 @@ def test_pipelined_garbage_after_a_valid_request(start_router, fleet, journal_pa
             responses = client.read_all(timeout=5)
         assert [r.status for r in responses] == [200, 400], [(r.status, r.body[:80]) for r in responses]
         assert responses[0].json()["object"] == "text_completion"
-        assert_envelope(responses[1], 400, code="bad_http_request")
+        assert_envelope(responses[1], 400, type="invalid_request_error", code="bad_http_request")
         journal_terminal(journal_path, responses[0].header("x-request-id"))
         refused.append(responses[1].header("x-request-id"))
     router.wait_idle()

@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,21 +21,18 @@ from narwhal_core import wire
 from narwhal_core.contract import check_request
 from narwhal_core.errors import ContractError
 
-from ..harness import MODEL
-from .support import (
+from ..helpers import (
     CHAT,
     COMPLETIONS,
-    RawClient,
-    Response,
+    MODEL,
+    REPO,
     assert_envelope,
     assert_journal_consistent,
-    assert_still_serves,
     completion_records,
     journal_terminal,
-    json_post,
 )
+from .support import RawClient, Response, assert_still_serves, json_post
 
-REPO = Path(__file__).resolve().parents[2]
 #: Forces the exact (standard library) decoder: the fast path cannot hold this number exactly.
 EXACT = b'"x":1.00000000000000000001,'
 
@@ -120,7 +116,7 @@ def test_hostile_body_is_refused_in_the_envelope(start_router, fleet, journal_pa
     route = CHAT if b'"messages"' in body[:20] else COMPLETIONS
     router = start_router()
     response, elapsed = _post(router, route, body)
-    error = assert_envelope(response, status, param=param,
+    error = assert_envelope(response, status, type="invalid_request_error", param=param,
                             code="model_not_found" if status == 404 else None)
     assert elapsed < SECONDS_BASE + SECONDS_PER_MB * len(body) / 1e6, elapsed
     # The answer never echoes the hostile input at length.
@@ -219,7 +215,7 @@ def test_duplicate_keys_last_value_wins_and_the_engine_sees_exactly_that(
 def test_duplicate_keys_are_validated_by_their_last_value(start_router, fleet, journal_path, body, status, param) -> None:
     router = start_router()
     response, _ = _post(router, COMPLETIONS, body)
-    assert_envelope(response, status, param=param)
+    assert_envelope(response, status, type="invalid_request_error", param=param)
     assert completion_records(fleet.all()) == []
     assert journal_terminal(journal_path, response.header("x-request-id"))["terminal"] == "invalid"
 

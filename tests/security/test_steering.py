@@ -16,30 +16,31 @@ import pytest
 from narwhal_sim.testing import SimThread
 
 from ..harness import Fleet
-from .support import (
+from ..helpers import (
     CHAT,
-    COMPLETION_PATHS,
     COMPLETIONS,
     LEG_HEADERS,
     PREFILL_KV_REQUEST,
+    assert_envelope,
+    assert_journal_consistent,
+    completion_records,
+    each_route,
+    header_values,
+    journal_terminal,
+)
+from .support import (
     Answer,
     Canary,
     FakeEngine,
     RawClient,
     Received,
-    assert_envelope,
-    assert_journal_consistent,
     assert_still_serves,
     body_for,
-    completion_records,
     header_names,
-    header_values,
-    journal_terminal,
     json_post,
     request_bytes,
 )
 
-ROUTES = pytest.mark.parametrize("route", COMPLETION_PATHS, ids=["completions", "chat"])
 
 #: Internal headers a client may try to set (SPEC §2.2: x-request-id and every x-narwhal-*).
 INTERNAL_HEADERS = [
@@ -68,7 +69,7 @@ def _steering_body(route: str, canary: Canary, *, stream: bool) -> dict[str, obj
     }
 
 
-@ROUTES
+@each_route
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_router_owned_fields_and_internal_headers_are_stripped(
     start_router, fleet, journal_path, route, stream

@@ -11,7 +11,8 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from .helpers import MODEL, PROMPT, sse_payloads
+from ..helpers import MODEL
+from .helpers import PROMPT, sse_payloads
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from narwhal_sim.cli import build_parser, config_from_args
 from narwhal_sim.testing import SimThread
 from narwhal_sim.versions import DEFAULT_FAMILY, FAMILIES, VllmFamily, family_for, resolve_version
 
-from .helpers import MODEL, PROMPT, connect, json_request, prefill_body
+from ..helpers import MODEL
+from .helpers import PROMPT, connect, json_request, prefill_body
 
 FAMILY_NAMES = list(FAMILIES)
 
