@@ -220,7 +220,7 @@ def prefill_answer(
     """A vLLM prefill answer with ``kv_transfer_params`` naming the engine's own host.
 
     vLLM suffixes the request ID it was sent: ``remote_request_id`` is the
-    backend ID plus ``owner_suffix`` (the KV owner key of SPEC §3).
+    backend ID plus ``owner_suffix`` (the KV owner key of docs/contract.md, "Prefill and decode legs").
     """
     kv = {
         "do_remote_prefill": True,
@@ -932,7 +932,8 @@ class Driver:
         return answer["kv_transfer_params"]  # type: ignore[no-any-return]
 
     def usable_kv(self, params: dict[str, Any]) -> bool:
-        """Whether a prefill answer's KV params are usable by SPEC §3.2 (from this fleet, complete)."""
+        """Whether a prefill answer's KV params are usable by docs/contract.md, "Prefill and decode legs"
+        (from this fleet, complete)."""
         hosts = {a.host for a in self.config.engine.prefill_engines} | set(self.config.engine.kv_hosts)
         port = params.get("remote_port")
         return (
@@ -1223,7 +1224,8 @@ class Driver:
         return problems
 
     def _timing_problems(self) -> list[str]:
-        """Every timer that is due has fired by now (SPEC §4 timeouts; the driver fires all due deadlines)."""
+        """Every timer that is due has fired by now (docs/contract.md, "Admission, capacity and retries"; the
+        driver fires all due deadlines)."""
         problems = []
         now = self.now
         late = 1e-6

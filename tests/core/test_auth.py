@@ -1,4 +1,4 @@
-"""Ingress authentication (SPEC §6): the three modes, the keys file, sanitisation."""
+"""Ingress authentication (docs/security.md): the three modes, the keys file, sanitisation."""
 
 from __future__ import annotations
 

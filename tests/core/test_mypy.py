@@ -1,4 +1,4 @@
-"""STYLE: ``mypy --strict`` is clean for ``narwhal_core``."""
+"""``mypy --strict`` is clean for ``narwhal_core``."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 * ``engine_key``: the engine credential that ``secure_fleet`` and
   ``start_secure_router`` (``tests/conftest.py``) demand and hand over
-  through ``engine.engine_api_key_env`` (SPEC §2.2).
-* ``api_keys``: a keys file of SHA-256 digests for ``auth = "api_keys"`` (SPEC §6).
+  through ``engine.engine_api_key_env`` (docs/contract.md, "The engine request").
+* ``api_keys``: a keys file of SHA-256 digests for ``auth = "api_keys"`` (docs/security.md).
 """
 
 from __future__ import annotations

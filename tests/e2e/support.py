@@ -1,4 +1,4 @@
-"""Helpers of the end-to-end conformance suite (SPEC §2-§8 over real sockets).
+"""Helpers of the end-to-end conformance suite (docs/contract.md, docs/security.md, docs/operate.md, over real sockets).
 
 Everything here is synchronous and bounded: a plain-HTTP client, minimal
 request bodies, exact JSON and readers of Server-Sent Events. What every
@@ -42,7 +42,7 @@ def exact_json(text: str | bytes) -> Any:
 
 
 def sse_events(response: httpx.Response) -> list[str]:
-    """The ``data:`` payloads of an SSE answer, checking its framing (SPEC §2.3).
+    """The ``data:`` payloads of an SSE answer, checking its framing (docs/contract.md, "Responses and errors").
 
     Every event is exactly one ``data: ...`` line followed by a blank line;
     the last one is ``data: [DONE]`` and nothing follows it.

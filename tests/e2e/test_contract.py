@@ -1,4 +1,5 @@
-"""SPEC §2.1 end to end: every rejection of the request contract, and that none reaches an engine.
+"""docs/contract.md, "Request rules", end to end: every rejection of the request contract, and that none
+reaches an engine.
 
 One test per rule and per field type. Each checks the status, the OpenAI
 envelope (``type``, ``param``, ``code``, the message), the ``x-request-id``
@@ -111,7 +112,7 @@ def test_body_that_is_not_an_object_is_400_with_null_param(start_router, fleet, 
         _reject(router, fleet, journal_path, route, content, param=None)
 
 
-# 3. Field types, in the seed's order.
+# 3. Field types, in the order of docs/contract.md, "Request rules".
 
 _BAD_VALUES: dict[str, list[Any]] = {
     "model": [5, True, ["x"], {"name": MODEL}],
@@ -142,7 +143,7 @@ def test_field_of_wrong_type_is_400_naming_the_field(start_router, fleet, journa
     for value in _BAD_VALUES[field]:
         error = _reject(router, fleet, journal_path, route, _body(route, **{field: value}), param=field)
         if field in ("n", "best_of", "max_tokens"):
-            # The seed's own example: "max_tokens must be an integer".
+            # The example of docs/contract.md, "Request rules": "max_tokens must be an integer".
             assert error["message"] == _MESSAGES[field], (value, error)
         else:
             assert error["message"].startswith(_MESSAGES[field]), (value, error)
@@ -163,7 +164,7 @@ def test_null_validated_fields_pass(start_router, fleet, journal_path, route) ->
 
 
 def test_field_types_are_checked_in_the_seed_table_order(start_router, fleet, journal_path) -> None:
-    """Several wrong fields: the first in the seed's table decides, whatever the body's key order."""
+    """Several wrong fields: the first in the table of docs/contract.md decides, whatever the body's key order."""
     router = start_router()
     cases = [
         ({"max_tokens": "x", "model": 5}, "model"),
@@ -314,7 +315,8 @@ def test_allowed_output_and_tools_pass(start_router, fleet, journal_path, route)
 
 @each_route
 def test_streaming_requests_get_the_same_validation(start_router, fleet, journal_path, route) -> None:
-    """SPEC §2.3: a ``stream: true`` request is validated and restricted like any other."""
+    """docs/contract.md, "Responses and errors": a ``stream: true`` request is validated and restricted like
+    any other."""
     router = start_router()
     _reject(router, fleet, journal_path, route, _body(route, stream=True, audio={"voice": "alloy"}), param="audio")
     _reject(router, fleet, journal_path, route, _body(route, stream=True, n=2), param="n")

@@ -1,4 +1,4 @@
-"""The ``openai`` Python package as a real client of the router (STYLE: a real client end to end)."""
+"""The ``openai`` Python package as a real client of the router (a real client, end to end)."""
 
 from __future__ import annotations
 

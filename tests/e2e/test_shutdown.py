@@ -1,4 +1,5 @@
-"""Graceful shutdown of ``narwhal serve`` (SPEC §4, §8): a signal while requests run.
+"""Graceful shutdown of ``narwhal serve`` (docs/contract.md, "Admission, capacity and retries";
+docs/operate.md): a signal while requests run.
 
 The router runs as a real process (``python -m narwhal.cli serve``) in front
 of simulated engines in this process. The decode engine is slow enough that

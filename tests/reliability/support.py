@@ -1,4 +1,5 @@
-"""Helpers of the reliability fault matrix (SPEC §3 KV ownership, §4, §5).
+"""Helpers of the reliability fault matrix (docs/contract.md, "Prefill and decode legs", "Admission, capacity
+and retries", "The journal").
 
 Everything is synchronous and bounded: clients over real loopback sockets
 (httpx, and raw sockets for clients that leave), checks of what every
@@ -24,7 +25,7 @@ from ..helpers import COMPLETION_PATHS, COMPLETIONS, MODEL, REPO, poll, rid_of
 from ..rawhttp import RawClient, request_bytes
 from ..serving import ServeProcess, write_config  # noqa: F401  (re-exported for the suite)
 
-#: The three ways a router may release unpulled KV (SPEC §3, ``engine.kv_release``).
+#: The three ways a router may release unpulled KV (docs/contract.md, "Prefill and decode legs"; ``engine.kv_release``).
 KV_MODES = ("decode_pull", "abort_endpoint", "decode_abort", "lease")
 #: Run a test once per KV release mode, as ``mode``.
 each_kv_mode = pytest.mark.parametrize("mode", KV_MODES)
@@ -85,7 +86,8 @@ def assert_completed_stream(text: str) -> list[dict[str, Any]]:
 
 
 def assert_error_stream(text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """A stream cut by a failure (SPEC §4): chunks, then ONE ``data: {"error": {...}}`` event that ends it.
+    """A stream cut by a failure (docs/contract.md, "Admission, capacity and retries"): chunks, then ONE
+    ``data: {"error": {...}}`` event that ends it.
 
     Returns the chunks before the error and the error object.
     """
@@ -178,7 +180,8 @@ class CompletionClient(RawClient):
 
 def assert_failed(record: dict[str, Any], *, code: str, leg: str | None, engine: str | None,
                   status: int, terminal: str = "failed") -> None:
-    """A terminal record that names its error, failing leg and engine (SPEC §4, §5)."""
+    """A terminal record that names its error, failing leg and engine (docs/contract.md, "Admission, capacity
+    and retries", "The journal")."""
     assert record["terminal"] == terminal, record
     assert record["status"] == status, record
     error = record["error"]
@@ -188,7 +191,8 @@ def assert_failed(record: dict[str, Any], *, code: str, leg: str | None, engine:
 
 
 def assert_backend_ids(record: dict[str, Any]) -> None:
-    """Each leg's backend ID is ``<rid>-p<n>`` / ``<rid>-d<n>`` and names exactly one attempt (SPEC §3 IDs)."""
+    """Each leg's backend ID is ``<rid>-p<n>`` / ``<rid>-d<n>`` and names exactly one attempt
+    (docs/contract.md, "Prefill and decode legs")."""
     rid = record["rid"]
     seen = set()
     for leg in record["legs"]:
@@ -216,7 +220,8 @@ def metric(router: RouterThread, name: str, **labels: str) -> float:
 
 
 def assert_idle(router: RouterThread, timeout: float = WAIT) -> Any:
-    """Every request, leg, slot and queue place is given back (SPEC §4); return the statistics."""
+    """Every request, leg, slot and queue place is given back (docs/contract.md, "Admission, capacity and
+    retries"); return the statistics."""
     stats = router.wait_idle(timeout)
     assert stats.requests == 0 and stats.inflight == 0 and stats.queued == 0 and stats.legs == 0, stats
     assert all(n == 0 for n in stats.engine_outstanding.values()), stats.engine_outstanding
@@ -241,7 +246,8 @@ def prefill_kv_legs(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def assert_unpulled_kv(record: dict[str, Any], leg: dict[str, Any], mode: str) -> None:
-    """The journal's outcome for KV a prefill leg left and no decode leg pulled (SPEC §3)."""
+    """The journal's outcome for KV a prefill leg left and no decode leg pulled (docs/contract.md, "Prefill
+    and decode legs")."""
     kv = leg["kv"]
     assert kv is not None, leg
     # The engine's key: the backend ID as vLLM mangles it (cmpl-<id>-0, a random suffix from 0.14).

@@ -1,4 +1,5 @@
-"""Capacity after the storm: a finished request must leave nothing behind (SPEC §4 "Bounded everything").
+"""Capacity after the storm: a finished request must leave nothing behind (docs/contract.md, "Admission,
+capacity and retries").
 
 The fault rows check the counters (``statistics()``); this checks the memory
 behind them: once a request has its terminal record, the router holds no

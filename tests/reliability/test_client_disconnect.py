@@ -1,5 +1,6 @@
-"""Fault matrix: the client disconnects in each phase (SPEC §4 "Client disconnect cancels
-the legs, releases capacity and KV, journals ``terminal: "cancelled"``").
+"""Fault matrix: the client disconnects in each phase (docs/contract.md, "Admission,
+capacity and retries": a client disconnect cancels the legs, releases capacity and KV, journals
+``terminal: "cancelled"``).
 
 The client is a raw socket that sends its request and closes. Engine delays,
 a full decode engine and a stalled stream hold the request in the phase under

@@ -1,4 +1,4 @@
-"""Fault matrix, decode rows (SPEC §3 KV ownership, §4).
+"""Fault matrix, decode rows (docs/contract.md, "Prefill and decode legs", "Admission, capacity and retries").
 
 * Before the handoff (5xx, dropped connection, 4xx, the whole-request
   deadline): the prefill engine still owns the KV, so the router must release
@@ -257,7 +257,7 @@ def test_decode_stall_mid_stream_hits_the_idle_timeout(start_router, make_fleet,
 
 @each_route
 def test_decode_malformed_stream_event_is_never_relayed(start_router, make_fleet, journal_path, route) -> None:
-    """An engine event that is not JSON must not reach the client (SPEC §2.3 "the same validation").
+    """An engine event that is not JSON must not reach the client (docs/contract.md, "Responses and errors").
 
     On the completions route it is the stream's first event: the leg fails
     before any byte reached the client (502). On the chat route a role chunk

@@ -1,4 +1,5 @@
-"""Fault matrix: an engine killed and restarted, and every engine of a phase down (SPEC §2 ``/ready``, §4 health).
+"""Fault matrix: an engine killed and restarted, and every engine of a phase down (docs/contract.md, "Request
+rules", "Admission, capacity and retries").
 
 Engines that must die run as processes (``SimProcess``): SIGKILL, as a crash,
 then a restart on the same port. Active probes (every 0.2 s here) take a dead
@@ -143,7 +144,8 @@ def test_every_engine_of_a_phase_down_is_rejected(start_router, sims, processes,
     assert metric(router, "narwhal_ready") == 0
 
     answer = post(router)
-    # SPEC §4: the fleet cannot take it — 503 with Retry-After, journal "rejected", no leg tried.
+    # docs/contract.md, "Admission, capacity and retries": the fleet cannot take it — 503 with Retry-After,
+    # journal "rejected", no leg tried.
     assert_envelope(answer, 503, type="server_error", code="engine_unavailable", retry_after=True)
     record = journal_terminal(journal_path, rid_of(answer))
     assert record["terminal"] == "rejected" and record["status"] == 503, record

@@ -1,4 +1,5 @@
-"""Fault matrix: Narwhal runs out of file descriptors (SPEC §4 health, §5 journal).
+"""Fault matrix: Narwhal runs out of file descriptors (docs/contract.md, "Admission, capacity and retries",
+"The journal").
 
 ``narwhal serve`` runs as a subprocess with a small ``RLIMIT_NOFILE``; idle
 client connections use up its descriptors, so its next leg cannot open a

@@ -1,4 +1,5 @@
-"""Fault matrix: overload beyond the queue, and the per-client limit (SPEC §4).
+"""Fault matrix: overload beyond the queue, and the per-client limit (docs/contract.md, "Admission, capacity
+and retries").
 
 A prefill engine that takes 1.5 s per leg keeps the admitted request busy;
 ``admission.max_inflight`` / ``queue_size`` / ``queue_timeout_s`` then decide

@@ -1,5 +1,5 @@
 """Fault matrix, prefill rows: 5xx, dropped connection, slow past ``engine.prefill_timeout_s``,
-an answer without KV params (SPEC §3.2, §4).
+an answer without KV params (docs/contract.md, "Prefill and decode legs", "Admission, capacity and retries").
 
 With one prefill engine every attempt fails and the client gets the router's
 error; with two, the leg is retried on the other engine with a new attempt

@@ -1,4 +1,5 @@
-"""Fault matrix: the router process is signalled (SPEC §4 graceful shutdown, §5 journal, §8).
+"""Fault matrix: the router process is signalled (docs/contract.md, "Admission, capacity and retries", "The
+journal"; docs/operate.md).
 
 ``narwhal serve --config FILE --runtime R`` runs as a subprocess; its port
 comes from the JSON ``listening`` line on stderr.

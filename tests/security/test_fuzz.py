@@ -634,7 +634,7 @@ def test_router_answers_every_client_fault_with_a_4xx_and_journals_every_request
         if record["terminal"] is not None:
             terminals[record["rid"]] = record
     assert {r["rid"] for r in driver.journal} == set(terminals), "a request without its terminal record"
-    # Every request to a completion route, whatever its method (SPEC §5), and only those.
+    # Every request to a completion route, whatever its method (docs/contract.md, "The journal"), and only those.
     expected = [headers["x-request-id"] for (_, path), (_, headers) in zip(requests, responses)
                 if path in COMPLETION_ROUTES]
     if error is not None and error_path in COMPLETION_ROUTES:

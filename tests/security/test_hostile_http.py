@@ -154,7 +154,7 @@ def test_smuggling_shape_is_refused_and_what_follows_is_never_served(
 
 LIMITS = {"max_body_bytes": 65536}
 
-#: (id, bytes, status, code): every limit with its own status (SPEC §4).
+#: (id, bytes, status, code): every limit with its own status (docs/contract.md, "Admission, capacity and retries").
 OVERSIZED: list[tuple[str, bytes, int, str]] = [
     ("request-line", b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nhost: x\r\n\r\n", 431, "headers_too_large"),
     ("request-line-unterminated", b"GET /" + b"a" * 20000, 431, "headers_too_large"),
@@ -410,7 +410,8 @@ def test_half_a_request_then_eof_after_a_valid_one(start_router, journal_path) -
         assert client.read_response().status == 200
         client.sock.shutdown(1)  # SHUT_WR: the rest of the second request never comes
         assert client.read_all(timeout=5) == []
-    # A half-close while a request runs counts as the client leaving (SPEC §4): one terminal record.
+    # A half-close while a request runs counts as the client leaving (docs/contract.md, "Admission, capacity
+    # and retries"): one terminal record.
     with RawClient(router.address) as client:
         client.send(json_post(COMPLETIONS, body_for(COMPLETIONS, max_tokens=1)))
         client.sock.shutdown(1)
