@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,12 +23,6 @@ FAMILY_NAMES = list(FAMILIES)
 @pytest.fixture(params=FAMILY_NAMES)
 def family(request: pytest.FixtureRequest) -> VllmFamily:
     return FAMILIES[request.param]
-
-
-@pytest.fixture
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=10.0) as c:
-        yield c
 
 
 def prefill(client: httpx.Client, url: str, rid: str, **extra: Any) -> httpx.Response:
