@@ -63,6 +63,13 @@ RID_RE = re.compile(r"[A-Za-z0-9-]{1,100}\Z")
 BACKEND_ID_RE = re.compile(r"[A-Za-z0-9-]{1,128}\Z")
 
 
+def body_for(route: str, text: str = "The narwhal is", **fields: Any) -> dict[str, Any]:
+    """A minimal valid body for ``route``: the model, the prompt or one user message, then ``fields``."""
+    if route == CHAT:
+        return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
+    return {"model": MODEL, "prompt": text, **fields}
+
+
 def keys_file_text(keys: Mapping[str, str]) -> str:
     """The text of an api_keys file (docs/security.md) for ``{client: key}``: SHA-256 digests only."""
     return "".join(
@@ -135,6 +142,17 @@ def rid_of(response: Any) -> str:
     assert rid is not None, f"no x-request-id on {_status(response)}"
     assert RID_RE.match(rid), rid
     return rid
+
+
+def sse_payloads(text: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking that every event is one well-formed ``data:`` line."""
+    assert text.endswith("\n\n"), text[-300:]
+    payloads = []
+    for event in text.split("\n\n")[:-1]:
+        lines = event.split("\n")
+        assert len(lines) == 1 and lines[0].startswith("data: "), repr(event)
+        payloads.append(lines[0][len("data: "):])
+    return payloads
 
 
 # --------------------------------------------------------------- engines

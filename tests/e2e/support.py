@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from ..helpers import CHAT, COMPLETIONS
+from ..helpers import CHAT, COMPLETIONS, sse_payloads
 from ..rawhttp import Closed, RawClient, Response, chunked, request_bytes  # noqa: F401  (re-exported for the suite)
 from ..serving import ServeProcess, serve_config, toml_config  # noqa: F401
 
@@ -51,13 +51,7 @@ def sse_events(response: httpx.Response) -> list[str]:
     assert response.headers["content-type"].split(";")[0].strip() == "text/event-stream", response.headers
     text = response.text
     assert text.endswith("data: [DONE]\n\n"), text[-300:]
-    events = text.split("\n\n")
-    assert events[-1] == "", events[-1]
-    payloads = []
-    for event in events[:-1]:
-        lines = event.split("\n")
-        assert len(lines) == 1 and lines[0].startswith("data: "), event
-        payloads.append(lines[0][len("data: "):])
+    payloads = sse_payloads(text)
     assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1], payloads
     return payloads
 

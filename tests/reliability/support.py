@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..harness import RouterThread
-from ..helpers import COMPLETION_PATHS, COMPLETIONS, MODEL, REPO, poll, rid_of
+from ..helpers import COMPLETION_PATHS, COMPLETIONS, REPO, body_for, poll, rid_of, sse_payloads
 from ..rawhttp import RawClient, request_bytes
 from ..serving import ServeProcess, write_config  # noqa: F401  (re-exported for the suite)
 
@@ -39,16 +39,8 @@ WAIT = 10.0
 
 def body(route: str = COMPLETIONS, *, stream: bool = False, max_tokens: int = 4,
          text: str = "The narwhal is a whale", **fields: Any) -> dict[str, Any]:
-    """A valid request body for ``route``."""
-    if route == COMPLETIONS:
-        out: dict[str, Any] = {"model": MODEL, "prompt": text}
-    else:
-        out = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
-    out["max_tokens"] = max_tokens
-    if stream:
-        out["stream"] = True
-    out.update(fields)
-    return out
+    """A valid request body for ``route``: :func:`tests.helpers.body_for` with ``max_tokens`` (and ``stream``)."""
+    return body_for(route, text, max_tokens=max_tokens, **({"stream": True} if stream else {}), **fields)
 
 
 def post(router: RouterThread, route: str = COMPLETIONS, *, headers: Mapping[str, str] | None = None,
@@ -56,17 +48,6 @@ def post(router: RouterThread, route: str = COMPLETIONS, *, headers: Mapping[str
     """POST a completion request and read the whole answer."""
     return httpx.post(router.url + route, json=body(route, **fields), headers=dict(headers or {}),
                       timeout=timeout)
-
-
-def sse_payloads(text: str) -> list[str]:
-    """The ``data:`` payloads of an SSE body, checking that every event is one well-formed ``data:`` line."""
-    assert text.endswith("\n\n"), text[-300:]
-    payloads = []
-    for event in text.split("\n\n")[:-1]:
-        lines = event.split("\n")
-        assert len(lines) == 1 and lines[0].startswith("data: "), repr(event)
-        payloads.append(lines[0][len("data: "):])
-    return payloads
 
 
 def _event_json(payload: str) -> Any:

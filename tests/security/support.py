@@ -30,15 +30,8 @@ from typing import Any
 
 import attrs
 
-from ..helpers import CHAT, COMPLETION_PATHS, COMPLETIONS, MODEL, journal_terminal, read_journal
+from ..helpers import COMPLETION_PATHS, COMPLETIONS, body_for, journal_terminal, read_journal
 from ..rawhttp import Closed, RawClient, Response, request_bytes  # noqa: F401  (re-exported for the suite)
-
-
-def body_for(route: str, text: str = "The narwhal is", **fields: Any) -> dict[str, Any]:
-    """A minimal valid body for ``route``."""
-    if route == CHAT:
-        return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
-    return {"model": MODEL, "prompt": text, **fields}
 
 
 def json_post(route: str, payload: Any, headers: Sequence[tuple[str, str]] = ()) -> bytes:

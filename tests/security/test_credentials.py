@@ -37,22 +37,14 @@ from ..helpers import (
     REPO,
     assert_envelope,
     assert_journal_consistent,
+    body_for,
     completion_records,
     header_values,
     journal_terminal,
     poll,
     write_keys_file,
 )
-from .support import (
-    Answer,
-    FakeEngine,
-    RawClient,
-    Received,
-    assert_still_serves,
-    body_for,
-    header_names,
-    json_post,
-)
+from .support import Answer, FakeEngine, RawClient, Received, assert_still_serves, header_names, json_post
 
 
 

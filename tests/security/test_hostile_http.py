@@ -24,12 +24,13 @@ from ..helpers import (
     COMPLETIONS,
     assert_envelope,
     assert_journal_consistent,
+    body_for,
     completion_records,
     journal_terminal,
     poll,
     read_journal,
 )
-from .support import Closed, RawClient, Response, assert_still_serves, body_for, json_post
+from .support import Closed, RawClient, Response, assert_still_serves, json_post
 
 #: A whole, valid completion request that must never be served when it follows a hostile one.
 SMUGGLED = json_post(COMPLETIONS, body_for(COMPLETIONS, "smuggled", max_tokens=1), [("x-request-id", "smuggled")])

@@ -23,8 +23,8 @@ from typing import Any
 from narwhal_sim.testing import SimThread
 
 from ..harness import Fleet
-from ..helpers import CHAT, COMPLETIONS, assert_journal_consistent, header_values, poll, write_keys_file
-from .support import RawClient, body_for, json_post, request_bytes
+from ..helpers import CHAT, COMPLETIONS, assert_journal_consistent, body_for, header_values, poll, write_keys_file
+from .support import RawClient, json_post, request_bytes
 
 
 def test_no_secret_crosses_its_boundary(

@@ -146,7 +146,7 @@ def is_closed(sock: socket.socket, within: float) -> bool:
             return True
 
 
-def sse_payloads(text: str) -> list[Any]:
+def sse_values(text: str) -> list[Any]:
     """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as a string)."""
     out: list[Any] = []
     for event in text.split("\n\n"):
