@@ -31,15 +31,8 @@ from ..helpers import (
     completion_records,
     journal_terminal,
 )
+from .memory_probe import EXACT, array_of
 from .support import RawClient, Response, assert_still_serves, json_post
-
-#: Forces the exact (standard library) decoder: the fast path cannot hold this number exactly.
-EXACT = b'"x":1.00000000000000000001,'
-
-
-def _array(item: bytes, count: int) -> bytes:
-    return b",".join([item] * count)
-
 
 #: (id, body, status, param): each refused before any engine is asked.
 HOSTILE: list[tuple[str, bytes, int, str | None]] = [
@@ -89,11 +82,11 @@ HOSTILE: list[tuple[str, bytes, int, str | None]] = [
     ("trailing-comma", b'{"prompt":"a",}', 400, None),
     ("comment", b'{"prompt":"a"/* c */}', 400, None),
     # Giant arrays.
-    ("giant-top-level-array", b"[" + _array(b"0", 900_000) + b"]", 400, None),
-    ("giant-messages-not-objects", b'{"messages":[' + _array(b"1", 900_000) + b"]}", 400, "messages"),
-    ("giant-array-of-objects", b"[" + _array(b"{}", 600_000) + b"]", 400, None),
-    ("giant-array-of-floats-exact", b"{" + EXACT + b'"y":[' + _array(b"0.5", 400_000) + b"]}", 400, "prompt"),
-    ("giant-tools", b'{"prompt":"a","tools":[' + _array(b'{"type":"x"}', 150_000) + b"]}", 400, "tools[0].type"),
+    ("giant-top-level-array", b"[" + array_of(b"0", 900_000) + b"]", 400, None),
+    ("giant-messages-not-objects", b'{"messages":[' + array_of(b"1", 900_000) + b"]}", 400, "messages"),
+    ("giant-array-of-objects", b"[" + array_of(b"{}", 600_000) + b"]", 400, None),
+    ("giant-array-of-floats-exact", b"{" + EXACT + b'"y":[' + array_of(b"0.5", 400_000) + b"]}", 400, "prompt"),
+    ("giant-tools", b'{"prompt":"a","tools":[' + array_of(b'{"type":"x"}', 150_000) + b"]}", 400, "tools[0].type"),
 ]
 
 #: Seconds a request may take per MB of body, plus a constant (generous: a busy CI box).
