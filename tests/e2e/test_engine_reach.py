@@ -101,20 +101,6 @@ def test_engine_down_on_an_http_status_names_it(start, fleet: Fleet, router_log)
 # ------------------------------------------------------------------ remote_host
 
 
-@pytest.fixture
-def sims() -> Iterator[Any]:
-    started: list[SimThread] = []
-
-    def make(role: str, **options: Any) -> SimThread:
-        sim = SimThread(role=role, speed=0, **options).start()
-        started.append(sim)
-        return sim
-
-    yield make
-    for sim in started:
-        sim.stop()
-
-
 def decoded_remote_hosts(decode: SimThread) -> list[str]:
     return [json.loads(r["body"])["kv_transfer_params"]["remote_host"] for r in completion_records([decode])]
 
