@@ -1,4 +1,4 @@
-"""The guard of docs/design.md's first rule: ``narwhal_core`` does no I/O and reads no clock.
+"""The guard of docs/design.md's pure core: ``narwhal_core`` does no I/O and reads no clock.
 
 (a) Statically, no module of ``narwhal_core`` imports sockets, event loops,
 clocks, randomness, threads, processes or ``os`` -- at any nesting level,
