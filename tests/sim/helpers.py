@@ -22,6 +22,11 @@ def prefill_body(prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_REQUEST, **extra}
 
 
+def decode_body(kv: dict[str, Any], prompt: str = PROMPT, *, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
+    """A decode leg body: the prompt again and the prefill's kv_transfer_params (docs/simulator.md)."""
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": kv, **extra}
+
+
 def run_prefill(client: httpx.Client, url: str, rid: str, prompt: str = PROMPT) -> dict[str, Any]:
     """POST a prefill leg; its kv_transfer_params."""
     answer = client.post(url + "/v1/completions", json=prefill_body(prompt), headers={"X-Request-Id": rid})

@@ -14,17 +14,13 @@ import pytest
 from narwhal_sim.testing import SimProcess, SimThread
 
 from ..helpers import MODEL, PREFILL_KV_REQUEST
-from .helpers import PROMPT, connect, json_request, prefill_body, run_prefill
+from .helpers import PROMPT, connect, decode_body, json_request, prefill_body, run_prefill
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[SimThread, SimThread]]:
     with SimThread("prefill", speed=50, lease_s=30) as p, SimThread("decode", speed=50) as d:
         yield p, d
-
-
-def decode_body(kv: dict[str, Any], prompt: str = PROMPT, **extra: object) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "kv_transfer_params": kv, **extra}
 
 
 def send_and_close(port: int, payload: dict[str, Any], rid: str) -> None:
