@@ -40,6 +40,22 @@ def fleet() -> Iterator[Fleet]:
 
 
 @pytest.fixture
+def sims() -> Iterator[Callable[..., SimThread]]:
+    """``sims(role, **options)``: a started SimThread (speed 0 by default), stopped after the test."""
+    started: list[SimThread] = []
+
+    def start(role: str, **options: Any) -> SimThread:
+        options.setdefault("speed", 0)
+        sim = SimThread(role=role, **options).start()
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in reversed(started):
+        sim.stop()
+
+
+@pytest.fixture
 def journal_path(tmp_path: Path) -> Path:
     return tmp_path / "journal.jsonl"
 

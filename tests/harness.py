@@ -20,7 +20,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
@@ -41,9 +40,10 @@ from narwhal_core.config import (
     ShutdownConfig,
 )
 
+from .helpers import ALIAS, MODEL
+
 T = TypeVar("T")
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 RUNTIMES = ("trio", "asyncio")
 
 
@@ -64,7 +64,7 @@ def make_config(
         return cls(**{**defaults, **sections.get(section_name, {})})
 
     return Config(
-        model=section(ModelConfig, "model", name=MODEL, aliases=("llama-3.1-8b",)),
+        model=section(ModelConfig, "model", name=MODEL, aliases=(ALIAS,)),
         ingress=section(IngressConfig, "ingress", listen="127.0.0.1:0"),
         engine=section(EngineConfig, "engine", prefill=prefill, decode=decode),
         admission=section(AdmissionConfig, "admission"),
@@ -237,73 +237,6 @@ class RouterThread:
         self.address = await started
         self._ready.set()
         await serving
-
-
-def read_journal(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every complete record of a journal file (a line still being written, after the last newline, is left out)."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return []
-    complete = data[: data.rfind(b"\n") + 1]
-    return [json.loads(line) for line in complete.split(b"\n") if line.strip()]
-
-
-def wait_for_terminals(
-    path: str | os.PathLike[str], count: int, timeout: float = 10.0
-) -> list[dict[str, Any]]:
-    """Poll the journal until it holds ``count`` terminal records; return all records."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = read_journal(path)
-        if sum(1 for r in records if r.get("terminal") is not None) >= count:
-            return records
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"journal has {len(records)} records, wanted {count} terminal ones: {records}")
-        time.sleep(0.01)
-
-
-def poll(predicate: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.01,
-         what: str = "condition") -> Any:
-    """Call ``predicate`` until it returns something truthy; that value, or TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s (last: {value!r})")
-        time.sleep(interval)
-
-
-def journal_terminal(journal_path: str | os.PathLike[str], rid: str, timeout: float = 10.0) -> dict[str, Any]:
-    """Wait for the terminal record of ``rid``; check it is its only one and its last record (SPEC §5)."""
-
-    def find() -> list[dict[str, Any]] | None:
-        records = [r for r in read_journal(journal_path) if r.get("rid") == rid]
-        return records if any(r.get("terminal") is not None for r in records) else None
-
-    records = poll(find, timeout=timeout, what=f"terminal record of {rid}")
-    terminals = [r for r in records if r.get("terminal") is not None]
-    assert len(terminals) == 1, terminals
-    assert records[-1] is terminals[0], records
-    return terminals[0]
-
-
-def terminals_by_rid(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The terminal record of each rid (asserting there is exactly one, and it is last)."""
-    out: dict[str, dict[str, Any]] = {}
-    last: dict[str, dict[str, Any]] = {}
-    for record in records:
-        rid = record["rid"]
-        if rid in out:
-            raise AssertionError(f"record after the terminal record of {rid}: {record}")
-        last[rid] = record
-        if record.get("terminal") is not None:
-            out[rid] = record
-    missing = set(last) - set(out)
-    assert not missing, f"rids without a terminal record: {missing}"
-    return out
 
 
 @attrs.define

@@ -19,9 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .harness import MODEL
-
-REPO = Path(__file__).resolve().parents[1]
+from .helpers import MODEL, REPO
 
 
 def _toml_value(value: Any) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .serving import REPO
+from .helpers import REPO
 
 #: Upper bound of each command's run (they answer in well under a second).
 WAIT = 60

@@ -15,7 +15,7 @@ from narwhal_core import Config
 from narwhal_core.config import EngineConfig, IngressConfig, JournalConfig, ModelConfig
 from narwhal_sim.testing import SimThread
 
-from .harness import MODEL, terminals_by_rid, wait_for_terminals
+from .helpers import MODEL, terminals_by_rid, wait_for_terminals
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "threaded_server.py"
 sys.path.insert(0, str(EXAMPLE.parent))

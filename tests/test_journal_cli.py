@@ -1,4 +1,5 @@
-"""``narwhal journal`` (SPEC §5, §8): filters, crash leftovers, bad bytes, --follow."""
+"""``narwhal journal`` (docs/contract.md, "The journal"; docs/operate.md): filters, crash leftovers, bad
+bytes, --follow."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+from .helpers import REPO
+
 
 
 def _setup_lines() -> list[str]:

@@ -21,7 +21,8 @@ from narwhal_bench.stats import summarize
 from narwhal_bench.trace import PromptSynth, parse_mooncake_lines, scale_arrivals
 from narwhal_bench.virtual import run_virtual
 from narwhal_sim.testing import SimThread
-from tests.harness import MODEL, RouterThread, make_config
+from tests.harness import RouterThread, make_config
+from tests.helpers import MODEL
 
 pytestmark = pytest.mark.timeout(120)
 

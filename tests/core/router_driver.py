@@ -75,6 +75,8 @@ from narwhal_core.config import (
 )
 from narwhal_core.http1 import H11_CODEC, Codec
 
+from ..helpers import ALIAS, CHAT, COMPLETIONS, MODEL
+
 __all__ = [
     "MODEL", "ALIAS", "COMPLETIONS", "CHAT", "PREFILL_URLS", "DECODE_URLS", "PROMPT",
     "make_config", "completion_body", "chat_body", "http_request", "json_request",
@@ -83,10 +85,6 @@ __all__ = [
     "FakeClient", "ClientResponse", "SentRequest", "EngineLeg", "Control", "JournalEntry", "Driver",
 ]
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-ALIAS = "llama-3.1-8b"
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 PREFILL_URLS = ("http://10.0.0.1:8100", "http://10.0.0.2:8100")
 DECODE_URLS = ("http://10.0.1.1:8200", "http://10.0.1.2:8200")
 #: A prompt of about 1 KB, as a real chat turn would be.
@@ -222,7 +220,7 @@ def prefill_answer(
     """A vLLM prefill answer with ``kv_transfer_params`` naming the engine's own host.
 
     vLLM suffixes the request ID it was sent: ``remote_request_id`` is the
-    backend ID plus ``owner_suffix`` (the KV owner key of SPEC §3).
+    backend ID plus ``owner_suffix`` (the KV owner key of docs/contract.md, "Prefill and decode legs").
     """
     kv = {
         "do_remote_prefill": True,
@@ -934,7 +932,8 @@ class Driver:
         return answer["kv_transfer_params"]  # type: ignore[no-any-return]
 
     def usable_kv(self, params: dict[str, Any]) -> bool:
-        """Whether a prefill answer's KV params are usable by SPEC §3.2 (from this fleet, complete)."""
+        """Whether a prefill answer's KV params are usable by docs/contract.md, "Prefill and decode legs"
+        (from this fleet, complete)."""
         hosts = {a.host for a in self.config.engine.prefill_engines} | set(self.config.engine.kv_hosts)
         port = params.get("remote_port")
         return (
@@ -1225,7 +1224,8 @@ class Driver:
         return problems
 
     def _timing_problems(self) -> list[str]:
-        """Every timer that is due has fired by now (SPEC §4 timeouts; the driver fires all due deadlines)."""
+        """Every timer that is due has fired by now (docs/contract.md, "Admission, capacity and retries"; the
+        driver fires all due deadlines)."""
         problems = []
         now = self.now
         late = 1e-6

@@ -1,11 +1,10 @@
-"""Ingress authentication (SPEC §6): the three modes, the keys file, sanitisation."""
+"""Ingress authentication (docs/security.md): the three modes, the keys file, sanitisation."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import re
-from pathlib import Path
 
 import attrs
 import pytest
@@ -14,15 +13,11 @@ from narwhal_core.auth import ANONYMOUS, ApiKeys, Authenticator, api_key_digest,
 from narwhal_core.config import IngressConfig
 from narwhal_core.errors import AuthError, ConfigError
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "configure.md"
+from ..helpers import REPO, keys_file_text
+
+DOCS = REPO / "docs" / "configure.md"
 
 KEYS = {"alice": "sk-alice-0001", "bob": "sk-bob-0002", "carol": "sk-carol-0003"}
-
-
-def keys_file(pairs: dict[str, str]) -> str:
-    return "".join(
-        f'[[keys]]\nclient = "{client}"\nsha256 = "{api_key_digest(key)}"\n\n' for client, key in pairs.items()
-    )
 
 
 def bearer(key: str, scheme: str = "Bearer") -> list[tuple[bytes, bytes]]:
@@ -32,7 +27,7 @@ def bearer(key: str, scheme: str = "Bearer") -> list[tuple[bytes, bytes]]:
 @pytest.fixture
 def api_keys_auth() -> Authenticator:
     ingress = IngressConfig(listen="0.0.0.0:8000", auth="api_keys", api_keys_file="keys.toml")
-    return Authenticator.from_config(ingress, parse_api_keys(keys_file(KEYS)))
+    return Authenticator.from_config(ingress, parse_api_keys(keys_file_text(KEYS)))
 
 
 def trusted_auth(*proxies: str, header: str = "x-narwhal-client") -> Authenticator:
@@ -145,7 +140,7 @@ def test_a_wrong_key_is_compared_with_every_digest(
 
 
 def test_with_keys_swaps_the_key_set(api_keys_auth: Authenticator) -> None:
-    reloaded = api_keys_auth.with_keys(parse_api_keys(keys_file({"dave": "sk-dave"})))
+    reloaded = api_keys_auth.with_keys(parse_api_keys(keys_file_text({"dave": "sk-dave"})))
     assert reloaded.authenticate(bearer("sk-dave"), "10.0.0.1") == "dave"
     denied(reloaded, bearer(KEYS["alice"]))
     # The original is unchanged (frozen values).
@@ -168,7 +163,7 @@ def test_api_keys_mode_needs_keys() -> None:
 
 
 def test_parse_api_keys_holds_digests_only() -> None:
-    keys = parse_api_keys(keys_file(KEYS))
+    keys = parse_api_keys(keys_file_text(KEYS))
     assert keys.clients == ("alice", "bob", "carol")
     assert keys.digests == tuple(hashlib.sha256(k.encode()).digest() for k in KEYS.values())
     assert len(keys) == 3
@@ -180,7 +175,7 @@ def test_parse_api_keys_holds_digests_only() -> None:
 
 
 def test_one_client_may_have_several_keys() -> None:
-    keys = parse_api_keys(keys_file({"a": "k1"}) + keys_file({"a": "k2"}))
+    keys = parse_api_keys(keys_file_text({"a": "k1"}) + keys_file_text({"a": "k2"}))
     assert repr(keys) == "ApiKeys(keys=2, clients=1)"
 
 
@@ -201,9 +196,9 @@ GOOD = api_key_digest("k0")
     ("text", "message"),
     [
         (f'[[keys]]\nclient = "a"\nsha256 = "{GOOD}"\nkey = "sk-plain"\n', "keys[0].key: unknown field"),
-        (keys_file({"a": "k1", "b": "k2"}) + f'[[keys]]\nclient = "c"\nsha256 = "{GOOD}"\napi_key = "x"\n',
+        (keys_file_text({"a": "k1", "b": "k2"}) + f'[[keys]]\nclient = "c"\nsha256 = "{GOOD}"\napi_key = "x"\n',
          "keys[2].api_key: unknown field"),
-        (keys_file({"a": "k1", "b": "k2"}) + '[[keys]]\nclient = "c"\nsha256 = "xyz"\n',
+        (keys_file_text({"a": "k1", "b": "k2"}) + '[[keys]]\nclient = "c"\nsha256 = "xyz"\n',
          "keys[2].sha256: must be 64 hex digits"),
         (f'[[keys]]\nclient = "a"\nsha256 = "{GOOD[:-1]}"\n', "keys[0].sha256: must be 64 hex digits"),
         (f'[[keys]]\nclient = "a"\nsha256 = "{GOOD[:-1]}g"\n', "keys[0].sha256: must be 64 hex digits"),

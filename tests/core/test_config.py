@@ -1,11 +1,10 @@
-"""The configuration model (SPEC §7): defaults, types, unknown keys, semantics, docs."""
+"""The configuration model (docs/configure.md): defaults, types, unknown keys, semantics, docs."""
 
 from __future__ import annotations
 
 import copy
 import math
 import re
-from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import attrs
@@ -32,12 +31,15 @@ from narwhal_core.config import (
 )
 from narwhal_core.errors import ConfigError
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "configure.md"
+from ..helpers import REPO
+
+DOCS = REPO / "docs" / "configure.md"
 
 DECODE = "http://127.0.0.1:8200"
 MINIMAL: dict[str, Any] = {"model": {"name": "m"}, "engine": {"decode": [DECODE]}}
 
-SPEC_EXAMPLE = """
+#: A short config of the shape docs/configure.md shows, with its comments.
+EXAMPLE = """
 [model]
 name = "meta-llama/Llama-3.1-8B-Instruct"
 aliases = ["llama-3.1-8b"]
@@ -87,8 +89,8 @@ KEY_IDS = [f"{s}.{a.name}" for s, a in all_keys()]
 # -- the whole file -----------------------------------------------------------------
 
 
-def test_spec_example_parses() -> None:
-    config = parse_config(SPEC_EXAMPLE, env={"NARWHAL_ENGINE_API_KEY": SECRET})
+def test_the_short_example_parses() -> None:
+    config = parse_config(EXAMPLE, env={"NARWHAL_ENGINE_API_KEY": SECRET})
     assert config.model.name == "meta-llama/Llama-3.1-8B-Instruct"
     assert config.model_names == {"meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"}
     assert config.engine.prefill_engines == (

@@ -1,4 +1,5 @@
-"""Property tests of the request contract (SPEC §2.1, §2.2) against an oracle written from the SPEC.
+"""Property tests of the request contract (docs/contract.md, "Request rules" and "The engine request") against
+an oracle written from it.
 
 The oracle below never calls ``narwhal_core``: it works on a tagged JSON tree
 that the test generates (numbers kept as their literal text) and on Python's
@@ -24,14 +25,12 @@ from narwhal_core import wire
 from narwhal_core.contract import check_request
 from narwhal_core.errors import ContractError
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-ALIASES = ("llama-3.1-8b",)
-MODEL_NAMES = frozenset({MODEL, *ALIASES})
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+from ..helpers import ALIAS, CHAT, COMPLETIONS, MODEL
+
+MODEL_NAMES = frozenset({MODEL, ALIAS})
 ROUTES = st.sampled_from([COMPLETIONS, CHAT])
 
-# The seed page's table, in its order (SPEC §2.1 check 3).
+# The table of docs/contract.md, "Request rules", in its order (check 3).
 TYPED_FIELDS = ("model", "stream", "n", "best_of", "max_tokens", "max_completion_tokens", "prompt", "messages")
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -187,14 +186,14 @@ def has_lone_surrogate(node: Node) -> bool:
 
 
 # --------------------------------------------------------------------------
-# The oracle: SPEC §2.1, the seven checks in order.
+# The oracle: docs/contract.md, "Request rules", the seven checks in order.
 # --------------------------------------------------------------------------
 
 _INTEGER_LITERAL = re.compile(r"-?(?:0|[1-9][0-9]*)\Z")
 
 
 class Verdict:
-    """What the SPEC says about one body: accepted, or the first failing rule."""
+    """What docs/contract.md says about one body: accepted, or the first failing rule."""
 
     def __init__(self, *, status: int | None = None, param: str | None = None, code: str | None = None,
                  rule: int | None = None) -> None:
@@ -218,7 +217,7 @@ def reject(rule: int, param: str | None, status: int = 400, code: str | None = N
 
 
 def is_integer(node: Node) -> bool:
-    # SPEC §2.1: booleans are not integers and neither is 1.0; a JSON integer
+    # docs/contract.md, "Request rules": booleans are not integers and neither is 1.0; a JSON integer
     # is a literal without fraction or exponent.
     return node[0] == "num" and bool(_INTEGER_LITERAL.match(node[1]))
 
@@ -242,7 +241,7 @@ def present(fields: dict[str, Node], name: str) -> bool:
 
 
 def oracle_tree(route: str, tree: Node) -> Verdict:
-    """SPEC §2.1 for a body that parses to ``tree`` (rules 1 and 2 included)."""
+    """docs/contract.md, "Request rules", for a body that parses to ``tree`` (rules 1 and 2 included)."""
     # 1. Not JSON: lone surrogates and nesting deeper than the limit count as such.
     if has_lone_surrogate(tree) or depth(tree) > wire.MAX_DEPTH:
         return reject(1, None)
@@ -250,7 +249,7 @@ def oracle_tree(route: str, tree: Node) -> Verdict:
     if tree[0] != "obj":
         return reject(2, None)
     fields = members(tree)
-    # 3. Field types, in the seed's table order.
+    # 3. Field types, in the order of the table of docs/contract.md, "Request rules".
     for name in TYPED_FIELDS:
         if present(fields, name) and not type_ok(name, fields[name]):
             return reject(3, name)
@@ -299,7 +298,7 @@ def oracle_tree(route: str, tree: Node) -> Verdict:
 
 
 def oracle_bytes(route: str, body: bytes) -> tuple[Verdict, Node | None]:
-    """SPEC §2.1 for raw bytes, with Python's strict json as the JSON reference."""
+    """docs/contract.md, "Request rules", for raw bytes, with Python's strict json as the JSON reference."""
     try:
         text = body.decode("utf-8")  # strict: refuses surrogates encoded in UTF-8 too
         parsed = reference_parse(text)
@@ -310,7 +309,7 @@ def oracle_bytes(route: str, body: bytes) -> tuple[Verdict, Node | None]:
 
 
 def is_router_owned(key: str) -> bool:
-    # SPEC §2.2 names kv_transfer_params and request_id; the brief adds bootstrap_*.
+    # docs/contract.md, "The engine request", names kv_transfer_params, request_id and bootstrap_*.
     return key in ("kv_transfer_params", "request_id") or key.startswith("bootstrap_")
 
 
@@ -428,7 +427,7 @@ int_like = st.sampled_from(["-1", "0", "1", "2", "7", "-0", "1.0", "1e0", "0.5",
 
 FIELD_VALUES: dict[str, st.SearchStrategy[Node]] = {
     "model": st.one_of(
-        st.sampled_from([s(MODEL), s(ALIASES[0]), s("gpt-4o"), s(MODEL.lower()), s(""), NULL, TRUE, num("1")]),
+        st.sampled_from([s(MODEL), s(ALIAS), s("gpt-4o"), s(MODEL.lower()), s(""), NULL, TRUE, num("1")]),
         texts.map(s),
         json_trees,
     ),
@@ -490,7 +489,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Node]] = {
 
 # Values of the typed fields that pass check 3, so that checks 4-7 get exercised.
 WELL_TYPED: dict[str, st.SearchStrategy[Node]] = {
-    "model": st.sampled_from([s(MODEL), s(ALIASES[0]), s("gpt-4o"), NULL]),
+    "model": st.sampled_from([s(MODEL), s(ALIAS), s("gpt-4o"), NULL]),
     "stream": st.sampled_from([TRUE, FALSE, NULL]),
     "n": st.sampled_from(["-1", "0", "1", "1", "2", "-0", "123456789012345678901234567890"]).map(num),
     "best_of": st.sampled_from(["0", "1", "1", "3", NULL]).map(lambda v: v if isinstance(v, tuple) else num(v)),
@@ -604,7 +603,7 @@ def test_almost_json_bytes(route: str, body: bytes) -> None:
 
 
 # --------------------------------------------------------------------------
-# Examples the SPEC names.
+# Examples docs/contract.md names.
 # --------------------------------------------------------------------------
 
 EXACT_NUMBERS = [
@@ -620,9 +619,9 @@ EXACT_NUMBERS = [
 @pytest.mark.parametrize("literal", EXACT_NUMBERS)
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
 def test_numbers_pass_through_by_exact_decimal_value(route: str, literal: str) -> None:
-    """SPEC §2.1: never rounded through a float, never turned into ``Infinity``."""
+    """docs/contract.md, "Request rules": never rounded through a float, never turned into ``Infinity``."""
     body = (
-        f'{{"model":"{ALIASES[0]}","prompt":"p","messages":[],"x":{literal},"y":[{literal}],'
+        f'{{"model":"{ALIAS}","prompt":"p","messages":[],"x":{literal},"y":[{literal}],'
         f'"z":{{"k":{literal}}},"w":"1e400"}}'
     ).encode()
     accepted = check_request(route, body, MODEL_NAMES, MODEL)  # type: ignore[arg-type]
@@ -640,7 +639,7 @@ def test_numbers_pass_through_by_exact_decimal_value(route: str, literal: str) -
 def test_huge_integer_literal_never_escapes_as_valueerror(digits: int) -> None:
     """An integer literal longer than CPython's int-string limit (4300 digits) is still JSON.
 
-    SPEC §2.1 wants it passed through by exact value; at the very least the
+    docs/contract.md, "Request rules", wants it passed through by exact value; at the very least the
     answer must be a ContractError, never a bare ``ValueError``.
     """
     body = b'{"prompt":"p","messages":[],"x":' + b"7" * digits + b"}"
@@ -928,7 +927,8 @@ def test_tools_first_non_function_type_is_named_with_its_index(
 @given(literals=st.lists(number_literals(), min_size=1, max_size=4), route=ROUTES)
 @example(literals=["1e400", "-0.0", "0.1000000000000000055511151231257827"], route=COMPLETIONS)
 def test_any_number_literal_passes_through_by_exact_decimal_value(literals: list[str], route: str) -> None:
-    """SPEC §2.1: numbers outside the validation set reach the engine with the same decimal value."""
+    """docs/contract.md, "Request rules": numbers outside the validation set reach the engine with the same
+    decimal value."""
     values = ",".join(literals)
     body = f'{{"prompt":"p","messages":[],"xs":[{values}],"o":{{"k":{literals[0]}}}}}'.encode()
     accepted = check_request(route, body, MODEL_NAMES, MODEL)  # type: ignore[arg-type]

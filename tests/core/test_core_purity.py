@@ -1,4 +1,4 @@
-"""The guard of SPEC §1 and STYLE idiom 2: ``narwhal_core`` does no I/O and reads no clock.
+"""The guard of docs/design.md's pure core: ``narwhal_core`` does no I/O and reads no clock.
 
 (a) Statically, no module of ``narwhal_core`` imports sockets, event loops,
 clocks, randomness, threads, processes or ``os`` -- at any nesting level,
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..helpers import REPO as ROOT
+
 PACKAGE = ROOT / "narwhal_core"
 
 FORBIDDEN_IMPORTS = (
@@ -88,7 +89,7 @@ def violations(path: Path, root: Path = ROOT) -> list[str]:
 @pytest.mark.parametrize("path", core_files(), ids=lambda p: p.name)
 def test_no_forbidden_imports_or_open(path: Path) -> None:
     found = violations(path)
-    assert not found, "narwhal_core must stay pure (SPEC §1, STYLE idiom 2):\n" + "\n".join(found)
+    assert not found, "narwhal_core must stay pure (docs/design.md):\n" + "\n".join(found)
 
 
 def test_the_guard_catches_what_it_should(tmp_path: Path) -> None:

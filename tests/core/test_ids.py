@@ -1,4 +1,4 @@
-"""Request and backend IDs (SPEC §3 "IDs", §2.2 client_rid)."""
+"""Request and backend IDs (docs/contract.md, "Prefill and decode legs"; "The engine request": client_rid)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_backend_id_is_injective(a: tuple[str, str, int], b: tuple[str, str, int
 @settings(max_examples=300, deadline=None)
 @given(rid=st.one_of(rids, tricky_rids), attempt=attempts, other=attempts)
 def test_retries_get_new_backend_ids(rid: str, attempt: int, other: int) -> None:
-    """SPEC §3: a retried leg gets a new backend ID; the two phases never share one."""
+    """docs/contract.md, "Prefill and decode legs": a retried leg gets a new backend ID; the two phases never
+    share one."""
     assert backend_id(rid, "prefill", attempt) != backend_id(rid, "decode", attempt)
     if attempt != other:
         assert backend_id(rid, "prefill", attempt) != backend_id(rid, "prefill", other)
@@ -104,7 +105,7 @@ def test_non_integer_attempt_is_refused(attempt: object) -> None:
 
 @pytest.mark.parametrize("phase", ["p", "mixed"])
 def test_invalid_phase_raises_narwhal_error(phase: str) -> None:
-    """One error family escapes the core (STYLE idiom 5): not a bare KeyError."""
+    """One error family escapes the core (docs/design.md): not a bare KeyError."""
     with pytest.raises(NarwhalError):
         backend_id("abc", phase, 1)  # type: ignore[arg-type]
 

@@ -1,13 +1,11 @@
-"""STYLE: ``mypy --strict`` is clean for ``narwhal_core``."""
+"""``mypy --strict`` is clean for ``narwhal_core``."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from mypy import api
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..helpers import REPO as ROOT
 
 
 def test_mypy_strict_narwhal_core(monkeypatch: pytest.MonkeyPatch) -> None:

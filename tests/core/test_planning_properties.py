@@ -1,7 +1,8 @@
-"""Property tests of the PD legs (SPEC §3) and of answer normalisation (SPEC §2.3).
+"""Property tests of the PD legs (docs/contract.md, "Prefill and decode legs") and of answer normalisation
+("Responses and errors").
 
-Oracles are written from the SPEC text: the prefill body is the client body
-with exactly the §3.1 edits, the decode body the client body plus the
+Oracles are written from docs/contract.md: the prefill body is the client body
+with exactly the prefill edits, the decode body the client body plus the
 prefill's ``kv_transfer_params`` verbatim, and the relayed answer carries the
 client-facing object name, the configured model, the prefill's
 ``cached_tokens`` and no engine-internal field.
@@ -29,20 +30,10 @@ from narwhal_core.planning import (
     prefill_body,
 )
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+from ..helpers import CHAT, COMPLETIONS, MODEL, PREFILL_KV_REQUEST
+
 ROUTES = st.sampled_from([COMPLETIONS, CHAT])
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def tagged(value: Any) -> Any:
@@ -129,10 +120,10 @@ def test_prefill_body_has_exactly_the_spec_edits(body: dict[str, Any]) -> None:
     assert tagged(body) == before, "prefill_body must not change the client body"
     event(f"max_completion_tokens sent: {'max_completion_tokens' in body}")
 
-    # What SPEC §3.1 changes.
+    # What docs/contract.md, "Prefill and decode legs", changes.
     assert tagged(out["max_tokens"]) == ("int", 1)
     assert tagged(out["stream"]) == ("bool", False)
-    assert tagged(out["kv_transfer_params"]) == tagged(PREFILL_KV)
+    assert tagged(out["kv_transfer_params"]) == tagged(PREFILL_KV_REQUEST)
     if "max_completion_tokens" in body:
         assert tagged(out["max_completion_tokens"]) == ("int", 1)
     else:
@@ -169,7 +160,7 @@ def test_prefill_kv_request_is_a_fresh_object_each_time() -> None:
     first = prefill_body({"prompt": "a"})
     first["kv_transfer_params"]["remote_host"] = "evil"
     second = prefill_body({"prompt": "a"})
-    assert second["kv_transfer_params"] == PREFILL_KV
+    assert second["kv_transfer_params"] == PREFILL_KV_REQUEST
 
 
 usable_kv = st.fixed_dictionaries(
@@ -448,7 +439,7 @@ def test_normalise_answer(case: tuple[str, dict[str, Any]], pd: bool, cached: in
         if route == CHAT:
             message = dict(sent["message"])
             if message["content"] == "" and carries_only_reasoning_or_tools(message):
-                message["content"] = None  # SPEC §2.3 / seed: null, not ""
+                message["content"] = None  # docs/contract.md, "Responses and errors": null, not ""
             expected["message"] = message
         assert tagged(got) == tagged(expected)
 
@@ -461,7 +452,7 @@ def test_normalise_answer(case: tuple[str, dict[str, Any]], pd: bool, cached: in
         if not pd:
             assert tagged(usage) == tagged(sent_usage)
         elif cached is not None:
-            # SPEC §2.3: cached_tokens comes from the prefill leg.
+            # docs/contract.md, "Responses and errors": cached_tokens comes from the prefill leg.
             assert isinstance(details, dict) and details["cached_tokens"] == cached
         else:
             # The prefill leg gave none: the decode engine's figure must not be relayed;

@@ -1,4 +1,4 @@
-"""A Hypothesis state machine over the whole router (STYLE idiom 10; h2's ``test_state_machines``).
+"""A Hypothesis state machine over the whole router (as h2's ``test_state_machines``).
 
 Many clients and many requests at once, on a small fleet with tight limits,
 while the world does anything it can do to a router: clients connect, send
@@ -15,7 +15,8 @@ After every step the driver's invariants must hold (see
 terminal record per rid, and the last one; a progress record before any
 leg; nothing sent for a request after its terminal record; the live
 counters match the legs really open; every timer that is due has fired
-(leg, stream-idle, whole-request and client read timeouts, SPEC §4). At the end (teardown) every pending
+(leg, stream-idle, whole-request and client read timeouts, docs/contract.md,
+"Admission, capacity and retries"). At the end (teardown) every pending
 leg is answered, every control completed and time moved past every
 deadline, and then: one terminal record per rid, capacity counters all
 zero, every prefill leg that handed out KV params settled (``pulled``,
@@ -117,7 +118,7 @@ class RouterMachine(RuleBasedStateMachine):
             action()
         except TransitionError:
             raise
-        except NarwhalError as exc:  # allowed by STYLE idiom 5, but worth knowing about
+        except NarwhalError as exc:  # the one error family the core may raise (docs/design.md), but worth knowing about
             self.escaped.append(exc)
             event(f"escaped {type(exc).__name__}")
             note(f"escaped: {exc!r}")

@@ -6,7 +6,7 @@ plays one story through ``Router.receive`` / ``handle_deadline`` with raw
 HTTP bytes on both sides, and checks what the client got, what the engines
 were sent, the journal, and that the driver's invariants hold at the end
 (one terminal record per rid, last; nothing emitted after it; capacity back
-to zero; every KV settled). Expected values come from SPEC.md, never from
+to zero; every KV settled). Expected values come from docs/contract.md, never from
 the router's code.
 """
 
@@ -44,7 +44,7 @@ SLOW_BACKOFF = {"backoff_base_s": 1.0, "backoff_max_s": 1.0}
 
 def assert_line_is_the_records_encoding(d: Any, rid: str) -> None:
     """The router writes a request's terminal line straight from its state: it must be, byte for
-    byte, what the journal's record classes encode for the same values (one shape, SPEC §5)."""
+    byte, what the journal's record classes encode for the same values (one shape, docs/contract.md, "The journal")."""
     lines = [cmd.line for _, cmd in d.commands if type(cmd) is WriteJournal and cmd.terminal
              and json.loads(cmd.line)["rid"] == rid]
     assert len(lines) == 1, lines
@@ -102,7 +102,7 @@ def test_pd_non_stream_completion() -> None:
     )
     prefill = d.leg("prefill")
     rid = prefill.rid
-    # SPEC §3.1: the prefill leg.
+    # docs/contract.md, "Prefill and decode legs": the prefill leg.
     assert prefill.bid == f"{rid}-p1"
     assert prefill.engine.url == PREFILL_URLS[0]
     assert (prefill.method, prefill.route) == ("POST", COMPLETIONS)
@@ -121,7 +121,7 @@ def test_pd_non_stream_completion() -> None:
     assert d.open_legs() == [prefill]
     kv = d.answer_prefill(prefill.bid, cached_tokens=48)
     assert FinishLeg(prefill.bid, True) in d.finished
-    # SPEC §3.3: the decode leg carries the client body and the KV params verbatim.
+    # docs/contract.md, "Prefill and decode legs": the decode leg carries the client body and the KV params verbatim.
     decode = d.leg("decode")
     assert decode.bid == f"{rid}-d1"
     assert decode.engine.url == DECODE_URLS[0]
@@ -136,7 +136,7 @@ def test_pd_non_stream_completion() -> None:
     assert answer["object"] == "text_completion" and answer["model"] == MODEL
     assert "kv_transfer_params" not in answer
     assert answer["choices"][0]["text"].startswith("Narwhals")
-    # SPEC §2.3: cached_tokens comes from the prefill leg.
+    # docs/contract.md, "Responses and errors": cached_tokens comes from the prefill leg.
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
     records = d.records(rid)
     assert [r["terminal"] for r in records] == [None, "completed"]
@@ -226,7 +226,7 @@ def test_pipelined_requests_on_one_connection_are_answered_in_order() -> None:
     d.check_invariants(final=True)
 
 
-# ---------------------------------------------------------- §2.1 rejections
+# ------------------------------------------------ request rule rejections
 
 REJECTIONS = [
     ("not-json", COMPLETIONS, b'{"prompt": ', 400, None, None),
@@ -620,7 +620,7 @@ def test_a_second_stale_failure_is_a_real_failure() -> None:
 
 def test_a_pooled_connection_that_already_returned_bytes_is_not_resent() -> None:
     # The engine answered part of the head: it saw the request, so sending the
-    # same backend ID again would give one KV two owners (SPEC §3 "IDs").
+    # same backend ID again would give one KV two owners (docs/contract.md, "Prefill and decode legs").
     d = Driver()
     client = d.post(COMPLETIONS, completion_body())
     leg = d.leg()
@@ -710,7 +710,10 @@ def test_client_gone_cancels_legs_releases_kv_and_frees_capacity(phase: str, how
         client.eof()
     emitted = [cmd for _, cmd in d.commands[mark:]]
     for bid in running:
-        assert CancelLeg(bid) in emitted, f"{bid} not cancelled (SPEC §4: a client disconnect cancels the legs)"
+        assert CancelLeg(bid) in emitted, (
+            f"{bid} not cancelled (docs/contract.md, 'Admission, capacity and retries': "
+            "a client disconnect cancels the legs)"
+        )
     releases = [c for c in d.pending_controls("release") if c.cmd.key.startswith(f"release-{rid}-")]
     # Unpulled KV is released at once (in "backoff" it was released when the decode leg failed).
     assert bool(releases) == (kv_expected == "released" and phase != "backoff")

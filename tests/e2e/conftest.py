@@ -2,8 +2,8 @@
 
 * ``engine_key``: the engine credential that ``secure_fleet`` and
   ``start_secure_router`` (``tests/conftest.py``) demand and hand over
-  through ``engine.engine_api_key_env`` (SPEC §2.2).
-* ``api_keys``: a keys file of SHA-256 digests for ``auth = "api_keys"`` (SPEC §6).
+  through ``engine.engine_api_key_env`` (docs/contract.md, "The engine request").
+* ``api_keys``: a keys file of SHA-256 digests for ``auth = "api_keys"`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from narwhal_core.auth import api_key_digest
+from ..helpers import write_keys_file
 
 
 @pytest.fixture
@@ -35,9 +35,6 @@ class ApiKeys:
 def api_keys(tmp_path: Path) -> ApiKeys:
     """A keys file with two clients, ``team-a`` and ``team-b``."""
     keys = {"team-a": "sk-a-" + secrets.token_hex(16), "team-b": "sk-b-" + secrets.token_hex(16)}
-    path = tmp_path / "keys.toml"
-    path.write_text("".join(
-        f'[[keys]]\nclient = "{client}"\nsha256 = "{api_key_digest(key)}"\n\n' for client, key in keys.items()
-    ))
+    path = write_keys_file(tmp_path / "keys.toml", keys)
     assert not any(key in path.read_text() for key in keys.values())
     return ApiKeys(path=path, keys=keys)

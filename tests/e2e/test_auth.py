@@ -1,4 +1,4 @@
-"""SPEC §6 end to end: each ``ingress.auth`` mode, and ``auth = "none"`` refused off loopback."""
+"""docs/security.md end to end: each ``ingress.auth`` mode, and ``auth = "none"`` refused off loopback."""
 
 from __future__ import annotations
 
@@ -7,22 +7,17 @@ import json
 import httpx
 import pytest
 
-from ..harness import read_journal
-from .support import (
-    BASE_BODY,
+from ..helpers import (
     CHAT,
     COMPLETIONS,
-    RawClient,
-    ServeProcess,
     assert_envelope,
     completion_records,
     header_values,
-    http,
     journal_terminal,
-    request_bytes,
+    read_journal,
     rid_of,
-    serve_config,
 )
+from .support import BASE_BODY, RawClient, ServeProcess, http, request_bytes, serve_config
 
 
 def _denied(answer: httpx.Response, journal_path, fleet, before) -> dict:
@@ -100,12 +95,12 @@ def test_missing_or_wrong_api_key_is_401_denied(keyed_router, api_keys, fleet, j
     before = completion_records(fleet)
     answer = http.post(keyed_router.url + route, json=BASE_BODY[route], headers=headers, timeout=10)
     record = _denied(answer, journal_path, fleet, before)
-    assert record["client"] is None or record["client"] not in api_keys.keys
+    assert record["client"] is None, record
     assert real not in answer.text
 
 
 def test_unauthenticated_request_gets_401_whatever_its_body(keyed_router, fleet, journal_path) -> None:
-    """SPEC §2.1: authentication runs before the contract checks."""
+    """docs/contract.md, "Request rules": authentication runs before the contract checks."""
     before = completion_records(fleet)
     for content in (b"{not json", b"[]", b'{"prompt": "hi", "n": 2}', b'{"prompt": "hi", "model": "gpt-4o"}'):
         answer = http.post(keyed_router.url + COMPLETIONS, content=content,
@@ -203,4 +198,4 @@ def test_auth_none_on_a_non_loopback_address_refuses_to_start(tmp_path, runtime,
     assert len(lines) == 1, lines
     assert "ingress.auth" in lines[0], lines[0]
     assert not any(e.get("event") == "listening" for e in process.events())
-    assert not (tmp_path / "journal.jsonl").exists() or (tmp_path / "journal.jsonl").read_text() == ""
+    assert not (tmp_path / "journal.jsonl").exists()

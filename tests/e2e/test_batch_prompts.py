@@ -16,8 +16,7 @@ import httpx
 import openai
 import pytest
 
-from ..harness import MODEL
-from .support import journal_terminal, rid_of
+from ..helpers import MODEL, journal_terminal, rid_of
 
 PROMPTS = ["The narwhal", "A beluga sings", "Bowhead whales live two centuries"]
 TOKEN_PROMPTS = [[101, 2023, 2003], [7, 8, 9, 10], [42]]

@@ -15,7 +15,8 @@ from typing import Any
 import openai
 import pytest
 
-from ..harness import MODEL, RouterThread, make_config, terminals_by_rid, wait_for_terminals
+from ..harness import RouterThread, make_config
+from ..helpers import MODEL, terminals_by_rid, wait_for_terminals
 
 #: Long enough that the polling is easy to see, short enough to wait out.
 WINDOW_US = 20_000

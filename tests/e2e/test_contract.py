@@ -1,4 +1,5 @@
-"""SPEC §2.1 end to end: every rejection of the request contract, and that none reaches an engine.
+"""docs/contract.md, "Request rules", end to end: every rejection of the request contract, and that none
+reaches an engine.
 
 One test per rule and per field type. Each checks the status, the OpenAI
 envelope (``type``, ``param``, ``code``, the message), the ``x-request-id``
@@ -14,10 +15,17 @@ from typing import Any
 
 import pytest
 
-from ..harness import MODEL
-from .support import BASE_BODY, CHAT, COMPLETIONS, COMPLETION_PATHS, completion_records, http, journal_terminal, rid_of
+from ..helpers import (
+    CHAT,
+    COMPLETIONS,
+    MODEL,
+    completion_records,
+    each_route,
+    journal_terminal,
+    rid_of,
+)
+from .support import BASE_BODY, http
 
-ROUTES = pytest.mark.parametrize("route", COMPLETION_PATHS, ids=["completions", "chat"])
 
 
 def _reject(
@@ -78,7 +86,7 @@ _ABSENT = object()
 # 1. Not JSON (or not UTF-8) -> 400, param null.
 
 
-@ROUTES
+@each_route
 def test_invalid_json_is_400_with_null_param(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     for content in (b'{"prompt": "hi"', b"", b"{'prompt': 'hi'}", b'{"prompt": "hi"} trailing',
@@ -86,7 +94,7 @@ def test_invalid_json_is_400_with_null_param(start_router, fleet, journal_path, 
         _reject(router, fleet, journal_path, route, content, param=None)
 
 
-@ROUTES
+@each_route
 def test_body_that_is_not_utf8_is_400_with_null_param(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     for content in (b'{"prompt": "caf\xe9", "messages": [{"role": "user", "content": "caf\xe9"}]}',
@@ -97,14 +105,14 @@ def test_body_that_is_not_utf8_is_400_with_null_param(start_router, fleet, journ
 # 2. Not a JSON object -> 400, param null.
 
 
-@ROUTES
+@each_route
 def test_body_that_is_not_an_object_is_400_with_null_param(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     for content in (b"[]", b'[{"prompt": "hi"}]', b'"hello"', b"42", b"null", b"true"):
         _reject(router, fleet, journal_path, route, content, param=None)
 
 
-# 3. Field types, in the seed's order.
+# 3. Field types, in the order of docs/contract.md, "Request rules".
 
 _BAD_VALUES: dict[str, list[Any]] = {
     "model": [5, True, ["x"], {"name": MODEL}],
@@ -127,7 +135,7 @@ _MESSAGES = {
 }
 
 
-@ROUTES
+@each_route
 @pytest.mark.parametrize("field", list(_BAD_VALUES))
 def test_field_of_wrong_type_is_400_naming_the_field(start_router, fleet, journal_path, route, field) -> None:
     """A validated field of the wrong type: 400, ``param`` = the field, ``"<field> must be ..."``."""
@@ -135,13 +143,13 @@ def test_field_of_wrong_type_is_400_naming_the_field(start_router, fleet, journa
     for value in _BAD_VALUES[field]:
         error = _reject(router, fleet, journal_path, route, _body(route, **{field: value}), param=field)
         if field in ("n", "best_of", "max_tokens"):
-            # The seed's own example: "max_tokens must be an integer".
+            # The example of docs/contract.md, "Request rules": "max_tokens must be an integer".
             assert error["message"] == _MESSAGES[field], (value, error)
         else:
             assert error["message"].startswith(_MESSAGES[field]), (value, error)
 
 
-@ROUTES
+@each_route
 def test_null_validated_fields_pass(start_router, fleet, journal_path, route) -> None:
     """Absent or ``null`` fields pass the type checks."""
     router = start_router()
@@ -156,7 +164,7 @@ def test_null_validated_fields_pass(start_router, fleet, journal_path, route) ->
 
 
 def test_field_types_are_checked_in_the_seed_table_order(start_router, fleet, journal_path) -> None:
-    """Several wrong fields: the first in the seed's table decides, whatever the body's key order."""
+    """Several wrong fields: the first in the table of docs/contract.md decides, whatever the body's key order."""
     router = start_router()
     cases = [
         ({"max_tokens": "x", "model": 5}, "model"),
@@ -200,7 +208,7 @@ def test_types_are_checked_before_the_prompt_is_required(start_router, fleet, jo
 # 5. The model.
 
 
-@ROUTES
+@each_route
 def test_unknown_model_is_404_model_not_found(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     for model in ("gpt-4o", MODEL.lower(), "", "llama-3.1-8b ", "x" * 5000):
@@ -219,7 +227,7 @@ def test_model_is_checked_after_types_and_prompt(start_router, fleet, journal_pa
 # 6. Sampling width.
 
 
-@ROUTES
+@each_route
 def test_sampling_width_over_one_is_400(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     cases = [({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"n": 2, "best_of": 2}, "n"),
@@ -235,7 +243,7 @@ def test_model_is_checked_before_sampling_width(start_router, fleet, journal_pat
             param="model", code="model_not_found")
 
 
-@ROUTES
+@each_route
 def test_sampling_width_of_one_passes(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     answer = http.post(router.url + route, json={**BASE_BODY[route], "n": 1, "best_of": 1, "max_tokens": 2},
@@ -248,28 +256,28 @@ def test_sampling_width_of_one_passes(start_router, fleet, journal_path, route) 
 _FUNCTION_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
-@ROUTES
+@each_route
 def test_audio_is_400(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     for audio in ({"voice": "alloy", "format": "wav"}, True, "wav", {}, False):
         _reject(router, fleet, journal_path, route, _body(route, audio=audio), param="audio")
 
 
-@ROUTES
+@each_route
 def test_modalities_other_than_text_is_400(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     for modalities in (["text", "audio"], ["audio"], [], "text", ["TEXT"], ["text", "text"]):
         _reject(router, fleet, journal_path, route, _body(route, modalities=modalities), param="modalities")
 
 
-@ROUTES
+@each_route
 def test_tools_not_an_array_of_objects_is_400(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     for tools in ("get_weather", {"type": "function"}, [1], [_FUNCTION_TOOL, "x"], 5):
         _reject(router, fleet, journal_path, route, _body(route, tools=tools), param="tools")
 
 
-@ROUTES
+@each_route
 def test_tool_type_other_than_function_is_400_with_index(start_router, fleet, journal_path, route) -> None:
     router = start_router()
     cases = [
@@ -296,7 +304,7 @@ def test_restrictions_are_checked_in_order(start_router, fleet, journal_path) ->
         _reject(router, fleet, journal_path, CHAT, _body(CHAT, **fields), param=param)
 
 
-@ROUTES
+@each_route
 def test_allowed_output_and_tools_pass(start_router, fleet, journal_path, route) -> None:
     """``audio: null``, ``modalities: ["text"]`` and function tools are accepted."""
     router = start_router()
@@ -305,9 +313,10 @@ def test_allowed_output_and_tools_pass(start_router, fleet, journal_path, route)
     assert answer.status_code == 200, answer.text
 
 
-@ROUTES
+@each_route
 def test_streaming_requests_get_the_same_validation(start_router, fleet, journal_path, route) -> None:
-    """SPEC §2.3: a ``stream: true`` request is validated and restricted like any other."""
+    """docs/contract.md, "Responses and errors": a ``stream: true`` request is validated and restricted like
+    any other."""
     router = start_router()
     _reject(router, fleet, journal_path, route, _body(route, stream=True, audio={"voice": "alloy"}), param="audio")
     _reject(router, fleet, journal_path, route, _body(route, stream=True, n=2), param="n")

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,15 +23,9 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import Fleet, LogCapture, RouterThread, make_config, poll
-from .support import COMPLETIONS, completion_records, http, journal_terminal, rid_of
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from ..harness import Fleet, LogCapture, RouterThread, make_config
+from ..helpers import COMPLETIONS, completion_records, free_port, journal_terminal, poll, rid_of
+from .support import http
 
 
 def events(log: LogCapture, name: str) -> list[dict[str, Any]]:
@@ -106,20 +99,6 @@ def test_engine_down_on_an_http_status_names_it(start, fleet: Fleet, router_log)
 
 
 # ------------------------------------------------------------------ remote_host
-
-
-@pytest.fixture
-def sims() -> Iterator[Any]:
-    started: list[SimThread] = []
-
-    def make(role: str, **options: Any) -> SimThread:
-        sim = SimThread(role=role, speed=0, **options).start()
-        started.append(sim)
-        return sim
-
-    yield make
-    for sim in started:
-        sim.stop()
 
 
 def decoded_remote_hosts(decode: SimThread) -> list[str]:

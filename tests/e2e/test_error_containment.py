@@ -34,7 +34,8 @@ from narwhal_core import ClientData, LegData, RidSource, Router, StartLeg
 from narwhal_sim.testing import SimThread
 
 from .. import harness
-from ..harness import LogCapture, RouterThread, make_config, read_journal, wait_for_terminals
+from ..harness import LogCapture, RouterThread, make_config
+from ..helpers import read_journal, wait_for_terminals
 from .test_runtime_parity import _masked
 
 MARKERS = ("leg-fault", "client-fault", "stream-fault")

@@ -30,9 +30,9 @@ import pytest
 from narwhal_sim.testing import SimThread
 from narwhal_sim.versions import FAMILIES
 
-from ..harness import RouterThread, make_config, poll, read_journal
+from ..harness import RouterThread, make_config
+from ..helpers import COMPLETIONS, poll, read_journal
 
-COMPLETIONS = "/v1/completions"
 #: Every vLLM version family the simulator models (docs/simulator.md, "vLLM versions").
 VERSIONS = tuple(FAMILIES)
 #: Tokens of the request that holds the decode slot: about a second of decode steps at speed 1.

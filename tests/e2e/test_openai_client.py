@@ -1,4 +1,4 @@
-"""The ``openai`` Python package as a real client of the router (STYLE: a real client end to end)."""
+"""The ``openai`` Python package as a real client of the router (a real client, end to end)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from ..harness import MODEL
-from .support import journal_terminal
+from ..helpers import MODEL, journal_terminal
 
 MESSAGES = [{"role": "user", "content": "What is a narwhal's tusk?"}]
 

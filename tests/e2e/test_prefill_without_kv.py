@@ -19,8 +19,9 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import MODEL, Fleet
-from .support import journal_terminal, rid_of, sse_chunks
+from ..harness import Fleet
+from ..helpers import MODEL, journal_terminal, rid_of
+from .support import sse_chunks
 
 NULL_PARAMS = {"omit_kv_params_rate": 1.0}
 

@@ -23,19 +23,9 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import Fleet, RouterThread, poll, read_journal
-from .support import (
-    CHAT,
-    COMPLETION_PATHS,
-    COMPLETIONS,
-    Closed,
-    RawClient,
-    chunked,
-    completion_records,
-    http,
-    journal_terminal,
-    request_bytes,
-)
+from ..harness import Fleet, RouterThread
+from ..helpers import COMPLETIONS, COMPLETION_PATHS, completion_records, journal_terminal, poll, read_journal
+from .support import RawClient, chunked, http, request_bytes
 
 BODY_TIMEOUT_S = 0.3
 HEADER_TIMEOUT_S = 0.3

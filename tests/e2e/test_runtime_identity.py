@@ -1,4 +1,4 @@
-"""Each run uses the runtime it names (SPEC §1, §8: ``--runtime trio|asyncio``).
+"""Each run uses the runtime it names (docs/design.md, docs/operate.md: ``--runtime trio|asyncio``).
 
 The conformance suite runs every end-to-end test on both runtimes; these
 tests make sure that "asyncio" is not trio in disguise (or the reverse): the
@@ -18,7 +18,8 @@ import trio
 
 from narwhal_build import PURE_ENV, compiled_files
 
-from ..harness import RUNTIMES, RouterThread, make_config, read_journal, terminals_by_rid
+from ..harness import RUNTIMES, RouterThread, make_config
+from ..helpers import read_journal, terminals_by_rid
 from .support import ServeProcess, serve_config
 
 try:

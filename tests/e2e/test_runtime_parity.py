@@ -20,7 +20,8 @@ import httpx
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import RouterThread, make_config, read_journal, wait_for_terminals
+from ..harness import RouterThread, make_config
+from ..helpers import read_journal, wait_for_terminals
 
 _TIMES = {"ts", "received", "started", "duration_ms", "ttft_ms"}
 

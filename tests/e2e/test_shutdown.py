@@ -1,4 +1,5 @@
-"""Graceful shutdown of ``narwhal serve`` (SPEC §4, §8): a signal while requests run.
+"""Graceful shutdown of ``narwhal serve`` (docs/contract.md, "Admission, capacity and retries";
+docs/operate.md): a signal while requests run.
 
 The router runs as a real process (``python -m narwhal.cli serve``) in front
 of simulated engines in this process. The decode engine is slow enough that
@@ -21,19 +22,8 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import read_journal, terminals_by_rid
-from .support import (
-    CHAT,
-    COMPLETIONS,
-    RawClient,
-    ServeProcess,
-    http,
-    poll,
-    request_bytes,
-    serve_config,
-    sse_chunks,
-    streamed_text,
-)
+from ..helpers import CHAT, COMPLETIONS, poll, read_journal, terminals_by_rid
+from .support import RawClient, ServeProcess, http, request_bytes, serve_config, sse_chunks, streamed_text
 
 #: Output tokens per request: ~7 ms each at speed 1, so a decode leg takes about a second.
 TOKENS = 150

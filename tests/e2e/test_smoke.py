@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from ..harness import terminals_by_rid, wait_for_terminals
+from ..helpers import terminals_by_rid, wait_for_terminals
 
 
 def test_completion_through_both_legs(start_router, journal_path, runtime, fleet) -> None:

@@ -20,7 +20,8 @@ from typing import Any
 import openai
 import pytest
 
-from ..harness import MODEL, RouterThread, make_config, poll, read_journal
+from ..harness import RouterThread, make_config
+from ..helpers import MODEL, poll, read_journal
 
 #: The engine's pause between ``[DONE]`` and the end of its body.
 TAIL_PAUSE_S = 0.025

@@ -20,10 +20,10 @@ import pytest
 from narwhal_sim.testing import SimThread
 from narwhal_sim.versions import FAMILIES
 
-from ..harness import MODEL, Fleet, LogCapture, RouterThread, make_config, poll
-from .support import completion_records, exact_json, rid_of
+from ..harness import Fleet, LogCapture, RouterThread, make_config
+from ..helpers import COMPLETIONS, MODEL, completion_records, poll, rid_of
+from .support import exact_json
 
-COMPLETIONS = "/v1/completions"
 VERSIONS = tuple(FAMILIES)
 
 

@@ -1,6 +1,5 @@
-"""Fixtures of the reliability fault matrix, on top of ``tests/conftest.py``.
+"""Fixtures of the reliability fault matrix, on top of ``tests/conftest.py`` (``sims``...).
 
-* ``sims``: start simulated engines (speed 0 unless told) that stop after the test.
 * ``make_fleet``: a fleet whose engines carry the given faults, tuned for a
   ``engine.kv_release`` mode: under ``decode_abort`` the decode engines watch
   their client for 200 ms before pulling (so a router's send-and-close counts
@@ -10,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -23,22 +22,6 @@ from ..harness import Fleet
 SHORT_LEASE_S = 0.6
 #: The decode engines' pre-pull watch under ``kv_release = "decode_abort"`` (docs/simulator.md).
 DECODE_ABORT_GRACE_MS = 200.0
-
-
-@pytest.fixture
-def sims() -> Iterator[Callable[..., SimThread]]:
-    """``sims(role, **options)``: a started SimThread (speed 0 by default), stopped after the test."""
-    started: list[SimThread] = []
-
-    def start(role: str, **options: Any) -> SimThread:
-        options.setdefault("speed", 0)
-        sim = SimThread(role=role, **options).start()
-        started.append(sim)
-        return sim
-
-    yield start
-    for sim in reversed(started):
-        sim.stop()
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Helpers of the reliability fault matrix (SPEC §3 KV ownership, §4, §5).
+"""Helpers of the reliability fault matrix (docs/contract.md, "Prefill and decode legs", "Admission, capacity
+and retries", "The journal").
 
 Everything is synchronous and bounded: clients over real loopback sockets
 (httpx, and raw sockets for clients that leave), checks of what every
@@ -10,29 +11,24 @@ subprocess for the signal scenarios.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..harness import MODEL, RouterThread, poll, read_journal
+from ..harness import RouterThread
+from ..helpers import COMPLETION_PATHS, COMPLETIONS, REPO, body_for, poll, rid_of, sse_payloads
 from ..rawhttp import RawClient, request_bytes
 from ..serving import ServeProcess, write_config  # noqa: F401  (re-exported for the suite)
 
-REPO = Path(__file__).resolve().parents[2]
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-ROUTES = (COMPLETIONS, CHAT)
-
-#: The three ways a router may release unpulled KV (SPEC §3, ``engine.kv_release``).
+#: The three ways a router may release unpulled KV (docs/contract.md, "Prefill and decode legs"; ``engine.kv_release``).
 KV_MODES = ("decode_pull", "abort_endpoint", "decode_abort", "lease")
+#: Run a test once per KV release mode, as ``mode``.
+each_kv_mode = pytest.mark.parametrize("mode", KV_MODES)
 
 #: Upper bound of every wait in this suite; the scenarios normally settle in well under a second.
 WAIT = 10.0
@@ -43,16 +39,8 @@ WAIT = 10.0
 
 def body(route: str = COMPLETIONS, *, stream: bool = False, max_tokens: int = 4,
          text: str = "The narwhal is a whale", **fields: Any) -> dict[str, Any]:
-    """A valid request body for ``route``."""
-    if route == COMPLETIONS:
-        out: dict[str, Any] = {"model": MODEL, "prompt": text}
-    else:
-        out = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
-    out["max_tokens"] = max_tokens
-    if stream:
-        out["stream"] = True
-    out.update(fields)
-    return out
+    """A valid request body for ``route``: :func:`tests.helpers.body_for` with ``max_tokens`` (and ``stream``)."""
+    return body_for(route, text, max_tokens=max_tokens, **({"stream": True} if stream else {}), **fields)
 
 
 def post(router: RouterThread, route: str = COMPLETIONS, *, headers: Mapping[str, str] | None = None,
@@ -60,43 +48,6 @@ def post(router: RouterThread, route: str = COMPLETIONS, *, headers: Mapping[str
     """POST a completion request and read the whole answer."""
     return httpx.post(router.url + route, json=body(route, **fields), headers=dict(headers or {}),
                       timeout=timeout)
-
-
-def rid_of(response: httpx.Response) -> str:
-    rid = response.headers.get("x-request-id")
-    assert rid, f"no x-request-id on {response.status_code}"
-    return rid
-
-
-def assert_envelope(response: httpx.Response, status: int, *, code: str | None, type: str = "server_error",
-                    retry_after: bool | None = None) -> dict[str, Any]:
-    """Check an OpenAI error envelope answer; return its ``error`` object."""
-    assert response.status_code == status, (response.status_code, response.text)
-    assert response.headers["content-type"].startswith("application/json"), response.headers
-    data = response.json()
-    assert set(data) == {"error"}, data
-    error = data["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"], error
-    assert error["type"] == type, error
-    assert error["code"] == code, error
-    if retry_after is True:
-        value = response.headers.get("retry-after")
-        assert value is not None and value.isdigit(), response.headers
-    elif retry_after is False:
-        assert "retry-after" not in response.headers, response.headers
-    return error  # type: ignore[no-any-return]
-
-
-def sse_payloads(text: str) -> list[str]:
-    """The ``data:`` payloads of an SSE body, checking that every event is one well-formed ``data:`` line."""
-    assert text.endswith("\n\n"), text[-300:]
-    payloads = []
-    for event in text.split("\n\n")[:-1]:
-        lines = event.split("\n")
-        assert len(lines) == 1 and lines[0].startswith("data: "), repr(event)
-        payloads.append(lines[0][len("data: "):])
-    return payloads
 
 
 def _event_json(payload: str) -> Any:
@@ -116,7 +67,8 @@ def assert_completed_stream(text: str) -> list[dict[str, Any]]:
 
 
 def assert_error_stream(text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """A stream cut by a failure (SPEC §4): chunks, then ONE ``data: {"error": {...}}`` event that ends it.
+    """A stream cut by a failure (docs/contract.md, "Admission, capacity and retries"): chunks, then ONE
+    ``data: {"error": {...}}`` event that ends it.
 
     Returns the chunks before the error and the error object.
     """
@@ -207,55 +159,10 @@ class CompletionClient(RawClient):
 # ---------------------------------------------------------------- the journal
 
 
-def terminal_of(journal_path: str | os.PathLike[str], rid: str, timeout: float = WAIT) -> dict[str, Any]:
-    """The terminal record of ``rid`` once written; it must be its only terminal record and its last record."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = [r for r in read_journal(journal_path) if r.get("rid") == rid]
-        terminals = [r for r in records if r.get("terminal") is not None]
-        if terminals:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no terminal record for {rid}: {records}")
-        time.sleep(0.01)
-    assert len(terminals) == 1, terminals
-    assert records[-1] is terminals[0], records
-    return terminals[0]
-
-
-def wait_terminal_count(journal_path: str | os.PathLike[str], count: int,
-                        timeout: float = WAIT) -> list[dict[str, Any]]:
-    """Wait until the journal holds ``count`` terminal records; return every record."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = read_journal(journal_path)
-        n = sum(1 for r in records if r.get("terminal") is not None)
-        if n >= count:
-            return records
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{n} terminal records, wanted {count}: {records}")
-        time.sleep(0.01)
-
-
-def only_terminals(journal_path: str | os.PathLike[str], count: int, timeout: float = WAIT) -> dict[str, dict[str, Any]]:
-    """Wait for ``count`` terminal records: every rid has exactly one, and it is its last record (SPEC §5)."""
-    records = wait_terminal_count(journal_path, count, timeout)
-    out: dict[str, dict[str, Any]] = {}
-    seen: dict[str, list[dict[str, Any]]] = {}
-    for record in records:
-        seen.setdefault(record["rid"], []).append(record)
-    for rid, rs in seen.items():
-        terminals = [r for r in rs if r.get("terminal") is not None]
-        assert len(terminals) == 1, (rid, rs)
-        assert rs[-1] is terminals[0], (rid, rs)
-        out[rid] = terminals[0]
-    assert len(out) == count, (count, out)
-    return out
-
-
 def assert_failed(record: dict[str, Any], *, code: str, leg: str | None, engine: str | None,
                   status: int, terminal: str = "failed") -> None:
-    """A terminal record that names its error, failing leg and engine (SPEC §4, §5)."""
+    """A terminal record that names its error, failing leg and engine (docs/contract.md, "Admission, capacity
+    and retries", "The journal")."""
     assert record["terminal"] == terminal, record
     assert record["status"] == status, record
     error = record["error"]
@@ -265,7 +172,8 @@ def assert_failed(record: dict[str, Any], *, code: str, leg: str | None, engine:
 
 
 def assert_backend_ids(record: dict[str, Any]) -> None:
-    """Each leg's backend ID is ``<rid>-p<n>`` / ``<rid>-d<n>`` and names exactly one attempt (SPEC §3 IDs)."""
+    """Each leg's backend ID is ``<rid>-p<n>`` / ``<rid>-d<n>`` and names exactly one attempt
+    (docs/contract.md, "Prefill and decode legs")."""
     rid = record["rid"]
     seen = set()
     for leg in record["legs"]:
@@ -293,7 +201,8 @@ def metric(router: RouterThread, name: str, **labels: str) -> float:
 
 
 def assert_idle(router: RouterThread, timeout: float = WAIT) -> Any:
-    """Every request, leg, slot and queue place is given back (SPEC §4); return the statistics."""
+    """Every request, leg, slot and queue place is given back (docs/contract.md, "Admission, capacity and
+    retries"); return the statistics."""
     stats = router.wait_idle(timeout)
     assert stats.requests == 0 and stats.inflight == 0 and stats.queued == 0 and stats.legs == 0, stats
     assert all(n == 0 for n in stats.engine_outstanding.values()), stats.engine_outstanding
@@ -318,7 +227,8 @@ def prefill_kv_legs(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def assert_unpulled_kv(record: dict[str, Any], leg: dict[str, Any], mode: str) -> None:
-    """The journal's outcome for KV a prefill leg left and no decode leg pulled (SPEC §3)."""
+    """The journal's outcome for KV a prefill leg left and no decode leg pulled (docs/contract.md, "Prefill
+    and decode legs")."""
     kv = leg["kv"]
     assert kv is not None, leg
     # The engine's key: the backend ID as vLLM mangles it (cmpl-<id>-0, a random suffix from 0.14).
@@ -380,12 +290,10 @@ def wait_sim_finished(sim: Any, request_id: str, timeout: float = WAIT) -> dict[
 
 def sim_requests(sim: Any, *, route: str | None = None) -> list[dict[str, Any]]:
     """Completion requests a sim received (releases included), oldest first."""
-    return [r for r in sim.requests() if r["path"].split("?")[0] in ((route,) if route else ROUTES)]
+    return [r for r in sim.requests() if r["path"].split("?")[0] in ((route,) if route else COMPLETION_PATHS)]
 
 
 # --------------------------------------------------------- narwhal serve process
-
-
 
 
 def run_journal_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[bytes]:

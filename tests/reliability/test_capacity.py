@@ -1,4 +1,5 @@
-"""Capacity after the storm: a finished request must leave nothing behind (SPEC §4 "Bounded everything").
+"""Capacity after the storm: a finished request must leave nothing behind (docs/contract.md, "Admission,
+capacity and retries").
 
 The fault rows check the counters (``statistics()``); this checks the memory
 behind them: once a request has its terminal record, the router holds no
@@ -15,7 +16,8 @@ import httpx
 
 from narwhal_core import router as router_module
 
-from .support import COMPLETIONS, assert_idle, body, only_terminals
+from ..helpers import COMPLETIONS, only_terminals
+from .support import assert_idle, body
 
 
 def _live(cls: type) -> int:

@@ -1,5 +1,6 @@
-"""Fault matrix: the client disconnects in each phase (SPEC §4 "Client disconnect cancels
-the legs, releases capacity and KV, journals ``terminal: "cancelled"``").
+"""Fault matrix: the client disconnects in each phase (docs/contract.md, "Admission,
+capacity and retries": a client disconnect cancels the legs, releases capacity and KV, journals
+``terminal: "cancelled"``).
 
 The client is a raw socket that sends its request and closes. Engine delays,
 a full decode engine and a stalled stream hold the request in the phase under
@@ -13,24 +14,19 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
+from ..helpers import only_terminals, poll, wait_for_terminals
 from .support import (
-    KV_MODES,
     CompletionClient,
     assert_idle,
     assert_kv_settled,
     assert_unpulled_kv,
-    only_terminals,
-    poll,
+    each_kv_mode,
     post,
     sim_requests,
     wait_kv,
     wait_sim_finished,
-    wait_terminal_count,
 )
 
-MODES = pytest.mark.parametrize("mode", KV_MODES)
 
 
 def _assert_cancelled(record: dict) -> None:
@@ -89,7 +85,7 @@ def test_disconnect_during_prefill(start_router, make_fleet, journal_path) -> No
     assert sim_requests(decode) == []
 
 
-@MODES
+@each_kv_mode
 def test_disconnect_between_legs_releases_kv(start_router, make_fleet, journal_path, mode) -> None:
     # One decode slot, taken by a stream that stalls: the second request's prefill
     # finishes and its decode leg waits for the slot — between the legs.
@@ -103,7 +99,7 @@ def test_disconnect_between_legs_releases_kv(start_router, make_fleet, journal_p
     poll(lambda: prefill.stats()["kv_held"] == 1, what="second prefill done")
     poll(lambda: (lambda s: s.requests == 2 and s.legs == 1)(router.statistics()), what="decode leg waiting")
     waiting.close()
-    wait_terminal_count(journal_path, 1)
+    wait_for_terminals(journal_path, 1)
     holder.close()
     records = only_terminals(journal_path, 2)
 
@@ -120,7 +116,7 @@ def test_disconnect_between_legs_releases_kv(start_router, make_fleet, journal_p
     assert prefill.stats()["kv_pulled"] == (2 if mode == "decode_pull" else 1)  # (decode_pull's release pulls)
 
 
-@MODES
+@each_kv_mode
 def test_disconnect_during_decode_releases_kv(start_router, make_fleet, journal_path, mode) -> None:
     # The decode engine waits 1.5 s before it pulls: the KV is still the prefill engine's.
     fleet = make_fleet(prefill=[{}], decode=[{"delay_s": 1.5}, {}], mode=mode)

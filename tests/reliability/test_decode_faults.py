@@ -1,4 +1,4 @@
-"""Fault matrix, decode rows (SPEC §3 KV ownership, §4).
+"""Fault matrix, decode rows (docs/contract.md, "Prefill and decode legs", "Admission, capacity and retries").
 
 * Before the handoff (5xx, dropped connection, 4xx, the whole-request
   deadline): the prefill engine still owns the KV, so the router must release
@@ -19,29 +19,22 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from ..helpers import COMPLETIONS, assert_envelope, each_route, journal_terminal, poll, rid_of
 from .support import (
-    CHAT,
-    COMPLETIONS,
-    KV_MODES,
     StreamClient,
-    poll,
     assert_backend_ids,
     assert_completed_stream,
-    assert_envelope,
     assert_error_stream,
     assert_failed,
     assert_idle,
     assert_kv_settled,
     assert_unpulled_kv,
+    each_kv_mode,
     post,
-    rid_of,
     sim_requests,
-    terminal_of,
     wait_sim_finished,
 )
 
-MODES = pytest.mark.parametrize("mode", KV_MODES)
-ROUTES = pytest.mark.parametrize("route", [COMPLETIONS, CHAT], ids=["completions", "chat"])
 
 #: Decode faults that strike before the handoff: (sim faults, leg outcome, leg status).
 BEFORE_HANDOFF = {
@@ -67,7 +60,7 @@ def _check_release_request(record: dict, leg: dict, mode: str, decode_engines: l
     assert seen[0]["kv"]["outcome"] == ("pulled" if mode == "decode_pull" else "released"), seen[0]
 
 
-@MODES
+@each_kv_mode
 @pytest.mark.parametrize("fault", list(BEFORE_HANDOFF))
 def test_decode_fault_before_handoff_releases_kv(start_router, make_fleet, journal_path, mode, fault) -> None:
     faults, outcome, leg_status = BEFORE_HANDOFF[fault]
@@ -77,9 +70,9 @@ def test_decode_fault_before_handoff_releases_kv(start_router, make_fleet, journ
 
     answer = post(router)
 
-    assert_envelope(answer, 502, code="decode_failed")
+    assert_envelope(answer, 502, type="server_error", code="decode_failed")
     rid = rid_of(answer)
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert_failed(record, code="decode_failed", leg="decode", engine=bad.url, status=502)
     legs = record["legs"]
     assert [(leg["phase"], leg["attempt"], leg["engine"], leg["outcome"]) for leg in legs] == [
@@ -96,7 +89,7 @@ def test_decode_fault_before_handoff_releases_kv(start_router, make_fleet, journ
     assert prefill.stats()["kv_pulled"] == (1 if mode == "decode_pull" else 0)
 
 
-@MODES
+@each_kv_mode
 def test_decode_5xx_retried_with_new_legs(start_router, make_fleet, journal_path, mode) -> None:
     fleet = make_fleet(prefill=[{}, {}], decode=[{"error_rate": 1.0}, {}], mode=mode)
     p0, p1 = fleet.prefill
@@ -107,7 +100,7 @@ def test_decode_5xx_retried_with_new_legs(start_router, make_fleet, journal_path
 
     assert answer.status_code == 200, answer.text
     rid = rid_of(answer)
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert record["terminal"] == "completed" and record["error"] is None
     legs = record["legs"]
     # The failed decode leg's KV is released and the prompt prefilled again on the
@@ -133,7 +126,7 @@ def test_decode_5xx_retried_with_new_legs(start_router, make_fleet, journal_path
     assert p1.stats()["kv_pulled"] == 1
 
 
-@MODES
+@each_kv_mode
 def test_decode_4xx_is_relayed_never_retried_and_releases_kv(start_router, make_fleet, journal_path, mode) -> None:
     fleet = make_fleet(prefill=[{}, {}], decode=[{"error_rate": 1.0, "error_status": 422}, {}], mode=mode)
     bad, good = fleet.decode
@@ -149,7 +142,7 @@ def test_decode_4xx_is_relayed_never_retried_and_releases_kv(start_router, make_
     assert data["error"]["message"] == "injected fault"
     assert data["error"]["type"] == "invalid_request_error"
     rid = rid_of(answer)
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert_failed(record, code=data["error"]["code"], leg="decode", engine=bad.url, status=400, terminal="invalid")
     legs = record["legs"]
     assert [(leg["phase"], leg["attempt"], leg["outcome"], leg["status"]) for leg in legs] == [
@@ -167,7 +160,7 @@ def test_decode_4xx_is_relayed_never_retried_and_releases_kv(start_router, make_
     assert_kv_settled(fleet.prefill, mode, unpulled=1)
 
 
-@MODES
+@each_kv_mode
 def test_request_deadline_in_decode_releases_kv(start_router, make_fleet, journal_path, mode) -> None:
     # The decode engine waits 2 s before it pulls; the whole-request deadline is 0.4 s.
     fleet = make_fleet(prefill=[{}], decode=[{"delay_s": 2.0}, {}], mode=mode)
@@ -176,9 +169,9 @@ def test_request_deadline_in_decode_releases_kv(start_router, make_fleet, journa
 
     answer = post(router)
 
-    assert_envelope(answer, 504, code="request_timeout")
+    assert_envelope(answer, 504, type="server_error", code="request_timeout")
     rid = rid_of(answer)
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert_failed(record, code="request_timeout", leg="decode", engine=slow.url, status=504)
     legs = record["legs"]
     assert [(leg["phase"], leg["outcome"]) for leg in legs] == [("prefill", "ok"), ("decode", "cancelled")], legs
@@ -192,7 +185,7 @@ def test_request_deadline_in_decode_releases_kv(start_router, make_fleet, journa
 # ------------------------------------------------------------ after the first byte
 
 
-@ROUTES
+@each_route
 def test_decode_drop_mid_stream_ends_with_one_error_event(start_router, make_fleet, journal_path, route) -> None:
     fleet = make_fleet(prefill=[{}, {}], decode=[{"drop_after_chunks": 3}, {}])
     (prefill, _), (bad, good) = fleet.prefill, fleet.decode
@@ -209,7 +202,7 @@ def test_decode_drop_mid_stream_ends_with_one_error_event(start_router, make_fle
     chunks, error = assert_error_stream(text)
     assert chunks, "the first chunks must have reached the client before the failure"
     assert error["code"] == "engine_disconnected", error
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     # The client got a 200 head: the journal keeps that status and names the failing leg.
     assert_failed(record, code="engine_disconnected", leg="decode", engine=bad.url, status=200)
     legs = record["legs"]
@@ -224,7 +217,7 @@ def test_decode_drop_mid_stream_ends_with_one_error_event(start_router, make_fle
     assert_kv_settled(fleet.prefill, None)
 
 
-@ROUTES
+@each_route
 def test_decode_stall_mid_stream_hits_the_idle_timeout(start_router, make_fleet, journal_path, route) -> None:
     fleet = make_fleet(prefill=[{}, {}], decode=[{"stall_after_chunks": 3}, {}])
     (prefill, _), (bad, good) = fleet.prefill, fleet.decode
@@ -247,7 +240,7 @@ def test_decode_stall_mid_stream_hits_the_idle_timeout(start_router, make_fleet,
     chunks, error = assert_error_stream(text)
     assert len(chunks) == 3, chunks
     assert error["code"] == "stream_idle_timeout", error
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert_failed(record, code="stream_idle_timeout", leg="decode", engine=bad.url, status=200)
     legs = record["legs"]
     assert [(leg["phase"], leg["engine"], leg["outcome"]) for leg in legs] == [
@@ -262,9 +255,9 @@ def test_decode_stall_mid_stream_hits_the_idle_timeout(start_router, make_fleet,
     assert_kv_settled(fleet.prefill, None)
 
 
-@ROUTES
+@each_route
 def test_decode_malformed_stream_event_is_never_relayed(start_router, make_fleet, journal_path, route) -> None:
-    """An engine event that is not JSON must not reach the client (SPEC §2.3 "the same validation").
+    """An engine event that is not JSON must not reach the client (docs/contract.md, "Responses and errors").
 
     On the completions route it is the stream's first event: the leg fails
     before any byte reached the client (502). On the chat route a role chunk
@@ -278,12 +271,12 @@ def test_decode_malformed_stream_event_is_never_relayed(start_router, make_fleet
 
     rid = rid_of(answer)
     if route == COMPLETIONS:
-        assert_envelope(answer, 502, code="decode_failed")
+        assert_envelope(answer, 502, type="server_error", code="decode_failed")
     else:
         assert answer.status_code == 200, answer.text
         chunks, error = assert_error_stream(answer.text)  # every event relayed is JSON
         assert error["code"] == "bad_engine_response", error
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert_failed(record, code=("decode_failed" if route == COMPLETIONS else "bad_engine_response"),
                   leg="decode", engine=decode.url, status=(502 if route == COMPLETIONS else 200))
     assert record["legs"][-1]["outcome"] == "bad_response", record["legs"]
@@ -301,7 +294,7 @@ def test_healthy_stream_still_completes(start_router, make_fleet, journal_path) 
     finally:
         stream.close()
     assert len(assert_completed_stream(text)) >= 8
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert record["terminal"] == "completed" and record["status"] == 200
     assert_idle(router)
     assert_kv_settled(fleet.prefill, None)

@@ -1,4 +1,5 @@
-"""Fault matrix: an engine killed and restarted, and every engine of a phase down (SPEC §2 ``/ready``, §4 health).
+"""Fault matrix: an engine killed and restarted, and every engine of a phase down (docs/contract.md, "Request
+rules", "Admission, capacity and retries").
 
 Engines that must die run as processes (``SimProcess``): SIGKILL, as a crash,
 then a restart on the same port. Active probes (every 0.2 s here) take a dead
@@ -19,18 +20,8 @@ import pytest
 from narwhal_sim.testing import SimProcess
 
 from ..harness import Fleet
-from .support import (
-    KV_MODES,
-    assert_envelope,
-    assert_failed,
-    assert_idle,
-    assert_kv_settled,
-    metric,
-    poll,
-    post,
-    rid_of,
-    terminal_of,
-)
+from ..helpers import assert_envelope, journal_terminal, poll, rid_of
+from .support import KV_MODES, assert_failed, assert_idle, assert_kv_settled, metric, post
 
 
 @pytest.fixture
@@ -71,7 +62,7 @@ def test_killed_engine_leaves_rotation_and_rejoins_after_restart(
         out = []
         for answer in answers:
             assert answer.status_code == 200, answer.text
-            record = terminal_of(journal_path, rid_of(answer))
+            record = journal_terminal(journal_path, rid_of(answer))
             assert record["terminal"] == "completed", record
             out.append([(leg["engine"], leg["outcome"]) for leg in record["legs"] if leg["phase"] == "prefill"])
         return out
@@ -125,7 +116,7 @@ def test_engine_killed_mid_leg_is_retried_elsewhere(start_router, sims, processe
     thread.join(10)
 
     assert box and box[0].status_code == 200, box
-    record = terminal_of(journal_path, rid_of(box[0]))
+    record = journal_terminal(journal_path, rid_of(box[0]))
     assert record["terminal"] == "completed", record
     assert [(leg["phase"], leg["attempt"], leg["engine"], leg["outcome"]) for leg in record["legs"]] == [
         ("prefill", 1, doomed.url, "dropped"),
@@ -153,9 +144,10 @@ def test_every_engine_of_a_phase_down_is_rejected(start_router, sims, processes,
     assert metric(router, "narwhal_ready") == 0
 
     answer = post(router)
-    # SPEC §4: the fleet cannot take it — 503 with Retry-After, journal "rejected", no leg tried.
-    assert_envelope(answer, 503, code="engine_unavailable", retry_after=True)
-    record = terminal_of(journal_path, rid_of(answer))
+    # docs/contract.md, "Admission, capacity and retries": the fleet cannot take it — 503 with Retry-After,
+    # journal "rejected", no leg tried.
+    assert_envelope(answer, 503, type="server_error", code="engine_unavailable", retry_after=True)
+    record = journal_terminal(journal_path, rid_of(answer))
     assert record["terminal"] == "rejected" and record["status"] == 503, record
     assert record["error"]["code"] == "engine_unavailable" and record["legs"] == [], record
     assert_idle(router)
@@ -164,7 +156,7 @@ def test_every_engine_of_a_phase_down_is_rejected(start_router, sims, processes,
     poll(lambda: ready(router).status_code == 200, timeout=5, what="/ready 200 after the restart")
     answer = post(router)
     assert answer.status_code == 200, answer.text
-    assert terminal_of(journal_path, rid_of(answer))["terminal"] == "completed"
+    assert journal_terminal(journal_path, rid_of(answer))["terminal"] == "completed"
     assert_idle(router)
 
 
@@ -179,9 +171,9 @@ def test_every_decode_engine_gone_mid_flight_fails(start_router, make_fleet, jou
 
     answer = post(router)
 
-    assert_envelope(answer, 503, code="engine_unavailable")
+    assert_envelope(answer, 503, type="server_error", code="engine_unavailable")
     rid = rid_of(answer)
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert_failed(record, code="engine_unavailable", leg="decode", engine=decode.url, status=503)
     legs = record["legs"]
     assert [(leg["phase"], leg["outcome"]) for leg in legs] == [
@@ -218,7 +210,7 @@ def test_engine_closing_idle_connections_is_not_a_leg_failure(start_router, make
         rids.append(rid_of(answer))
         time.sleep(0.8)  # the engines close the idle connections meanwhile
     for rid in rids:
-        record = terminal_of(journal_path, rid)
+        record = journal_terminal(journal_path, rid)
         assert record["terminal"] == "completed", record
         assert [(leg["phase"], leg["attempt"], leg["outcome"]) for leg in record["legs"]] == [
             ("prefill", 1, "ok"), ("decode", 1, "ok"),

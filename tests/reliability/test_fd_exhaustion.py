@@ -1,4 +1,5 @@
-"""Fault matrix: Narwhal runs out of file descriptors (SPEC §4 health, §5 journal).
+"""Fault matrix: Narwhal runs out of file descriptors (docs/contract.md, "Admission, capacity and retries",
+"The journal").
 
 ``narwhal serve`` runs as a subprocess with a small ``RLIMIT_NOFILE``; idle
 client connections use up its descriptors, so its next leg cannot open a
@@ -17,7 +18,8 @@ import os
 import socket
 from typing import Any
 
-from .support import COMPLETIONS, MODEL, ServeProcess, poll, read_journal, write_config
+from ..helpers import COMPLETIONS, MODEL, poll, read_journal
+from .support import ServeProcess, write_config
 
 #: The router's soft RLIMIT_NOFILE: room for start-up, a handful of clients and engine sockets.
 NOFILE = 160

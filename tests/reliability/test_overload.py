@@ -1,4 +1,5 @@
-"""Fault matrix: overload beyond the queue, and the per-client limit (SPEC §4).
+"""Fault matrix: overload beyond the queue, and the per-client limit (docs/contract.md, "Admission, capacity
+and retries").
 
 A prefill engine that takes 1.5 s per leg keeps the admitted request busy;
 ``admission.max_inflight`` / ``queue_size`` / ``queue_timeout_s`` then decide
@@ -17,18 +18,8 @@ from typing import Any
 
 import httpx
 
-from .support import (
-    MODEL,
-    WAIT,
-    assert_envelope,
-    assert_idle,
-    assert_kv_settled,
-    metric,
-    only_terminals,
-    poll,
-    post,
-    rid_of,
-)
+from ..helpers import MODEL, assert_envelope, only_terminals, poll, rid_of
+from .support import WAIT, assert_idle, assert_kv_settled, metric, post
 
 
 def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
@@ -64,10 +55,10 @@ def test_overload_beyond_the_queue(start_router, make_fleet, journal_path) -> No
 
     # The queue is full: refused at once.
     full = post(router)
-    assert_envelope(full, 503, code="overloaded", retry_after=True)
+    assert_envelope(full, 503, type="server_error", code="overloaded", retry_after=True)
     # The queued one waits 0.3 s for a slot that stays busy for 1.5 s.
     timed_out = _answer(*queued)
-    assert_envelope(timed_out, 503, code="overloaded", retry_after=True)
+    assert_envelope(timed_out, 503, type="server_error", code="overloaded", retry_after=True)
     served = _answer(*first)
     assert served.status_code == 200, served.text
 

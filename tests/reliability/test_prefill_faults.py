@@ -1,5 +1,5 @@
 """Fault matrix, prefill rows: 5xx, dropped connection, slow past ``engine.prefill_timeout_s``,
-an answer without KV params (SPEC §3.2, §4).
+an answer without KV params (docs/contract.md, "Prefill and decode legs", "Admission, capacity and retries").
 
 With one prefill engine every attempt fails and the client gets the router's
 error; with two, the leg is retried on the other engine with a new attempt
@@ -11,18 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from .support import (
-    assert_backend_ids,
-    assert_envelope,
-    assert_failed,
-    assert_idle,
-    assert_kv_settled,
-    post,
-    rid_of,
-    sim_requests,
-    terminal_of,
-    wait_kv,
-)
+from ..helpers import assert_envelope, journal_terminal, rid_of
+from .support import assert_backend_ids, assert_failed, assert_idle, assert_kv_settled, post, sim_requests, wait_kv
 
 #: Prefill faults: (sim faults, the leg outcome the journal names, leg status, extra engine config).
 PREFILL_FAULTS = {
@@ -53,9 +43,9 @@ def test_prefill_fault_fails_after_every_attempt(start_router, make_fleet, journ
     answer = post(router)
 
     status, code = GIVE_UP[fault]
-    assert_envelope(answer, status, code=code)
+    assert_envelope(answer, status, type="server_error", code=code)
     rid = rid_of(answer)
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert_failed(record, code=code, leg="prefill", engine=prefill.url, status=status)
     assert [(leg["phase"], leg["attempt"], leg["engine"], leg["outcome"], leg["status"]) for leg in record["legs"]] == [
         ("prefill", 1, prefill.url, outcome, leg_status),
@@ -85,7 +75,7 @@ def test_prefill_fault_retried_on_the_other_engine(start_router, make_fleet, jou
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"]
     rid = rid_of(answer)
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert record["terminal"] == "completed" and record["status"] == 200 and record["error"] is None
     legs = record["legs"]
     # A fresh router starts its rotation at the first engine: the faulty one.
@@ -123,7 +113,7 @@ def test_prefill_4xx_is_relayed_and_never_retried(start_router, make_fleet, jour
     assert data["error"]["message"] == "injected fault", data
     assert data["error"]["type"] == "invalid_request_error", data
     rid = rid_of(answer)
-    record = terminal_of(journal_path, rid)
+    record = journal_terminal(journal_path, rid)
     assert_failed(record, code=data["error"]["code"], leg="prefill", engine=bad.url, status=400, terminal="invalid")
     assert [(leg["phase"], leg["attempt"], leg["outcome"], leg["status"]) for leg in record["legs"]] == [
         ("prefill", 1, "refused", 400),

@@ -21,18 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from .support import (
-    CHAT,
-    COMPLETIONS,
-    ServeProcess,
-    StreamClient,
-    assert_envelope,
-    assert_error_stream,
-    assert_failed,
-    body,
-    only_terminals,
-    write_config,
-)
+from ..helpers import CHAT, COMPLETIONS, assert_envelope, only_terminals
+from .support import ServeProcess, StreamClient, assert_error_stream, assert_failed, body, write_config
 
 #: At speed 1 a token takes ~7 ms: 2,000 tokens keep a leg busy far longer than the test.
 TOKENS = 2000
@@ -70,7 +60,7 @@ def test_second_signal_cancels_the_drain_at_once(runtime, sims, tmp_path, signum
         assert draining["requests"] == 3, draining
         # A new connection while draining: answered, not refused.
         late = httpx.post(server.url + COMPLETIONS, json=body(), timeout=10)
-        assert_envelope(late, 503, code="shutting_down", retry_after=True)
+        assert_envelope(late, 503, type="server_error", code="shutting_down", retry_after=True)
         assert late.headers["connection"] == "close"
         assert server.proc is not None and server.proc.poll() is None  # still draining
 
@@ -99,7 +89,7 @@ def test_second_signal_cancels_the_drain_at_once(runtime, sims, tmp_path, signum
         assert chunks and error["code"] == "shutting_down", error
     answer = results["answer"]
     assert isinstance(answer, httpx.Response), answer
-    assert_envelope(answer, 503, code="shutting_down")
+    assert_envelope(answer, 503, type="server_error", code="shutting_down")
     rids.append(answer.headers["x-request-id"])
 
     records = only_terminals(journal, 4)

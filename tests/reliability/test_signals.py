@@ -1,4 +1,5 @@
-"""Fault matrix: the router process is signalled (SPEC §4 graceful shutdown, §5 journal, §8).
+"""Fault matrix: the router process is signalled (docs/contract.md, "Admission, capacity and retries", "The
+journal"; docs/operate.md).
 
 ``narwhal serve --config FILE --runtime R`` runs as a subprocess; its port
 comes from the JSON ``listening`` line on stderr.
@@ -21,20 +22,8 @@ from typing import Any
 
 import httpx
 
-from .support import (
-    CHAT,
-    COMPLETIONS,
-    ServeProcess,
-    StreamClient,
-    assert_completed_stream,
-    only_terminals,
-    poll,
-    post,
-    read_journal,
-    rid_of,
-    run_journal_cli,
-    write_config,
-)
+from ..helpers import CHAT, COMPLETIONS, only_terminals, poll, read_journal, rid_of
+from .support import ServeProcess, StreamClient, assert_completed_stream, post, run_journal_cli, write_config
 
 
 def _stdout_records(result: Any) -> list[dict[str, Any]]:

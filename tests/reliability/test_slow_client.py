@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 
-from ..harness import MODEL, Fleet, RouterThread
+from ..harness import Fleet, RouterThread
+from ..helpers import MODEL, journal_terminal
 from ..rawhttp import RawClient, request_bytes
-from .support import WAIT, terminal_of
+from .support import WAIT
 
 #: What the engine streams in all: well above what the sockets' kernel
 #: buffers and the router's own high-water mark can hold between them.
@@ -217,7 +218,7 @@ def test_a_slow_reader_holds_its_engine_back_and_still_gets_the_whole_stream(
     finally:
         client.close()
     assert_whole_stream(streaming_engine, head, stream)
-    record = terminal_of(journal_path, rid_of_head(head))
+    record = journal_terminal(journal_path, rid_of_head(head))
     assert (record["terminal"], record["status"]) == ("completed", 200)
 
 
@@ -242,7 +243,7 @@ def test_a_slow_reader_is_not_the_engines_fault(
         client.close()
     assert b'"error"' not in stream[-4096:], stream[-4096:]
     assert_whole_stream(streaming_engine, head, stream)
-    record = terminal_of(journal_path, rid_of_head(head))
+    record = journal_terminal(journal_path, rid_of_head(head))
     assert (record["terminal"], record["status"], record["error"]) == ("completed", 200, None)
     assert [leg["outcome"] for leg in record["legs"]] == ["ok", "ok"]
     # One failure would have taken the engine out of rotation (health.unhealthy_after = 1).
@@ -276,7 +277,7 @@ def test_a_request_pipelined_behind_an_unread_answer_waits_for_its_client(
     for response in (first, second):
         rid = response.header("x-request-id")
         assert rid is not None
-        record = terminal_of(journal_path, rid)
+        record = journal_terminal(journal_path, rid)
         assert (record["terminal"], record["status"]) == ("completed", 200)
         assert [leg["outcome"] for leg in record["legs"]] == ["ok", "ok"]
     assert all(router.statistics().engine_healthy.values()), router.statistics().engine_healthy

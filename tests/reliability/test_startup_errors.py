@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ..serving import REPO, serve_config
+from ..helpers import REPO, busy_port
+from ..serving import serve_config
 
 #: Upper bound of one start attempt (it fails in well under a second).
 WAIT = 60
@@ -48,10 +49,7 @@ def _one_line(result: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.mark.parametrize("runtime", ["trio", "asyncio"])
 def test_a_busy_port_is_one_line_and_exit_1(tmp_path: Path, runtime: str) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         journal = tmp_path / "journal.jsonl"
         result = _serve(_config(tmp_path, journal, f"127.0.0.1:{port}"), runtime)
     assert _one_line(result) == f"narwhal: cannot listen on 127.0.0.1:{port}: Address already in use"
@@ -61,10 +59,7 @@ def test_a_busy_port_is_one_line_and_exit_1(tmp_path: Path, runtime: str) -> Non
 def test_a_journal_that_cannot_be_opened_is_named_before_listening(tmp_path: Path, runtime: str) -> None:
     journal = tmp_path / "no-such-directory" / "journal.jsonl"
     # The port is busy too: the journal is checked first, so it is what the line names.
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         result = _serve(_config(tmp_path, journal, f"127.0.0.1:{port}"), runtime)
     assert _one_line(result) == f"narwhal: cannot open journal {journal}: No such file or directory"
     assert not journal.parent.exists()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import write_keys_file
+from ..helpers import write_keys_file
 
 
 @pytest.fixture

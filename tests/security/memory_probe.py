@@ -29,7 +29,8 @@ from narwhal_core.errors import ContractError
 EXACT = b'"x":1.00000000000000000001,'
 
 
-def _array(item: bytes, count: int) -> bytes:
+def array_of(item: bytes, count: int) -> bytes:
+    """The members of a JSON array: ``item`` ``count`` times, comma-separated."""
     return b",".join([item] * count)
 
 
@@ -37,15 +38,15 @@ def _array(item: bytes, count: int) -> bytes:
 BODIES: dict[str, Callable[[], bytes]] = {
     "deep-unclosed": lambda: b"[" * 2_000_000,
     "long-integer": lambda: b'{"prompt":"a","x":' + b"9" * 1_950_000 + b"}",
-    "many-4300-digit-integers": lambda: b'{"prompt":"a","x":[' + _array(b"9" * 4300, 900) + b"]}",
-    "giant-array": lambda: b"[" + _array(b"0", 950_000) + b"]",
-    "giant-array-of-floats": lambda: b'{' + EXACT + b'"y":[' + _array(b"0.5", 500_000) + b"]}",
-    "giant-array-of-objects": lambda: b"[" + _array(b"{}", 650_000) + b"]",
-    "giant-array-of-objects-exact": lambda: b"{" + EXACT + b'"y":[' + _array(b"{}", 650_000) + b"]}",
-    "giant-array-of-arrays-exact": lambda: b"{" + EXACT + b'"y":[' + _array(b"[[]]", 390_000) + b"]}",
-    "giant-array-of-members": lambda: b"[" + _array(b'{"a":1}', 275_000) + b"]",
-    "giant-messages": lambda: b'{"messages":[' + _array(b"1", 950_000) + b"]}",
-    "giant-prompt-array": lambda: b'{"prompt":[' + _array(b"0", 950_000) + b"]}",
+    "many-4300-digit-integers": lambda: b'{"prompt":"a","x":[' + array_of(b"9" * 4300, 900) + b"]}",
+    "giant-array": lambda: b"[" + array_of(b"0", 950_000) + b"]",
+    "giant-array-of-floats": lambda: b'{' + EXACT + b'"y":[' + array_of(b"0.5", 500_000) + b"]}",
+    "giant-array-of-objects": lambda: b"[" + array_of(b"{}", 650_000) + b"]",
+    "giant-array-of-objects-exact": lambda: b"{" + EXACT + b'"y":[' + array_of(b"{}", 650_000) + b"]}",
+    "giant-array-of-arrays-exact": lambda: b"{" + EXACT + b'"y":[' + array_of(b"[[]]", 390_000) + b"]}",
+    "giant-array-of-members": lambda: b"[" + array_of(b'{"a":1}', 275_000) + b"]",
+    "giant-messages": lambda: b'{"messages":[' + array_of(b"1", 950_000) + b"]}",
+    "giant-prompt-array": lambda: b'{"prompt":[' + array_of(b"0", 950_000) + b"]}",
     "huge-string": lambda: b'{"prompt":"' + b"a" * 1_950_000 + b'"}',
     "huge-string-unterminated": lambda: b'{"prompt":"' + b"a" * 1_950_000,
     "huge-string-of-escapes": lambda: b'{"prompt":"' + b"\\u00e9" * 325_000 + b'"}',

@@ -12,8 +12,10 @@ Everything is synchronous and bounded by explicit timeouts:
   answers a test scripts (a forging prefill engine, an echoing engine) and
   which records what it received;
 * :class:`Canary` -- a listener that only counts connections, to prove that
-  nothing a client sends makes Narwhal connect somewhere else;
-* :class:`LogCapture` -- the router's process log, in memory.
+  nothing a client sends makes Narwhal connect somewhere else.
+
+What every suite shares (routes, the error envelope, the journal readers)
+is in ``tests/helpers.py``.
 """
 
 from __future__ import annotations
@@ -22,45 +24,14 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import attrs
 
-from narwhal_core.auth import api_key_digest
-
-from ..harness import MODEL, journal_terminal, poll, read_journal  # noqa: F401  (re-exported for the suite)
+from ..helpers import COMPLETION_PATHS, COMPLETIONS, body_for, journal_terminal, read_journal
 from ..rawhttp import Closed, RawClient, Response, request_bytes  # noqa: F401  (re-exported for the suite)
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-COMPLETION_PATHS = (COMPLETIONS, CHAT)
-
-#: Header names Narwhal may write on a leg; anything else would be forwarded client state.
-LEG_HEADERS = frozenset({"host", "content-type", "content-length", "x-request-id", "authorization"})
-
-#: SPEC §3.1: what the prefill leg asks of the engine.
-PREFILL_KV_REQUEST = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}
-
-
-def write_keys_file(path: Path, keys: dict[str, str]) -> Path:
-    """An api_keys file (SPEC §6) for ``{client: key}``: SHA-256 digests only."""
-    path.write_text("".join(
-        f'[[keys]]\nclient = "{client}"\nsha256 = "{api_key_digest(key)}"\n\n' for client, key in keys.items()
-    ))
-    return path
-
-
-def body_for(route: str, text: str = "The narwhal is", **fields: Any) -> dict[str, Any]:
-    """A minimal valid body for ``route``."""
-    if route == CHAT:
-        return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
-    return {"model": MODEL, "prompt": text, **fields}
 
 
 def json_post(route: str, payload: Any, headers: Sequence[tuple[str, str]] = ()) -> bytes:
@@ -86,20 +57,6 @@ def terminal_records(journal_path: str | os.PathLike[str]) -> list[dict[str, Any
     return [r for r in read_journal(journal_path) if r.get("terminal") is not None]
 
 
-def assert_journal_consistent(journal_path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-    """Every rid in the journal has exactly one terminal record, and it is its last (SPEC §5)."""
-    last: dict[str, dict[str, Any]] = {}
-    terminal: dict[str, dict[str, Any]] = {}
-    for record in read_journal(journal_path):
-        rid = record["rid"]
-        assert rid not in terminal, f"a record after the terminal record of {rid}: {record}"
-        last[rid] = record
-        if record.get("terminal") is not None:
-            terminal[rid] = record
-    assert set(last) == set(terminal), f"rids without a terminal record: {set(last) - set(terminal)}"
-    return terminal
-
-
 def assert_still_serves(
     address: tuple[str, int],
     journal_path: str | os.PathLike[str],
@@ -120,42 +77,11 @@ def assert_still_serves(
     return record
 
 
-def assert_envelope(response: Response, status: int, *, type: Any = "invalid_request_error",
-                    code: Any = ..., param: Any = ...) -> dict[str, Any]:
-    """An OpenAI error envelope (SPEC §2.1) with ``status``; returns its ``error`` object."""
-    assert response.status == status, (response.status, response.body[:300])
-    assert (response.header("content-type") or "").startswith("application/json"), response.headers
-    data = response.json()
-    assert set(data) == {"error"}, data
-    error = data["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"], error
-    if type is not ...:
-        assert error["type"] == type, error
-    if code is not ...:
-        assert error["code"] == code, error
-    if param is not ...:
-        assert error["param"] == param, error
-    return error  # type: ignore[no-any-return]
-
-
 # ---------------------------------------------------------------- engines
-
-
-def completion_records(engines: Iterable[Any]) -> list[dict[str, Any]]:
-    """The completion requests the simulated ``engines`` received (probes and releases left out)."""
-    out: list[dict[str, Any]] = []
-    for engine in engines:
-        out.extend(r for r in engine.requests() if r["path"].split("?")[0] in COMPLETION_PATHS)
-    return out
 
 
 def header_names(record: Mapping[str, Any]) -> list[str]:
     return [name.lower() for name, _ in record["headers"]]
-
-
-def header_values(record: Mapping[str, Any], name: str) -> list[str]:
-    return [value for n, value in record["headers"] if n.lower() == name]
 
 
 @attrs.define
@@ -261,6 +187,3 @@ class Canary:
         self._stop.set()
         self._thread.join(2)
         self.sock.close()
-
-
-# ------------------------------------------------------------ process log

@@ -1,4 +1,4 @@
-"""The credential boundary (SPEC §2.2, §6), end to end over real sockets.
+"""The credential boundary (docs/contract.md, "The engine request"; docs/security.md), end to end over real sockets.
 
 Client credentials stop at Narwhal: they never reach an engine, a log line or
 the journal. The engine credential goes only to engines: never to a client, a
@@ -27,34 +27,30 @@ import pytest
 import narwhal_core.auth
 from narwhal_sim.testing import SimThread
 
-from ..harness import MODEL, Fleet
-from .support import (
+from ..harness import Fleet
+from ..helpers import (
     CHAT,
-    COMPLETION_PATHS,
     COMPLETIONS,
+    COMPLETION_PATHS,
     LEG_HEADERS,
-    Answer,
-    FakeEngine,
-    RawClient,
-    Received,
+    MODEL,
+    REPO,
     assert_envelope,
     assert_journal_consistent,
-    assert_still_serves,
     body_for,
     completion_records,
-    header_names,
     header_values,
     journal_terminal,
-    json_post,
     poll,
     write_keys_file,
 )
+from .support import Answer, FakeEngine, RawClient, Received, assert_still_serves, header_names, json_post
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _client_headers(client_key: str) -> list[tuple[str, str]]:
-    """Every place a client may put a credential (SPEC §2.2), plus internal-looking headers."""
+    """Every place a client may put a credential (docs/contract.md, "The engine request"), plus
+    internal-looking headers."""
     return [
         ("Authorization", f"Bearer {client_key}"),
         ("api-key", client_key + "-api-key"),
@@ -135,7 +131,8 @@ def _echoing_engine(kind: str) -> FakeEngine:
 def test_engine_key_never_reaches_the_client_even_when_an_engine_quotes_it(
     start_secure_router, journal_path, engine_key, router_log, kind
 ) -> None:
-    """An engine's error message is relayed to the client (SPEC §2.3); Narwhal's own credential must not be."""
+    """An engine's error message is relayed to the client (docs/contract.md, "Responses and errors");
+    Narwhal's own credential must not be."""
     with SimThread(role="prefill", speed=0, api_key=engine_key) as prefill, _echoing_engine(kind) as decode:
         router = start_secure_router(
             fleet_=Fleet(prefill=[prefill], decode=[decode]), engine={"kv_release": "abort_endpoint"}
@@ -148,7 +145,9 @@ def test_engine_key_never_reaches_the_client_even_when_an_engine_quotes_it(
         # The engine did receive the credential (so the echo is real)...
         assert decode.completions() and f"Bearer {engine_key}" in json.dumps(decode.completions()[0].headers)
         # ...and Narwhal must not hand it on.
-        assert response.status in (200, 400), response.body[:300]
+        # The refusal is relayed with its 400; the stream's error event arrives after its 200 head.
+        assert response.status == {"refusal": 400, "stream-error": 200}[kind], response.body[:300]
+        assert record["terminal"] == {"refusal": "invalid", "stream-error": "failed"}[kind], record
         assert engine_key not in response.body.decode("latin-1"), response.body[:400]
         assert engine_key not in json.dumps(record), record
         assert engine_key not in Path(journal_path).read_text()

@@ -34,6 +34,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 
+from ..helpers import ALIAS, MODEL
+
 from narwhal_core import (
     CancelLeg,
     ClientConnected,
@@ -77,8 +79,6 @@ except ImportError:  # pragma: no cover
 #: Every client-facing codec in the tree, by name.
 CODECS: dict[str, Codec] = {"h11": H11_CODEC, **({"fast": FAST_CODEC} if FAST_CODEC is not None else {})}
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-ALIAS = "llama-3.1-8b"
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 CLIENT_KEY = "sk-client-fuzz-0123456789"
 
@@ -634,7 +634,7 @@ def test_router_answers_every_client_fault_with_a_4xx_and_journals_every_request
         if record["terminal"] is not None:
             terminals[record["rid"]] = record
     assert {r["rid"] for r in driver.journal} == set(terminals), "a request without its terminal record"
-    # Every request to a completion route, whatever its method (SPEC §5), and only those.
+    # Every request to a completion route, whatever its method (docs/contract.md, "The journal"), and only those.
     expected = [headers["x-request-id"] for (_, path), (_, headers) in zip(requests, responses)
                 if path in COMPLETION_ROUTES]
     if error is not None and error_path in COMPLETION_ROUTES:

@@ -19,21 +19,18 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from ..harness import Fleet, read_journal
-from .support import (
+from ..harness import Fleet
+from ..helpers import (
     COMPLETIONS,
-    Closed,
-    RawClient,
-    Response,
     assert_envelope,
     assert_journal_consistent,
-    assert_still_serves,
     body_for,
     completion_records,
     journal_terminal,
-    json_post,
     poll,
+    read_journal,
 )
+from .support import Closed, RawClient, Response, assert_still_serves, json_post
 
 #: A whole, valid completion request that must never be served when it follows a hostile one.
 SMUGGLED = json_post(COMPLETIONS, body_for(COMPLETIONS, "smuggled", max_tokens=1), [("x-request-id", "smuggled")])
@@ -107,7 +104,7 @@ SMUGGLING: list[tuple[str, bytes, int]] = [
 def _single_error(responses: list[Response], status: int) -> Response:
     assert len(responses) == 1, [(r.status, r.body[:80]) for r in responses]
     response = responses[0]
-    assert_envelope(response, status)
+    assert_envelope(response, status, type="invalid_request_error")
     assert response.header("connection") == "close"
     assert response.header("x-request-id")
     return response
@@ -158,7 +155,7 @@ def test_smuggling_shape_is_refused_and_what_follows_is_never_served(
 
 LIMITS = {"max_body_bytes": 65536}
 
-#: (id, bytes, status, code): every limit with its own status (SPEC §4).
+#: (id, bytes, status, code): every limit with its own status (docs/contract.md, "Admission, capacity and retries").
 OVERSIZED: list[tuple[str, bytes, int, str]] = [
     ("request-line", b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nhost: x\r\n\r\n", 431, "headers_too_large"),
     ("request-line-unterminated", b"GET /" + b"a" * 20000, 431, "headers_too_large"),
@@ -381,7 +378,7 @@ def test_pipelined_garbage_after_a_valid_request(start_router, fleet, journal_pa
             responses = client.read_all(timeout=5)
         assert [r.status for r in responses] == [200, 400], [(r.status, r.body[:80]) for r in responses]
         assert responses[0].json()["object"] == "text_completion"
-        assert_envelope(responses[1], 400, code="bad_http_request")
+        assert_envelope(responses[1], 400, type="invalid_request_error", code="bad_http_request")
         journal_terminal(journal_path, responses[0].header("x-request-id"))
         refused.append(responses[1].header("x-request-id"))
     router.wait_idle()
@@ -414,7 +411,8 @@ def test_half_a_request_then_eof_after_a_valid_one(start_router, journal_path) -
         assert client.read_response().status == 200
         client.sock.shutdown(1)  # SHUT_WR: the rest of the second request never comes
         assert client.read_all(timeout=5) == []
-    # A half-close while a request runs counts as the client leaving (SPEC §4): one terminal record.
+    # A half-close while a request runs counts as the client leaving (docs/contract.md, "Admission, capacity
+    # and retries"): one terminal record.
     with RawClient(router.address) as client:
         client.send(json_post(COMPLETIONS, body_for(COMPLETIONS, max_tokens=1)))
         client.sock.shutdown(1)

@@ -1,4 +1,5 @@
-"""What a client may not steer (SPEC §2.2, §3): routing state, KV handoff, engine addresses.
+"""What a client may not steer (docs/contract.md, "The engine request", "Prefill and decode legs"): routing
+state, KV handoff, engine addresses.
 
 Router-owned body fields and internal headers a client sends are dropped
 before anything else sees them (and the dropped fields are listed in the
@@ -16,32 +17,34 @@ import pytest
 from narwhal_sim.testing import SimThread
 
 from ..harness import Fleet
-from .support import (
+from ..helpers import (
     CHAT,
-    COMPLETION_PATHS,
     COMPLETIONS,
     LEG_HEADERS,
     PREFILL_KV_REQUEST,
+    assert_envelope,
+    assert_journal_consistent,
+    body_for,
+    completion_records,
+    each_route,
+    header_values,
+    journal_terminal,
+)
+from .support import (
     Answer,
     Canary,
     FakeEngine,
     RawClient,
     Received,
-    assert_envelope,
-    assert_journal_consistent,
     assert_still_serves,
-    body_for,
-    completion_records,
     header_names,
-    header_values,
-    journal_terminal,
     json_post,
     request_bytes,
 )
 
-ROUTES = pytest.mark.parametrize("route", COMPLETION_PATHS, ids=["completions", "chat"])
 
-#: Internal headers a client may try to set (SPEC §2.2: x-request-id and every x-narwhal-*).
+# : Internal headers a client may try to set (docs/contract.md, "The engine request": x-request-id and every
+# x-narwhal-*).
 INTERNAL_HEADERS = [
     ("X-Request-Id", "client-rid-1"),
     ("x-narwhal-client", "admin"),
@@ -68,7 +71,7 @@ def _steering_body(route: str, canary: Canary, *, stream: bool) -> dict[str, obj
     }
 
 
-@ROUTES
+@each_route
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_router_owned_fields_and_internal_headers_are_stripped(
     start_router, fleet, journal_path, route, stream
@@ -201,17 +204,18 @@ def test_client_text_cannot_forge_journal_records(start_router, fleet, journal_p
     """Whatever a client writes lands inside one JSON string of one line: it cannot add or end records."""
     router = start_router()
     forged = '\n{"rid":"forged","terminal":"completed","status":200}\n'
-    attempts = [
-        json_post(COMPLETIONS, {"prompt": "a", "model": "gpt" + forged}),
-        json_post(COMPLETIONS, {"prompt": "a", "max_tokens": forged}),
-        json_post(COMPLETIONS, {"prompt": "a", "tools": [{"type": forged}]}),
-        json_post(COMPLETIONS, {"prompt": "a", "max_tokens": 1}, [("x-request-id", 'a"b\\c\x7f\x01{"rid":"forged"}')]),
+    attempts = [  # (request, its status: an unknown model, a wrong type, an unsupported field, a served one)
+        (json_post(COMPLETIONS, {"prompt": "a", "model": "gpt" + forged}), 404),
+        (json_post(COMPLETIONS, {"prompt": "a", "max_tokens": forged}), 400),
+        (json_post(COMPLETIONS, {"prompt": "a", "tools": [{"type": forged}]}), 400),
+        (json_post(COMPLETIONS, {"prompt": "a", "max_tokens": 1}, [("x-request-id", 'a"b\\c\x7f\x01{"rid":"forged"}')]),
+         200),
     ]
-    for data in attempts:
+    for data, status in attempts:
         with RawClient(router.address) as client:
             client.send(data)
             response = client.read_response()
-        assert response.status in (200, 400, 404), response.body[:200]
+        assert response.status == status, response.body[:200]
     router.wait_idle()
     lines = [line for line in journal_path.read_bytes().split(b"\n") if line]
     records = [json.loads(line) for line in lines]

@@ -10,19 +10,7 @@ from typing import Any
 import httptools
 import httpx
 
-from narwhal_sim.server import DEFAULT_MODEL
-
-MODEL = DEFAULT_MODEL
-
-#: The prefill leg's kv_transfer_params, exactly as a router sends them (docs/simulator.md, "Prefill leg").
-PREFILL_KV: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from ..helpers import MODEL, PREFILL_KV_REQUEST
 
 #: A prompt of 200 characters: 50 tokens, 4 KV blocks (3 full).
 PROMPT = "The narwhal is a medium-sized toothed whale with a large tusk from a protruding canine. " * 2 + "x" * 24
@@ -31,7 +19,12 @@ assert len(PROMPT) == 200
 
 def prefill_body(prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
     """A prefill leg body (docs/simulator.md, "Prefill leg")."""
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV, **extra}
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_REQUEST, **extra}
+
+
+def decode_body(kv: dict[str, Any], prompt: str = PROMPT, *, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
+    """A decode leg body: the prompt again and the prefill's kv_transfer_params (docs/simulator.md)."""
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": kv, **extra}
 
 
 def run_prefill(client: httpx.Client, url: str, rid: str, prompt: str = PROMPT) -> dict[str, Any]:
@@ -158,7 +151,7 @@ def is_closed(sock: socket.socket, within: float) -> bool:
             return True
 
 
-def sse_payloads(text: str) -> list[Any]:
+def sse_values(text: str) -> list[Any]:
     """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as a string)."""
     out: list[Any] = []
     for event in text.split("\n\n"):

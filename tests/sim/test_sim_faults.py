@@ -12,7 +12,7 @@ import pytest
 from narwhal_sim.model import fault_draw
 from narwhal_sim.testing import SimThread
 
-from .helpers import connect, is_closed, json_request, prefill_body, read_until_closed, sse_payloads
+from .helpers import connect, is_closed, json_request, prefill_body, read_until_closed, sse_values
 
 STREAM = {"prompt": "stream me", "max_tokens": 6, "stream": True}
 
@@ -109,7 +109,7 @@ def test_malformed_json(client: httpx.Client, sim: SimThread) -> None:
     with client.stream("POST", sim.url + "/v1/completions", json=STREAM) as r:
         text = r.read().decode()
     with pytest.raises(json.JSONDecodeError):
-        sse_payloads(text)
+        sse_values(text)
     assert sim.stats()["faults_malformed_json"] == 2
 
 

@@ -22,7 +22,7 @@ import zmq
 
 from narwhal_sim.testing import SimThread
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
 END = (-1).to_bytes(8, "big", signed=True)
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from narwhal_sim.testing import SimThread
 
-from .helpers import MODEL, PROMPT, sse_payloads
+from ..helpers import MODEL
+from .helpers import PROMPT, sse_values
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_reasoning_only_switch(client: httpx.Client, sim: SimThread) -> None:
         assert message["content"] == ""
         assert len(message["reasoning_content"].split()) == 3
         with client.stream("POST", sim.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
-            chunks = sse_payloads(r.read().decode())
+            chunks = sse_values(r.read().decode())
         deltas = [c["choices"][0]["delta"] for c in chunks[1:-1]]
         assert all(set(d) == {"reasoning_content"} for d in deltas) and len(deltas) == 3
     finally:
@@ -138,7 +139,7 @@ def test_completion_stream(client: httpx.Client, sim: SimThread) -> None:
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["transfer-encoding"] == "chunked"
         text = r.read().decode()
-    events = sse_payloads(text)
+    events = sse_values(text)
     assert events[-1] == "[DONE]"
     tokens, usage_chunk = events[:4], events[4]
     for i, chunk in enumerate(tokens):
@@ -154,7 +155,7 @@ def test_completion_stream(client: httpx.Client, sim: SimThread) -> None:
 def test_chat_stream_without_usage(client: httpx.Client, sim: SimThread) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
     with client.stream("POST", sim.url + "/v1/chat/completions", json=body) as r:
-        events = sse_payloads(r.read().decode())
+        events = sse_values(r.read().decode())
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert len(chunks) == 1 + 3  # role chunk, then one per token
@@ -169,7 +170,7 @@ def test_chat_stream_tool_call(client: httpx.Client, sim: SimThread) -> None:
     body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "required",
             "max_tokens": 3, "stream": True}  # fmt: skip
     with client.stream("POST", sim.url + "/v1/chat/completions", json=body) as r:
-        chunks = sse_payloads(r.read().decode())[:-1]
+        chunks = sse_values(r.read().decode())[:-1]
     header = chunks[1]["choices"][0]["delta"]["tool_calls"][0]
     assert header["function"]["name"] == "f"
     pieces = [c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] for c in chunks[2:]]

@@ -13,17 +13,14 @@ import pytest
 
 from narwhal_sim.testing import SimProcess, SimThread
 
-from .helpers import MODEL, PREFILL_KV, PROMPT, connect, json_request, prefill_body, run_prefill
+from ..helpers import MODEL, PREFILL_KV_REQUEST
+from .helpers import PROMPT, connect, decode_body, json_request, prefill_body, run_prefill
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[SimThread, SimThread]]:
     with SimThread("prefill", speed=50, lease_s=30) as p, SimThread("decode", speed=50) as d:
         yield p, d
-
-
-def decode_body(kv: dict[str, Any], prompt: str = PROMPT, **extra: object) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "kv_transfer_params": kv, **extra}
 
 
 def send_and_close(port: int, payload: dict[str, Any], rid: str) -> None:
@@ -239,7 +236,7 @@ def test_pull_of_released_kv_fails_and_recomputes(client: httpx.Client, pair: tu
 
 def test_load_failure_policy_fail() -> None:
     with SimThread("decode", speed=50, kv_load_failure="fail") as d, httpx.Client(timeout=10) as client:
-        kv = {**PREFILL_KV, "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "e",
+        kv = {**PREFILL_KV_REQUEST, "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "e",
               "remote_request_id": "nobody", "remote_block_ids": [1], "remote_host": "127.0.0.1",
               "remote_port": 1}  # fmt: skip
         answer = client.post(d.url + "/v1/completions", json=decode_body(kv))
@@ -315,7 +312,7 @@ def test_chat_pd_exchange(client: httpx.Client, pair: tuple[SimThread, SimThread
     p, d = pair
     messages = [{"role": "user", "content": PROMPT}]
     first = client.post(p.url + "/v1/chat/completions", json={
-        "model": MODEL, "messages": messages, "max_tokens": 1, "kv_transfer_params": PREFILL_KV})  # fmt: skip
+        "model": MODEL, "messages": messages, "max_tokens": 1, "kv_transfer_params": PREFILL_KV_REQUEST})  # fmt: skip
     kv = first.json()["kv_transfer_params"]
     assert first.json()["object"] == "chat.completion" and kv["do_remote_prefill"] is True
     answer = client.post(d.url + "/v1/chat/completions", json={

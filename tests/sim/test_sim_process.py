@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from narwhal_sim.cli import build_parser, config_from_args, main
 from narwhal_sim.server import SimConfig
 from narwhal_sim.testing import SimProcess
 
+from ..helpers import busy_port
 from .helpers import PROMPT, prefill_body, run_prefill
 
 
@@ -103,10 +103,7 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
 
 
 def test_port_in_use_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         assert main(["--listen", f"127.0.0.1:{port}", "--log", "none"]) == 1
     assert "cannot listen" in capsys.readouterr().err
 

@@ -17,7 +17,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from narwhal_sim.testing import SimThread
 from narwhal_sim.tokens import pseudo_token_ids
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+from ..helpers import MODEL
+
 CORPUS = [
     "the narwhal lives in the arctic sea",
     "a tusk is a long tooth of the narwhal",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +14,8 @@ from narwhal_sim.cli import build_parser, config_from_args
 from narwhal_sim.testing import SimThread
 from narwhal_sim.versions import DEFAULT_FAMILY, FAMILIES, VllmFamily, family_for, resolve_version
 
-from .helpers import MODEL, PROMPT, connect, json_request, prefill_body
+from ..helpers import MODEL
+from .helpers import PROMPT, connect, decode_body, json_request, prefill_body
 
 FAMILY_NAMES = list(FAMILIES)
 
@@ -25,20 +25,10 @@ def family(request: pytest.FixtureRequest) -> VllmFamily:
     return FAMILIES[request.param]
 
 
-@pytest.fixture
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=10.0) as c:
-        yield c
-
-
 def prefill(client: httpx.Client, url: str, rid: str, **extra: Any) -> httpx.Response:
     answer = client.post(url + "/v1/completions", json=prefill_body(**extra), headers={"X-Request-Id": rid})
     assert answer.status_code == 200, answer.text
     return answer
-
-
-def decode_body(kv: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": kv, **extra}
 
 
 # ---------------------------------------------------------------------------- version strings
@@ -182,7 +172,7 @@ def test_which_decode_frees_the_prefill_blocks(client: httpx.Client, family: Vll
             SimThread("decode", speed=0, vllm_version=family.name) as d:  # fmt: skip
         kv = prefill(client, p.url, "same").json()["kv_transfer_params"]
         rid = "same" if same_ids else "other-d1"
-        answer = client.post(d.url + "/v1/completions", json=decode_body(kv), headers={"X-Request-Id": rid})
+        answer = client.post(d.url + "/v1/completions", json=decode_body(kv, max_tokens=4), headers={"X-Request-Id": rid})
         assert answer.status_code == 200
         # The data was read either way: the decode counts the prompt as cached.
         assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 50
@@ -225,7 +215,7 @@ def test_lease_is_renewed_while_the_decode_request_is_queued(client: httpx.Clien
         blocker = occupy_the_slot(d)
         kv = prefill(client, p.url, "queued").json()["kv_transfer_params"]
         sock = connect(d.port)
-        sock.sendall(json_request("/v1/completions", decode_body(kv), {"X-Request-Id": "queued"}))
+        sock.sendall(json_request("/v1/completions", decode_body(kv, max_tokens=4), {"X-Request-Id": "queued"}))
         d.wait_for(lambda s: s["waiting"] == 1)
         time.sleep(3 * lease)
         stats = p.stats()
@@ -252,7 +242,7 @@ def test_client_gone_while_queued_frees_by_the_connector_rule(client: httpx.Clie
         for rid in ("gone", "gone-d1"):
             kv = prefill(client, p.url, rid if rid == "gone" else "gone-p1").json()["kv_transfer_params"]
             sock = connect(d.port)
-            sock.sendall(json_request("/v1/completions", decode_body(kv), {"X-Request-Id": rid}))
+            sock.sendall(json_request("/v1/completions", decode_body(kv, max_tokens=4), {"X-Request-Id": rid}))
             d.wait_for(lambda s: s["waiting"] == 1)
             sock.close()
             d.wait_for(lambda s: s["waiting"] == 0 and s["kv_releases_sent"] >= 1)
@@ -288,10 +278,10 @@ def test_incomplete_params_are_refused(client: httpx.Client, family: VllmFamily,
         kv = prefill(client, p.url, "inc").json()["kv_transfer_params"]
         if drop == "remote_request_id" and family.connector == 1:
             kv["remote_request_id"] = None  # connector 1 never reads it: still complete
-            assert client.post(d.url + "/v1/completions", json=decode_body(kv)).status_code == 200
+            assert client.post(d.url + "/v1/completions", json=decode_body(kv, max_tokens=4)).status_code == 200
             return
         kv.pop(drop, None)
-        answer = client.post(d.url + "/v1/completions", json=decode_body(kv))
+        answer = client.post(d.url + "/v1/completions", json=decode_body(kv, max_tokens=4))
         assert answer.status_code == 400
         error = answer.json() if family.nested_errors else {"error": answer.json()}
         assert error["error"]["param"] == "kv_transfer_params" and drop in error["error"]["message"]
@@ -301,7 +291,7 @@ def test_incomplete_params_are_refused(client: httpx.Client, family: VllmFamily,
 def test_incomplete_params_can_crash_the_engine(client: httpx.Client, family: VllmFamily) -> None:
     with SimThread("decode", speed=0, vllm_version=family.name, incomplete_kv_params="crash") as d:
         kv = {"do_remote_prefill": True, "remote_block_ids": [[1]] if family.block_groups else [1]}
-        assert client.post(d.url + "/v1/completions", json=decode_body(kv)).status_code == 500
+        assert client.post(d.url + "/v1/completions", json=decode_body(kv, max_tokens=4)).status_code == 500
         # Dead: every later completion fails too.
         assert client.post(d.url + "/v1/completions", json={"prompt": "hi"}).status_code == 500
 
@@ -362,7 +352,7 @@ def test_a_client_gone_before_admission_frees_only_in_the_lease_family(client: h
             SimThread("decode", speed=0, vllm_version=family.name, pre_admission_ms=300) as d:  # fmt: skip
         kv = prefill(client, p.url, "race").json()["kv_transfer_params"]
         sock = connect(d.port)
-        sock.sendall(json_request("/v1/completions", decode_body(kv), {"X-Request-Id": "race"}))
+        sock.sendall(json_request("/v1/completions", decode_body(kv, max_tokens=4), {"X-Request-Id": "race"}))
         sock.close()
         ds = d.wait_for(lambda s: s["client_gone"] == 1)
         assert ds["kv_pulls"] == 0 and ds["running"] == 0 and ds["waiting"] == 0
@@ -391,7 +381,7 @@ def test_a_failed_pull_leaves_the_blocks_held(client: httpx.Client, family: Vllm
             SimThread("decode", speed=0, vllm_version=family.name, kv_load_failure=policy,
                       faults={"pull_fail_rate": 1.0}) as d:  # fmt: skip
         kv = prefill(client, p.url, "pf").json()["kv_transfer_params"]
-        answer = client.post(d.url + "/v1/completions", json=decode_body(kv), headers={"X-Request-Id": "pf"})
+        answer = client.post(d.url + "/v1/completions", json=decode_body(kv, max_tokens=4), headers={"X-Request-Id": "pf"})
         if policy == "recompute":
             assert answer.status_code == 200  # 2xx, yet the prefill engine was never told
             assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
