@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE_TESTS = (
     "tests/core/test_router_scenarios.py",
     "tests/core/test_router_machine.py",
-    "tests/core/test_http1.py",
+    "tests/core/test_http.py",
     "tests/core/test_contract_properties.py",
     "tests/core/test_planning_properties.py",
     "tests/core/test_ids.py",
@@ -52,7 +52,7 @@ def test_this_run_loaded_the_build_it_should() -> None:
     # Importing the package loads every module the router uses.
     assert narwhal_core.Router is not None
     loaded = loaded_core_modules()
-    assert "narwhal_core.router" in loaded and "narwhal_core.http1_fast" in loaded
+    assert "narwhal_core.router" in loaded and "narwhal_core.http.server" in loaded
     compiled = corebuild.compiled_files()
     for name, path in loaded.items():
         if corebuild.pure_requested() or name not in compiled:
