@@ -50,8 +50,6 @@ from narwhal_core.errors import LocalProtocolError, RemoteProtocolError
 from narwhal_core.http.grammar import (
     BODY_METHODS,
     CODEC_FIELDS,
-    CONTENT_LENGTH_MAX_DIGITS,
-    CR,
     DEFAULT_ENGINE_MAX_BODY_BYTES,
     DEFAULT_ENGINE_MAX_HEADER_BYTES,
     H11_CHUNK_LINE_RE,
@@ -60,8 +58,6 @@ from narwhal_core.http.grammar import (
     NEED_DATA,
     NO_BODY_STATUSES,
     OWS,
-    SPECIAL_FIELDS,
-    STATUS_LINE_RE,
     TOKEN_BYTES,
     BodyData,
     EngineEvent,
@@ -74,9 +70,7 @@ from narwhal_core.http.grammar import (
     comma_tokens,
     decode_fields,
     encode_request_line,
-    field_lines,
-    known_line,
-    lowercase_transfer_coding,
+    read_response_head,
     remember,
     split_lines,
 )
@@ -110,66 +104,70 @@ def _request_line(method: str, target: str) -> tuple[bytes, bytes]:
     return raw_method, raw_target
 
 
-# ---------------------------------------------------------------------------
-# Reading a response head
-# ---------------------------------------------------------------------------
+def encode_request(
+    method: str, target: str, headers: Sequence[tuple[bytes, bytes]], body: bytes, memory: LineMemory
+) -> tuple[bytes, bool, bool]:
+    """A whole request as bytes, whether it is a HEAD, and whether it asks to close; raises ``LocalProtocolError``.
 
-
-def _fast_fields(head: bytes, start: int, memory: LineMemory) -> tuple[Fields, Fields] | None:
-    """What :func:`decode_fields` gives for ``head[start:]``, via :func:`field_lines`; None when unsure.
-
-    Returns all fields and the special ones.
+    What :meth:`EngineConnection.send_request` writes: byte for byte what
+    h11 would, with h11's rules on names and values. The fields a router
+    sends on every leg are checked once, in ``memory``.
     """
-    parsed = field_lines(head, start, memory.field_lines)
-    if parsed is None:
-        return None
-    fields, special = parsed
-    saw_length = saw_chunked = False
-    lowercase = False
-    for name, value in special:
-        if name == b"content-length":
-            # Lists, repeats and signs go to the general reading; h11 caps the digits.
-            if saw_length or len(value) > CONTENT_LENGTH_MAX_DIGITS or not value.isdigit():
-                return None
-            saw_length = True
-        elif name == b"transfer-encoding":
-            # Repeats, and codings other than chunked, go to the general reading.
-            if saw_chunked or value.lower() != b"chunked":
-                return None
-            saw_chunked = True
-            lowercase = value != b"chunked"
-    if lowercase:
-        fields = lowercase_transfer_coding(fields)
-        return fields, [field for field in fields if field[0] in SPECIAL_FIELDS]
-    return fields, special
-
-
-def _parse_response_head(head: bytes, memory: LineMemory) -> tuple[int, bytes, Fields, Fields]:
-    """Status, HTTP version, fields and special fields of one response head, as h11 reads it."""
-    # Fast path: a CRLF status line, then field lines field_lines accepts
-    # (CRLF-only and unfolded, where h11 reads them the same way).
-    line_end = head.find(b"\n")
-    if head[line_end - 1] == CR:
-        status_line = known_line(head[: line_end - 1], memory.status_lines, STATUS_LINE_RE)
-        if status_line is not None:
-            parsed = _fast_fields(head, line_end + 1, memory)
-            if parsed is not None:
-                raw_version, raw_status = status_line
-                status = int(raw_status)
-                if status >= 100 and status != 101:
-                    return status, raw_version, parsed[0], parsed[1]
-    lines = split_lines(head)
-    match = STATUS_LINE_RE.fullmatch(lines[0])
-    if match is None:
-        raise Malformed(f"illegal status line {lines[0][:64]!r}")
-    status = int(match.group(2))
-    fields = decode_fields(lines[1:])
-    if status < 100:
-        raise Malformed(f"status {status} is not an HTTP status")
-    if status == 101:
-        # h11: a protocol switch nobody asked for (RFC 9110 §15.2.2).
-        raise Malformed("101 Switching Protocols without an Upgrade request")
-    return status, match.group(1), fields, [field for field in fields if field[0] in SPECIAL_FIELDS]
+    host = b""
+    hosts = 0
+    lines: list[bytes] = []
+    close = False
+    checked = memory.request_fields
+    for name, value in headers:
+        known = checked.get((name, value))
+        if known is not None:
+            # Checked before: the engine's Host, the content type, the
+            # credential are the same on every leg.
+            is_host, line = known
+            if is_host:
+                hosts += 1
+                host = line
+            else:
+                lines.append(line)
+            continue
+        lowered = name.lower()
+        if lowered in _REQUEST_SPECIAL_FIELDS:
+            if lowered == b"host":
+                hosts += 1
+            elif lowered == b"connection":
+                close = close or b"close" in comma_tokens(value)
+            else:
+                raise LocalProtocolError(f"{name!r} is not allowed; the codec frames the request")
+        # h11's token and field-value rules.
+        if (
+            not name
+            or name.translate(None, TOKEN_BYTES)
+            or (value and (value.translate(None, _VALUE_BYTES) or value[0] in OWS or value[-1] in OWS))
+        ):
+            raise LocalProtocolError(f"cannot send this request: illegal header {name!r}: {value!r}")
+        line = b"%s: %s\r\n" % (name, value)
+        if lowered == b"host":
+            host = line
+        else:
+            lines.append(line)
+        if lowered != b"connection" and len(checked) < MAX_CHECKED_REQUEST_PARTS:
+            checked[(name, value)] = (lowered == b"host", line)
+    if not hosts:
+        raise LocalProtocolError("an engine request needs a host header")
+    if hosts > 1:
+        raise LocalProtocolError("cannot send this request: more than one host header")
+    lines_out = memory.request_lines_out
+    raw = lines_out.get((method, target))
+    if raw is None:
+        raw = _request_line(method, target)
+        if len(lines_out) < MAX_CHECKED_REQUEST_PARTS:
+            lines_out[(method, target)] = raw
+    raw_method, raw_target = raw
+    if body or raw_method in BODY_METHODS:
+        lines.append(b"content-length: %d\r\n" % len(body))
+    # h11's layout: request line, Host first, the other fields in order.
+    data = b"%s %s HTTP/1.1\r\n%s%s\r\n%s" % (raw_method, raw_target, host, b"".join(lines), body)
+    return data, raw_method == b"HEAD", close
 
 
 # ---------------------------------------------------------------------------
@@ -295,68 +293,14 @@ class EngineConnection:
 
         ``headers`` must include ``host`` and no framing or upgrade fields;
         the codec adds ``content-length`` (for a body, or always for POST,
-        PUT and PATCH).
+        PUT and PATCH). A caller may pass ``connection: close``; the
+        response then ends non-reusable.
         """
         if self._state is not _NEW:
             raise LocalProtocolError(f"send_request() in state {self._state.value}: one request per EngineConnection")
-        host = b""
-        hosts = 0
-        lines: list[bytes] = []
-        close = False
-        memory = self._memory
-        checked = memory.request_fields
-        for name, value in headers:
-            known = checked.get((name, value))
-            if known is not None:
-                # Checked before: the engine's Host, the content type, the
-                # credential are the same on every leg.
-                is_host, line = known
-                if is_host:
-                    hosts += 1
-                    host = line
-                else:
-                    lines.append(line)
-                continue
-            lowered = name.lower()
-            if lowered in _REQUEST_SPECIAL_FIELDS:
-                if lowered == b"host":
-                    hosts += 1
-                elif lowered == b"connection":
-                    close = close or b"close" in comma_tokens(value)
-                else:
-                    raise LocalProtocolError(f"{name!r} is not allowed; the codec frames the request")
-            # h11's token and field-value rules.
-            if (
-                not name
-                or name.translate(None, TOKEN_BYTES)
-                or (value and (value.translate(None, _VALUE_BYTES) or value[0] in OWS or value[-1] in OWS))
-            ):
-                raise LocalProtocolError(f"cannot send this request: illegal header {name!r}: {value!r}")
-            line = b"%s: %s\r\n" % (name, value)
-            if lowered == b"host":
-                host = line
-            else:
-                lines.append(line)
-            if lowered != b"connection" and len(checked) < MAX_CHECKED_REQUEST_PARTS:
-                checked[(name, value)] = (lowered == b"host", line)
-        if not hosts:
-            raise LocalProtocolError("an engine request needs a host header")
-        if hosts > 1:
-            raise LocalProtocolError("cannot send this request: more than one host header")
-        lines_out = memory.request_lines_out
-        raw = lines_out.get((method, target))
-        if raw is None:
-            raw = _request_line(method, target)
-            if len(lines_out) < MAX_CHECKED_REQUEST_PARTS:
-                lines_out[(method, target)] = raw
-        raw_method, raw_target = raw
-        if body or raw_method in BODY_METHODS:
-            lines.append(b"content-length: %d\r\n" % len(body))
-        self._head_request = raw_method == b"HEAD"
-        self._request_close = close
+        data, self._head_request, self._request_close = encode_request(method, target, headers, body, self._memory)
         self._state = _HEAD
-        # h11's layout: request line, Host first, the other fields in order.
-        return b"%s %s HTTP/1.1\r\n%s%s\r\n%s" % (raw_method, raw_target, host, b"".join(lines), body)
+        return data
 
     # -- reading ------------------------------------------------------------
 
@@ -451,7 +395,7 @@ class EngineConnection:
             del buf[:end]
             self._scan = 0
             try:
-                status, version, fields, special = _parse_response_head(head, self._memory)
+                status, version, fields, special = read_response_head(head, self._memory)
             except Malformed as exc:
                 raise self._fail(f"malformed response: {exc}", "malformed") from None
             if end > self._max_header_bytes:

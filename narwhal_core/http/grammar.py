@@ -492,3 +492,60 @@ def read_request_head(head: bytes) -> tuple[bytes, bytes, bytes, Fields]:
     if hosts > 1:
         raise Malformed("more than one Host header")
     return method, target, version, fields
+
+
+def _fast_fields(head: bytes, start: int, memory: LineMemory) -> tuple[Fields, Fields] | None:
+    """What :func:`decode_fields` gives for ``head[start:]``, via :func:`field_lines`; None when unsure.
+
+    Returns all fields and the special ones.
+    """
+    parsed = field_lines(head, start, memory.field_lines)
+    if parsed is None:
+        return None
+    fields, special = parsed
+    saw_length = saw_chunked = False
+    lowercase = False
+    for name, value in special:
+        if name == b"content-length":
+            # Lists, repeats and signs go to the general reading; h11 caps the digits.
+            if saw_length or len(value) > CONTENT_LENGTH_MAX_DIGITS or not value.isdigit():
+                return None
+            saw_length = True
+        elif name == b"transfer-encoding":
+            # Repeats, and codings other than chunked, go to the general reading.
+            if saw_chunked or value.lower() != b"chunked":
+                return None
+            saw_chunked = True
+            lowercase = value != b"chunked"
+    if lowercase:
+        fields = lowercase_transfer_coding(fields)
+        return fields, [field for field in fields if field[0] in SPECIAL_FIELDS]
+    return fields, special
+
+
+def read_response_head(head: bytes, memory: LineMemory) -> tuple[int, bytes, Fields, Fields]:
+    """Status, HTTP version, fields and special fields of one whole response head, as h11 reads it; raises :class:`Malformed`."""
+    # Fast path: a CRLF status line, then field lines field_lines accepts
+    # (CRLF-only and unfolded, where h11 reads them the same way).
+    line_end = head.find(b"\n")
+    if head[line_end - 1] == CR:
+        status_line = known_line(head[: line_end - 1], memory.status_lines, STATUS_LINE_RE)
+        if status_line is not None:
+            parsed = _fast_fields(head, line_end + 1, memory)
+            if parsed is not None:
+                raw_version, raw_status = status_line
+                status = int(raw_status)
+                if status >= 100 and status != 101:
+                    return status, raw_version, parsed[0], parsed[1]
+    lines = split_lines(head)
+    match = STATUS_LINE_RE.fullmatch(lines[0])
+    if match is None:
+        raise Malformed(f"illegal status line {lines[0][:64]!r}")
+    status = int(match.group(2))
+    fields = decode_fields(lines[1:])
+    if status < 100:
+        raise Malformed(f"status {status} is not an HTTP status")
+    if status == 101:
+        # h11: a protocol switch nobody asked for (RFC 9110 §15.2.2).
+        raise Malformed("101 Switching Protocols without an Upgrade request")
+    return status, match.group(1), fields, [field for field in fields if field[0] in SPECIAL_FIELDS]

@@ -7,8 +7,8 @@ and the router driver may run the router on it (``router_driver.py``):
 * :class:`ReferenceServerConnection` is the product's
   :class:`~narwhal_core.http.server.ServerConnection` with every request
   head decided by its general checks (the strict rules of
-  ``narwhal_core/http/server.py``) and *read by h11*: neither the fast
-  reading nor the codec's own h11-faithful reading runs. Buffering,
+  ``narwhal_core/http/request_head.py``) and *read by h11*: neither the
+  fast reading nor the codec's own h11-faithful reading runs. Buffering,
   limits, the strict chunked decoder, the state table and the response
   serialiser are the product's.
 * :class:`ReferenceEngineConnection` reads engine responses with h11
@@ -54,7 +54,7 @@ class ReferenceServerConnection(ServerConnection):
     """The product's server connection with every request head read by h11 (see the module docstring)."""
 
     def _start_request(self, head: bytes) -> ServerEvent:
-        return self._decide_request(head)
+        return self._begin_request(self._decide_request(head))
 
     def _read_request_head(self, head: bytes) -> tuple[bytes, bytes, bytes, Headers, bool]:
         parser = h11.Connection(h11.SERVER)
