@@ -1,4 +1,4 @@
-"""Deciding a whole request head on the server side: accept it (:class:`RequestHead`) or refuse it (:class:`Refused`).
+"""Deciding a whole request head on the server side: accept it (a :data:`RequestHead`) or refuse it (:class:`Refused`).
 
 Two readings, which must agree:
 
@@ -49,35 +49,19 @@ HeadReading: TypeAlias = Callable[[bytes], "tuple[bytes, bytes, bytes, Headers, 
 _CONTENT_LENGTH_FIELD: Final = b"\ncontent-length:"
 
 
-class RequestHead:
-    """An accepted request head: what the connection needs to read the body and answer."""
+#: An accepted request head, what the connection needs to read the body and answer: method, target,
+#: fields, version (``"1.1"`` or ``"1.0"``), keep-alive, chunked, declared body size (0 when chunked or
+#: absent), and whether the client waits for ``100 Continue`` (an HTTP/1.1 request whose Expect lists
+#: 100-continue, RFC 9110 §10.1.1). A tuple: one is made for every request.
+RequestHead: TypeAlias = tuple[str, str, Headers, str, bool, bool, int, bool]
 
-    __slots__ = ("method", "target", "headers", "version", "keep_alive", "chunked", "content_length",
-                 "continue_expected")
 
-    def __init__(
-        self, method: str, target: str, headers: Headers, version: str, connection: bytes,
-        chunked: bool, content_length: int, continue_expected: bool,
-    ) -> None:
-        self.method = method
-        self.target = target
-        self.headers = headers
-        #: ``"1.1"`` or ``"1.0"``.
-        self.version = version
-        # RFC 9112 §9.3: HTTP/1.1 stays open unless "close"; HTTP/1.0 only with "keep-alive".
-        if connection:
-            options = {option.strip() for option in connection.split(b",")}
-            if version == "1.1":
-                self.keep_alive = b"close" not in options
-            else:
-                self.keep_alive = b"keep-alive" in options and b"close" not in options
-        else:
-            self.keep_alive = version == "1.1"
-        self.chunked = chunked
-        #: The declared body size (0 when chunked or absent).
-        self.content_length = content_length
-        #: An HTTP/1.1 request whose Expect lists 100-continue (RFC 9110 §10.1.1).
-        self.continue_expected = continue_expected
+def _keep_alive(connection: bytes, version: str) -> bool:
+    """RFC 9112 §9.3: HTTP/1.1 stays open unless "close"; HTTP/1.0 only with "keep-alive"."""
+    options = {option.strip() for option in connection.split(b",")}
+    if version == "1.1":
+        return b"close" not in options
+    return b"keep-alive" in options and b"close" not in options
 
 
 class Refused(Exception):
@@ -159,10 +143,11 @@ def read_clean_head(
         length = int(content_length)
         if length > max_body:
             return None  # 413
+    keep_alive = _keep_alive(connection, version) if connection else version == "1.1"
     continue_expected = bool(expect) and version == "1.1" and b"100-continue" in comma_tokens(expect)
-    return RequestHead(
+    return (
         raw_method.decode("ascii"), raw_target.decode("latin-1"), tuple(fields), version,
-        connection, chunked, length, continue_expected,
+        keep_alive, chunked, length, continue_expected,
     )
 
 
@@ -240,4 +225,5 @@ def decide_head(
                 f"body of {length} bytes is over the {max_body}-byte limit",
                 status=413, reason="too_large", method=method, target=target,
             )
-    return RequestHead(method, target, headers, version, connection, chunked, length, continue_expected)
+    keep_alive = _keep_alive(connection, version) if connection else version == "1.1"
+    return method, target, headers, version, keep_alive, chunked, length, continue_expected

@@ -332,19 +332,19 @@ class RequestReader:
 
     def _begin_request(self, accepted: RequestHead) -> ServerEvent:
         """Start reading the body of an accepted head (after :class:`~.grammar.ContinueExpected`, if asked for)."""
-        self._method = accepted.method
-        self._target = accepted.target
-        self._headers = accepted.headers
-        self._version = accepted.version
-        self._keep_alive = accepted.keep_alive
-        self._close = not accepted.keep_alive
-        self._chunked = accepted.chunked
-        self._content_length = accepted.content_length
-        if accepted.continue_expected:
+        method, target, headers, version, keep_alive, chunked, length, continue_expected = accepted
+        self._method = method
+        self._target = target
+        self._headers = headers
+        self._version = version
+        self._keep_alive = keep_alive
+        self._close = not keep_alive
+        self._chunked = chunked
+        self._content_length = length
+        if continue_expected:
             self._state = State.EXPECT
             return ContinueExpected(
-                method=accepted.method, target=accepted.target, headers=accepted.headers,
-                content_length=None if accepted.chunked else accepted.content_length,
+                method=method, target=target, headers=headers, content_length=None if chunked else length
             )
         self._state = State.BODY
         return self._read_body()
