@@ -87,7 +87,7 @@ class OptionalBuildExt(build_ext):
         if not self.extensions:
             return
         jobs = max(1, int(self.parallel or 1))
-        names = ", ".join(ext.name.rpartition(".")[2] for ext in self.extensions)
+        names = ", ".join(ext.name.removeprefix("narwhal_core.") for ext in self.extensions)
         _say(f"compiling narwhal_core's hot modules with Cython ({names}) on {jobs} "
              f"core{'s' if jobs > 1 else ''}; NARWHAL_PURE_PYTHON=1 skips this")
         started = time.monotonic()
@@ -100,7 +100,7 @@ class OptionalBuildExt(build_ext):
             except Exception as exc:  # noqa: BLE001 - no compiler at all: stay pure
                 _say(f"no C extension built ({exc}); narwhal_core runs as pure Python")
                 return
-        built = ", ".join(ext.name.rpartition(".")[2] for ext in self.extensions) or "nothing"
+        built = ", ".join(ext.name.removeprefix("narwhal_core.") for ext in self.extensions) or "nothing"
         _say(f"compiled {built} in {time.monotonic() - started:.0f} s")
 
     def build_extension(self, ext: Extension) -> None:
@@ -120,8 +120,9 @@ def _remove_leftovers() -> None:
     precedence over the ``.py`` beside it), running old code.
     """
     compiled = _compiled_modules()
-    for path in sorted((HERE / "narwhal_core").iterdir()):
-        stem = path.name.partition(".")[0]
+    core = HERE / "narwhal_core"
+    for path in sorted(core.rglob("*")):
+        stem = ".".join((*path.relative_to(core).parent.parts, path.name.partition(".")[0]))
         if path.suffix in (".so", ".pyd") and stem not in compiled:
             path.unlink()
             _say(f"removed {path.name}: narwhal_core.{stem} is no longer compiled, it runs from its source")
@@ -175,7 +176,9 @@ def extensions() -> list[Extension]:
     """The modules to compile (translated by Cython when ``build_ext`` runs, not each time this file is read)."""
     if os.environ.get("NARWHAL_PURE_PYTHON"):
         return []
-    return [Extension(f"narwhal_core.{name}", [f"narwhal_core/{name}.py"]) for name in _compiled_modules()]
+    return [
+        Extension(f"narwhal_core.{name}", [f"narwhal_core/{name.replace('.', '/')}.py"]) for name in _compiled_modules()
+    ]
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -1,7 +1,8 @@
-"""Micro-benchmark of the HTTP/1.1 codecs: the reference (h11) and the fast one, side by side.
+"""Micro-benchmark of the HTTP/1.1 codec (``narwhal_core.http``) beside its h11 oracle.
 
 Pure CPU, no sockets. Each scenario is what the router does once per request
-(docs/design.md: one client exchange and two engine exchanges per PD request):
+(``docs/design.md``: one client exchange and two engine exchanges per PD
+request):
 
 * ``server cycle (keep-alive)``  a 1 KB JSON ``POST /v1/completions`` arrives
   in one read on an open connection; the router gets the ``HttpRequest`` and
@@ -19,18 +20,25 @@ Usage::
     python benchmarks/codec_bench.py [--seconds 0.5]
 
 Prints CPU µs per operation (``time.thread_time``, so other load on the
-host does not count) for both codecs and the ratio (reference / fast).
+host does not count) for the oracle (``tests/core/http_reference.py``: h11
+with the codec's strictness on top) and the codec, and the ratio (oracle /
+codec). The codec runs compiled where the install compiled it;
+``NARWHAL_PURE_PYTHON=1`` picks its sources.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from narwhal_core.http1 import H11_CODEC, NEED_DATA, Codec, HttpRequest, ResponseEnd
-from narwhal_core.http1_fast import FAST_CODEC
+from narwhal_core.http import NEED_DATA, Codec, CodecLike, HttpRequest, ResponseEnd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the oracle lives with the tests
+from tests.core.http_reference import REFERENCE_CODEC  # noqa: E402
 
 PROMPT = "x" * 990
 REQUEST_BODY = json.dumps({"model": "m", "prompt": PROMPT}).encode()
@@ -71,7 +79,7 @@ SSE_CHUNKS = [
 ] + [b"0\r\n\r\n"]
 
 
-def server_cycle_keep_alive(codec: Codec) -> Callable[[], None]:
+def server_cycle_keep_alive(codec: CodecLike) -> Callable[[], None]:
     conn = codec.server_connection()
 
     def cycle() -> None:
@@ -84,7 +92,7 @@ def server_cycle_keep_alive(codec: Codec) -> Callable[[], None]:
     return cycle
 
 
-def server_cycle_new_connection(codec: Codec) -> Callable[[], None]:
+def server_cycle_new_connection(codec: CodecLike) -> Callable[[], None]:
     def cycle() -> None:
         conn = codec.server_connection()
         conn.receive_data(REQUEST)
@@ -95,7 +103,7 @@ def server_cycle_new_connection(codec: Codec) -> Callable[[], None]:
     return cycle
 
 
-def engine_exchange(codec: Codec) -> Callable[[], None]:
+def engine_exchange(codec: CodecLike) -> Callable[[], None]:
     def exchange() -> None:
         conn = codec.engine_connection()
         conn.send_request("POST", "/v1/completions", LEG_HEADERS, REQUEST_BODY)
@@ -106,7 +114,7 @@ def engine_exchange(codec: Codec) -> Callable[[], None]:
     return exchange
 
 
-def engine_stream(codec: Codec, *, one_read: bool) -> Callable[[], None]:
+def engine_stream(codec: CodecLike, *, one_read: bool) -> Callable[[], None]:
     reads = [SSE_HEAD + b"".join(SSE_CHUNKS)] if one_read else [SSE_HEAD, *SSE_CHUNKS]
 
     def stream() -> None:
@@ -142,7 +150,7 @@ def measure(run: Callable[[], None], seconds: float) -> float:
     return best
 
 
-SCENARIOS: list[tuple[str, Callable[[Codec], Callable[[], None]], int]] = [
+SCENARIOS: list[tuple[str, Callable[[CodecLike], Callable[[], None]], int]] = [
     ("server cycle (keep-alive)", server_cycle_keep_alive, 1),
     ("server cycle (new conn)", server_cycle_new_connection, 1),
     ("engine exchange", engine_exchange, 1),
@@ -155,10 +163,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=0.5, help="time per scenario and codec")
     args = parser.parse_args()
-    print(f"{'CPU µs per operation':<30} {'h11':>9} {'fast':>9} {'ratio':>7}")
+    print(f"{'CPU µs per operation':<30} {'h11':>9} {'codec':>9} {'ratio':>7}")
     for name, make, per in SCENARIOS:
-        reference = measure(make(H11_CODEC), args.seconds) / per
-        fast = measure(make(FAST_CODEC), args.seconds) / per
+        reference = measure(make(REFERENCE_CODEC), args.seconds) / per
+        fast = measure(make(Codec()), args.seconds) / per
         print(f"{name:<30} {reference:9.2f} {fast:9.2f} {reference / fast:6.1f}x")
 
 

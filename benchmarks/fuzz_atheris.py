@@ -1,15 +1,15 @@
 """Coverage-guided fuzzing of the client-facing codec and the request contract (atheris; not run in CI).
 
-Each input is split in two by its first byte: the rest is fed to a
-:class:`narwhal_core.http1.ServerConnection` in two reads at that point (and
-whole, to it and to the fast codec, which must parse the same), and
+Each input is split in two by its first byte: the rest is fed to the
+codec's oracle (``tests/core/http_reference.py``: h11 with the codec's
+strictness) in two reads at that point (and whole, to it and to the codec's
+:class:`narwhal_core.http.ServerConnection`, which must parse the same), and
 every request that comes out has its body checked by
 :func:`narwhal_core.contract.check_request`. A crash is any exception other
 than the expected ``RemoteProtocolError`` / ``ContractError``, a 5xx other
 than 505 for a client's bytes, buffered bytes over the codec's bound, a parse
 that depends on where the bytes were split, or an accepted body that does
-not survive re-encoding, or a difference between the two codecs (the fast
-one's C parser is not instrumented: its Python around it is).
+not survive re-encoding, or a difference between the codec and its oracle.
 
     python -m venv /tmp/atheris && /tmp/atheris/bin/pip install atheris
     PYTHONPATH=.:$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])') \\
@@ -30,8 +30,8 @@ with atheris.instrument_imports(include=["narwhal_core", "h11"]):
     from narwhal_core import wire
     from narwhal_core.contract import check_request, is_router_owned
     from narwhal_core.errors import ContractError, RemoteProtocolError
-    from narwhal_core.http1 import NEED_DATA, PAUSED, ContinueExpected, HttpRequest, ServerConnection
-    from narwhal_core.http1_fast import FastServerConnection
+    from narwhal_core.http import NEED_DATA, PAUSED, ContinueExpected, HttpRequest, ServerConnection
+    from tests.core.http_reference import ReferenceServerConnection
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 NAMES = frozenset({MODEL, "llama-3.1-8b"})
@@ -40,7 +40,7 @@ LIMITS = {"max_request_line_bytes": 512, "max_header_bytes": 2048, "max_headers"
 BOUND = LIMITS["max_request_line_bytes"] + LIMITS["max_header_bytes"] + LIMITS["max_body_bytes"] + 4
 
 
-def _parse(chunks: list[bytes], codec: type[ServerConnection] = ServerConnection) -> tuple[list[tuple[object, ...]], int | None]:
+def _parse(chunks: list[bytes], codec: type[ServerConnection] = ReferenceServerConnection) -> tuple[list[tuple[object, ...]], int | None]:
     conn = codec(**LIMITS)
     events: list[tuple[object, ...]] = []
     # An empty read means EOF: only the last one may be empty.
@@ -96,10 +96,10 @@ def test_one_input(data: bytes) -> None:
     split = _parse([rest[: cut % (len(rest) + 1)], rest[cut % (len(rest) + 1):]])
     if whole != split:
         raise AssertionError(f"the parse depends on the split: {whole!r} != {split!r}")
-    # The fast codec must parse exactly as the reference (h11) does.
-    fast = _parse([rest], FastServerConnection)
+    # The codec must parse exactly as its oracle (h11) does.
+    fast = _parse([rest], ServerConnection)
     if fast != whole:
-        raise AssertionError(f"the fast codec parses differently: {fast!r} != {whole!r}")
+        raise AssertionError(f"the codec parses differently from its oracle: {fast!r} != {whole!r}")
     for event in whole[0]:
         if event[0] == "request":
             _check_body(str(event[2]), event[4])  # type: ignore[arg-type]

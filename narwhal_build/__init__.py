@@ -37,7 +37,7 @@ PURE_ENV = "NARWHAL_PURE_PYTHON"
 #: whose compiled build measurably lowers the router's CPU per request
 #: (``benchmarks/README.md``, "Which modules are compiled"). The others always
 #: run from their sources.
-COMPILED = ("http1", "http1_fast", "planning", "router", "wire")
+COMPILED = ("http.engine", "http.grammar", "http.request_head", "http.request_reader", "http.server", "planning", "router", "wire")
 
 _CORE = "narwhal_core"
 #: Where the core's sources are (the compiled modules, when built in place, sit next to them).
@@ -45,7 +45,7 @@ CORE_DIR = Path(__file__).resolve().parents[1] / _CORE
 
 
 class _PureCoreFinder(importlib.abc.MetaPathFinder):
-    """Finds ``narwhal_core.<module>`` as its source file, never its compiled twin."""
+    """Finds ``narwhal_core.<module>`` (also ``narwhal_core.http.<module>``) as its source file, never its compiled twin."""
 
     def __init__(self, package_dir: Path) -> None:
         self.package_dir = package_dir
@@ -54,9 +54,9 @@ class _PureCoreFinder(importlib.abc.MetaPathFinder):
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         package, _, module = fullname.partition(".")
-        if package != _CORE or not module or "." in module:
+        if package != _CORE or not module:
             return None
-        source = self.package_dir / f"{module}.py"
+        source = self.package_dir.joinpath(*module.split(".")).with_suffix(".py")
         if not source.is_file():
             return None
         return importlib.util.spec_from_file_location(fullname, source)
@@ -89,8 +89,8 @@ def use_pure_core_if_requested() -> bool:
 def compiled_files(package_dir: Path = CORE_DIR) -> dict[str, Path]:
     """The compiled modules next to the core's sources, by module name."""
     return {
-        f"{_CORE}.{path.name.partition('.')[0]}": path
-        for path in package_dir.iterdir()
+        ".".join((_CORE, *path.relative_to(package_dir).parent.parts, path.name.partition(".")[0])): path
+        for path in package_dir.rglob("*")
         if path.suffix in (".so", ".pyd")
     }
 
@@ -108,10 +108,10 @@ def stale_files(package_dir: Path = CORE_DIR) -> list[str]:
         return []
     stale = []
     for name, path in compiled_files(package_dir).items():
-        stem = name.rpartition(".")[2]
+        stem = package_dir.joinpath(*name.split(".")[1:])
         try:
             built = path.stat().st_mtime
-            sources = [package_dir / f"{stem}.py", package_dir / f"{stem}.pxd"]
+            sources = [stem.with_suffix(".py"), stem.with_suffix(".pxd")]
             if any(source.stat().st_mtime > built for source in sources if source.exists()):
                 stale.append(name)
         except OSError:

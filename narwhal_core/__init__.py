@@ -46,16 +46,15 @@ from .events import (
     WriteJournal,
     local_failure,
 )
-from .http1 import H11_CODEC, Codec
-from .http1_fast import FAST_CODEC
+from .http import Codec, CodecLike
 from .ids import RidSource, backend_id, parse_backend_id
 from .router import Router, RouterStatistics
 
 __all__ = [
     "CONTROL_BODY_LIMIT", "AcceptedRequest", "ApiKeys", "AuthError", "Authenticator", "AuthenticatorChanged",
-    "CancelLeg", "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "CloseClient", "Codec",
+    "CancelLeg", "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "CloseClient", "Codec", "CodecLike",
     "Command", "Config", "ConfigError", "ContractError", "ControlDone", "EngineAddress",
-    "Event", "FAST_CODEC", "FinishLeg", "H11_CODEC", "JournalHealth", "LegData", "LegFailed",
+    "Event", "FinishLeg", "JournalHealth", "LegData", "LegFailed",
     "LocalProtocolError", "Log", "NarwhalError", "ProtocolError", "RemoteProtocolError",
     "RidSource", "Router", "RouterStatistics", "ShutdownComplete", "ShutdownRequested",
     "StartControl", "StartLeg", "TransitionError", "Transmit", "WriteJournal",

@@ -55,10 +55,11 @@ from .events import (
     WriteJournal,
 )
 from .fleet import Admission, EngineState, Fleet
-from .http1 import (
+from .http import (
     NEED_DATA,
     BodyData,
     Codec,
+    CodecLike,
     ConnectionClosed,
     ContinueExpected,
     EngineCodec,
@@ -67,7 +68,6 @@ from .http1 import (
     ResponseHead,
     ServerCodec,
 )
-from .http1_fast import FAST_CODEC
 from .ids import DECODE, PREFILL, Phase, backend_id, sanitize_client_rid
 from .journal import ErrorRecord, LegOutcome, Terminal
 from .lifecycle import TRANSITIONS, Input, State
@@ -318,14 +318,14 @@ class Router:
         engine_api_key: str | None = None,
         wall_offset: float = 0.0,
         now: float = 0.0,
-        codec: Codec = FAST_CODEC,
+        codec: CodecLike | None = None,
         render_metrics: Callable[[Router], bytes] | None = None,
     ) -> None:
         self.config: Final = config
         self._rid: Final = rid_source
         self._auth = authenticator
         self._wall_offset = wall_offset
-        self._codec: Final = codec
+        self._codec: Final[CodecLike] = codec if codec is not None else Codec()
         self._render_metrics = render_metrics
         self._now = now
         self._model: Final = config.model.name

@@ -4,7 +4,7 @@ The router asks for control requests with ``StartControl`` and hears how
 each went with ``ControlDone`` (docs/embedding.md). Both adapters run them
 the same way, so everything but the socket calls and the deadline lives
 here: the request is encoded by the core's own engine-side codec, the one
-the legs use (:class:`~narwhal_core.http1_fast.FastEngineConnection`), on a
+the legs use (:class:`~narwhal_core.http.EngineConnection`), on a
 connection of its own that carries this one request (``connection:
 close``), and the answer is parsed back by it, up to
 :data:`~narwhal_core.CONTROL_BODY_LIMIT` bytes of body: an abort endpoint's
@@ -33,8 +33,7 @@ from typing import Any, Final
 from narwhal_core import CONTROL_BODY_LIMIT, ControlDone, StartControl, local_failure
 from narwhal_core.errors import LocalProtocolError, RemoteProtocolError
 from narwhal_core.events import EngineResolved
-from narwhal_core.http1 import NEED_DATA, BodyData, ResponseEnd, ResponseHead
-from narwhal_core.http1_fast import FastEngineConnection
+from narwhal_core.http import NEED_DATA, BodyData, EngineConnection, ResponseEnd, ResponseHead
 
 from .engine_probe import addresses_of, describe_failure, shorten
 
@@ -65,7 +64,7 @@ class ControlExchange:
         self.hang_up = cmd.drop_after_send
         # The answer is read only up to CONTROL_BODY_LIMIT: no body limit (whatever
         # follows is never read), the codec's head limit.
-        self._codec = FastEngineConnection(max_body_bytes=None)
+        self._codec = EngineConnection(max_body_bytes=None)
         self._status: int | None = None
         self._body = bytearray()
         self._connected = False

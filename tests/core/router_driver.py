@@ -73,7 +73,9 @@ from narwhal_core.config import (
     RetryConfig,
     ShutdownConfig,
 )
-from narwhal_core.http1 import H11_CODEC, Codec
+from narwhal_core.http import CodecLike
+
+from .http_reference import REFERENCE_CODEC
 
 from ..helpers import ALIAS, CHAT, COMPLETIONS, MODEL
 
@@ -678,7 +680,7 @@ class Driver:
         *,
         now: float = 0.0,
         auto_probe: int | None = 200,
-        codec: Codec = H11_CODEC,
+        codec: CodecLike = REFERENCE_CODEC,
         engine_api_key: str | None = None,
         **sections: Any,
     ) -> None:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE_TESTS = (
     "tests/core/test_router_scenarios.py",
     "tests/core/test_router_machine.py",
-    "tests/core/test_http1.py",
+    "tests/core/test_http.py",
     "tests/core/test_contract_properties.py",
     "tests/core/test_planning_properties.py",
     "tests/core/test_ids.py",
@@ -52,7 +52,7 @@ def test_this_run_loaded_the_build_it_should() -> None:
     # Importing the package loads every module the router uses.
     assert narwhal_core.Router is not None
     loaded = loaded_core_modules()
-    assert "narwhal_core.router" in loaded and "narwhal_core.http1_fast" in loaded
+    assert "narwhal_core.router" in loaded and "narwhal_core.http.server" in loaded
     compiled = corebuild.compiled_files()
     for name, path in loaded.items():
         if corebuild.pure_requested() or name not in compiled:
@@ -74,7 +74,7 @@ def test_this_run_loaded_the_build_it_should() -> None:
 def test_the_build_compiles_exactly_the_listed_modules() -> None:
     # setup.py reads the list from narwhal_build/__init__.py; an install compiles those and no other.
     for stem in corebuild.COMPILED:
-        assert (CORE / f"{stem}.py").is_file(), stem
+        assert (CORE / f"{stem.replace('.', '/')}.py").is_file(), stem
         assert stem not in ("__init__", "config"), "config's attrs field types must stay real types (setup.py)"
     if corebuild.pure_requested():
         return  # nothing compiled runs here, whatever lies beside the sources
@@ -86,10 +86,11 @@ def test_the_build_compiles_exactly_the_listed_modules() -> None:
 
 def test_every_declaration_file_belongs_to_a_compiled_module() -> None:
     # A .pxd is read only when its module is compiled; one beside a pure module would be dead weight.
-    for pxd in CORE.glob("*.pxd"):
-        assert pxd.stem in corebuild.COMPILED, f"{pxd.name}: {pxd.stem} is not compiled (narwhal_build)"
+    for pxd in CORE.rglob("*.pxd"):
+        stem = module_stem(pxd)
+        assert stem in corebuild.COMPILED, f"{pxd.name}: {stem} is not compiled (narwhal_build)"
         # An extension type's base declared in another module must be compiled too.
-        for cimported in re.findall(r"^from narwhal_core\.(\w+) cimport", pxd.read_text(), re.MULTILINE):
+        for cimported in re.findall(r"^from narwhal_core\.([\w.]+) cimport", pxd.read_text(), re.MULTILINE):
             assert cimported in corebuild.COMPILED, f"{pxd.name} cimports {cimported}, which is not compiled"
 
 
@@ -151,10 +152,15 @@ _PXD_CLASS = re.compile(r"^cdef class (\w+)(?:\((\w+)\))?:\n((?:    .*\n)+)", re
 CORE = ROOT / "narwhal_core"
 
 
+def module_stem(path: Path) -> str:
+    """A core module's name below ``narwhal_core``, as ``COMPILED`` lists it: ``router``, ``http.server``."""
+    return ".".join(path.relative_to(CORE).with_suffix("").parts)
+
+
 def pxd_classes() -> dict[str, tuple[Path, str | None, set[str]]]:
     """Every ``cdef class`` the core's ``.pxd`` files declare: its file, its base and its fields."""
     classes = {}
-    for path in sorted(CORE.glob("*.pxd")):
+    for path in sorted(CORE.rglob("*.pxd")):
         for name, base, body in _PXD_CLASS.findall(path.read_text()):
             fields: set[str] = set()
             for line in body.splitlines():
@@ -204,9 +210,11 @@ def test_the_declared_classes_are_extension_types_in_the_compiled_build() -> Non
     heap_type = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not by C
     compiled_modules = {} if corebuild.pure_requested() else corebuild.compiled_files()
     classes = pxd_classes()
-    assert {"Router", "_Leg", "_Request", "FastEngineConnection", "ServerConnection", "SseRelay"} <= set(classes)
+    assert {"Router", "_Leg", "_Request", "EngineConnection", "RequestReader", "ServerConnection", "SseRelay"} <= set(
+        classes
+    )
     for name, (pxd, _, _) in classes.items():
-        module_name = f"narwhal_core.{pxd.stem}"
+        module_name = f"narwhal_core.{module_stem(pxd)}"
         module = importlib.import_module(module_name)
         compiled = module_name in compiled_modules
         assert bool(getattr(module, name).__flags__ & heap_type) is not compiled, f"{name}: compiled {compiled}"

@@ -4,7 +4,7 @@ Three targets, each fed generated *and mutated* input: valid requests and
 bodies are built first, then bytes are flipped, inserted and deleted, header
 lines duplicated, line ends broken, and the result split at random points.
 
-* the server-side HTTP/1.1 codec (:class:`narwhal_core.http1.ServerConnection`);
+* the server-side HTTP/1.1 codec (:class:`narwhal_core.http.ServerConnection`);
 * the request contract (:func:`narwhal_core.contract.check_request`);
 * a whole in-process :class:`narwhal_core.Router` driven by hand:
   ``ClientConnected`` + ``ClientData`` events, every ``StartLeg`` answered
@@ -69,15 +69,11 @@ from narwhal_core.config import (
 )
 from narwhal_core.contract import ROUTER_OWNED_FIELDS, check_request, is_router_owned
 from narwhal_core.errors import ContractError, NarwhalError, RemoteProtocolError
-from narwhal_core.http1 import H11_CODEC, NEED_DATA, PAUSED, Codec, ContinueExpected, HttpRequest
+from narwhal_core.http import NEED_DATA, PAUSED, Codec, CodecLike, ContinueExpected, HttpRequest
+from tests.core.http_reference import REFERENCE_CODEC
 
-try:  # the fast codec, where this tree has it: it must be exactly as strict
-    from narwhal_core.http1_fast import FAST_CODEC
-except ImportError:  # pragma: no cover
-    FAST_CODEC = None
-
-#: Every client-facing codec in the tree, by name.
-CODECS: dict[str, Codec] = {"h11": H11_CODEC, **({"fast": FAST_CODEC} if FAST_CODEC is not None else {})}
+#: The client-facing codec and its oracle (h11 with the codec's strictness), by name.
+CODECS: dict[str, CodecLike] = {"h11": REFERENCE_CODEC, "fast": Codec()}
 
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 CLIENT_KEY = "sk-client-fuzz-0123456789"
@@ -274,7 +270,7 @@ def _client_fault_status(status: int) -> bool:
 LIMITS = {"max_request_line_bytes": 256, "max_header_bytes": 1024, "max_headers": 16, "max_body_bytes": 4096}
 
 
-def _parse(chunks: list[bytes], codec: Codec = H11_CODEC) -> tuple[list[tuple[Any, ...]], int | None, int]:
+def _parse(chunks: list[bytes], codec: CodecLike = REFERENCE_CODEC) -> tuple[list[tuple[Any, ...]], int | None, int]:
     """Feed ``chunks`` to a server connection, answering each request; (events, error status, max buffered)."""
     conn = codec.server_connection(**LIMITS)
     bound = sum(LIMITS.values()) - LIMITS["max_headers"] + 4
@@ -543,7 +539,7 @@ def _streamed(event: HttpRequest, path: str, authenticator: Authenticator) -> bo
 
 
 def _expected_requests(
-    data: bytes, authenticator: Authenticator, codec: Codec
+    data: bytes, authenticator: Authenticator, codec: CodecLike
 ) -> tuple[list[tuple[str, str]], int | None, str | None]:
     """What the router should have parsed: (method, path) per request, the final error status if any,
     and the path that error's request line named, if it named one."""

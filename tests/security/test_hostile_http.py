@@ -204,22 +204,18 @@ def test_body_at_the_limit_is_accepted(start_router, fleet, journal_path) -> Non
 
 
 def _codecs() -> dict[str, Any]:
-    from narwhal_core.http1 import H11_CODEC
+    from narwhal_core.http import Codec
 
-    codecs: dict[str, Any] = {"h11": H11_CODEC}
-    try:
-        from narwhal_core.http1_fast import FAST_CODEC
-    except ImportError:  # pragma: no cover - a tree without the fast codec
-        return codecs
-    codecs["fast"] = FAST_CODEC
-    return codecs
+    from tests.core.http_reference import REFERENCE_CODEC
+
+    return {"h11": REFERENCE_CODEC, "fast": Codec()}
 
 
 @pytest.mark.parametrize("codec", list(_codecs()))
 def test_every_codec_refuses_every_shape_the_same_way(codec: str) -> None:
     """The same shapes in the core, against every client-facing codec, whole and byte by byte."""
     from narwhal_core.errors import RemoteProtocolError
-    from narwhal_core.http1 import NEED_DATA, HttpRequest
+    from narwhal_core.http import NEED_DATA, HttpRequest
 
     def outcome(pieces: list[bytes]) -> tuple[list[str], int | None]:
         conn = _codecs()[codec].server_connection(**{**LIMITS})
