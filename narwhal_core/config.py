@@ -30,6 +30,7 @@ import math
 import re
 import tomllib
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal, cast, get_args
 
 import attrs
@@ -828,7 +829,7 @@ class Config:
 
 
 #: Section name -> section class, in file order.
-SECTIONS: Final[Mapping[str, type]] = {
+SECTIONS: Final[Mapping[str, type]] = MappingProxyType({
     "model": ModelConfig,
     "ingress": IngressConfig,
     "engine": EngineConfig,
@@ -837,7 +838,7 @@ SECTIONS: Final[Mapping[str, type]] = {
     "health": HealthConfig,
     "journal": JournalConfig,
     "shutdown": ShutdownConfig,
-}
+})
 
 
 # -- parsing ------------------------------------------------------------------------
@@ -881,7 +882,6 @@ def _make_converter() -> cattrs.Converter:
     return converter
 
 
-_CONVERTER: Final = _make_converter()
 
 
 def _dotted(path: tuple[str | int, ...]) -> str:
@@ -924,7 +924,9 @@ def _translate(exc: BaseException, path: tuple[str | int, ...]) -> ConfigError:
 def config_from_dict(data: Mapping[str, object], *, env: Mapping[str, str]) -> Config:
     """Build and validate a :class:`Config` from parsed TOML tables; raise one ConfigError."""
     try:
-        config = _CONVERTER.structure(data, Config)
+        # A converter of its own per call: cattrs fills a converter's hook caches as it goes, and
+        # such a cache at module level would be state every router in the process shares.
+        config = _make_converter().structure(data, Config)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one ConfigError
         raise _translate(exc, ()) from exc
     validate(config, env)

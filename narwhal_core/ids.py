@@ -17,6 +17,8 @@ injective even though rids may themselves contain ``-``. Rids are at most
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final, Literal
 
 from .errors import NarwhalError
@@ -45,8 +47,8 @@ MAX_CLIENT_RID_LEN: Final = 128
 
 _RID_RE: Final = re.compile(r"[A-Za-z0-9-]{1,100}\Z")
 _SUFFIX_RE: Final = re.compile(r"(.+)-([pd])([1-9][0-9]*)\Z", re.S)
-_LETTER: Final[dict[str, str]] = {PREFILL: "p", DECODE: "d"}
-_PHASE: Final[dict[str, Phase]] = {"p": PREFILL, "d": DECODE}
+_LETTER: Final[Mapping[str, str]] = MappingProxyType({PREFILL: "p", DECODE: "d"})
+_PHASE: Final[Mapping[str, Phase]] = MappingProxyType({"p": PREFILL, "d": DECODE})
 
 
 def backend_id(rid: str, phase: Phase, attempt: int) -> str:

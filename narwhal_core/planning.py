@@ -11,7 +11,8 @@ as a stream of Server-Sent Events) before it reaches the client.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, Final
 
 import attrs
@@ -42,14 +43,14 @@ __all__ = [
 ]
 
 #: What the prefill leg asks of the engine: compute KV for a remote decode.
-PREFILL_KV_REQUEST: Final[dict[str, Any]] = {
+PREFILL_KV_REQUEST: Final[Mapping[str, Any]] = MappingProxyType({
     "do_remote_decode": True,
     "do_remote_prefill": False,
     "remote_engine_id": None,
     "remote_block_ids": None,
     "remote_host": None,
     "remote_port": None,
-}
+})
 
 _DROPPED_FOR_PREFILL: Final = frozenset({"min_completion_tokens", "stream_options"})
 _INTERNAL_ANSWER_FIELDS: Final = ("kv_transfer_params",)
@@ -310,7 +311,7 @@ def normalise_answer(
 
 #: vLLM names an error by its exception class (``BadRequestError``...); OpenAI's ``type`` is one of
 #: a few snake_case words (docs/operate.md, "vLLM compatibility").
-_OPENAI_ERROR_TYPES: Final = {
+_OPENAI_ERROR_TYPES: Final = MappingProxyType({
     "BadRequestError": "invalid_request_error",
     "NotFoundError": "invalid_request_error",
     "UnprocessableEntityError": "invalid_request_error",
@@ -320,7 +321,7 @@ _OPENAI_ERROR_TYPES: Final = {
     "RateLimitError": "rate_limit_error",
     "InternalServerError": "server_error",
     "ServiceUnavailableError": "server_error",
-}
+})
 
 
 def openai_error_type(value: str) -> str:

@@ -34,6 +34,7 @@ import enum
 import re
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
+from types import MappingProxyType
 from typing import Final, Literal, TypeAlias, TypeVar
 
 import attrs
@@ -243,7 +244,7 @@ def _status_line(status: int) -> bytes:
     return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
 
 
-STATUS_LINES: Final[Mapping[int, bytes]] = {s: _status_line(s) for s in range(100, 600)}
+STATUS_LINES: Final[Mapping[int, bytes]] = MappingProxyType({s: _status_line(s) for s in range(100, 600)})
 CONTINUE_RESPONSE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: RFC 9110 §15.3.5, §15.4.5: these responses never carry content.
 NO_BODY_STATUSES: Final = frozenset({204, 304})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Final
 
 from narwhal_core.errors import LocalProtocolError
@@ -41,7 +42,7 @@ class _Send(enum.Enum):
 
 #: Every legal (state, send) pair and the state it leads to; anything else
 #: raises LocalProtocolError naming both, and changes nothing.
-_SERVER_SENDS: Final[Mapping[tuple[State, _Send], State]] = {
+_SERVER_SENDS: Final[Mapping[tuple[State, _Send], State]] = MappingProxyType({
     (State.EXPECT, _Send.CONTINUE): State.CONTINUED,
     # A final answer to ContinueExpected: the body stays unread, so it closes.
     (State.EXPECT, _Send.RESPONSE): State.FINISHED,
@@ -58,7 +59,7 @@ _SERVER_SENDS: Final[Mapping[tuple[State, _Send], State]] = {
     (State.CONTINUED, _Send.ERROR_RESPONSE): State.CLOSING,
     (State.WAITING, _Send.ERROR_RESPONSE): State.CLOSING,
     (State.ERROR, _Send.ERROR_RESPONSE): State.CLOSING,
-}
+})
 _BODY_UNREAD: Final = frozenset({State.EXPECT, State.CONTINUED})
 class _Framing(enum.Enum):
     CHUNKED = "chunked"
