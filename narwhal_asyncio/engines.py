@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from narwhal.app import control_request
+from narwhal_runtime.app import control_request
 from narwhal.engine_probe import addresses_of, describe_failure
 from narwhal_core import (
     ControlDone,

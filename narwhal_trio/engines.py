@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import trio
 
-from narwhal.app import control_request
+from narwhal_runtime.app import control_request
 from narwhal.engine_probe import addresses_of, describe_failure
 from narwhal_core import (
     ControlDone,

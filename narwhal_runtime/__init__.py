@@ -1,0 +1,1 @@
+"""What both runtime adapters share: the sans-IO driver and the runtime support around it."""
