@@ -25,13 +25,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from narwhal_core import (
-    AuthenticatorChanged, ClientConnected, ClientData, ClientGone, ClientStalled, Config, ConfigError, Event,
-    Router, ShutdownRequested,
-)
-from narwhal_runtime.app import Run, build_router, journal_failure, listen_failure, load_authenticator, log_listening
-from narwhal_runtime.driver import HIGH_WATER, LINGER_S, BusyPoll, Driver, keep_lingering
+from narwhal_core import ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested
+from narwhal_runtime.app import Run, listen_failure, log_listening
+from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.log import log_event
+from narwhal_runtime.serving import ServerBase
 
 from .engines import Engines
 from .journal_file import JournalFile
@@ -251,17 +249,13 @@ class _Listener:
                 sock.close()
 
 
-class Server:
+class Server(ServerBase):
     """One router serving on asyncio. Run :meth:`serve` on the running loop."""
 
+    engines: Engines | None
+
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
-        self.config = config
-        self.router = router or build_router(config, now=clock())
-        self.driver = Driver(self.router)
-        try:
-            self.journal = JournalFile(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
-        except OSError as exc:
-            raise journal_failure(config.journal.path, exc) from None
+        super().__init__(config, router, now=clock(), journal_file=JournalFile)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: set[_Client] = set()
         #: Connections Narwhal closed, dropping what their clients still send (:data:`LINGER_S`).
@@ -273,17 +267,8 @@ class Server:
         self._drained: asyncio.Future[None] | None = None
         self._listener: _Listener | None = None
         self._stopping = False
-        self.engines: Engines | None = None
-        #: The address the server listens on, once started.
-        self.address: tuple[str, int] | None = None
-        self._busy = BusyPoll(config.ingress.busy_poll_us / 1e6)
         if self._busy.seconds:
             self.feed = self._feed_and_poll  # type: ignore[method-assign]  # only then does an event cost more
-
-    @property
-    def busy_polls(self) -> int:
-        """Loop iterations spent busy polling, so far."""
-        return self._busy.polls
 
     async def serve(self, *, started: Callable[[tuple[str, int]], object] | None = None) -> None:
         """Listen, serve until a shutdown drains, then close the journal; ``started`` gets ``(host, port)``."""
@@ -334,17 +319,6 @@ class Server:
             return
         self.feed(ShutdownRequested())
 
-    def reload_keys(self) -> None:
-        """Re-read the API keys file (SIGHUP); a bad file keeps the old keys and logs why."""
-        if self.engines is None:
-            return  # not serving yet
-        try:
-            authenticator = load_authenticator(self.config)
-        except ConfigError as exc:
-            log_event("keys_reload_failed", error=exc.message)
-            return
-        self.feed(AuthenticatorChanged(authenticator))
-
     def _stop_listening(self) -> None:
         self._stopping = True
         if self._listener is not None:
@@ -374,6 +348,8 @@ class Server:
         """Feed one event (synchronously); its batch is performed at the end of the loop iteration."""
         self.driver.feed(event, now=clock())
         self._after_drain()
+
+    _feed_now = feed
 
     def _after_drain(self) -> None:
         driver = self.driver
@@ -413,17 +389,6 @@ class Server:
         self._flush_scheduled = False
         if self.engines is not None:
             self.driver.flush(self, now=clock())
-
-    def write_journal(self, lines: list[bytes]) -> tuple[bool, str | None]:
-        writer = self.journal.writer
-        return writer.write_lines(lines), writer.error
-
-    def log(self, event: str, fields: dict[str, Any]) -> None:
-        log_event(event, **fields)
-
-    def write_legs(self) -> None:
-        if self.engines is not None and self.engines.unsent:
-            self.engines.write_unsent()
 
     def send(self, client: _Client, data: bytes, close: bool) -> None:
         if client.lost:

@@ -28,13 +28,11 @@ from typing import Any
 
 import trio
 
-from narwhal_core import (
-    AuthenticatorChanged, ClientConnected, ClientData, ClientGone, ClientStalled, Config, ConfigError, Event,
-    Router, ShutdownRequested,
-)
-from narwhal_runtime.app import Run, build_router, journal_failure, listen_failure, load_authenticator, log_listening
-from narwhal_runtime.driver import HIGH_WATER, LINGER_S, BusyPoll, Driver, keep_lingering
+from narwhal_core import ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested
+from narwhal_runtime.app import Run, listen_failure, log_listening
+from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.log import log_event
+from narwhal_runtime.serving import ServerBase
 
 from .engines import Engines, close_socket, plain_socket, receive, send_all
 from .journal_file import JournalFile
@@ -62,17 +60,13 @@ class _Client:
         self.drained: trio.Event | None = None
 
 
-class Server:
+class Server(ServerBase):
     """One router serving on trio. Use :meth:`serve` inside a nursery (``nursery.start``)."""
 
+    engines: Engines | None
+
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
-        self.config = config
-        self.router = router or build_router(config, now=trio.current_time())
-        self.driver = Driver(self.router)
-        try:
-            self.journal = JournalFile(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
-        except OSError as exc:
-            raise journal_failure(config.journal.path, exc) from None
+        super().__init__(config, router, now=trio.current_time(), journal_file=JournalFile)
         self._clients: dict[int, _Client] = {}
         self._next_handle = 0
         self._eager = True  # the last batch ran one drain or none: perform each at once
@@ -82,18 +76,9 @@ class Server:
         self._timer_wakeup = trio.Event()
         self._drained = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self.engines: Engines | None = None
-        #: The address the server listens on, once started.
-        self.address: tuple[str, int] | None = None
-        self._busy = BusyPoll(config.ingress.busy_poll_us / 1e6)
         self._poll_wakeup = trio.Event()
         if self._busy.seconds:
             self.feed = self._feed_and_poll  # type: ignore[method-assign]  # only then does an event cost more
-
-    @property
-    def busy_polls(self) -> int:
-        """Scheduler batches spent busy polling, so far."""
-        return self._busy.polls
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Listen, serve until a shutdown drains, then close the journal; ``task_status.started`` gets ``(host, port)``."""
@@ -138,15 +123,6 @@ class Server:
     def shutdown(self) -> None:
         """Begin a graceful drain (docs/operate.md: new requests get 503 ``shutting_down``); again: cut it short."""
         self._feed_now(ShutdownRequested())
-
-    def reload_keys(self) -> None:
-        """Re-read the API keys file (SIGHUP); a bad file keeps the old keys and logs why."""
-        try:
-            authenticator = load_authenticator(self.config)
-        except ConfigError as exc:
-            log_event("keys_reload_failed", error=exc.message)
-            return
-        self._feed_now(AuthenticatorChanged(authenticator))
 
     async def _accept_loop(self, listeners: list[trio.SocketListener], task_status: Any) -> None:
         limit = trio.Semaphore(self.config.ingress.max_connections)
@@ -264,17 +240,6 @@ class Server:
         finally:
             self._flushing = False
         self._notice()
-
-    def write_journal(self, lines: list[bytes]) -> tuple[bool, str | None]:
-        writer = self.journal.writer
-        return writer.write_lines(lines), writer.error
-
-    def log(self, event: str, fields: dict[str, Any]) -> None:
-        log_event(event, **fields)
-
-    def write_legs(self) -> None:
-        if self.engines is not None and self.engines.unsent:
-            self.engines.write_unsent()
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         client = self._clients.get(conn)

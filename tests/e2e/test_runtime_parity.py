@@ -170,8 +170,9 @@ def _contain_run(runtime: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
                              health={"probe_interval_s": 600.0})
         with LogCapture() as log, RouterThread(config, runtime) as router:
             assert isinstance(router.server.router, _FaultyRouter)
-            with httpx.Client(base_url=router.url, timeout=10) as client:
-                for prompt in ("parity-receive", "parity-drain", "after the faults"):
+            for prompt in ("parity-receive", "parity-drain", "after the faults"):
+                # A connection each: the router closes the one whose request failed.
+                with httpx.Client(base_url=router.url, timeout=10) as client:
                     answer = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
                     answers.append((answer.status_code, answer.headers["content-type"].split(";")[0],
                                     answer.json().get("error")))
