@@ -94,8 +94,8 @@ class Effects(Protocol):
         """Write one process-log line."""
 
     @property
-    def engines(self) -> EngineCommands:
-        """Where leg and control commands go (the adapter's ``Engines``)."""
+    def engines(self) -> EngineCommands | None:
+        """Where leg and control commands go (the adapter's ``Engines``; set once it serves)."""
 
     def write_legs(self) -> None:
         """Write the leg requests queued on pooled engine connections."""
@@ -264,7 +264,9 @@ class Driver:
                     out.log(event, fields)
             if self._engine:
                 commands, self._engine = self._engine, []
-                self._command_engines(out.engines, commands)
+                engines = out.engines
+                assert engines is not None  # the router starts nothing before the adapter serves
+                self._command_engines(engines, commands)
             out.write_legs()
             if self._outboxes:
                 outboxes, self._outboxes = self._outboxes, {}
