@@ -64,19 +64,14 @@ class _Client(asyncio.Protocol):
     """One client connection; it is its own handle in the router's events and commands."""
 
     __slots__ = (
-        "server", "transport", "out", "closed", "close_after", "lost", "write_paused", "relays", "waiting", "stall",
-        "linger", "discarded",
+        "server", "transport", "closed", "lost", "write_paused", "relays", "waiting", "stall", "linger", "discarded",
     )
 
     def __init__(self, server: Server) -> None:
         self.server = server
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
-        #: Bytes transmitted during the current loop iteration, written at its end.
-        self.out: list[bytes] = []
         #: The router no longer knows this connection (it closed it, or heard it is gone).
         self.closed = False
-        #: The router closed it: close the transport once ``out`` is written.
-        self.close_after = False
         self.lost = False
         self.write_paused = False
         #: Engine leg connections relaying to this client (paused with it).
