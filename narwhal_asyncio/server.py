@@ -285,8 +285,13 @@ class Server(ServerBase):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if self.engines is not None:
+        if self.engines is None:
+            return
+        try:
             self.driver.flush(self, now=clock())
+        except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server
+            log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
+        self._after_drain()  # what the flush fed (journal health, a client admitted)
 
     def send(self, client: _Client, data: bytes, close: bool) -> None:
         if client.lost:

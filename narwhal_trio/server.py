@@ -6,11 +6,11 @@ commands into a batch; this module performs the batch's I/O in the order the
 driver keeps (journal, engines, clients). Under load, a whole scheduler
 batch is performed at its end, from trio's ``before_io_wait`` hook (an
 instrument), before the run loop waits for I/O again: a busy router writes
-the journal once per batch and sockets in one burst (router CPU per request
-at 32 concurrent clients: -22 %). When the last batch ran one drain or none
-(light load), each feed performs its batch at once instead: writing just
-before the loop sleeps would make the engine's answer find the process
-asleep more often (+40 µs at one client). A socket that cannot take all its
+the journal once per batch and sockets in one burst. When the last batch ran
+one drain or none (light load), each feed performs its batch at once
+instead: writing just before the loop sleeps would make the engine's answer
+find the process asleep more often (benchmarks/README.md has both
+measurements). A socket that cannot take all its
 bytes at once is finished by a writer task; a task that feeds bytes to a
 client whose writer is more than ``HIGH_WATER`` behind waits for it, so a
 slow client slows the engine leg relaying to it.
@@ -222,10 +222,7 @@ class Server(ServerBase):
         self._eager = drains - self._drains_seen <= 1
         self._drains_seen = drains
         if self.driver.pending() or (self.engines is not None and self.engines.unsent):
-            try:
-                self._flush()
-            except Exception as exc:  # noqa: BLE001 - trio would drop an instrument that raises
-                log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
+            self._flush()
             if timeout > 0 and trio.lowlevel.current_statistics().tasks_runnable:
                 # The run loop chose its I/O wait before the flush woke or started a task: cut it short.
                 assert self._token is not None
@@ -237,6 +234,8 @@ class Server(ServerBase):
         self._flushing = True
         try:
             self.driver.flush(self, now=trio.current_time())
+        except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server (nor the instrument)
+            log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
         finally:
             self._flushing = False
         self._notice()
