@@ -104,16 +104,6 @@ class Effects(Protocol):
         """Send ``data`` (maybe empty) to client ``conn``; then close it (lingering) if ``close``."""
 
 
-class _Outbox:
-    """One client's bytes in the current batch, sent together."""
-
-    __slots__ = ("parts", "close")
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-        self.close = False
-
-
 def contain(router: Router, event: Event | None, exc: Exception) -> list[tuple[str, dict[str, Any]]]:
     """The router raised while handling ``event`` (``None``: a timer): end what it was about.
 
@@ -144,7 +134,10 @@ class Driver:
         self._journal: list[bytes] = []
         self._logs: list[tuple[str, dict[str, Any]]] = []
         self._engine: list[StartLeg | FinishLeg | CancelLeg | StartControl] = []
-        self._outboxes: dict[Hashable, _Outbox] = {}
+        #: Each client's bytes in this batch, in order; a client closed in it has an entry too.
+        self._outboxes: dict[Hashable, list[bytes]] = {}
+        #: The clients the router closed in this batch.
+        self._closes: set[Hashable] = set()
         self._journal_ok = True
         #: Clients the last :meth:`feed` transmitted to (trio's backpressure looks at them).
         self.transmitted: list[Any] = []
@@ -164,34 +157,41 @@ class Driver:
         self.transmitted.clear()
         try:
             self.router.receive(event, now=now)
+            self._take_commands()
         except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
-            self._logs += contain(self.router, event, exc)
-        self._drain(event)
+            self._contain(event, exc)
+        self._deadline()
 
     def fire_timer(self, *, now: float) -> None:
         """The armed deadline is due: let the router handle it, gather its commands."""
         self.armed = math.inf
         try:
             self.router.handle_deadline(now=now)
+            self._take_commands()
         except Exception as exc:  # noqa: BLE001 - one bad timer must not stop the server
-            self._logs += contain(self.router, None, exc)
-        self._drain(None)
+            self._contain(None, exc)
+        self._deadline()
 
     def drain(self) -> None:
         """Gather what the router queued on its own (at start: the first health probes)."""
-        self._drain(None)
-
-    def _drain(self, event: Event | None) -> None:
         try:
             self._take_commands()
-        except Exception as exc:  # noqa: BLE001 - a command the router failed to build
-            self._logs += contain(self.router, event, exc)
-            try:
-                self._take_commands()
-            except Exception as again:  # noqa: BLE001
-                self._logs.append(("internal_error", {
-                    "level": "error", "rid": None, "problem": f"{type(again).__name__}: {again}",
-                    "during": "drain"}))
+        except Exception as exc:  # noqa: BLE001
+            self._contain(None, exc)
+        self._deadline()
+
+    def _contain(self, event: Event | None, exc: Exception) -> None:
+        # Raised by receive, handle_deadline or next_output (then the commands
+        # not yet taken stay queued): end what the event was about, then take
+        # what is queued, once more.
+        self._logs += contain(self.router, event, exc)
+        try:
+            self._take_commands()
+        except Exception as again:  # noqa: BLE001 - the router is broken beyond one request
+            self._logs.append(("internal_error", {
+                "level": "error", "rid": None, "problem": f"{type(again).__name__}: {again}", "during": "drain"}))
+
+    def _deadline(self) -> None:
         self.drains += 1
         deadline = self.router.get_deadline()
         if deadline is not None and deadline < self.armed:
@@ -202,26 +202,26 @@ class Driver:
     def _take_commands(self) -> None:
         next_output = self.router.next_output
         outboxes = self._outboxes
+        transmitted = self.transmitted
         while (cmd := next_output()) is not None:
             kind = type(cmd)
             if kind is Transmit:
                 conn = cmd.conn  # type: ignore[union-attr]
-                box = outboxes.get(conn)
-                if box is None:
-                    box = outboxes[conn] = _Outbox()
-                if not box.close:  # nothing after the close
-                    box.parts.append(cmd.data)  # type: ignore[union-attr]
-                    self.transmitted.append(conn)
+                parts = outboxes.get(conn)
+                if parts is None:
+                    outboxes[conn] = [cmd.data]  # type: ignore[union-attr]
+                elif not (self._closes and conn in self._closes):  # nothing after the close
+                    parts.append(cmd.data)  # type: ignore[union-attr]
+                transmitted.append(conn)
             elif kind is WriteJournal:
                 self._journal.append(cmd.line)  # type: ignore[union-attr]
             elif kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl:
                 self._engine.append(cmd)  # type: ignore[arg-type]
             elif kind is CloseClient:
                 conn = cmd.conn  # type: ignore[union-attr]
-                box = outboxes.get(conn)
-                if box is None:
-                    box = outboxes[conn] = _Outbox()
-                box.close = True
+                if conn not in outboxes:
+                    outboxes[conn] = []
+                self._closes.add(conn)
             elif kind is Log:
                 self._logs.append((cmd.event, cmd.fields))  # type: ignore[union-attr]
             elif kind is ShutdownComplete:
@@ -235,13 +235,11 @@ class Driver:
 
     def closing(self, conn: Any) -> bool:
         """The router closed ``conn`` in this batch (its close is not performed yet)."""
-        box = self._outboxes.get(conn)
-        return box is not None and box.close
+        return conn in self._closes
 
     def pending_bytes(self, conn: Any) -> int:
         """Bytes for ``conn`` waiting in this batch."""
-        box = self._outboxes.get(conn)
-        return 0 if box is None else sum(len(part) for part in box.parts)
+        return sum(len(part) for part in self._outboxes.get(conn, ()))
 
     def flush(self, out: Effects, *, now: float) -> None:
         """Perform the batch through ``out``: journal, logs, engines, legs, then clients.
@@ -266,29 +264,31 @@ class Driver:
                 commands, self._engine = self._engine, []
                 engines = out.engines
                 assert engines is not None  # the router starts nothing before the adapter serves
-                self._command_engines(engines, commands)
-            out.write_legs()
-            if self._outboxes:
-                outboxes, self._outboxes = self._outboxes, {}
-                for conn, box in outboxes.items():
-                    parts = box.parts
-                    data = parts[0] if len(parts) == 1 else b"".join(parts)
-                    out.send(conn, data, box.close)
-            if not self.pending():
+                for cmd in commands:
+                    kind = type(cmd)
+                    if kind is StartLeg:
+                        engines.start_leg(cmd)  # type: ignore[arg-type]
+                    elif kind is FinishLeg:
+                        engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
+                    elif kind is CancelLeg:
+                        engines.cancel_leg(cmd.leg)
+                    else:
+                        engines.start_control(cmd)  # type: ignore[arg-type]
+                out.write_legs()
+            outboxes = self._outboxes
+            if outboxes:
+                self._outboxes = {}
+                closes = self._closes
+                send = out.send
+                if closes:
+                    self._closes = set()
+                    for conn, parts in outboxes.items():
+                        send(conn, parts[0] if len(parts) == 1 else b"".join(parts), conn in closes)
+                else:
+                    for conn, parts in outboxes.items():
+                        send(conn, parts[0] if len(parts) == 1 else b"".join(parts), False)
+            if not (self._journal or self._outboxes or self._engine or self._logs):
                 return
-
-    @staticmethod
-    def _command_engines(engines: EngineCommands, commands: list[StartLeg | FinishLeg | CancelLeg | StartControl]) -> None:
-        for cmd in commands:
-            kind = type(cmd)
-            if kind is StartLeg:
-                engines.start_leg(cmd)  # type: ignore[arg-type]
-            elif kind is FinishLeg:
-                engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
-            elif kind is CancelLeg:
-                engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
-            else:
-                engines.start_control(cmd)  # type: ignore[arg-type]
 
 
 class BusyPoll:

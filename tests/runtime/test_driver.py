@@ -167,7 +167,7 @@ def test_an_exception_in_receive_is_contained_and_its_answer_flushed(router: Scr
     assert trace is not None and "Traceback (most recent call last)" in trace
     out = Recorder()
     driver.flush(out, now=5.0)  # type: ignore[arg-type]
-    assert out.calls == [("journal", (b'{"terminal":"failed"}\n',)), ("write_legs",), ("send", 4, b"HTTP/1.1 500", True)]
+    assert out.calls == [("journal", (b'{"terminal":"failed"}\n',)), ("send", 4, b"HTTP/1.1 500", True)]
 
 
 def test_a_router_that_cannot_contain_its_failure_leaves_one_log_line(router: ScriptedRouter) -> None:
@@ -177,7 +177,7 @@ def test_a_router_that_cannot_contain_its_failure_leaves_one_log_line(router: Sc
     driver.feed("e", now=0.0)  # type: ignore[arg-type]
     out = Recorder()
     driver.flush(out, now=0.0)  # type: ignore[arg-type]
-    assert out.calls == [("log", "internal_error"), ("write_legs",)]
+    assert out.calls == [("log", "internal_error")]
 
 
 def test_an_exception_while_draining_is_contained(router: ScriptedRouter) -> None:
@@ -227,8 +227,7 @@ def test_a_journal_failure_is_fed_back_and_its_records_go_first(router: Scripted
     driver.flush(out, now=3.0)  # type: ignore[arg-type]
     assert router.received[-1] == (JournalHealth(False, "No space left on device"), 3.0)
     assert out.calls == [
-        ("journal", (b"r1\n",)), ("journal", (b"health\n",)), ("log", "journal_failed"), ("write_legs",),
-        ("send", 1, b"answer", False),
+        ("journal", (b"r1\n",)), ("journal", (b"health\n",)), ("log", "journal_failed"), ("send", 1, b"answer", False),
     ]
     # Still failing: not fed again.
     driver.feed("e", now=4.0)  # type: ignore[arg-type]
@@ -251,8 +250,7 @@ def test_an_effect_that_feeds_again_is_performed_in_the_same_flush(router: Scrip
     out = Admitting()
     driver.flush(out, now=0.0)  # type: ignore[arg-type]
     assert out.calls == [
-        ("write_legs",), ("send", 1, b"bye", True),
-        ("journal", (b"late\n",)), ("write_legs",), ("send", 2, b"hello", False),
+        ("send", 1, b"bye", True), ("journal", (b"late\n",)), ("send", 2, b"hello", False),
     ]
 
 
