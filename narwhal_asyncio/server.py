@@ -288,7 +288,7 @@ class Server(ServerBase):
         if self.engines is None:
             return
         try:
-            self.driver.flush(self, now=clock())
+            self.driver.flush(self)
         except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server
             log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
         self._after_drain()  # what the flush fed (journal health, a client admitted)

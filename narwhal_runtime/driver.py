@@ -139,6 +139,8 @@ class Driver:
         #: The clients the router closed in this batch.
         self._closes: set[Hashable] = set()
         self._journal_ok = True
+        #: The time of the last event or timer fed.
+        self._now = 0.0
         #: Clients the last :meth:`feed` transmitted to (trio's backpressure looks at them).
         self.transmitted: list[Any] = []
         #: The router said every connection is closed and the drain is over.
@@ -155,6 +157,7 @@ class Driver:
     def feed(self, event: Event, *, now: float) -> None:
         """Hand the router one event and gather its commands; nothing it raises escapes."""
         self.transmitted.clear()
+        self._now = now
         try:
             self.router.receive(event, now=now)
             self._take_commands()
@@ -165,6 +168,7 @@ class Driver:
     def fire_timer(self, *, now: float) -> None:
         """The armed deadline is due: let the router handle it, gather its commands."""
         self.armed = math.inf
+        self._now = now
         try:
             self.router.handle_deadline(now=now)
             self._take_commands()
@@ -241,13 +245,18 @@ class Driver:
         """Bytes for ``conn`` waiting in this batch."""
         return sum(len(part) for part in self._outboxes.get(conn, ()))
 
-    def flush(self, out: Effects, *, now: float) -> None:
+    def flush(self, out: Effects, *, now: float | None = None) -> None:
         """Perform the batch through ``out``: journal, logs, engines, legs, then clients.
 
         An effect that feeds the router again (journal health, a client
         admitted when a slot frees) adds to the batch; the loop runs until
-        nothing is left, keeping the order for what was added.
+        nothing is left, keeping the order for what was added. A change of
+        the journal's health is fed at ``now``, by default the time of the
+        last event fed (the batch's; reading the clock per flush would cost
+        more than it tells).
         """
+        if now is None:
+            now = self._now
         while True:
             if self._journal:
                 lines, self._journal = self._journal, []

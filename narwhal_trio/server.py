@@ -69,6 +69,8 @@ class Server(ServerBase):
         super().__init__(config, router, now=trio.current_time(), journal_file=JournalFile)
         self._clients: dict[int, _Client] = {}
         self._next_handle = 0
+        #: Writer tasks running (clients whose socket could not take every byte at once).
+        self._writers = 0
         self._eager = True  # the last batch ran one drain or none: perform each at once
         self._drains_seen = 0
         self._flushing = False
@@ -156,7 +158,7 @@ class Server(ServerBase):
         driver = self.driver
         driver.feed(event, now=trio.current_time())
         self._after_drain()
-        if driver.transmitted:
+        if self._writers and driver.transmitted:
             for client in self._backlogged(driver.transmitted):
                 if client.drained is None:
                     client.drained = trio.Event()
@@ -233,7 +235,7 @@ class Server(ServerBase):
     def _flush(self) -> None:
         self._flushing = True
         try:
-            self.driver.flush(self, now=trio.current_time())
+            self.driver.flush(self)
         except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server (nor the instrument)
             log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
         finally:
@@ -269,6 +271,7 @@ class Server(ServerBase):
                 client.out.append(rest)
                 client.buffered = len(rest)
                 client.writing = True
+                self._writers += 1
                 assert self._nursery is not None
                 self._nursery.start_soon(self._writer, client)
                 return
@@ -297,6 +300,7 @@ class Server(ServerBase):
             close_socket(sock)
         finally:
             client.writing = False
+            self._writers -= 1
             if client.drained is not None:
                 client.drained.set()
                 client.drained = None
