@@ -33,7 +33,7 @@ from .engines import Engines
 from .journal_file import JournalFile
 from .listener import Listener
 
-__all__ = ["Server", "run", "run_demo", "new_event_loop", "RUNTIME"]
+__all__ = ["Server", "run", "new_event_loop", "RUNTIME"]
 
 RUNTIME = "asyncio"
 #: Seconds the last client connections get to flush at exit.
@@ -442,7 +442,3 @@ def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> i
 
     return process.exit_status(body)
 
-
-def run_demo(config: Config, on_ready: Callable[[str, int], None]) -> int:
-    """``narwhal demo`` on asyncio: :func:`run`, telling ``on_ready`` where it listens."""
-    return run(config, on_ready)

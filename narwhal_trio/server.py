@@ -37,7 +37,7 @@ from narwhal_runtime.serving import ServerBase
 from .engines import Engines, close_socket, plain_socket, receive, send_all
 from .journal_file import JournalFile
 
-__all__ = ["Server", "run", "run_demo", "RUNTIME"]
+__all__ = ["Server", "run", "RUNTIME"]
 
 RUNTIME = "trio"
 
@@ -410,7 +410,3 @@ def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> i
 
     return process.exit_status(lambda: trio.run(main))
 
-
-def run_demo(config: Config, on_ready: Callable[[str, int], None]) -> int:
-    """``narwhal demo`` on trio: :func:`run`, telling ``on_ready`` where it listens."""
-    return run(config, on_ready)
