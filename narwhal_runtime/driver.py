@@ -280,7 +280,7 @@ class Driver:
                     elif kind is FinishLeg:
                         engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
                     elif kind is CancelLeg:
-                        engines.cancel_leg(cmd.leg)
+                        engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
                     else:
                         engines.start_control(cmd)  # type: ignore[arg-type]
                 out.write_legs()
