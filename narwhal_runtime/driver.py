@@ -10,10 +10,11 @@ iteration, or at once under light load) it calls :meth:`Driver.flush` with
 an :class:`Effects` object that performs the I/O. The driver decides:
 
 * **the order of effects** (docs/design.md): the batch's journal records
-  first, in one write, then the engine commands (leg starts, finishes,
-  cancels, control requests) and the queued leg requests, then the clients'
-  bytes. So a journal record is in the file before the answer or the leg it
-  describes leaves the process;
+  first, in one write, then its process-log lines, then the engine commands
+  (leg starts, finishes, cancels, control requests) and the queued leg
+  requests, then the clients' bytes. So a journal record is in the file
+  before the answer or the leg it describes leaves the process (the
+  contract of narwhal_runtime/journal_writer.py);
 * **per-client write coalescing**: all the bytes a client got in a batch
   leave in one send, closing it (a lingering close, :data:`LINGER_S`) after
   them when the router said so;
