@@ -2,9 +2,10 @@
 
 Reading the config and keys files, resolving the engine credential from the
 environment, choosing the rid prefix and the wall-clock offset, building the
-:class:`narwhal_core.Router`, tuning the cyclic GC once serving: none of it
-depends on trio or asyncio, so it lives here once and ``narwhal_trio`` /
-``narwhal_asyncio`` stay mirror images.
+:class:`narwhal_core.Router`, the start-up errors, the ``listening`` line,
+tuning the cyclic GC once serving, what each signal does and the exit status
+(:class:`Run`): none of it depends on trio or asyncio, so it lives here once
+and ``narwhal_trio`` / ``narwhal_asyncio`` stay mirror images.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
