@@ -23,7 +23,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from narwhal_core import ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested
+from narwhal_core import (
+    ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested,
+)
 from narwhal_runtime.app import Run, listen_failure, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.log import log_event

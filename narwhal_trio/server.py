@@ -28,7 +28,9 @@ from typing import Any
 
 import trio
 
-from narwhal_core import ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested
+from narwhal_core import (
+    ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested,
+)
 from narwhal_runtime.app import Run, listen_failure, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.log import log_event
@@ -83,7 +85,10 @@ class Server(ServerBase):
             self.feed = self._feed_and_poll  # type: ignore[method-assign]  # only then does an event cost more
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen, serve until a shutdown drains, then close the journal; ``task_status.started`` gets ``(host, port)``."""
+        """Listen, serve until a shutdown drains, then close the journal.
+
+        ``task_status.started`` receives the bound ``(host, port)``.
+        """
         i = self.config.ingress
         try:
             listeners = await trio.open_tcp_listeners(i.listen_port, host=i.listen_host)

@@ -288,7 +288,8 @@ def test_the_driver_and_the_runtime_support_import_no_adapter_nor_the_cli() -> N
     forbidden_everywhere = {"narwhal", "narwhal_trio", "narwhal_asyncio"}
     # The driver reads no clock and touches no socket or event loop.
     forbidden_in_driver = forbidden_everywhere | {"trio", "asyncio", "socket", "time", "select", "selectors", "os"}
-    for path in [*package.glob("*.py"), *(package.parent / name / "server.py" for name in ("narwhal_trio", "narwhal_asyncio"))]:
+    servers = [package.parent / name / "server.py" for name in ("narwhal_trio", "narwhal_asyncio")]
+    for path in [*package.glob("*.py"), *servers]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         imported = set()
         for node in ast.walk(tree):
