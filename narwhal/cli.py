@@ -53,7 +53,7 @@ def _serve(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     from narwhal_core.errors import ConfigError
 
-    from .app import load_config
+    from narwhal_runtime.app import load_config
 
     try:
         config = load_config(args.config)

@@ -69,9 +69,9 @@ def main(argv: Sequence[str]) -> int:
     with SimThread(role="prefill", speed=args.speed) as prefill, SimThread(role="decode", speed=args.speed) as decode:
         config = demo_config(port, prefill.url, decode.url, args.journal)
         if args.runtime == "asyncio":
-            from narwhal_asyncio.server import run_demo
+            from narwhal_asyncio.server import run as run_demo
         else:
-            from narwhal_trio.server import run_demo
+            from narwhal_trio.server import run as run_demo
 
         def ready(host: str, bound: int) -> None:
             body = '{"model": "%s", "prompt": "The narwhal is", "max_tokens": 16}' % MODEL

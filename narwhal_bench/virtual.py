@@ -564,7 +564,7 @@ class VirtualFleet:
         from narwhal_core.config import Config, EngineConfig, IngressConfig, JournalConfig, ModelConfig
 
         if config is None and path is not None:
-            from narwhal.app import load_config
+            from narwhal_runtime.app import load_config
             from narwhal_core.errors import ConfigError
 
             try:

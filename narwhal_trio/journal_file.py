@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from narwhal.journal_writer import JournalWriter
+from narwhal_runtime.journal_writer import JournalWriter
 
 __all__ = ["JournalFile"]
 

@@ -26,8 +26,8 @@ import attrs
 import sniffio
 import trio
 
-import narwhal.log
-from narwhal.app import build_router
+import narwhal_runtime.log
+from narwhal_runtime.app import build_router
 from narwhal_core import Config
 from narwhal_core.config import (
     AdmissionConfig,
@@ -281,17 +281,17 @@ class _LockedBytes(io.RawIOBase):
 
 
 class LogCapture:
-    """The router's process log (``narwhal.log``) captured in memory, thread-safely."""
+    """The router's process log (``narwhal_runtime.log``) captured in memory, thread-safely."""
 
     def __init__(self) -> None:
         self.stream = _LockedBytes()
 
     def __enter__(self) -> LogCapture:
-        narwhal.log.set_stream(self.stream)  # type: ignore[arg-type]
+        narwhal_runtime.log.set_stream(self.stream)  # type: ignore[arg-type]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        narwhal.log.set_stream(None)
+        narwhal_runtime.log.set_stream(None)
 
     def text(self) -> str:
         return self.stream.getvalue().decode("utf-8", "replace")

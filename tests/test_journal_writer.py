@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from narwhal import journal_writer
-from narwhal.journal_writer import JournalWriter
+from narwhal_runtime import journal_writer
+from narwhal_runtime.journal_writer import JournalWriter
 
 
 def _line(n: int) -> bytes:

@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.app import load_authenticator
-from narwhal.metrics import render
+from narwhal_runtime.app import load_authenticator
+from narwhal_runtime.metrics import render
 from narwhal_core import ClientData, LegData, RidSource, Router, StartLeg
 from narwhal_sim.testing import SimThread
 

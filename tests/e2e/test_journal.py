@@ -175,7 +175,7 @@ def test_secrets_stay_out_of_the_log_when_engines_fail(
 
 
 def test_the_record_is_in_the_file_when_the_answer_arrives(start_router, journal_path) -> None:
-    # docs/contract.md, "The journal", and narwhal/journal_writer.py: a record reaches the file before
+    # docs/contract.md, "The journal", and narwhal_runtime/journal_writer.py: a record reaches the file before
     # the bytes it describes leave the process. So a client that has its
     # answer finds the terminal record at once, with no waiting, whether the
     # router writes at the end of each drain (one client at a time) or once

@@ -1,5 +1,12 @@
 """Runtime parity: the same scripted scenario journals the same records on trio and on asyncio.
 
+Both adapters perform what the shared driver (narwhal_runtime/driver.py)
+decides; the tests at the end check that they do so the same way where it
+shows from outside: an exception in the core (while it handles an event, or
+while its commands are drained) ends only its request, identically, and the
+process goes on serving; and a request's journal record is written before
+its client sees the end of the answer.
+
 One scenario — valid, invalid, streaming, unknown model, a decode engine that
 fails every leg (so the router retries elsewhere), a client that leaves
 mid-stream — runs once per runtime against a fresh simulated fleet. The two
@@ -17,10 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from narwhal_core import ClientData, RidSource, Router
+from narwhal_runtime.app import load_authenticator
+from narwhal_runtime.metrics import render
 from narwhal_sim.testing import SimThread
 
-from ..harness import RouterThread, make_config
+from .. import harness
+from ..harness import LogCapture, RouterThread, make_config
 from ..helpers import read_journal, wait_for_terminals
 
 _TIMES = {"ts", "received", "started", "duration_ms", "ttft_ms"}
@@ -112,3 +124,146 @@ def test_both_runtimes_journal_the_same_scenario_identically(tmp_path: Path) -> 
     assert retried, "the failing decode engine should have forced a retry"
     for trio_record, asyncio_record in zip(on_trio, on_asyncio, strict=True):
         assert trio_record == asyncio_record
+
+
+# ------------------------------------------------------------ error containment
+
+
+class _FaultyRouter(Router):
+    """Raises for requests whose body carries a marker.
+
+    ``parity-receive``: right after the router handled the request's bytes;
+    ``parity-drain``: from :meth:`next_output`, while the adapter drains the
+    commands that event produced (nothing is lost: the commands stay queued).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.drain_fault = False
+
+    def receive(self, event: Any, *, now: float) -> None:
+        super().receive(event, now=now)
+        if type(event) is ClientData and b"parity-receive" in event.data:
+            raise RuntimeError("injected fault: receive")
+        if type(event) is ClientData and b"parity-drain" in event.data:
+            self.drain_fault = True
+
+    def next_output(self) -> Any:
+        if self.drain_fault:
+            self.drain_fault = False
+            raise RuntimeError("injected fault: drain")
+        return super().next_output()
+
+
+def _faulty_router(config: Any, *, now: float, env: Any = None, rid_prefix: str | None = None) -> Router:
+    return _FaultyRouter(
+        config, rid_source=RidSource(rid_prefix or "parity"), authenticator=load_authenticator(config),
+        wall_offset=0.0, now=now, render_metrics=render,
+    )
+
+
+def _contain_run(runtime: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[Any]]:
+    monkeypatch.setattr(harness, "build_router", _faulty_router)
+    journal = tmp_path / f"faults-{runtime}.jsonl"
+    answers = []
+    with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode:
+        config = make_config(journal, prefill=(prefill.url,), decode=(decode.url,),
+                             health={"probe_interval_s": 600.0})
+        with LogCapture() as log, RouterThread(config, runtime) as router:
+            assert isinstance(router.server.router, _FaultyRouter)
+            for prompt in ("parity-receive", "parity-drain", "after the faults"):
+                # A connection each: the router closes the one whose request failed.
+                with httpx.Client(base_url=router.url, timeout=10) as client:
+                    answer = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+                    answers.append((answer.status_code, answer.headers["content-type"].split(";")[0],
+                                    answer.json().get("error")))
+            wait_for_terminals(journal, 3)
+            router.wait_idle()
+            stats = router.statistics()
+            assert stats.inflight == 0 and stats.requests == 0, stats
+            assert router.alive  # still serving
+        errors = [(e["problem"], e["during"]) for e in log.events() if e["event"] == "internal_error"]
+        urls = {prefill.url: "prefill0", decode.url: "decode0"}
+    assert errors == [("RuntimeError: injected fault: receive", "ClientData"),
+                      ("RuntimeError: injected fault: drain", "ClientData")], errors
+    return answers, _masked(read_journal(journal), urls)
+
+
+def test_a_fault_in_the_core_is_contained_identically_on_both_runtimes(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    trio_answers, on_trio = _contain_run("trio", tmp_path, monkeypatch)
+    asyncio_answers, on_asyncio = _contain_run("asyncio", tmp_path, monkeypatch)
+    envelope = {"message": "Internal router error.", "type": "server_error", "param": None, "code": "internal_error"}
+    assert trio_answers[:2] == [(500, "application/json", envelope)] * 2, trio_answers
+    assert trio_answers[2] == (200, "application/json", None), trio_answers
+    assert asyncio_answers == trio_answers
+    terminals = [(r["terminal"], r["status"], (r.get("error") or {}).get("code")) for r in on_trio
+                 if r["terminal"] is not None]
+    assert terminals == [("failed", 500, "internal_error")] * 2 + [("completed", 200, None)], terminals
+    assert on_asyncio == on_trio
+
+
+# ------------------------------------------------------------------ write order
+
+
+def _order_run(runtime: str, tmp_path: Path) -> list[tuple[str, bool]]:
+    """Serve requests with the adapter's effects traced; return, per request, (kind, record before end)."""
+    journal = tmp_path / f"order-{runtime}.jsonl"
+    trace: list[tuple[str, Any]] = []
+    seen: list[tuple[str, bool]] = []
+    with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode:
+        config = make_config(journal, prefill=(prefill.url,), decode=(decode.url,),
+                             health={"probe_interval_s": 600.0})
+        with RouterThread(config, runtime) as router:
+            server = router.server
+            write_journal, send = server.write_journal, server.send
+
+            def traced_journal(lines: list[bytes]) -> Any:
+                records = [json.loads(line) for line in lines]
+                trace.append(("journal", {r["rid"] for r in records if r["terminal"] is not None}))
+                return write_journal(lines)
+
+            def traced_send(conn: Any, data: bytes, close: bool) -> None:
+                trace.append(("send", (conn, data)))
+                send(conn, data, close)
+
+            def install() -> None:
+                server.write_journal, server.send = traced_journal, traced_send
+
+            router.call(install)
+            for kind in ("plain", "stream", "plain", "stream"):
+                body = {"prompt": "Order", "max_tokens": 5, "stream": kind == "stream"}
+                with httpx.Client(base_url=router.url, timeout=10) as client:  # a connection per request
+                    answer = client.post("/v1/completions", json=body)
+                    assert answer.status_code == 200, answer.text
+                    rid = answer.headers["x-request-id"]
+                    # The answer is whole: its terminal record is in the file already.
+                    on_file = any(r["rid"] == rid and r["terminal"] is not None for r in read_journal(journal))
+                seen.append((kind, on_file))
+            router.wait_idle()
+    # In the adapter's own trace: the journal write holding each terminal record
+    # comes before the last bytes sent to that request's connection.
+    conns: dict[Any, str] = {}
+    last_send: dict[str, int] = {}
+    first_record: dict[str, int] = {}
+    for index, (what, value) in enumerate(trace):
+        if what == "journal":
+            for rid in value:
+                first_record.setdefault(rid, index)
+        else:
+            conn, data = value
+            match = re.search(rb"x-request-id: ([^\r]+)", data, re.IGNORECASE)
+            if match:
+                conns[conn] = match.group(1).decode()
+            if data and conn in conns:
+                last_send[conns[conn]] = index
+    assert len(last_send) == 4, trace
+    for rid, index in last_send.items():
+        assert first_record[rid] < index, (rid, trace)
+    return seen
+
+
+def test_the_journal_record_is_written_before_the_answer_ends_on_both_runtimes(tmp_path: Path) -> None:
+    expected = [("plain", True), ("stream", True), ("plain", True), ("stream", True)]
+    assert _order_run("trio", tmp_path) == expected
+    assert _order_run("asyncio", tmp_path) == expected

@@ -1,7 +1,7 @@
 """A client that reads a stream slower than its engine writes it: the router must slow the engine down.
 
 The router reads an engine's stream only as fast as its client takes the
-relayed bytes (on trio: a writer more than ``narwhal.app.HIGH_WATER`` behind
+relayed bytes (on trio: a writer more than ``narwhal_runtime.driver.HIGH_WATER`` behind
 makes the leg wait; on asyncio: the client transport's write-buffer limits
 pause the engine transport). Without that, one slow client would make the
 router hold a whole answer in memory. The decode engine here is a plain

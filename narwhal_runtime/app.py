@@ -2,9 +2,10 @@
 
 Reading the config and keys files, resolving the engine credential from the
 environment, choosing the rid prefix and the wall-clock offset, building the
-:class:`narwhal_core.Router`, tuning the cyclic GC once serving: none of it
-depends on trio or asyncio, so it lives here once and ``narwhal_trio`` /
-``narwhal_asyncio`` stay mirror images.
+:class:`narwhal_core.Router`, the start-up errors, the ``listening`` line,
+tuning the cyclic GC once serving, what each signal does and the exit status
+(:class:`Run`): none of it depends on trio or asyncio, so it lives here once
+and ``narwhal_trio`` / ``narwhal_asyncio`` stay mirror images.
 """
 
 from __future__ import annotations
@@ -12,51 +13,33 @@ from __future__ import annotations
 import gc
 import os
 import secrets
+import signal
+import sys
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 
-import httpx
-
+from narwhal_build import core_build
 from narwhal_core import (
-    CONTROL_BODY_LIMIT,
     Authenticator,
     Config,
-    Event,
     RidSource,
     Router,
-    StartControl,
     parse_api_keys,
     parse_config,
 )
 from narwhal_core.config import engine_api_key
 from narwhal_core.errors import ConfigError
 
-from .corebuild import core_build
 from .log import log_event
 from .metrics import render
 
 __all__ = [
     "load_config", "load_authenticator", "build_router", "settle_gc", "GC_THRESHOLDS",
-    "HIGH_WATER", "LINGER_S", "LINGER_BYTES", "log_listening", "control_request",
-    "StartupError", "journal_failure", "listen_failure", "startup_failure", "contain", "STOPPED_BY_SIGNAL",
+    "log_listening", "StartupError", "journal_failure", "listen_failure",
+    "startup_failure", "STOPPED_BY_SIGNAL", "Run", "core_build",
 ]
-
-# Client-socket policy both runtimes follow.
-
-#: Bytes queued for one client beyond which what feeds it (an engine leg
-#: relaying a stream) waits: trio's feeding task waits for the writer,
-#: asyncio stops reading the legs.
-HIGH_WATER = 1 << 20
-#: After Narwhal closes a connection (an error answer, ``connection: close``):
-#: how long, and for how many bytes, it goes on reading and discarding what
-#: the client still sends, its own side already shut, before closing the
-#: socket. Closing with unread bytes makes the kernel reset the connection,
-#: and the client could lose the answer (a 413 or 503 in the middle of an
-#: upload) before reading it.
-LINGER_S = 2.0
-LINGER_BYTES = 4 << 20
 
 #: The cyclic GC's thresholds once serving (Python's default: 700, 10, 10): see
 #: :func:`settle_gc`. With 9,000 slow streams open, trio spends about a fifth
@@ -101,24 +84,6 @@ def startup_failure(exc: BaseException) -> StartupError | None:
 
 #: Exit status after a second SIGTERM or SIGINT cut the drain short: 128 + the signal's number.
 STOPPED_BY_SIGNAL = 128
-
-
-def contain(router: Router, event: Event | None, exc: Exception) -> None:
-    """The router raised while handling ``event``: end what it was about, keep serving.
-
-    The request the event belongs to (if any) ends as ``failed`` with 500
-    ``internal_error`` and its terminal record; the error is logged once,
-    with its traceback (``internal_error``). Both runtimes call this from
-    their one place that feeds the router.
-    """
-    problem = f"{type(exc).__name__}: {exc}"
-    trace = "".join(traceback.format_exception(exc))
-    try:
-        router.contain_failure(event, problem, trace)
-    except Exception as again:  # noqa: BLE001 - the router is broken beyond one request
-        log_event("internal_error", level="error", rid=None, problem=problem,
-                  during="deadline" if event is None else type(event).__name__, traceback=trace,
-                  containment=f"{type(again).__name__}: {again}")
 
 
 def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
@@ -198,18 +163,66 @@ def log_listening(config: Config, host: str, port: int, runtime: str, loop: str)
                        "(python setup.py build_ext --inplace, or pip install -e .)")
 
 
-async def control_request(http: httpx.AsyncClient, cmd: StartControl) -> tuple[int, bytes]:
-    """Send a control request (probe, abort); its status and the first ``CONTROL_BODY_LIMIT`` bytes of its body.
+class Stoppable(Protocol):
+    """What a runtime's server offers to the signals (both ``Server`` classes)."""
 
-    The caller bounds it in time and reports failures as its runtime names them.
+    def shutdown(self) -> None: ...
+    def reload_keys(self) -> None: ...
+
+
+class Run:
+    """One ``narwhal serve`` (or ``demo``) process, the same on both runtimes: signals, readiness, exit status.
+
+    SIGHUP re-reads the API keys file without dropping traffic. The first
+    SIGTERM/SIGINT begins a graceful drain; a second cancels what the drain
+    has left at once (exit status 128 + its number: 130 for Ctrl-C); a third
+    stops without waiting for the router. A failure to start is one line on
+    stderr, exit status 1 (docs/operate.md).
     """
-    body = b""
-    async with http.stream(
-        cmd.method, cmd.engine.url + cmd.target,
-        headers=list(cmd.headers), content=cmd.body, timeout=cmd.timeout,
-    ) as response:
-        async for chunk in response.aiter_raw():
-            body += chunk
-            if len(body) >= CONTROL_BODY_LIMIT:
-                break  # enough to know what the engine said
-        return response.status_code, body[:CONTROL_BODY_LIMIT]
+
+    #: The signals a runtime listens for.
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self, on_ready: Callable[[str, int], None] | None = None) -> None:
+        self._on_ready = on_ready
+        #: Serving began: a failure after it is not a start-up failure.
+        self.serving = False
+        self.status = 0
+        self._stops = 0
+
+    def started(self, host: str, port: int) -> None:
+        """The server listens: settle the GC, tell ``on_ready``."""
+        self.serving = True
+        settle_gc()
+        if self._on_ready is not None:
+            self._on_ready(host, port)
+
+    def signal_received(self, signum: int, server: Stoppable) -> bool:
+        """Act on ``signum``; ``True`` when the runtime must stop serving at once (the third stop)."""
+        if signum == signal.SIGHUP:
+            server.reload_keys()
+            return False
+        self._stops += 1
+        log_event("signal", signal=signal.Signals(signum).name)
+        if self._stops == 1:
+            server.shutdown()  # serving ends once the drain completes
+        elif self._stops == 2:
+            self.status = STOPPED_BY_SIGNAL + signum
+            server.shutdown()  # cut the drain short
+        else:
+            return True
+        return False
+
+    def exit_status(self, body: Callable[[], object]) -> int:
+        """Run ``body`` (the runtime's event loop); the process's exit status."""
+        try:
+            body()
+        except KeyboardInterrupt:  # a Ctrl-C before the signal handlers were in place
+            return STOPPED_BY_SIGNAL + signal.SIGINT
+        except BaseException as exc:
+            failure = None if self.serving else startup_failure(exc)
+            if failure is None:
+                raise
+            print(f"narwhal: {failure}", file=sys.stderr)
+            return 1
+        return self.status

@@ -1,4 +1,4 @@
-"""The journal file: JSON Lines appended with ``write(2)`` of whole lines (SPEC §5).
+"""The journal file: JSON Lines appended with ``write(2)`` of whole lines (docs/operate.md).
 
 The file is opened for appending without a user-space buffer: what
 :meth:`JournalWriter.write` (one record) or :meth:`JournalWriter.write_lines`

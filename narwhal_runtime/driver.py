@@ -1,0 +1,343 @@
+"""The driver: what both runtime adapters do after an event that is not I/O.
+
+The router (:mod:`narwhal_core`) turns events into commands. Between it and
+the sockets sits this driver, sans-IO like the router: it owns no socket and
+reads no clock (``now=`` is passed in). An adapter hands it each event
+(:meth:`Driver.feed`) and each due timer (:meth:`Driver.fire_timer`); the
+driver drains the router's commands into one *batch*, and when the adapter
+decides the batch is over (at the end of a scheduler batch or loop
+iteration, or at once under light load) it calls :meth:`Driver.flush` with
+an :class:`Effects` object that performs the I/O. The driver decides:
+
+* **the order of effects** (docs/design.md): the batch's journal records
+  first, in one write, then its process-log lines, then the engine commands
+  (leg starts, finishes, cancels, control requests) and the queued leg
+  requests, then the clients' bytes. So a journal record is in the file
+  before the answer or the leg it describes leaves the process (the
+  contract of narwhal_runtime/journal_writer.py);
+* **per-client write coalescing**: all the bytes a client got in a batch
+  leave in one send, closing it (a lingering close, :data:`LINGER_S`) after
+  them when the router said so;
+* **error containment**: an exception raised by the router while it handles
+  an event, a timer or while its commands are drained ends what the event
+  concerned (500 ``internal_error``, its journal record) and never reaches
+  the adapter (:func:`contain`);
+* **journal health**: a journal write that starts or stops failing is fed
+  back to the router (``/ready``), within the same flush;
+* **the timer**: only a deadline earlier than the armed one re-arms it;
+* **busy polling** (:class:`BusyPoll`).
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Hashable
+from typing import Any, Protocol
+
+from narwhal_core import (
+    CancelLeg,
+    CloseClient,
+    Event,
+    FinishLeg,
+    JournalHealth,
+    Log,
+    Router,
+    ShutdownComplete,
+    StartControl,
+    StartLeg,
+    Transmit,
+    WriteJournal,
+)
+
+__all__ = [
+    "Driver", "Effects", "EngineCommands", "BusyPoll", "contain", "keep_lingering",
+    "HIGH_WATER", "LINGER_S", "LINGER_BYTES",
+]
+
+# Client-socket policy both runtimes follow.
+
+#: Bytes queued for one client beyond which what feeds it (an engine leg
+#: relaying a stream) waits: trio's feeding task waits for the writer,
+#: asyncio stops reading the legs.
+HIGH_WATER = 1 << 20
+#: After Narwhal closes a connection (an error answer, ``connection: close``):
+#: how long, and for how many bytes, it goes on reading and discarding what
+#: the client still sends, its own side already shut, before closing the
+#: socket. Closing with unread bytes makes the kernel reset the connection,
+#: and the client could lose the answer (a 413 or 503 in the middle of an
+#: upload) before reading it.
+LINGER_S = 2.0
+LINGER_BYTES = 4 << 20
+
+
+def keep_lingering(discarded: int) -> bool:
+    """During a lingering close: go on dropping what the client sends, having dropped ``discarded`` bytes?"""
+    return discarded <= LINGER_BYTES
+
+
+class EngineCommands(Protocol):
+    """The engine side of an adapter (its ``Engines``), as the driver calls it."""
+
+    def start_leg(self, cmd: StartLeg) -> None: ...
+    def finish_leg(self, key: str, reusable: bool) -> None: ...
+    def cancel_leg(self, key: str) -> None: ...
+    def start_control(self, cmd: StartControl) -> None: ...
+
+
+class Effects(Protocol):
+    """The I/O an adapter performs for :meth:`Driver.flush`, called in this order."""
+
+    def write_journal(self, lines: list[bytes]) -> tuple[bool, str | None]:
+        """Append the records (one write); whether the journal is healthy, and its error if not."""
+
+    def log(self, event: str, fields: dict[str, Any]) -> None:
+        """Write one process-log line."""
+
+    @property
+    def engines(self) -> EngineCommands | None:
+        """Where leg and control commands go (the adapter's ``Engines``; set once it serves)."""
+
+    def write_legs(self) -> None:
+        """Write the leg requests queued on pooled engine connections."""
+
+    def send(self, conn: Any, data: bytes, close: bool) -> None:
+        """Send ``data`` (maybe empty) to client ``conn``; then close it (lingering) if ``close``."""
+
+
+def contain(router: Router, event: Event | None, exc: Exception) -> list[tuple[str, dict[str, Any]]]:
+    """The router raised while handling ``event`` (``None``: a timer): end what it was about.
+
+    The request the event belongs to (if any) ends as ``failed`` with 500
+    ``internal_error`` and its terminal record (docs/contract.md); the router
+    logs the error once, with its traceback (``internal_error``). Returns
+    the log lines left for the adapter to write: one, if the router could
+    not even contain the failure.
+    """
+    problem = f"{type(exc).__name__}: {exc}"
+    trace = "".join(traceback.format_exception(exc))
+    try:
+        router.contain_failure(event, problem, trace)
+    except Exception as again:  # noqa: BLE001 - the router is broken beyond one request
+        return [("internal_error", {
+            "level": "error", "rid": None, "problem": problem,
+            "during": "deadline" if event is None else type(event).__name__, "traceback": trace,
+            "containment": f"{type(again).__name__}: {again}",
+        })]
+    return []
+
+
+class Driver:
+    """Feeds a :class:`~narwhal_core.Router` and gathers what it asks for into ordered batches."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self._journal: list[bytes] = []
+        self._logs: list[tuple[str, dict[str, Any]]] = []
+        self._engine: list[StartLeg | FinishLeg | CancelLeg | StartControl] = []
+        #: Each client's bytes in this batch, in order; a client closed in it has an entry too.
+        self._outboxes: dict[Hashable, list[bytes]] = {}
+        #: The clients the router closed in this batch.
+        self._closes: set[Hashable] = set()
+        self._journal_ok = True
+        #: The time of the last event or timer fed.
+        self._now = 0.0
+        #: Clients the last :meth:`feed` transmitted to (trio's backpressure looks at them).
+        self.transmitted: list[Any] = []
+        #: The router said every connection is closed and the drain is over.
+        self.shutdown_complete = False
+        #: The deadline the adapter's timer is armed for (``inf``: none).
+        self.armed = math.inf
+        #: Set by a drain that moved the deadline earlier: arm the timer for it.
+        self.rearm = False
+        #: Drains so far (the trio adapter tells light load from heavy by it).
+        self.drains = 0
+
+    # ------------------------------------------------------------ the router
+
+    def feed(self, event: Event, *, now: float) -> None:
+        """Hand the router one event and gather its commands; nothing it raises escapes."""
+        self.transmitted.clear()
+        self._now = now
+        try:
+            self.router.receive(event, now=now)
+            self._take_commands()
+        except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
+            self._contain(event, exc)
+        self._deadline()
+
+    def fire_timer(self, *, now: float) -> None:
+        """The armed deadline is due: let the router handle it, gather its commands."""
+        self.armed = math.inf
+        self._now = now
+        try:
+            self.router.handle_deadline(now=now)
+            self._take_commands()
+        except Exception as exc:  # noqa: BLE001 - one bad timer must not stop the server
+            self._contain(None, exc)
+        self._deadline()
+
+    def drain(self) -> None:
+        """Gather what the router queued on its own (at start: the first health probes)."""
+        try:
+            self._take_commands()
+        except Exception as exc:  # noqa: BLE001
+            self._contain(None, exc)
+        self._deadline()
+
+    def _contain(self, event: Event | None, exc: Exception) -> None:
+        # Raised by receive, handle_deadline or next_output (then the commands
+        # not yet taken stay queued): end what the event was about, then take
+        # what is queued, once more.
+        self._logs += contain(self.router, event, exc)
+        try:
+            self._take_commands()
+        except Exception as again:  # noqa: BLE001 - the router is broken beyond one request
+            self._logs.append(("internal_error", {
+                "level": "error", "rid": None, "problem": f"{type(again).__name__}: {again}", "during": "drain"}))
+
+    def _deadline(self) -> None:
+        self.drains += 1
+        deadline = self.router.get_deadline()
+        if deadline is not None and deadline < self.armed:
+            # Only an earlier deadline re-arms; a later one waits for this one to fire.
+            self.armed = deadline
+            self.rearm = True
+
+    def _take_commands(self) -> None:
+        next_output = self.router.next_output
+        outboxes = self._outboxes
+        transmitted = self.transmitted
+        while (cmd := next_output()) is not None:
+            kind = type(cmd)
+            if kind is Transmit:
+                conn = cmd.conn  # type: ignore[union-attr]
+                parts = outboxes.get(conn)
+                if parts is None:
+                    outboxes[conn] = [cmd.data]  # type: ignore[union-attr]
+                elif not (self._closes and conn in self._closes):  # nothing after the close
+                    parts.append(cmd.data)  # type: ignore[union-attr]
+                transmitted.append(conn)
+            elif kind is WriteJournal:
+                self._journal.append(cmd.line)  # type: ignore[union-attr]
+            elif kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl:
+                self._engine.append(cmd)  # type: ignore[arg-type]
+            elif kind is CloseClient:
+                conn = cmd.conn  # type: ignore[union-attr]
+                if conn not in outboxes:
+                    outboxes[conn] = []
+                self._closes.add(conn)
+            elif kind is Log:
+                self._logs.append((cmd.event, cmd.fields))  # type: ignore[union-attr]
+            elif kind is ShutdownComplete:
+                self.shutdown_complete = True
+
+    # ------------------------------------------------------------- the batch
+
+    def pending(self) -> bool:
+        """Something waits for :meth:`flush`."""
+        return bool(self._journal or self._outboxes or self._engine or self._logs)
+
+    def closing(self, conn: Any) -> bool:
+        """The router closed ``conn`` in this batch (its close is not performed yet)."""
+        return conn in self._closes
+
+    def pending_bytes(self, conn: Any) -> int:
+        """Bytes for ``conn`` waiting in this batch."""
+        return sum(len(part) for part in self._outboxes.get(conn, ()))
+
+    def flush(self, out: Effects, *, now: float | None = None) -> None:
+        """Perform the batch through ``out``: journal, logs, engines, legs, then clients.
+
+        An effect that feeds the router again (journal health, a client
+        admitted when a slot frees) adds to the batch; the loop runs until
+        nothing is left, keeping the order for what was added. A change of
+        the journal's health is fed at ``now``, by default the time of the
+        last event fed (the batch's; reading the clock per flush would cost
+        more than it tells).
+        """
+        if now is None:
+            now = self._now
+        while True:
+            if self._journal:
+                lines, self._journal = self._journal, []
+                ok, error = out.write_journal(lines)
+                if ok != self._journal_ok:
+                    self._journal_ok = ok
+                    self.feed(JournalHealth(ok, error), now=now)
+                    continue  # the health change's own records go first
+            if self._logs:
+                logs, self._logs = self._logs, []
+                for event, fields in logs:
+                    out.log(event, fields)
+            if self._engine:
+                commands, self._engine = self._engine, []
+                engines = out.engines
+                assert engines is not None  # the router starts nothing before the adapter serves
+                for cmd in commands:
+                    kind = type(cmd)
+                    if kind is StartLeg:
+                        engines.start_leg(cmd)  # type: ignore[arg-type]
+                    elif kind is FinishLeg:
+                        engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
+                    elif kind is CancelLeg:
+                        engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
+                    else:
+                        engines.start_control(cmd)  # type: ignore[arg-type]
+                out.write_legs()
+            outboxes = self._outboxes
+            if outboxes:
+                self._outboxes = {}
+                closes = self._closes
+                send = out.send
+                if closes:
+                    self._closes = set()
+                    for conn, parts in outboxes.items():
+                        send(conn, parts[0] if len(parts) == 1 else b"".join(parts), conn in closes)
+                else:
+                    for conn, parts in outboxes.items():
+                        send(conn, parts[0] if len(parts) == 1 else b"".join(parts), False)
+            if not (self._journal or self._outboxes or self._engine or self._logs):
+                return
+
+
+class BusyPoll:
+    """``ingress.busy_poll_us``: keep the loop polling, not sleeping, for a while after each event.
+
+    Each event fed opens (or extends) a window of ``seconds`` on the real
+    clock (it stands for CPU spent; a test's mock clock does not move while
+    a task is runnable); while the window is open the adapter keeps
+    something runnable, so its wait for I/O returns at once and a socket
+    that becomes ready is served without the process being woken.
+    """
+
+    __slots__ = ("seconds", "until", "polling", "polls")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.until = 0.0
+        #: The adapter's poller is running (or woken).
+        self.polling = False
+        #: Loop iterations (trio: scheduler batches) spent polling, so far.
+        self.polls = 0
+
+    def event_fed(self, now: float) -> bool:
+        """An event was fed at ``now``: open the window; ``True`` if the poller must be started."""
+        self.until = now + self.seconds
+        if self.polling:
+            return False
+        self.polling = True
+        return True
+
+    def keep_polling(self, now: float) -> bool:
+        """One more turn of polling at ``now``? (``False`` ends it until the next event.)"""
+        if now < self.until:
+            self.polls += 1
+            return True
+        self.polling = False
+        return False
+
+    def stop(self) -> None:
+        """Shutting down: no more polling."""
+        self.seconds = 0.0
+        self.until = 0.0

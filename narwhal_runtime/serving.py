@@ -1,0 +1,75 @@
+"""The half of each runtime's ``Server`` that does not depend on its event loop.
+
+Both adapters subclass :class:`ServerBase`: it builds the router and its
+driver, opens the journal (a failure is a start-up error), performs the
+effects that are the same on both runtimes (the journal write, process-log
+lines, the queued leg requests) and turns SIGHUP into the router's new
+authenticator. What is left in each adapter is its loop: accept, read,
+write, connect, sleep, signals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, Router
+
+from .app import build_router, journal_failure, load_authenticator
+from .driver import BusyPoll, Driver
+from .log import log_event
+
+__all__ = ["ServerBase"]
+
+
+class ServerBase:
+    """Router, driver, journal and the loop-independent effects of one server."""
+
+    #: Set by the adapter once serving (its engine connections).
+    engines: Any
+
+    def __init__(self, config: Config, router: Router | None, *, now: float,
+                 journal_file: Callable[[str, str, float], Any]) -> None:
+        self.config = config
+        self.router = router or build_router(config, now=now)
+        self.driver = Driver(self.router)
+        try:
+            self.journal = journal_file(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
+        except OSError as exc:
+            raise journal_failure(config.journal.path, exc) from None
+        self.engines = None
+        #: The address the server listens on, once started.
+        self.address: tuple[str, int] | None = None
+        self._busy = BusyPoll(config.ingress.busy_poll_us / 1e6)
+
+    @property
+    def busy_polls(self) -> int:
+        """Loop iterations (trio: scheduler batches) spent busy polling, so far."""
+        return self._busy.polls
+
+    def reload_keys(self) -> None:
+        """Re-read the API keys file (SIGHUP); a bad file keeps the old keys and logs why."""
+        if self.engines is None:
+            return  # not serving yet
+        try:
+            authenticator = load_authenticator(self.config)
+        except ConfigError as exc:
+            log_event("keys_reload_failed", error=exc.message)
+            return
+        self._feed_now(AuthenticatorChanged(authenticator))
+
+    def _feed_now(self, event: Event) -> None:
+        raise NotImplementedError
+
+    # Effects (narwhal_runtime.driver.Effects) that are the same on both runtimes.
+
+    def write_journal(self, lines: list[bytes]) -> tuple[bool, str | None]:
+        writer = self.journal.writer
+        return writer.write_lines(lines), writer.error
+
+    def log(self, event: str, fields: dict[str, Any]) -> None:
+        log_event(event, **fields)
+
+    def write_legs(self) -> None:
+        if self.engines is not None and self.engines.unsent:
+            self.engines.write_unsent()
