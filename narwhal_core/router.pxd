@@ -27,8 +27,8 @@ cdef class _Request:
 
 cdef class Router:
     cdef public object config, fleet, admission, stats
-    cdef public object _auth, _auth_header, _buffered, _codec, _compact_at, _conns, _controls, _draining
+    cdef public object _auth, _auth_header, _buffered, _codec, _conns, _controls, _draining
     cdef public object _first_phase, _journal_ok, _journal_problem, _legs, _max_buffered, _mode, _model
-    cdef public object _names, _no_kv_warned, _now, _out, _pd, _phases, _probe_seq, _pump, _render_metrics, _requests
-    cdef public object _retry_after, _rid, _secret, _seq, _shortage_logged, _shortages, _shutdown_reported
+    cdef public object _names, _no_kv_warned, _now, _out, _pd, _phases, _probe_seq, _probe_timers, _pump, _render_metrics, _requests
+    cdef public object _request_timer_actions, _retry_after, _rid, _secret, _shortage_logged, _shortages, _shutdown_reported
     cdef public object _slot_waiters, _timers, _transitions, _wall_offset

@@ -16,7 +16,6 @@ adapters move bytes only. Each completion request walks the table in
 
 from __future__ import annotations
 
-import heapq
 import math
 import zlib
 from collections import deque
@@ -86,6 +85,7 @@ from .planning import (
     release_unconfirmed,
 )
 from .stats import Stats
+from .timers import Timer, Timers
 
 __all__ = ["Router", "RouterStatistics"]
 
@@ -98,7 +98,6 @@ _CLOSE: Final = (b"connection", b"close")
 _COMPLETION_ROUTES: Final[dict[str, Route]] = {COMPLETIONS: COMPLETIONS, CHAT: CHAT}
 _GET_ROUTES: Final = frozenset({"/v1/models", "/health", "/ready", "/metrics"})
 _CLIENT_GONE_STATUS: Final = 499
-_MIN_COMPACT: Final = 4096
 _REDACTED: Final = b"[redacted]"
 #: A KV record's ``error`` when the abort endpoint found nothing to free.
 NOTHING_HELD: Final = (
@@ -180,7 +179,7 @@ class _Conn:
         self.rid: str | None = None
         #: When the connection gives up waiting for the client (lazy timer).
         self.read_deadline = 0.0
-        self.timer: list[Any] | None = None
+        self.timer: Timer | None = None
         self.armed = 0.0
         self.closed = False
         #: Bytes of a next request have arrived.
@@ -229,7 +228,7 @@ class _Leg:
         self.started = started
         self.data = data
         self.deadline = deadline
-        self.timer: list[Any] | None = None
+        self.timer: Timer | None = None
         self.armed = 0.0
         self.status: int | None = None
         self.body: list[bytes] = []
@@ -290,7 +289,7 @@ class _Request:
         self.status: int | None = None
         self.error: ErrorRecord | None = None
         self.usage: dict[str, Any] | None = None
-        self.timers: dict[str, list[Any]] = {}
+        self.timers: dict[str, Timer] = {}
         #: The last prefill handed off no KV: the decode leg runs as a plain
         #: request (docs/operate.md, "Prefill answers without KV").
         self.plain_decode = False
@@ -363,11 +362,9 @@ class Router:
         self._legs: dict[str, _Leg] = {}
         self._controls: dict[str, tuple[str, Any]] = {}
         self._slot_waiters: dict[str, deque[str]] = {PREFILL: deque(), DECODE: deque()}
-        #: Heap of ``[when, seq, kind, owner]``; an owner of ``None`` marks an
-        #: entry cancelled (it is skipped, and dropped by compaction).
-        self._timers: list[list[Any]] = []
-        self._compact_at = _MIN_COMPACT
-        self._seq = 0
+        self._timers: Final = Timers()
+        #: Each engine's next health probe (cancelled when shutdown begins).
+        self._probe_timers: dict[EngineState, Timer] = {}
         self._out: deque[Command] = deque()
         #: Connections whose response just finished: serve their next
         #: (pipelined) request once the current event is handled.
@@ -389,6 +386,11 @@ class Router:
         #: The lifecycle table with its handlers bound once, not looked up per input.
         self._transitions: Final = {
             key: (getattr(self, handler), handler, allowed) for key, (handler, allowed) in TRANSITIONS.items()
+        }
+        #: What each kind of request timer does when its time comes.
+        self._request_timer_actions: Final[dict[str, Callable[[_Request], None]]] = {
+            "deadline": self._deadline_passed, "queue": self._queue_wait_over,
+            "wake": self._backoff_over, "lease": self._lease_running_short,
         }
         # Every engine is probed at once: /ready waits for answers (docs/operate.md).
         for engine in self.fleet.all():
@@ -453,19 +455,16 @@ class Router:
 
     def get_deadline(self) -> float | None:
         """When :meth:`handle_deadline` should next be called, or ``None``."""
-        timers = self._timers
-        while timers and not self._timer_live(timers[0]):
-            heapq.heappop(timers)
-        return timers[0][0] if timers else None
+        return self._timers.deadline()
 
     def handle_deadline(self, *, now: float) -> None:
         """Fire every timer due at ``now``."""
         self._now = now
         timers = self._timers
-        while timers and timers[0][0] <= now:
-            entry = heapq.heappop(timers)
-            if self._timer_live(entry):
-                self._fire_timer(entry)
+        timer = timers.pop_due(now)
+        while timer is not None:
+            timer.action(timer.owner)
+            timer = timers.pop_due(now)
         if self._pump:
             self._serve_pipelined()
 
@@ -495,75 +494,57 @@ class Router:
 
     # --------------------------------------------------------------- timers
 
-    def _arm(self, kind: str, owner: Any, when: float) -> list[Any]:
-        self._seq += 1
-        entry = [when, self._seq, kind, owner]
-        timers = self._timers
-        heapq.heappush(timers, entry)
-        if len(timers) > self._compact_at:
-            # Cancelled entries would otherwise stay until their time comes.
-            timers[:] = [e for e in timers if self._timer_live(e)]
-            heapq.heapify(timers)
-            self._compact_at = max(_MIN_COMPACT, 4 * len(timers))
-        return entry
-
     @staticmethod
-    def _disarm(entry: list[Any] | None) -> None:
-        # Drop the owner now, so a finished request or leg is not kept alive
-        # by its timer until the timer's time comes.
-        if entry is not None:
-            entry[3] = None
+    def _disarm(timer: Timer | None) -> None:
+        if timer is not None:
+            timer.cancel()
 
     def _arm_request(self, req: _Request, kind: str, when: float) -> None:
         self._disarm(req.timers.get(kind))
-        req.timers[kind] = self._arm(kind, req, when)
+        req.timers[kind] = self._timers.arm(when, self._request_timer_actions[kind], req)
 
     def _disarm_request(self, req: _Request, *kinds: str) -> None:
         for kind in kinds or tuple(req.timers):
             self._disarm(req.timers.pop(kind, None))
 
-    def _timer_live(self, entry: list[Any]) -> bool:
-        if entry[3] is None:
-            return False
-        return entry[2] != "probe" or not self._draining
-
-    def _fire_timer(self, entry: list[Any]) -> None:
-        when, _, kind, owner = entry
-        now = self._now
-        if kind == "conn":
-            conn: _Conn = owner
-            conn.timer = None
-            if conn.rid is not None:
-                pass  # a request runs: its own deadlines apply
-            elif conn.read_deadline > now:
-                self._conn_deadline(conn, conn.read_deadline)
-            else:
-                self._read_timeout(conn)
-        elif kind == "leg":
-            leg: _Leg = owner
-            leg.timer = None
-            if leg.deadline > now:
-                self._leg_deadline(leg, leg.deadline)
-            elif leg.outcome is not None:
-                self._drop_tail(leg)  # a finished stream's body that never ended
-            elif not leg.held:  # (held: re-armed when its client catches up)
-                self._leg_broke(leg, "timeout")
-        elif kind == "probe":
-            self._probe(owner)
-        elif kind == "shutdown":
-            self._abandon_all()
-            self._check_shutdown()
+    def _conn_timer_fired(self, conn: _Conn) -> None:
+        conn.timer = None
+        if conn.rid is not None:
+            pass  # a request runs: its own deadlines apply
+        elif conn.read_deadline > self._now:
+            self._conn_deadline(conn, conn.read_deadline)
         else:
-            req: _Request = owner
-            del req.timers[kind]
-            if kind == "deadline":
-                self._fire(req, Input.DEADLINE)
-            elif kind == "queue":
-                self._fire(req, Input.QUEUE_TIMEOUT)
-            elif kind == "wake":
-                self._fire(req, Input.WAKE)
-            elif kind == "lease" and req.state is State.DECODE_WAIT:
-                self._fire(req, Input.WAKE)  # its KV's lease runs short: _start_leg prefills it again
+            self._read_timeout(conn)
+
+    def _leg_timer_fired(self, leg: _Leg) -> None:
+        leg.timer = None
+        if leg.deadline > self._now:
+            self._leg_deadline(leg, leg.deadline)
+        elif leg.outcome is not None:
+            self._drop_tail(leg)  # a finished stream's body that never ended
+        elif not leg.held:  # (held: re-armed when its client catches up)
+            self._leg_broke(leg, "timeout")
+
+    def _deadline_passed(self, req: _Request) -> None:
+        del req.timers["deadline"]
+        self._fire(req, Input.DEADLINE)
+
+    def _queue_wait_over(self, req: _Request) -> None:
+        del req.timers["queue"]
+        self._fire(req, Input.QUEUE_TIMEOUT)
+
+    def _backoff_over(self, req: _Request) -> None:
+        del req.timers["wake"]
+        self._fire(req, Input.WAKE)
+
+    def _lease_running_short(self, req: _Request) -> None:
+        del req.timers["lease"]
+        if req.state is State.DECODE_WAIT:
+            self._fire(req, Input.WAKE)  # its KV's lease runs short: _start_leg prefills it again
+
+    def _grace_over(self, _: object) -> None:
+        self._abandon_all()
+        self._check_shutdown()
 
     # ----------------------------------------------------- client connections
 
@@ -593,14 +574,14 @@ class Router:
         if conn.timer is None or when < conn.armed:
             self._disarm(conn.timer)
             conn.armed = when
-            conn.timer = self._arm("conn", conn, when)
+            conn.timer = self._timers.arm(when, self._conn_timer_fired, conn)
 
     def _leg_deadline(self, leg: _Leg, when: float) -> None:
         leg.deadline = when
         if leg.timer is None or when < leg.armed:
             self._disarm(leg.timer)
             leg.armed = when
-            leg.timer = self._arm("leg", leg, when)
+            leg.timer = self._timers.arm(when, self._leg_timer_fired, leg)
 
     def _client_stalled(self, conn: _Conn, stalled: bool) -> None:
         # The adapter holds back the leg feeding a client that is not
@@ -1956,7 +1937,9 @@ class Router:
                               reason=reason or "no answer")
                 change = self._engine_failed(engine, reason or "no answer")
             if not self._draining:
-                self._arm("probe", engine, self._now + self.config.health.probe_interval_s)
+                self._probe_timers[engine] = self._timers.arm(
+                    self._now + self.config.health.probe_interval_s, self._probe, engine
+                )
             if change == "up":
                 self._log("engine_up", engine=engine.url, phase=engine.phase)
                 self._wake_slot_waiter(engine.phase)
@@ -2049,7 +2032,10 @@ class Router:
         for conn in list(self._conns.values()):
             if conn.rid is None and not conn.codec.in_response and not conn.codec.has_partial_request:
                 self._close(conn)
-        self._arm("shutdown", self, self._now + self.config.shutdown.grace_s)
+        for timer in self._probe_timers.values():
+            timer.cancel()  # no more probes: the engines' health no longer matters
+        self._probe_timers.clear()
+        self._timers.arm(self._now + self.config.shutdown.grace_s, self._grace_over, self)
         self._check_shutdown()
 
     def _abandon_all(self) -> None:
