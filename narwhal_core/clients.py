@@ -1,3 +1,5 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """Client connections: reading requests, their time limits and memory budget, and the answers of no request.
 
 :class:`Clients` owns every client connection's server codec. It reads a
@@ -17,14 +19,13 @@ from typing import TYPE_CHECKING, Final
 
 from . import journal, wire
 from .auth import Authenticator
-from .context import JSON_HEADER, Context
+from .context import JSON_HEADER, Context, error_record
 from .contract import CHAT, COMPLETIONS, AcceptedRequest, Route
 from .errors import AuthError, NarwhalError, RemoteProtocolError
 from .events import ClientConnected, CloseClient, Transmit
 from .http1 import NEED_DATA, ConnectionClosed, ContinueExpected, HttpRequest, ServerCodec
 from .ids import sanitize_client_rid
 from .journal import Terminal
-from .requests import error_record
 
 if TYPE_CHECKING:
     from .requests import Requests

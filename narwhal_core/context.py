@@ -1,3 +1,5 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """What the router's parts share: the configuration, the clock's last reading, the command queue.
 
 The :class:`~narwhal_core.router.Router` is a dispatcher over parts with one
@@ -16,18 +18,23 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from . import journal
 from .config import Config, EngineAddress
+from .errors import NarwhalError
 from .events import Command, Log, WriteJournal
 from .fleet import Admission, Fleet
 from .http1 import Codec
 from .ids import DECODE, PREFILL, Phase
+from .journal import ErrorRecord
 from .stats import Stats
 from .timers import Timers
 
-__all__ = ["Context", "JSON_HEADER"]
+if TYPE_CHECKING:
+    from .legs import Leg
+
+__all__ = ["Context", "JSON_HEADER", "error_record"]
 
 JSON_HEADER: Final = (b"content-type", b"application/json")
 
@@ -130,3 +137,11 @@ class Context:
                 # Never reached yet (a typo'd host looks healthy until its probes fail).
                 problems.append(f"no {phase} engine has answered yet")
         return problems
+
+
+def error_record(error: NarwhalError, leg: Leg | None = None) -> ErrorRecord:
+    """The ``error`` of a terminal record: what the client was told, and the leg and engine to blame."""
+    return ErrorRecord(
+        type=error.type, code=error.code, param=error.param, message=error.message,
+        leg=None if leg is None else leg.phase, engine=None if leg is None else leg.engine.url,
+    )

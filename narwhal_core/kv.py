@@ -1,3 +1,5 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """The KV ledger: what each prefill handed off, who pulled it, and its release (docs/operate.md).
 
 A prefill leg's answer names the KV its engine now holds (a
@@ -169,6 +171,10 @@ class KvLedger:
         req.pending_releases += 1
         self.releases[key] = (req, kv)
         self.ctx.out.append(command)
+
+    def release_before_lease_ends(self, req: Request) -> None:
+        """Release the request's KV now: no decode engine had room before its ``start_by``."""
+        self.release(req, LEASE_SHORT + ": no decode engine had room in time")
 
     def _abort(self, key: str, kv: Kv) -> StartControl:
         """The prefill engine's abort endpoint, asked to free the KV (``abort_endpoint``)."""

@@ -1,3 +1,5 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """Engine legs: one HTTP request to a prefill or decode engine each, from start to verdict.
 
 :class:`Legs` starts a request's leg on the engine the fleet chose, reads its
@@ -7,13 +9,11 @@ amounts to), and accounts for the leg's end on its engine. It also keeps a
 finished stream's connection read to its end (the "tail"), the prefill legs
 left running for a client that went away so that their KV can be released
 (the "orphans"), and the one re-send of a leg whose pooled connection the
-engine had closed. :class:`SlotQueue` holds the requests waiting for an
-engine's free slot.
+engine had closed.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING, Final
 
 from . import wire
@@ -22,7 +22,7 @@ from .events import CancelLeg, FinishLeg, LegFailed, StartLeg
 from .http1 import NEED_DATA, BodyData, EngineCodec, ResponseEnd, ResponseHead
 from .ids import DECODE, PREFILL, Phase, backend_id
 from .journal import LegOutcome
-from .lifecycle import Input, LegAnswer, LegFailure, LegRefusal, State
+from .states import Input, LegAnswer, LegFailure, LegRefusal, State
 from .planning import (
     PrefillAnswerError,
     SseRelay,
@@ -39,9 +39,10 @@ if TYPE_CHECKING:
     from .kv import Kv, KvLedger
     from .lifecycle import Lifecycle
     from .requests import Request, Requests
+    from .slots import SlotQueue
     from .timers import Timer
 
-__all__ = ["Leg", "Legs", "SlotQueue"]
+__all__ = ["Leg", "Legs"]
 
 _REDACTED: Final = b"[redacted]"
 # An engine's 4xx that is not a verdict on the client's request: a timeout or
@@ -534,73 +535,3 @@ class Legs:
             if leg.orphan and leg.outcome is None:
                 self.cancel(leg)
 
-
-class SlotQueue:
-    """Requests waiting for a free slot on an engine of a phase, oldest first (docs/operate.md, "KV leases").
-
-    Prefilled requests waiting for a decode engine go first: while one
-    waits, no new prefill starts (its KV's lease runs).
-    """
-
-    __slots__ = ("ctx", "waiting", "requests", "lifecycle")
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx: Final = ctx
-        self.waiting: Final[dict[str, deque[str]]] = {PREFILL: deque(), DECODE: deque()}
-
-    def connect(self, *, requests: Requests, lifecycle: Lifecycle) -> None:
-        """The parts this one calls."""
-        self.requests = requests
-        self.lifecycle = lifecycle
-
-    def wait(self, req: Request, phase: Phase) -> None:
-        """The request waits for a slot on an engine of ``phase``."""
-        req.waiting_for_slot = True
-        req.retry_phase = phase
-        self.waiting[phase].append(req.rid)
-
-    def wake(self, phase: Phase) -> None:
-        """A slot freed up on an engine of ``phase``: the oldest request waiting for one takes it."""
-        waiters = self.waiting[phase]
-        if phase == PREFILL and self.ctx.pd and self.decode_backlog():
-            return  # prefilled requests waiting for a decode engine go first
-        active = self.requests.active
-        while waiters:
-            req = active.get(waiters.popleft())
-            if (
-                req is not None
-                and req.waiting_for_slot
-                and req.retry_phase == phase
-                and req.state in (State.PREFILL_WAIT, State.DECODE_WAIT)
-            ):
-                self.lifecycle.fire(req, Input.WAKE)
-                leg = req.leg
-                if (leg is not None and leg.phase == phase) or (req.waiting_for_slot and req.retry_phase == phase):
-                    break  # it took the slot (or found none)
-                # It went elsewhere (its KV's lease ran short: prefilled again): the slot is still free.
-        if phase == DECODE and self.waiting[PREFILL]:
-            self.wake_prefills()
-
-    def decode_backlog(self) -> bool:
-        """Whether a prefilled request waits for a decode engine's slot (the head of its queue; stale heads dropped)."""
-        waiters = self.waiting[DECODE]
-        active = self.requests.active
-        while waiters:
-            req = active.get(waiters[0])
-            if (
-                req is not None
-                and req.waiting_for_slot
-                and req.retry_phase == DECODE
-                and req.state is State.DECODE_WAIT
-            ):
-                return True
-            waiters.popleft()
-        return False
-
-    def wake_prefills(self) -> None:
-        """Start the prefills held back behind the decode backlog, as many as the prefill engines take."""
-        waiters = self.waiting[PREFILL]
-        for _ in range(len(waiters)):
-            if not waiters or (self.ctx.pd and self.decode_backlog()) or not self.ctx.fleet.has_room(PREFILL):
-                return
-            self.wake(PREFILL)

@@ -1,3 +1,5 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """One request's lifecycle: a table of (state, input) -> handler, and the handlers (like h2's state machine).
 
 ``TRANSITIONS[(state, input)]`` is the :class:`Lifecycle` method that handles
@@ -26,22 +28,20 @@ still in flight; the terminal record waits for their outcome.
 
 from __future__ import annotations
 
-import enum
 import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
-import attrs
-
 from .errors import NarwhalError, TransitionError
 from .ids import DECODE, PREFILL, Phase
-from .kv import LEASE_SHORT
 from .planning import merge_answers
+from .states import Input, InputData, LegAnswer, LegFailure, LegRefusal, State
 
 if TYPE_CHECKING:
     from .context import Context
     from .kv import Kv, KvLedger
-    from .legs import Leg, Legs, SlotQueue
+    from .legs import Leg, Legs
+    from .slots import SlotQueue
     from .requests import Request, Requests
 
 __all__ = ["State", "Input", "LegAnswer", "LegRefusal", "LegFailure", "Lifecycle", "TRANSITIONS"]
@@ -56,81 +56,6 @@ _GIVE_UP: Final[dict[str, tuple[int, str]]] = {
 }
 
 
-class State(enum.Enum):
-    """Where a completion request is."""
-
-    # Members are singletons: identity hashing is correct and skips Enum's
-    # Python-level __hash__ on every table lookup.
-    __hash__ = object.__hash__
-
-    QUEUED = "queued"
-    PREFILL = "prefill"
-    PREFILL_WAIT = "prefill_wait"
-    DECODE = "decode"
-    DECODE_WAIT = "decode_wait"
-    STREAMING = "streaming"
-    RELEASING = "releasing"
-    DONE = "done"
-
-
-class Input(enum.Enum):
-    """What can happen to a completion request."""
-
-    # Members are singletons: identity hashing is correct and skips Enum's
-    # Python-level __hash__ on every table lookup.
-    __hash__ = object.__hash__
-
-    #: A global admission slot was granted to a queued request.
-    ADMIT = "admit"
-    #: The current leg's answer is complete and good.
-    LEG_OK = "leg_ok"
-    #: The engine refused the leg with a 4xx (relayed, never retried).
-    LEG_REFUSED = "leg_refused"
-    #: The current leg failed (5xx, connection, timeout, unusable answer).
-    LEG_FAILED = "leg_failed"
-    #: The first bytes of a streamed answer went to the client.
-    FIRST_BYTES = "first_bytes"
-    #: A retry's backoff ended, or an engine slot freed up.
-    WAKE = "wake"
-    #: The request waited in the admission queue too long.
-    QUEUE_TIMEOUT = "queue_timeout"
-    #: The whole-request deadline passed.
-    DEADLINE = "deadline"
-    #: The client disconnected.
-    CLIENT_GONE = "client_gone"
-    #: Every pending KV release finished.
-    RELEASED = "released"
-    #: Shutdown's grace period ran out.
-    ABANDON = "abandon"
-
-
-
-@attrs.frozen
-class LegAnswer:
-    """``LEG_OK`` with a whole (not streamed) decode answer, normalised."""
-
-    answer: dict[str, Any]
-
-
-@attrs.frozen
-class LegRefusal:
-    """``LEG_REFUSED``: the engine judged the request itself bad (a 4xx that is the client's)."""
-
-    error: NarwhalError
-    leg: Leg
-
-
-@attrs.frozen
-class LegFailure:
-    """``LEG_FAILED``: why the current leg failed, and, for an unusable prefill answer, the error."""
-
-    reason: str
-    leg: Leg
-    error: NarwhalError | None = None
-
-
-#: What an input carries to its handler.
-InputData = LegAnswer | LegRefusal | LegFailure | None
 #: A row's handler: the :class:`Lifecycle` method, unbound.
 Handler = Callable[["Lifecycle", "Request", Any], State]
 
@@ -264,7 +189,7 @@ class Lifecycle:
             "kv_lease_short", level="warning", rid=req.rid, engine=kv.engine.url, owner=kv.handoff.owner,
             kv_lease_s=ctx.config.engine.kv_lease_s, then="prefill again" if retry else "fail 503",
         )
-        self.kv.release(req, LEASE_SHORT + ": no decode engine had room in time")
+        self.kv.release_before_lease_ends(req)
         if retry:
             return self.start_phase(req, PREFILL)
         return self.fail_request(req, NarwhalError(

@@ -1,3 +1,5 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """Completion requests: admission, their timers, their answers and their one terminal record.
 
 :class:`Requests` holds every completion request not yet terminal. It takes
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from . import journal, wire
 from .errors import AuthError
-from .context import JSON_HEADER, Context
+from .context import JSON_HEADER, Context, error_record
 from .contract import AcceptedRequest, Route, check_request
 from .errors import ContractError, NarwhalError
 from .events import ShutdownComplete, WriteJournal
@@ -26,17 +28,18 @@ from .fleet import AdmitDecision
 from .http1 import HttpRequest
 from .ids import DECODE, PREFILL, Phase, sanitize_client_rid
 from .journal import ErrorRecord, LegOutcome, Terminal
-from .lifecycle import Input, State
+from .states import Input, State
 
 if TYPE_CHECKING:
     from .clients import Clients, Conn
     from .kv import Kv
-    from .legs import Leg, SlotQueue
+    from .legs import Leg
+    from .slots import SlotQueue
     from .lifecycle import Lifecycle
     from .planning import SseRelay
     from .timers import Timer
 
-__all__ = ["Request", "Requests", "error_record"]
+__all__ = ["Request", "Requests"]
 
 _SSE_HEADERS: Final = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -440,11 +443,3 @@ class Requests:
 def _ms(seconds: float) -> float:
     # To the microsecond, as Context.wall.
     return math.floor(seconds * 1e6 + 0.5) / 1000.0
-
-
-def error_record(error: NarwhalError, leg: Leg | None = None) -> ErrorRecord:
-    """The ``error`` of a terminal record: what the client was told, and the leg and engine to blame."""
-    return ErrorRecord(
-        type=error.type, code=error.code, param=error.param, message=error.message,
-        leg=None if leg is None else leg.phase, engine=None if leg is None else leg.engine.url,
-    )

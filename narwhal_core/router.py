@@ -53,7 +53,8 @@ from .fleet import Health
 from .http1 import Codec
 from .http1_fast import FAST_CODEC
 from .kv import LEASE_SHORT, NOTHING_HELD, KvLedger
-from .legs import Legs, SlotQueue
+from .legs import Legs
+from .slots import SlotQueue
 from .lifecycle import Lifecycle
 from .requests import Request, Requests
 
