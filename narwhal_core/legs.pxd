@@ -7,8 +7,9 @@
 # tests/core/test_core_builds.py checks that these lists match the
 # classes' __slots__.
 
+from narwhal_core.answers cimport Answers
 from narwhal_core.context cimport Context
-from narwhal_core.kv cimport Kv, KvLedger
+from narwhal_core.kv cimport Kv
 from narwhal_core.lifecycle cimport Lifecycle
 from narwhal_core.requests cimport Request, Requests
 from narwhal_core.slots cimport SlotQueue
@@ -24,6 +25,6 @@ cdef class Legs:
     cdef public Context ctx
     cdef public Requests requests
     cdef public Lifecycle lifecycle
-    cdef public KvLedger kv
     cdef public SlotQueue slots
+    cdef public Answers answers
     cdef public object running, health

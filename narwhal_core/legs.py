@@ -1,15 +1,14 @@
 # cython: annotation_typing=True
 # (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
-"""Engine legs: one HTTP request to a prefill or decode engine each, from start to verdict.
+"""Engine legs: one HTTP request to a prefill or decode engine each, from start to end.
 
-:class:`Legs` starts a request's leg on the engine the fleet chose, reads its
-answer through the leg's codec, relays a streamed answer as it comes,
-judges the whole answer (feeding the request's lifecycle the input it
-amounts to), and accounts for the leg's end on its engine. It also keeps a
-finished stream's connection read to its end (the "tail"), the prefill legs
-left running for a client that went away so that their KV can be released
-(the "orphans"), and the one re-send of a leg whose pooled connection the
-engine had closed.
+:class:`Legs` starts a request's leg on the engine the fleet chose, keeps
+its time limit (suspended while the adapter holds it back for a client that
+is not reading), and accounts for its end on its engine: load, health
+verdict, the request's current leg. It also keeps the prefill legs left
+running for a client that went away so that their KV can be released (the
+"orphans"), and makes the one re-send of a leg whose pooled connection the
+engine had closed. What the engine answers is :mod:`~narwhal_core.answers`'.
 """
 
 from __future__ import annotations
@@ -17,26 +16,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Final
 
 from . import wire
-from .errors import NarwhalError, RemoteProtocolError
-from .events import CancelLeg, FinishLeg, LegFailed, StartLeg
-from .http1 import NEED_DATA, BodyData, EngineCodec, ResponseEnd, ResponseHead
+from .events import CancelLeg, LegFailed, StartLeg
+from .http1 import EngineCodec
 from .ids import DECODE, PREFILL, Phase, backend_id
 from .journal import LegOutcome
-from .states import Input, LegAnswer, LegFailure, LegRefusal, State
-from .planning import (
-    PrefillAnswerError,
-    SseRelay,
-    check_prefill_answer,
-    decode_body,
-    engine_error,
-    normalise_answer,
-    prefill_body,
-)
+from .planning import decode_body, prefill_body
+from .states import Input, LegFailure
 
 if TYPE_CHECKING:
+    from .answers import Answers
     from .context import Context
     from .fleet import EngineState, Health
-    from .kv import Kv, KvLedger
+    from .kv import Kv
     from .lifecycle import Lifecycle
     from .requests import Request, Requests
     from .slots import SlotQueue
@@ -44,12 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Leg", "Legs"]
 
-_REDACTED: Final = b"[redacted]"
-# An engine's 4xx that is not a verdict on the client's request: a timeout or
-# overload (another engine may take it), a credential, route or model name of
-# Narwhal's own. These fail the leg like a 5xx; any other 4xx is the client's
-# mistake (see Lifecycle.refused).
-_NOT_THE_CLIENTS: Final = frozenset({401, 403, 404, 408, 429})
 # Leg outcomes that say nothing about the engine's health.
 _NO_VERDICT: Final = frozenset({"cancelled", "local_error"})
 
@@ -100,7 +85,7 @@ class Leg:
 class Legs:
     """The legs running, by backend ID; their answers, relays, tails, orphans and re-sends."""
 
-    __slots__ = ("ctx", "running", "requests", "lifecycle", "kv", "health", "slots")
+    __slots__ = ("ctx", "running", "requests", "lifecycle", "health", "slots", "answers")
 
     def __init__(self, ctx: Context) -> None:
         self.ctx: Final = ctx
@@ -108,14 +93,14 @@ class Legs:
         self.running: dict[str, Leg] = {}
 
     def connect(
-        self, *, requests: Requests, lifecycle: Lifecycle, kv: KvLedger, health: Health, slots: SlotQueue
+        self, *, requests: Requests, lifecycle: Lifecycle, health: Health, slots: SlotQueue, answers: Answers
     ) -> None:
         """The parts this one calls."""
         self.requests = requests
         self.lifecycle = lifecycle
-        self.kv = kv
         self.health = health
         self.slots = slots
+        self.answers = answers
 
     # ------------------------------------------------------------------- start
 
@@ -176,7 +161,7 @@ class Legs:
         if leg.deadline > self.ctx.now:
             self.set_deadline(leg, leg.deadline)
         elif leg.outcome is not None:
-            self.drop_tail(leg)  # a finished stream's body that never ended
+            self.answers.drop_tail(leg)  # a finished stream's body that never ended
         elif not leg.held:  # (held: re-armed when its client catches up)
             self.fail_leg(leg, "timeout")
 
@@ -203,219 +188,6 @@ class Legs:
         now = self.ctx.now
         if leg.deadline <= now:
             self.set_deadline(leg, now + self.limit(leg.phase, leg.streaming))
-
-    # ------------------------------------------------------------ the answer
-
-    def data(self, leg: Leg, data: bytes) -> None:
-        """Bytes of the leg's answer arrived (empty: the engine closed its side)."""
-        if data:
-            leg.got_bytes = True  # the engine saw the request: never re-send it
-        codec = leg.codec
-        codec.receive_data(data)
-        if leg.outcome is not None:
-            self.read_tail(leg)
-            return
-        req = self.requests.active[leg.rid]
-        while leg.open:
-            try:
-                event = codec.next_event()
-            except RemoteProtocolError as exc:
-                self.fail_leg(leg, "dropped" if exc.reason == "dropped" else "bad_response")
-                return
-            if event is NEED_DATA:
-                return
-            kind = type(event)
-            if kind is BodyData:
-                if leg.streaming:
-                    self.relay(req, leg, event.data)  # type: ignore[union-attr]
-                    if leg.outcome is not None and leg.open:
-                        self.read_tail(leg)  # [DONE] came: what follows is dropped
-                        return
-                else:
-                    leg.body.append(event.data)  # type: ignore[union-attr]
-            elif kind is ResponseHead:
-                self._head(req, leg, event.status)  # type: ignore[union-attr]
-            elif kind is ResponseEnd:
-                leg.open = False
-                self.ctx.out.append(FinishLeg(leg.bid, event.reusable))  # type: ignore[union-attr]
-                self.answered(req, leg)
-                return
-
-    def _head(self, req: Request, leg: Leg, status: int) -> None:
-        leg.status = status
-        if leg.phase != DECODE or not 200 <= status < 300:
-            return
-        kv = req.kv
-        if req.stream:
-            leg.streaming = True
-            previous = req.relay
-            ctx = self.ctx
-            req.relay = SseRelay(
-                route=req.route, model=ctx.model, pd=ctx.pd and not req.plain_decode,
-                cached_tokens=None if kv is None else kv.handoff.cached_tokens,
-                redact=ctx.secret,
-            )
-            if req.prompts is not None:
-                # One prompt of a batch: indexes rewritten, one [DONE] at the end.
-                req.relay.batch(
-                    req.prompt, req.prompt + 1 == len(req.prompts), req.usage,
-                    None if previous is None else previous.response_id,
-                )
-        if kv is not None and not req.stream:
-            # A whole answer's head comes after the generation: the decode
-            # engine had the KV. A stream's head proves nothing (vLLM sends it
-            # before the request reaches its engine): its KV counts as pulled
-            # at the first data event (relay).
-            self.kv.pulled(req, kv)
-
-    def relay(self, req: Request, leg: Leg, data: bytes) -> None:
-        """Relay a streamed answer's bytes to the client, rewritten (:class:`~narwhal_core.planning.SseRelay`)."""
-        relay = req.relay
-        assert relay is not None
-        try:
-            out = relay.feed(data)
-        except NarwhalError:
-            if relay.good_before_error:
-                self.requests.stream_out(req, relay.good_before_error)
-            self.fail_leg(leg, "bad_response")
-            return
-        # (limit(phase, True), read directly: this runs once per relayed chunk)
-        self.set_deadline(leg, self.ctx.now + self.ctx.config.engine.stream_idle_timeout_s)
-        kv = req.kv
-        if kv is not None and relay.events and relay.error is None:
-            # The first data event: the decode engine sampled a token, so it had the KV.
-            self.kv.pulled(req, kv)
-        if out:
-            self.requests.stream_out(req, out)
-        if relay.done and leg.outcome is None:
-            self.stream_done(req, leg)
-
-    def stream_done(self, req: Request, leg: Leg) -> None:
-        """``data: [DONE]`` is relayed: the client's answer is complete.
-
-        Its chunked body ends now and the request is ``completed``, whenever
-        the engine's body ends (a client such as the openai SDK closes as
-        soon as it reads ``[DONE]``). The leg is done too; its connection is
-        still read, what comes is dropped, and it goes back to the pool if
-        the body ends cleanly within the stream idle limit, else it is
-        closed (:meth:`read_tail`).
-        """
-        # The leg's outcome is settled; it stays in self.running (fed LegData
-        # and LegFailed) and counts against its engine until its body ends.
-        ctx = self.ctx
-        leg.outcome = "ok"
-        leg.ended = ctx.now
-        leg.held = False
-        ctx.fleet.record_success(leg.engine, probe=False)
-        if req.leg is leg:
-            req.leg = None
-        self.set_deadline(leg, ctx.now + ctx.config.engine.stream_idle_timeout_s)
-        if req.state is State.STREAMING or req.state is State.DECODE:
-            self.lifecycle.fire(req, Input.LEG_OK)
-
-    def answered(self, req: Request, leg: Leg) -> None:
-        """The leg's whole answer is in: judge it, and feed the request the input it amounts to."""
-        status = leg.status or 0
-        body = b"".join(leg.body)
-        leg.body = []
-        secret = self.ctx.secret
-        if secret is not None and secret in body:
-            # An engine quoting the credential it was sent must not hand it on.
-            body = body.replace(secret, _REDACTED)
-        if leg.orphan:
-            self._orphan_answered(req, leg, status, body)
-        elif not 200 <= status < 300:
-            if 400 <= status < 500 and status not in _NOT_THE_CLIENTS:
-                self.record_end(leg, "refused")
-                self.lifecycle.fire(req, Input.LEG_REFUSED, LegRefusal(engine_error(status, body), leg))
-            else:
-                self._failed(req, leg, "http_error")
-        elif leg.phase == PREFILL:
-            self._prefill_answered(req, leg, body)
-        elif leg.streaming:
-            relay = req.relay
-            assert relay is not None
-            if relay.done or (relay.events and relay.error is not None):
-                self.record_end(leg, "ok")
-                self.lifecycle.fire(req, Input.LEG_OK)
-            else:
-                self._failed(req, leg, "bad_response")
-        else:
-            self._decode_answered(req, leg, body)
-
-    def _failed(self, req: Request, leg: Leg, reason: LegOutcome, error: NarwhalError | None = None) -> None:
-        self.record_end(leg, reason, failed=True)
-        self.lifecycle.fire(req, Input.LEG_FAILED, LegFailure(reason, leg, error))
-
-    def _prefill_answered(self, req: Request, leg: Leg, body: bytes) -> None:
-        try:
-            handoff = check_prefill_answer(
-                body, leg.bid, self.health.kv_host_allowed,
-                require_request_id=self.ctx.stats.kv_connector.get(leg.engine.url) == 2,
-            )
-        except PrefillAnswerError as exc:
-            self._failed(req, leg, "bad_kv", exc)
-            return
-        if handoff.params is not None:
-            self.kv.note_connector(leg.engine.url, handoff.params)
-        self.record_end(leg, "ok")
-        if handoff.params is None:
-            self.kv.no_handoff(req, leg, handoff)
-        else:
-            req.plain_decode = False
-            self.kv.handed_off(req, leg, handoff)
-        self.lifecycle.fire(req, Input.LEG_OK)
-
-    def _decode_answered(self, req: Request, leg: Leg, body: bytes) -> None:
-        try:
-            answer = wire.loads_answer(body)
-        except wire.JsonError:
-            answer = None
-        if not isinstance(answer, dict):
-            self._failed(req, leg, "bad_response")
-            return
-        self.record_end(leg, "ok")
-        ctx = self.ctx
-        normalise_answer(
-            req.route, answer, ctx.model, pd=ctx.pd and not req.plain_decode, cached_tokens=req.pulled_cached_tokens,
-        )
-        self.lifecycle.fire(req, Input.LEG_OK, LegAnswer(answer))
-
-    # ----------------------------------------------------------------- tails
-
-    def read_tail(self, leg: Leg) -> None:
-        """Read a finished stream's leg to the end of its body, dropping what comes (see :meth:`stream_done`)."""
-        codec = leg.codec
-        while leg.open:
-            try:
-                event = codec.next_event()
-            except RemoteProtocolError:
-                self.drop_tail(leg)
-                return
-            if event is NEED_DATA:
-                return
-            if type(event) is ResponseEnd:
-                leg.open = False
-                self.ctx.out.append(FinishLeg(leg.bid, event.reusable))
-                self._tail_ended(leg)
-                return
-
-    def drop_tail(self, leg: Leg) -> None:
-        """Close a finished stream's leg whose body did not end cleanly (no verdict on the engine)."""
-        if leg.open:
-            leg.open = False
-            self.ctx.out.append(CancelLeg(leg.bid))
-        self._tail_ended(leg)
-
-    def _tail_ended(self, leg: Leg) -> None:
-        if self.running.pop(leg.bid, None) is None:
-            return
-        if leg.timer is not None:
-            leg.timer.cancel()
-            leg.timer = None
-        self.ctx.fleet.leg_ended(leg.engine)
-        if self.slots.waiting[leg.phase]:
-            self.slots.wake(leg.phase)
 
     # ------------------------------------------------------------------- ends
 
@@ -467,7 +239,7 @@ class Legs:
         """The adapter reports the leg's connection failed (:class:`~narwhal_core.events.LegFailed`)."""
         if leg.outcome is not None:
             leg.open = False  # a finished stream's connection broke: nothing is lost
-            self.drop_tail(leg)
+            self.answers.drop_tail(leg)
         elif event.reused and not leg.got_bytes and not leg.fresh_retry and self.may_resend(leg):
             # A pooled connection the engine had closed: try once more on a
             # fresh one; the engine never saw the request.
@@ -511,23 +283,6 @@ class Legs:
         req.pending_releases += 1
         if leg.held:
             self.unhold(leg)  # its client is gone: nothing holds it back now
-
-    def _orphan_answered(self, req: Request, leg: Leg, status: int, body: bytes) -> None:
-        if 200 <= status < 300:
-            try:
-                handoff = check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
-            except PrefillAnswerError:
-                self.record_end(leg, "bad_kv", failed=True)
-            else:
-                self.record_end(leg, "ok")
-                if handoff.params is None:
-                    self.kv.no_handoff(req, leg, handoff)  # nothing held: nothing to release
-                else:
-                    self.kv.handed_off(req, leg, handoff)
-                    self.kv.release(req)
-        else:
-            self.record_end(leg, "refused" if 400 <= status < 500 else "http_error", failed=status >= 500)
-        self.requests.release_settled(req)
 
     def cancel_orphans(self, req: Request) -> None:
         """Stop the request's orphaned prefills (shutdown, or a request failed closed)."""

@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from .context import Context
     from .kv import Kv, KvLedger
     from .legs import Leg, Legs
-    from .slots import SlotQueue
     from .requests import Request, Requests
+    from .slots import SlotQueue
 
 __all__ = ["State", "Input", "LegAnswer", "LegRefusal", "LegFailure", "Lifecycle", "TRANSITIONS"]
 

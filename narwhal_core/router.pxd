@@ -8,6 +8,7 @@
 # build: tests/core/test_core_builds.py checks that these lists match the
 # classes' __slots__ (and, for Router, what its methods assign to self).
 
+from narwhal_core.answers cimport Answers
 from narwhal_core.clients cimport Clients
 from narwhal_core.context cimport Context
 from narwhal_core.kv cimport KvLedger
@@ -21,6 +22,7 @@ cdef class Router:
     cdef public Requests requests
     cdef public Lifecycle lifecycle
     cdef public Legs legs
+    cdef public Answers answers
     cdef public SlotQueue slots
     cdef public KvLedger kv
     cdef public Context _ctx

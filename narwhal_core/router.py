@@ -14,8 +14,8 @@ The router is a dispatcher over parts with one job each (docs/design-core.md,
 the routes that are not completions), :class:`~narwhal_core.requests.Requests`
 (admission, answers, terminal records), :class:`~narwhal_core.lifecycle.Lifecycle`
 (the request lifecycle table and its handlers), :class:`~narwhal_core.legs.Legs`
-and :class:`~narwhal_core.legs.SlotQueue` (engine legs, and requests waiting
-for an engine's slot), :class:`~narwhal_core.kv.KvLedger` (prefilled KV and
+and :class:`~narwhal_core.answers.Answers` (engine legs and their answers),
+:class:`~narwhal_core.slots.SlotQueue` (requests waiting for an engine's slot), :class:`~narwhal_core.kv.KvLedger` (prefilled KV and
 its release), :class:`~narwhal_core.fleet.Health` (probes and verdicts on
 engines; the engine choice is :meth:`~narwhal_core.fleet.Fleet.choose`), and
 :class:`~narwhal_core.timers.Timers`. They share one
@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import attrs
 
+from .answers import Answers
 from .auth import Authenticator
 from .clients import Clients, Conn
 from .config import Config
@@ -119,6 +120,7 @@ class Router:
         self.requests: Final = Requests(ctx)
         self.lifecycle: Final = Lifecycle(ctx)
         self.legs: Final = Legs(ctx)
+        self.answers: Final = Answers(ctx)
         self.slots: Final = SlotQueue(ctx)
         self.kv: Final = KvLedger(ctx, self.requests.release_settled)
         self.health: Final = Health(ctx, self.slots.wake)
@@ -132,7 +134,10 @@ class Router:
         clients.connect(requests=requests)
         requests.connect(clients=clients, lifecycle=lifecycle, slots=slots)
         lifecycle.connect(requests=requests, legs=legs, kv=self.kv, slots=slots)
-        legs.connect(requests=requests, lifecycle=lifecycle, kv=self.kv, health=self.health, slots=slots)
+        legs.connect(requests=requests, lifecycle=lifecycle, health=self.health, slots=slots, answers=self.answers)
+        self.answers.connect(
+            legs=legs, requests=requests, lifecycle=lifecycle, kv=self.kv, health=self.health, slots=slots
+        )
         slots.connect(requests=requests, lifecycle=lifecycle)
 
     # ------------------------------------------------------------ public API
@@ -146,7 +151,7 @@ class Router:
         elif isinstance(event, LegData):
             leg = self.legs.running.get(event.leg)
             if leg is not None:
-                self.legs.data(leg, event.data)
+                self.answers.data(leg, event.data)
         elif isinstance(event, ClientConnected):
             self.clients.connected(event)
         elif isinstance(event, ClientGone):
