@@ -1,9 +1,12 @@
-"""Engines and admission (SPEC §4): who may run, where, and when.
+"""Engines and admission: who may run, where, and when.
 
-:class:`Fleet` keeps each engine's health and outstanding legs and picks the
-least-loaded healthy engine of a phase. :class:`Admission` keeps the global
-in-flight limit, the bounded queue and per-client limits. Both are plain
+:class:`Fleet` keeps each engine's health and outstanding legs and makes the
+engine choice (:meth:`Fleet.choose`, where routing policies plug in).
+:class:`Admission` keeps the global in-flight limit, the bounded queue and
+per-client limits (docs/configure.md, ``[admission]``). Both are plain
 bookkeeping: the router decides what to do with their answers.
+:class:`Health` sends the health probes and turns their answers and the
+legs' outcomes into verdicts (docs/operate.md, "Engine health and rotation").
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class Fleet:
 
     @property
     def pd(self) -> bool:
-        """Whether prefill engines are configured (else single-leg mode, SPEC §3.4)."""
+        """Whether prefill engines are configured (else single-leg mode: docs/configure.md, `[engine]`)."""
         return bool(self.engines[PREFILL])
 
     def all(self) -> list[EngineState]:
