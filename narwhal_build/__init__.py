@@ -37,7 +37,10 @@ PURE_ENV = "NARWHAL_PURE_PYTHON"
 #: whose compiled build measurably lowers the router's CPU per request
 #: (``benchmarks/README.md``, "Which modules are compiled"). The others always
 #: run from their sources.
-COMPILED = ("http.engine", "http.grammar", "http.request_head", "http.request_reader", "http.server", "planning", "router", "wire")
+COMPILED = (
+    "answers", "clients", "context", "http.engine", "http.grammar", "http.request_head", "http.request_reader",
+    "http.server", "kv", "legs", "lifecycle", "planning", "requests", "router", "slots", "timers", "wire",
+)
 
 _CORE = "narwhal_core"
 #: Where the core's sources are (the compiled modules, when built in place, sit next to them).

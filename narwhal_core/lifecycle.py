@@ -1,10 +1,16 @@
-"""One request's lifecycle, as a table (STYLE: transitions are data).
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
+"""One request's lifecycle: a table of (state, input) -> handler, and the handlers (like h2's state machine).
 
-``TRANSITIONS[(state, input)]`` names the router method that handles the
-input in that state and the states it may leave the request in. A pair that
-is not in the table fails closed: the router raises
-:class:`~narwhal_core.errors.TransitionError` naming both, after ending the
-request with a terminal record so that nothing is lost.
+``TRANSITIONS[(state, input)]`` is the :class:`Lifecycle` method that handles
+the input in that state and the states it may leave the request in. Each
+handler is a typed callable taking the request and the input's data (one of
+the frozen :class:`LegAnswer`, :class:`LegRefusal`, :class:`LegFailure`, or
+``None`` for an input that carries none) and returning the request's next
+state. A pair that is not in the table fails closed: :meth:`Lifecycle.fire`
+raises :class:`~narwhal_core.errors.TransitionError` naming both, after
+ending the request with a terminal record so that nothing is lost; so does
+a handler that returns a state its row does not allow.
 
 States::
 
@@ -17,97 +23,417 @@ States::
 
 ``RELEASING``: the client has its answer (or is gone) and KV releases are
 still in flight; the terminal record waits for their outcome.
+(docs/design-core.md, "Core parts", has the table as states x inputs.)
 """
 
 from __future__ import annotations
 
-import enum
-from typing import Final
+import zlib
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
 
-__all__ = ["State", "Input", "TRANSITIONS"]
+from .errors import NarwhalError, TransitionError
+from .ids import DECODE, PREFILL, Phase
+from .planning import merge_answers
+from .states import Input, InputData, LegAnswer, LegFailure, LegRefusal, State
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .kv import Kv, KvLedger
+    from .legs import Leg, Legs
+    from .requests import Request, Requests
+    from .slots import SlotQueue
+
+__all__ = ["State", "Input", "LegAnswer", "LegRefusal", "LegFailure", "Lifecycle", "TRANSITIONS"]
+
+_CLIENT_GONE_STATUS: Final = 499
+# Why a leg failed -> (status, code) once retries are exhausted, per phase.
+_GIVE_UP: Final[Mapping[str, tuple[int, str]]] = MappingProxyType({
+    "timeout": (504, "engine_timeout"),
+    "connect_failed": (503, "engine_unavailable"),
+    "connect_timeout": (503, "engine_unavailable"),
+    "local_error": (503, "router_resources_exhausted"),
+})
 
 
-class State(enum.Enum):
-    """Where a completion request is."""
-
-    # Members are singletons: identity hashing is correct and skips Enum's
-    # Python-level __hash__ on every table lookup.
-    __hash__ = object.__hash__
-
-    QUEUED = "queued"
-    PREFILL = "prefill"
-    PREFILL_WAIT = "prefill_wait"
-    DECODE = "decode"
-    DECODE_WAIT = "decode_wait"
-    STREAMING = "streaming"
-    RELEASING = "releasing"
-    DONE = "done"
+#: A row's handler: the :class:`Lifecycle` method, unbound.
+Handler = Callable[["Lifecycle", "Request", Any], State]
 
 
-class Input(enum.Enum):
-    """What can happen to a completion request."""
+class Lifecycle:
+    """The handlers of the lifecycle table, and :meth:`fire`, which runs the row of an input."""
 
-    # Members are singletons: identity hashing is correct and skips Enum's
-    # Python-level __hash__ on every table lookup.
-    __hash__ = object.__hash__
+    __slots__ = ("ctx", "requests", "legs", "kv", "slots")
 
-    #: A global admission slot was granted to a queued request.
-    ADMIT = "admit"
-    #: The current leg's answer is complete and good.
-    LEG_OK = "leg_ok"
-    #: The engine refused the leg with a 4xx (relayed, never retried).
-    LEG_REFUSED = "leg_refused"
-    #: The current leg failed (5xx, connection, timeout, unusable answer).
-    LEG_FAILED = "leg_failed"
-    #: The first bytes of a streamed answer went to the client.
-    FIRST_BYTES = "first_bytes"
-    #: A retry's backoff ended, or an engine slot freed up.
-    WAKE = "wake"
-    #: The request waited in the admission queue too long.
-    QUEUE_TIMEOUT = "queue_timeout"
-    #: The whole-request deadline passed.
-    DEADLINE = "deadline"
-    #: The client disconnected.
-    CLIENT_GONE = "client_gone"
-    #: Every pending KV release finished.
-    RELEASED = "released"
-    #: Shutdown's grace period ran out.
-    ABANDON = "abandon"
+    def __init__(self, ctx: Context) -> None:
+        self.ctx: Final = ctx
+
+    def connect(self, *, requests: Requests, legs: Legs, kv: KvLedger, slots: SlotQueue) -> None:
+        """The parts this one calls."""
+        self.requests = requests
+        self.legs = legs
+        self.kv = kv
+        self.slots = slots
+
+    def fire(self, req: Request, event: Input, data: InputData = None) -> None:
+        """Run the request's row for ``event``: its handler, then the state it returned (checked)."""
+        row = TRANSITIONS.get((req.state, event))
+        if row is None:
+            state = req.state
+            if state is State.DONE:
+                return
+            self.fail_closed(req, f"no transition for {state.value} on {event.value}")
+            raise TransitionError(f"request {req.rid}: no transition for state {state.value} on input {event.value}")
+        handler, allowed = row
+        new_state = handler(self, req, data)
+        if new_state not in allowed:
+            name = handler.__name__
+            self.fail_closed(req, f"{name} left {req.state.value} for {new_state.value} on {event.value}")
+            raise TransitionError(
+                f"request {req.rid}: {name} moved {req.state.value} to {new_state.value} on {event.value}"
+            )
+        if req.state is not State.DONE:
+            req.state = new_state
+        if new_state is State.RELEASING and req.pending_releases == 0:
+            self.fire(req, Input.RELEASED)
+
+    def fail_closed(self, req: Request, why: str) -> None:
+        """The lifecycle went wrong for ``req``: log it, and end the request with a 500 (:meth:`abort`)."""
+        self.ctx.log("internal_error", rid=req.rid, problem=why)
+        self.abort(req)
+
+    def abort(self, req: Request) -> None:
+        """End a request whose state cannot be trusted: 500 ``internal_error``, its record written at once.
+
+        Fail closed: stop everything the request holds, answer its client
+        500 internal_error if it has no answer yet (a stream gets its error
+        event), free its slot and journal it. Its unpulled KV is left to the
+        engine's lease: the request's state cannot be trusted to release it.
+        """
+        requests = self.requests
+        if req.leg is not None:
+            self.legs.cancel(req.leg)
+        self.legs.cancel_orphans(req)
+        error = NarwhalError("Internal router error.", status=500, code="internal_error")
+        if not req.answered:
+            if req.state is State.QUEUED:
+                self.ctx.admission.leave_queue(req.rid, req.client)
+            requests.record_end(req, "failed", error, sent=req.bytes_sent)
+            requests.answer_internal_error(req)
+            requests.mark_answered(req)
+        elif req.terminal is None:
+            requests.record_end(req, "failed", error)
+        req.pending_releases = 0
+        req.state = State.DONE
+        requests.write_record(req)
+
+    # ---------------------------------------------------- stopping and failing
+
+    def stop_request(self, req: Request) -> None:
+        """Stop whatever the request is doing and release its unpulled KV."""
+        if req.leg is not None:
+            self.legs.cancel(req.leg)
+        self.kv.release(req)
+
+    def fail_request(self, req: Request, error: NarwhalError, *, leg: Leg | None = None) -> State:
+        """Stop the request, answer its client ``error`` and free its slot; the record waits for KV."""
+        self.stop_request(req)
+        requests = self.requests
+        requests.record_end(req, "failed", error, leg=leg, sent=req.bytes_sent)
+        requests.answer_error(req, retry_after=error.status == 503)
+        return requests.mark_answered(req)
+
+    # -------------------------------------------------------- starting legs
+
+    def start_phase(self, req: Request, phase: Phase) -> State:
+        """Start the request's ``phase`` leg on the engine the fleet chooses, or wait for a slot."""
+        ctx = self.ctx
+        if phase == DECODE:
+            kv = req.kv
+            if kv is not None and ctx.now >= kv.start_by:
+                return self._lease_ran_short(req, kv)  # never decode from KV whose lease may be gone
+            engine = ctx.fleet.choose(phase, req.failed_on[phase], request_key=req.rid, now=ctx.now)
+        elif ctx.pd and self.slots.decode_backlog():
+            engine = None  # prefilled requests waiting for a decode engine go first (docs/operate.md, "KV leases")
+        else:
+            engine = ctx.fleet.choose(phase, req.failed_on[phase], request_key=req.rid, now=ctx.now)
+        if engine is None:
+            if ctx.fleet.has_healthy(phase):
+                self.slots.wait(req, phase)
+                if phase == PREFILL:
+                    return State.PREFILL_WAIT
+                if req.kv is not None:
+                    self.requests.arm(req, "lease", req.kv.start_by)
+                return State.DECODE_WAIT
+            return self.fail_request(req, NarwhalError(
+                f"No healthy {phase} engine is available.", status=503, code="engine_unavailable"
+            ))
+        req.waiting_for_slot = False
+        if phase == DECODE and "lease" in req.timers:
+            self.requests.disarm(req, "lease")
+        self.legs.start(req, phase, engine)
+        return State.PREFILL if phase == PREFILL else State.DECODE
+
+    def _lease_ran_short(self, req: Request, kv: Kv) -> State:
+        """No decode engine had room before the KV's ``start_by``: prefill again (a new attempt), or fail 503.
+
+        Never decode from KV whose lease may have run out: the prefill
+        engine may have handed its blocks to another request
+        (docs/operate.md, "KV leases").
+        """
+        ctx = self.ctx
+        req.waiting_for_slot = False
+        self.requests.disarm(req, "lease")
+        retry = req.attempts[PREFILL] < ctx.config.retry.max_attempts
+        ctx.log(
+            "kv_lease_short", level="warning", rid=req.rid, engine=kv.engine.url, owner=kv.handoff.owner,
+            kv_lease_s=ctx.config.engine.kv_lease_s, then="prefill again" if retry else "fail 503",
+        )
+        self.kv.release_before_lease_ends(req)
+        if retry:
+            return self.start_phase(req, PREFILL)
+        return self.fail_request(req, NarwhalError(
+            "No decode engine had room before the prefilled KV's lease ran short; try again later.",
+            status=503, code="kv_lease_expired",
+        ))
+
+    # ------------------------------------------- handlers: each returns the next state
+
+    def begin(self, req: Request, _: None) -> State:
+        """ADMIT: the request has its slot; journal its progress and start its first leg."""
+        req.admitted = True
+        self.requests.journal_admitted(req)
+        return self.start_phase(req, self.ctx.first_phase)
+
+    def resume(self, req: Request, _: None) -> State:
+        """WAKE: a retry's backoff ended, or an engine slot freed up."""
+        return self.start_phase(req, req.retry_phase)
+
+    def prefill_ok(self, req: Request, _: None) -> State:
+        """LEG_OK in PREFILL: the KV's lease runs from now; the decode leg goes next."""
+        kv = req.kv
+        if kv is not None:
+            self.kv.start_lease(kv)
+        return self.start_phase(req, DECODE)
+
+    def first_bytes(self, req: Request, _: None) -> State:
+        """FIRST_BYTES: the answer streams; the decode leg can no longer be retried."""
+        return State.STREAMING
+
+    def decode_ok(self, req: Request, data: LegAnswer | None) -> State:
+        """LEG_OK in DECODE or STREAMING: the prompt is answered; the next one of a batch, or the client's answer."""
+        kv = req.kv
+        if kv is not None:
+            kv.outcome, kv.method = "pulled", "decode"
+            req.kv = None
+        answer = None if data is None else data.answer
+        prompts = req.prompts
+        if prompts is not None:
+            if req.stream:
+                assert req.relay is not None
+                if req.prompt + 1 < len(prompts) and req.relay.error is None:
+                    req.usage = req.relay.usage
+                    return self._next_prompt(req)
+            else:
+                assert answer is not None
+                req.answers.append(answer)
+                if req.prompt + 1 < len(prompts):
+                    return self._next_prompt(req)
+                answer = merge_answers(req.answers)
+                req.answers = []
+        if req.stream:
+            self.requests.end_stream(req)
+        else:
+            assert answer is not None
+            self.requests.answer(req, answer)
+        return self.requests.mark_answered(req)
+
+    def _next_prompt(self, req: Request) -> State:
+        """The current batch prompt is answered: the next one gets its own legs (docs/operate.md, "Batch prompts")."""
+        assert req.prompts is not None
+        req.prompt += 1
+        req.accepted.body["prompt"] = req.prompts[req.prompt]
+        req.prompt_base = dict(req.attempts)
+        req.plain_decode = False
+        req.pulled_cached_tokens = None
+        return self.start_phase(req, self.ctx.first_phase)
+
+    def refused(self, req: Request, refusal: LegRefusal) -> State:
+        """LEG_REFUSED: the client's mistake, answered 400, never retried elsewhere (docs/operate.md).
+
+        The engine judged the request itself bad (a bad temperature, a
+        prompt longer than the context...): answered 400 with the engine's
+        message and param, journalled ``invalid`` with the leg and engine.
+        """
+        error = refusal.error
+        self.stop_request(req)  # releases the prefilled KV no decode leg pulled
+        self.requests.record_end(req, "invalid", NarwhalError(
+            error.message, status=400, type="invalid_request_error", param=error.param, code=error.code,
+        ), leg=refusal.leg, sent=req.bytes_sent)  # (sent: a batch's earlier prompts streamed already)
+        self.requests.answer_error(req)
+        return self.requests.mark_answered(req)
+
+    def retry_or_fail(self, req: Request, failure: LegFailure) -> State:
+        """LEG_FAILED before the first byte: retry after a backoff while attempts and engines last, else fail."""
+        leg = failure.leg
+        phase = leg.phase
+        if phase == DECODE:
+            self.kv.release(req)  # the decode leg failed before the handoff
+        ctx = self.ctx
+        retry_phase: Phase = PREFILL if ctx.pd or phase == PREFILL else DECODE
+        r = ctx.config.retry
+        fleet = ctx.fleet
+        # (Attempts count per prompt of a batch: prompt_base is what earlier prompts used.)
+        if req.attempts[retry_phase] - req.prompt_base[retry_phase] < r.max_attempts and fleet.has_healthy(
+            retry_phase
+        ) and (
+            retry_phase == DECODE or fleet.has_healthy(DECODE)
+        ):
+            req.retry_phase = retry_phase
+            attempt = req.attempts[retry_phase]
+            self.requests.arm(req, "wake", ctx.now + _backoff(leg.bid, attempt, r.backoff_base_s, r.backoff_max_s))
+            return State.PREFILL_WAIT if retry_phase == PREFILL else State.DECODE_WAIT
+        return self.fail_request(req, _gave_up(req, failure), leg=leg)
+
+    def fail_stream(self, req: Request, failure: LegFailure) -> State:
+        """LEG_FAILED while STREAMING: the stream ends with one error event (docs/contract.md)."""
+        reason = failure.reason
+        code = {"timeout": "stream_idle_timeout", "dropped": "engine_disconnected"}.get(reason, "bad_engine_response")
+        status = 504 if reason == "timeout" else 502
+        message = {
+            "timeout": "The decode engine stopped sending the stream.",
+            "dropped": "The decode engine closed the connection mid-stream.",
+        }.get(reason, "The decode engine sent an invalid stream.")
+        return self.fail_request(req, NarwhalError(message, status=status, code=code), leg=failure.leg)
+
+    def cancel(self, req: Request, _: None) -> State:
+        """CLIENT_GONE: stop, and record the request ``cancelled`` (499)."""
+        if req.state is State.QUEUED:
+            self.ctx.admission.leave_queue(req.rid, req.client)
+        leg = req.leg
+        if (
+            leg is not None and leg.phase == PREFILL and leg.open and leg.got_bytes
+            and self.ctx.config.engine.kv_release != "lease"
+        ):
+            # The prefill's answer is already arriving: the engine has done the
+            # work and holds the KV, so cancelling saves nothing and would strand
+            # the KV until its lease. Read the answer (its timeout bounds the
+            # wait) and release the KV it names. Otherwise the leg is cancelled.
+            self.legs.orphan(req, leg)
+        self.stop_request(req)
+        req.answered = True
+        self.requests.record_end(req, "cancelled", NarwhalError(
+            "The client closed the connection.", status=_CLIENT_GONE_STATUS, type="client_error",
+            code="client_disconnected",
+        ), status=_CLIENT_GONE_STATUS)
+        return self.requests.mark_answered(req)
+
+    def expire(self, req: Request, _: None) -> State:
+        """DEADLINE: the request did not finish in ``admission.request_timeout_s``: 504."""
+        if req.state is State.QUEUED:
+            self.ctx.admission.leave_queue(req.rid, req.client)
+        leg = req.leg
+        self.stop_request(req)
+        return self.fail_request(req, NarwhalError(
+            "The request did not finish within the router's deadline.", status=504, code="request_timeout"
+        ), leg=leg)
+
+    def abandon(self, req: Request, _: None) -> State:
+        """ABANDON: shutdown's grace ran out: 503 ``shutting_down``."""
+        if req.state is State.QUEUED:
+            self.ctx.admission.leave_queue(req.rid, req.client)
+        self.stop_request(req)
+        return self.fail_request(req, NarwhalError(
+            "Narwhal shut down before the request finished.", status=503, code="shutting_down"
+        ))
+
+    def queue_timeout(self, req: Request, _: None) -> State:
+        """QUEUE_TIMEOUT: no slot came in ``admission.queue_timeout_s``: 503 ``overloaded``."""
+        self.ctx.admission.leave_queue(req.rid, req.client)
+        self.requests.record_end(req, "rejected", NarwhalError(
+            "The fleet is at capacity; the request waited too long for a slot.", status=503, code="overloaded"
+        ))
+        self.requests.answer_error(req, retry_after=True)
+        return self.requests.mark_answered(req)
+
+    def released(self, req: Request, _: None) -> State:
+        """RELEASED: every KV release is settled: the terminal record."""
+        self.requests.write_record(req)
+        return State.DONE
+
+    def abandon_releases(self, req: Request, _: None) -> State:
+        """ABANDON while RELEASING: the releases are recorded as they stand; the terminal record."""
+        self.legs.cancel_orphans(req)
+        self.kv.abandon(req.legs)
+        req.pending_releases = 0
+        self.requests.write_record(req)
+        return State.DONE
+
+    def ignore(self, req: Request, _: None) -> State:
+        """The client went, or the deadline passed, while KV releases settle: nothing changes."""
+        return req.state
+
+
+def _gave_up(req: Request, failure: LegFailure) -> NarwhalError:
+    """The error a request fails with once its legs' retries are exhausted."""
+    reason, phase, error = failure.reason, failure.leg.phase, failure.error
+    status, code = _GIVE_UP.get(reason, (502, f"{phase}_failed"))
+    if error is not None and reason == "bad_kv":
+        message = f"The prefill engine's answer was unusable: {error.message}"
+    elif reason == "timeout":
+        message = f"The {phase} engine did not answer in time."
+    elif reason in ("connect_failed", "connect_timeout"):
+        message = f"Could not connect to a {phase} engine."
+    elif reason == "local_error":
+        message = (
+            f"Narwhal could not open a connection to a {phase} engine: it is out of file "
+            "descriptors, memory or local ports."
+        )
+    else:
+        message = f"The {phase} leg failed ({reason}) after {req.attempts[phase] - req.prompt_base[phase]} attempt(s)."
+    return NarwhalError(message, status=status, code=code)
+
+
+def _backoff(seed: str, attempt: int, base: float, cap: float) -> float:
+    """Exponential backoff with jitter in [0.5, 1.5) drawn from a hash of the leg's ID (no randomness)."""
+    jitter = 0.5 + (zlib.crc32(seed.encode()) & 0xFFFF) / 65536.0
+    return float(min(cap, base * 2.0 ** (attempt - 1)) * jitter)
 
 
 S = State
 I = Input
+L = Lifecycle
 _END: Final = frozenset({S.RELEASING, S.DONE})
 _LIVE: Final = (S.PREFILL, S.PREFILL_WAIT, S.DECODE, S.DECODE_WAIT, S.STREAMING)
 #: Where a batch request goes when one prompt is answered and the next begins.
 _NEXT_PROMPT: Final = frozenset({S.PREFILL, S.PREFILL_WAIT, S.DECODE, S.DECODE_WAIT})
 
-TRANSITIONS: Final[dict[tuple[State, Input], tuple[str, frozenset[State]]]] = {
-    (S.QUEUED, I.ADMIT): ("_begin", frozenset({S.PREFILL, S.DECODE, S.PREFILL_WAIT, S.DECODE_WAIT}) | _END),
-    (S.QUEUED, I.QUEUE_TIMEOUT): ("_queue_timeout", _END),
-    (S.QUEUED, I.CLIENT_GONE): ("_cancel", _END),
-    (S.QUEUED, I.DEADLINE): ("_expire", _END),
-    (S.QUEUED, I.ABANDON): ("_abandon", _END),
-    (S.PREFILL, I.LEG_OK): ("_prefill_ok", frozenset({S.DECODE, S.DECODE_WAIT}) | _END),
-    (S.PREFILL, I.LEG_REFUSED): ("_refused", _END),
-    (S.PREFILL, I.LEG_FAILED): ("_leg_failed", frozenset({S.PREFILL_WAIT}) | _END),
-    (S.PREFILL_WAIT, I.WAKE): ("_resume", frozenset({S.PREFILL, S.PREFILL_WAIT}) | _END),
+TRANSITIONS: Final[Mapping[tuple[State, Input], tuple[Handler, frozenset[State]]]] = MappingProxyType({
+    (S.QUEUED, I.ADMIT): (L.begin, frozenset({S.PREFILL, S.DECODE, S.PREFILL_WAIT, S.DECODE_WAIT}) | _END),
+    (S.QUEUED, I.QUEUE_TIMEOUT): (L.queue_timeout, _END),
+    (S.QUEUED, I.CLIENT_GONE): (L.cancel, _END),
+    (S.QUEUED, I.DEADLINE): (L.expire, _END),
+    (S.QUEUED, I.ABANDON): (L.abandon, _END),
+    (S.PREFILL, I.LEG_OK): (L.prefill_ok, frozenset({S.DECODE, S.DECODE_WAIT}) | _END),
+    (S.PREFILL, I.LEG_REFUSED): (L.refused, _END),
+    (S.PREFILL, I.LEG_FAILED): (L.retry_or_fail, frozenset({S.PREFILL_WAIT}) | _END),
+    (S.PREFILL_WAIT, I.WAKE): (L.resume, frozenset({S.PREFILL, S.PREFILL_WAIT}) | _END),
     # (A batch prompt's answer starts the next prompt's legs: docs/operate.md, "Batch prompts".)
-    (S.DECODE, I.LEG_OK): ("_decode_ok", _NEXT_PROMPT | _END),
-    (S.DECODE, I.LEG_REFUSED): ("_refused", _END),
-    (S.DECODE, I.LEG_FAILED): ("_leg_failed", frozenset({S.PREFILL_WAIT, S.DECODE_WAIT}) | _END),
-    (S.DECODE, I.FIRST_BYTES): ("_first_bytes", frozenset({S.STREAMING})),
+    (S.DECODE, I.LEG_OK): (L.decode_ok, _NEXT_PROMPT | _END),
+    (S.DECODE, I.LEG_REFUSED): (L.refused, _END),
+    (S.DECODE, I.LEG_FAILED): (L.retry_or_fail, frozenset({S.PREFILL_WAIT, S.DECODE_WAIT}) | _END),
+    (S.DECODE, I.FIRST_BYTES): (L.first_bytes, frozenset({S.STREAMING})),
     # (PREFILL/PREFILL_WAIT: the KV's lease ran short before a decode engine had room: prefilled again.)
-    (S.DECODE_WAIT, I.WAKE): ("_resume", frozenset({S.DECODE, S.DECODE_WAIT, S.PREFILL, S.PREFILL_WAIT}) | _END),
-    (S.STREAMING, I.LEG_OK): ("_decode_ok", _NEXT_PROMPT | _END),
-    (S.STREAMING, I.LEG_FAILED): ("_stream_failed", _END),
-    (S.RELEASING, I.RELEASED): ("_released", frozenset({S.DONE})),
-    (S.RELEASING, I.CLIENT_GONE): ("_ignore", frozenset({S.RELEASING})),
-    (S.RELEASING, I.DEADLINE): ("_ignore", frozenset({S.RELEASING})),
-    (S.RELEASING, I.ABANDON): ("_abandon_releases", frozenset({S.DONE})),
-}
-for _state in _LIVE:
-    TRANSITIONS[(_state, I.CLIENT_GONE)] = ("_cancel", _END)
-    TRANSITIONS[(_state, I.DEADLINE)] = ("_expire", _END)
-    TRANSITIONS[(_state, I.ABANDON)] = ("_abandon", _END)
-del _state
+    (S.DECODE_WAIT, I.WAKE): (L.resume, frozenset({S.DECODE, S.DECODE_WAIT, S.PREFILL, S.PREFILL_WAIT}) | _END),
+    (S.STREAMING, I.LEG_OK): (L.decode_ok, _NEXT_PROMPT | _END),
+    (S.STREAMING, I.LEG_FAILED): (L.fail_stream, _END),
+    (S.RELEASING, I.RELEASED): (L.released, frozenset({S.DONE})),
+    (S.RELEASING, I.CLIENT_GONE): (L.ignore, frozenset({S.RELEASING})),
+    (S.RELEASING, I.DEADLINE): (L.ignore, frozenset({S.RELEASING})),
+    (S.RELEASING, I.ABANDON): (L.abandon_releases, frozenset({S.DONE})),
+    # Every live state: the client leaving, the request's deadline, a shutdown's abandon.
+    **{(state, I.CLIENT_GONE): (L.cancel, _END) for state in _LIVE},
+    **{(state, I.DEADLINE): (L.expire, _END) for state in _LIVE},
+    **{(state, I.ABANDON): (L.abandon, _END) for state in _LIVE},
+})

@@ -205,7 +205,7 @@ def immutable(value: object, depth: int = 0) -> bool:
         return False
     if isinstance(value, _IMMUTABLE_SCALARS) or isinstance(value, enum.Enum):
         return True
-    if isinstance(value, _DEFINITIONS):
+    if isinstance(value, _DEFINITIONS) or type(value).__name__ == "cython_function_or_method":
         return not hasattr(value, "cache_info")  # an lru_cache is process-global state
     if type(value).__module__ in ("typing", "types", "collections.abc") and not isinstance(value, types.MappingProxyType):
         return True  # Literal[...], unions, aliases: type expressions

@@ -1,0 +1,293 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
+"""Engine answers: a leg's bytes read, a stream relayed, the whole answer judged.
+
+:class:`Answers` reads what an engine sends on a leg through the leg's
+codec, relays a streamed answer to the client as it comes (rewritten by
+:class:`~narwhal_core.planning.SseRelay`), judges the whole answer and feeds
+the request's lifecycle the input it amounts to (``LEG_OK``,
+``LEG_REFUSED``, ``LEG_FAILED``). After a stream's ``[DONE]`` it keeps the
+connection read to the end of the engine's body (the "tail"), so that the
+connection can go back to the pool. An orphaned prefill's answer (its
+client went away) names the KV to release.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from . import wire
+from .errors import NarwhalError, RemoteProtocolError
+from .events import CancelLeg, FinishLeg
+from .http import NEED_DATA, BodyData, ResponseEnd, ResponseHead
+from .ids import DECODE, PREFILL
+from .journal import LegOutcome
+from .planning import PrefillAnswerError, SseRelay, check_prefill_answer, engine_error, normalise_answer
+from .states import Input, LegAnswer, LegFailure, LegRefusal, State
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .fleet import Health
+    from .kv import KvLedger
+    from .legs import Leg, Legs
+    from .lifecycle import Lifecycle
+    from .requests import Request, Requests
+    from .slots import SlotQueue
+
+__all__ = ["Answers"]
+
+_REDACTED: Final = b"[redacted]"
+# An engine's 4xx that is not a verdict on the client's request: a timeout or
+# overload (another engine may take it), a credential, route or model name of
+# Narwhal's own. These fail the leg like a 5xx; any other 4xx is the client's
+# mistake (see Lifecycle.refused).
+_NOT_THE_CLIENTS: Final = frozenset({401, 403, 404, 408, 429})
+
+
+class Answers:
+    """What the engines answer on the legs: read, relayed, judged."""
+
+    __slots__ = ("ctx", "legs", "requests", "lifecycle", "kv", "health", "slots")
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx: Final = ctx
+
+    def connect(
+        self, *, legs: Legs, requests: Requests, lifecycle: Lifecycle, kv: KvLedger, health: Health, slots: SlotQueue
+    ) -> None:
+        """The parts this one calls."""
+        self.legs = legs
+        self.requests = requests
+        self.lifecycle = lifecycle
+        self.kv = kv
+        self.health = health
+        self.slots = slots
+
+    def data(self, leg: Leg, data: bytes) -> None:
+        """Bytes of the leg's answer arrived (empty: the engine closed its side)."""
+        if data:
+            leg.got_bytes = True  # the engine saw the request: never re-send it
+        codec = leg.codec
+        codec.receive_data(data)
+        if leg.outcome is not None:
+            self.read_tail(leg)
+            return
+        req = self.requests.active[leg.rid]
+        while leg.open:
+            try:
+                event = codec.next_event()
+            except RemoteProtocolError as exc:
+                self.legs.fail_leg(leg, "dropped" if exc.reason == "dropped" else "bad_response")
+                return
+            if event is NEED_DATA:
+                return
+            kind = type(event)
+            if kind is BodyData:
+                if leg.streaming:
+                    self.relay(req, leg, event.data)  # type: ignore[union-attr]
+                    if leg.outcome is not None and leg.open:
+                        self.read_tail(leg)  # [DONE] came: what follows is dropped
+                        return
+                else:
+                    leg.body.append(event.data)  # type: ignore[union-attr]
+            elif kind is ResponseHead:
+                self._head(req, leg, event.status)  # type: ignore[union-attr]
+            elif kind is ResponseEnd:
+                leg.open = False
+                self.ctx.out.append(FinishLeg(leg.bid, event.reusable))  # type: ignore[union-attr]
+                self.answered(req, leg)
+                return
+
+    def _head(self, req: Request, leg: Leg, status: int) -> None:
+        leg.status = status
+        if leg.phase != DECODE or not 200 <= status < 300:
+            return
+        kv = req.kv
+        if req.stream:
+            leg.streaming = True
+            previous = req.relay
+            ctx = self.ctx
+            req.relay = SseRelay(
+                route=req.route, model=ctx.model, pd=ctx.pd and not req.plain_decode,
+                cached_tokens=None if kv is None else kv.handoff.cached_tokens,
+                redact=ctx.secret,
+            )
+            if req.prompts is not None:
+                # One prompt of a batch: indexes rewritten, one [DONE] at the end.
+                req.relay.batch(
+                    req.prompt, req.prompt + 1 == len(req.prompts), req.usage,
+                    None if previous is None else previous.response_id,
+                )
+        if kv is not None and not req.stream:
+            # A whole answer's head comes after the generation: the decode
+            # engine had the KV. A stream's head proves nothing (vLLM sends it
+            # before the request reaches its engine): its KV counts as pulled
+            # at the first data event (relay).
+            self.kv.pulled(req, kv)
+
+    def relay(self, req: Request, leg: Leg, data: bytes) -> None:
+        """Relay a streamed answer's bytes to the client, rewritten (:class:`~narwhal_core.planning.SseRelay`)."""
+        relay = req.relay
+        assert relay is not None
+        try:
+            out = relay.feed(data)
+        except NarwhalError:
+            if relay.good_before_error:
+                self.requests.stream_out(req, relay.good_before_error)
+            self.legs.fail_leg(leg, "bad_response")
+            return
+        # (limit(phase, True), read directly: this runs once per relayed chunk)
+        self.legs.set_deadline(leg, self.ctx.now + self.ctx.config.engine.stream_idle_timeout_s)
+        kv = req.kv
+        if kv is not None and relay.events and relay.error is None:
+            # The first data event: the decode engine sampled a token, so it had the KV.
+            self.kv.pulled(req, kv)
+        if out:
+            self.requests.stream_out(req, out)
+        if relay.done and leg.outcome is None:
+            self.stream_done(req, leg)
+
+    def stream_done(self, req: Request, leg: Leg) -> None:
+        """``data: [DONE]`` is relayed: the client's answer is complete.
+
+        Its chunked body ends now and the request is ``completed``, whenever
+        the engine's body ends (a client such as the openai SDK closes as
+        soon as it reads ``[DONE]``). The leg is done too; its connection is
+        still read, what comes is dropped, and it goes back to the pool if
+        the body ends cleanly within the stream idle limit, else it is
+        closed (:meth:`read_tail`).
+        """
+        # The leg's outcome is settled; it stays in self.running (fed LegData
+        # and LegFailed) and counts against its engine until its body ends.
+        ctx = self.ctx
+        leg.outcome = "ok"
+        leg.ended = ctx.now
+        leg.held = False
+        ctx.fleet.record_success(leg.engine, probe=False)
+        if req.leg is leg:
+            req.leg = None
+        self.legs.set_deadline(leg, ctx.now + ctx.config.engine.stream_idle_timeout_s)
+        if req.state is State.STREAMING or req.state is State.DECODE:
+            self.lifecycle.fire(req, Input.LEG_OK)
+
+    def answered(self, req: Request, leg: Leg) -> None:
+        """The leg's whole answer is in: judge it, and feed the request the input it amounts to."""
+        status = leg.status or 0
+        body = b"".join(leg.body)
+        leg.body = []
+        secret = self.ctx.secret
+        if secret is not None and secret in body:
+            # An engine quoting the credential it was sent must not hand it on.
+            body = body.replace(secret, _REDACTED)
+        if leg.orphan:
+            self.orphan_answered(req, leg, status, body)
+        elif not 200 <= status < 300:
+            if 400 <= status < 500 and status not in _NOT_THE_CLIENTS:
+                self.legs.record_end(leg, "refused")
+                self.lifecycle.fire(req, Input.LEG_REFUSED, LegRefusal(engine_error(status, body), leg))
+            else:
+                self._failed(req, leg, "http_error")
+        elif leg.phase == PREFILL:
+            self._prefill_answered(req, leg, body)
+        elif leg.streaming:
+            relay = req.relay
+            assert relay is not None
+            if relay.done or (relay.events and relay.error is not None):
+                self.legs.record_end(leg, "ok")
+                self.lifecycle.fire(req, Input.LEG_OK)
+            else:
+                self._failed(req, leg, "bad_response")
+        else:
+            self._decode_answered(req, leg, body)
+
+    def _failed(self, req: Request, leg: Leg, reason: LegOutcome, error: NarwhalError | None = None) -> None:
+        self.legs.record_end(leg, reason, failed=True)
+        self.lifecycle.fire(req, Input.LEG_FAILED, LegFailure(reason, leg, error))
+
+    def _prefill_answered(self, req: Request, leg: Leg, body: bytes) -> None:
+        try:
+            handoff = check_prefill_answer(
+                body, leg.bid, self.health.kv_host_allowed,
+                require_request_id=self.ctx.stats.kv_connector.get(leg.engine.url) == 2,
+            )
+        except PrefillAnswerError as exc:
+            self._failed(req, leg, "bad_kv", exc)
+            return
+        if handoff.params is not None:
+            self.kv.note_connector(leg.engine.url, handoff.params)
+        self.legs.record_end(leg, "ok")
+        if handoff.params is None:
+            self.kv.no_handoff(req, leg, handoff)
+        else:
+            req.plain_decode = False
+            self.kv.handed_off(req, leg, handoff)
+        self.lifecycle.fire(req, Input.LEG_OK)
+
+    def _decode_answered(self, req: Request, leg: Leg, body: bytes) -> None:
+        try:
+            answer = wire.loads_answer(body)
+        except wire.JsonError:
+            answer = None
+        if not isinstance(answer, dict):
+            self._failed(req, leg, "bad_response")
+            return
+        self.legs.record_end(leg, "ok")
+        ctx = self.ctx
+        normalise_answer(
+            req.route, answer, ctx.model, pd=ctx.pd and not req.plain_decode, cached_tokens=req.pulled_cached_tokens,
+        )
+        self.lifecycle.fire(req, Input.LEG_OK, LegAnswer(answer))
+
+    # ----------------------------------------------------------------- tails
+
+    def read_tail(self, leg: Leg) -> None:
+        """Read a finished stream's leg to the end of its body, dropping what comes (see :meth:`stream_done`)."""
+        codec = leg.codec
+        while leg.open:
+            try:
+                event = codec.next_event()
+            except RemoteProtocolError:
+                self.drop_tail(leg)
+                return
+            if event is NEED_DATA:
+                return
+            if type(event) is ResponseEnd:
+                leg.open = False
+                self.ctx.out.append(FinishLeg(leg.bid, event.reusable))
+                self._tail_ended(leg)
+                return
+
+    def drop_tail(self, leg: Leg) -> None:
+        """Close a finished stream's leg whose body did not end cleanly (no verdict on the engine)."""
+        if leg.open:
+            leg.open = False
+            self.ctx.out.append(CancelLeg(leg.bid))
+        self._tail_ended(leg)
+
+    def _tail_ended(self, leg: Leg) -> None:
+        if self.legs.running.pop(leg.bid, None) is None:
+            return
+        if leg.timer is not None:
+            leg.timer.cancel()
+            leg.timer = None
+        self.ctx.fleet.leg_ended(leg.engine)
+        if self.slots.waiting[leg.phase]:
+            self.slots.wake(leg.phase)
+
+    def orphan_answered(self, req: Request, leg: Leg, status: int, body: bytes) -> None:
+        if 200 <= status < 300:
+            try:
+                handoff = check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
+            except PrefillAnswerError:
+                self.legs.record_end(leg, "bad_kv", failed=True)
+            else:
+                self.legs.record_end(leg, "ok")
+                if handoff.params is None:
+                    self.kv.no_handoff(req, leg, handoff)  # nothing held: nothing to release
+                else:
+                    self.kv.handed_off(req, leg, handoff)
+                    self.kv.release(req)
+        else:
+            self.legs.record_end(leg, "refused" if 400 <= status < 500 else "http_error", failed=status >= 500)
+        self.requests.release_settled(req)
+

@@ -1,0 +1,147 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
+"""What the router's parts share: the configuration, the clock's last reading, the command queue.
+
+The :class:`~narwhal_core.router.Router` is a dispatcher over parts with one
+job each (``docs/design-core.md``, "Core parts"): client connections
+(:mod:`~narwhal_core.clients`), the request registry and its answers
+(:mod:`~narwhal_core.requests`), the lifecycle handlers
+(:mod:`~narwhal_core.lifecycle`), engine legs (:mod:`~narwhal_core.legs`),
+the KV ledger (:mod:`~narwhal_core.kv`), engine health and choice
+(:mod:`~narwhal_core.fleet`) and timers (:mod:`~narwhal_core.timers`). Each
+owns its state; what all of them read or append to is here, in one
+:class:`Context` the router builds and every part holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from . import journal
+from .config import Config, EngineAddress
+from .errors import NarwhalError
+from .events import Command, Log, WriteJournal
+from .fleet import Admission, Fleet
+from .http import CodecLike
+from .ids import DECODE, PREFILL, Phase
+from .journal import ErrorRecord
+from .stats import Stats
+from .timers import Timers
+
+if TYPE_CHECKING:
+    from .legs import Leg
+
+__all__ = ["Context", "JSON_HEADER", "error_record"]
+
+JSON_HEADER: Final = (b"content-type", b"application/json")
+
+
+class Context:
+    """The parts' common ground: read by all, and the one queue of commands they append to."""
+
+    __slots__ = (
+        "config", "out", "timers", "stats", "fleet", "admission", "now", "wall_offset", "model", "mode", "pd",
+        "first_phase", "phases", "codec", "new_rid", "auth_header", "secret", "draining", "journal_ok",
+        "journal_problem", "shortages", "shortage_logged",
+    )
+
+    def __init__(
+        self, config: Config, *, codec: CodecLike, rid_source: Callable[[], str], engine_api_key: str | None,
+        wall_offset: float, now: float,
+    ) -> None:  # fmt: skip
+        self.config: Final = config
+        #: The commands for the adapter, in order (:meth:`Router.next_output` drains them).
+        self.out: Final[deque[Command]] = deque()
+        self.timers: Final = Timers()
+        self.stats: Final = Stats()
+        e = config.engine
+        self.fleet: Final = Fleet(
+            e.prefill_engines,
+            e.decode_engines,
+            max_inflight_per_engine=e.max_inflight_per_engine,
+            unhealthy_after=config.health.unhealthy_after,
+            healthy_after=config.health.healthy_after,
+            kv_host_allowed=e.kv_host_allowed,
+        )
+        a = config.admission
+        self.admission: Final = Admission(
+            max_inflight=a.max_inflight,
+            queue_size=a.queue_size,
+            per_client_max_inflight=a.per_client_max_inflight,
+        )
+        #: The time of the event being handled (the adapter passes it in: ``now=``).
+        self.now = now
+        self.wall_offset = wall_offset
+        self.model: Final = config.model.name
+        self.pd: Final = self.fleet.pd
+        self.mode: Final = "pd" if self.pd else "single"
+        self.first_phase: Final[Phase] = PREFILL if self.pd else DECODE
+        #: The phases a request needs an engine for.
+        self.phases: Final[tuple[Phase, ...]] = (PREFILL, DECODE) if self.pd else (DECODE,)
+        self.codec: Final = codec
+        self.new_rid: Final = rid_source
+        self.auth_header: tuple[tuple[bytes, bytes], ...] = (
+            ((b"authorization", b"Bearer " + engine_api_key.encode("latin-1")),) if engine_api_key else ()
+        )
+        #: The engine credential, scrubbed from anything an engine says.
+        self.secret: Final = engine_api_key.encode("latin-1") if engine_api_key else None
+        self.draining = False
+        self.journal_ok = True
+        self.journal_problem: str | None = None
+        #: Local shortages (out of descriptors...) since the last log line about them, and its time.
+        self.shortages = 0
+        self.shortage_logged = -math.inf
+
+    def wall(self) -> float:
+        """The wall-clock time of ``now``, to the microsecond."""
+        # floor(x + 0.5) is round() but for exact ties, and a fraction of
+        # round()'s cost (which formats the number).
+        return math.floor((self.now + self.wall_offset) * 1e6 + 0.5) / 1e6
+
+    def log(self, event: str, **fields: Any) -> None:
+        """One structured log line (:class:`~narwhal_core.events.Log`)."""
+        self.out.append(Log(event, fields))
+
+    def shortage(self, what: str) -> None:
+        """Log Narwhal's own shortages (out of descriptors, memory, ports), at most once a second."""
+        self.shortages += 1
+        if self.now - self.shortage_logged >= 1.0:
+            self.log("local_resources_exhausted", level="error", failed=what, count=self.shortages)
+            self.shortages = 0
+            self.shortage_logged = self.now
+
+    def write_terminal(self, record: journal.TerminalRecord) -> None:
+        """Journal a request refused before it reached the lifecycle, and count it."""
+        self.stats.observe(record)
+        self.stats.journal_records["terminal"] += 1
+        self.out.append(WriteJournal(journal.encode(record), True))
+
+    def engine_headers(self, engine: EngineAddress, bid: str) -> tuple[tuple[bytes, bytes], ...]:
+        """The headers of a request to an engine carrying a backend ID."""
+        return ((b"host", engine.authority), JSON_HEADER, (b"x-request-id", bid.encode()), *self.auth_header)
+
+    def ready_problems(self) -> list[str]:
+        """Why ``/ready`` would answer 503 (none: ready)."""
+        problems = []
+        if self.draining:
+            problems.append("shutting down")
+        if not self.journal_ok:
+            problems.append(f"journal: {self.journal_problem or 'write failed'}")
+        for phase in self.phases:
+            if not self.fleet.has_healthy(phase):
+                problems.append(f"no healthy {phase} engine")
+            elif not self.fleet.has_answered(phase):
+                # Never reached yet (a typo'd host looks healthy until its probes fail).
+                problems.append(f"no {phase} engine has answered yet")
+        return problems
+
+
+def error_record(error: NarwhalError, leg: Leg | None = None) -> ErrorRecord:
+    """The ``error`` of a terminal record: what the client was told, and the leg and engine to blame."""
+    return ErrorRecord(
+        type=error.type, code=error.code, param=error.param, message=error.message,
+        leg=None if leg is None else leg.phase, engine=None if leg is None else leg.engine.url,
+    )

@@ -1,0 +1,282 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
+"""The KV ledger: what each prefill handed off, who pulled it, and its release (docs/operate.md).
+
+A prefill leg's answer names the KV its engine now holds (a
+:class:`~narwhal_core.planning.KvHandoff`); the ledger keeps one :class:`Kv`
+record per handoff, on the leg and, until a decode leg pulls it, on the
+request. What no decode leg pulled is released as ``engine.kv_release``
+says, and the release's answer settles the record's outcome, which the
+request's terminal record carries. A decode request never carries KV past
+its ``start_by``: its lease may have run out (docs/operate.md, "KV leases").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from . import wire
+from .context import JSON_HEADER, Context
+from .events import ControlDone, StartControl
+from .ids import DECODE, backend_id
+from .planning import KvHandoff, decode_body, release_body, release_said, release_unconfirmed
+
+if TYPE_CHECKING:
+    from .fleet import EngineState
+    from .legs import Leg
+    from .requests import Request
+
+__all__ = ["Kv", "KvLedger", "LEASE_SHORT", "NOTHING_HELD"]
+
+#: A KV record's ``error`` when the abort endpoint found nothing to free.
+NOTHING_HELD: Final = (
+    "the engine held no KV for this owner any more: pulled or freed by the decode engine, or its lease expired"
+)
+#: A KV record's ``error`` when its lease ran short before a decode request could carry it.
+LEASE_SHORT: Final = "its lease was running short before a decode request could carry it"
+#: A decode leg (or a release carried by a decode request) starts only within
+#: this share of ``engine.kv_lease_s`` after the prefill's answer; the rest
+#: covers its way to the decode engine's scheduler and, on vLLM with KV
+#: leases, the decode engine's first lease renewal, sent every sixth of the
+#: lease (docs/operate.md, "KV leases").
+_LEASE_START_SHARE: Final = 2.0 / 3.0
+#: Failures that mean a control request never reached the engine (nothing was sent).
+_NOT_SENT: Final = ("connection refused", "DNS failure", "connection failed", "connect timeout")
+
+
+class Kv:
+    """One prefill's handoff and what became of it (the ``kv`` of the leg's record)."""
+
+    __slots__ = ("handoff", "engine", "leg", "outcome", "method", "error", "release_id", "start_by")
+
+    def __init__(self, handoff: KvHandoff, engine: EngineState, leg: str) -> None:
+        self.handoff = handoff
+        self.engine = engine
+        self.leg = leg
+        self.outcome: str | None = None
+        self.method: str | None = None
+        self.error: str | None = None
+        self.release_id: str | None = None
+        #: No decode request (leg or release) carries this KV from then on:
+        #: its lease may run out before it gets there (see Legs.may_resend).
+        self.start_by = math.inf
+
+
+class KvLedger:
+    """Handoffs, pulls and releases of prefilled KV; settles each release from its control answer."""
+
+    __slots__ = ("ctx", "releases", "warned_no_kv", "release_settled")
+
+    def __init__(self, ctx: Context, release_settled: Callable[[Request], None]) -> None:
+        self.ctx: Final = ctx
+        #: Releases in flight, by control key.
+        self.releases: dict[str, tuple[Request, Kv]] = {}
+        #: Prefill engines already warned about answers without KV (see :meth:`no_handoff`).
+        self.warned_no_kv: set[str] = set()
+        #: Called when one of a request's releases is settled.
+        self.release_settled: Final = release_settled
+
+    # ---------------------------------------------------------------- handoffs
+
+    def handed_off(self, req: Request, leg: Leg, handoff: KvHandoff) -> Kv:
+        """A prefill leg's answer handed off KV: the request now holds it."""
+        kv = leg.kv = req.kv = Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
+        return kv
+
+    def start_lease(self, kv: Kv) -> None:
+        """The prefill answered: its KV's lease runs from now (docs/operate.md, "KV leases")."""
+        kv.start_by = self.ctx.now + self.ctx.config.engine.kv_lease_s * _LEASE_START_SHARE
+
+    def pulled(self, req: Request, kv: Kv) -> None:
+        """The decode engine had the request's KV (it answered, or sampled a token)."""
+        kv.outcome, kv.method = "pulled", "decode"
+        req.pulled_cached_tokens = kv.handoff.cached_tokens
+        req.kv = None
+
+    def no_handoff(self, req: Request, leg: Leg, handoff: KvHandoff) -> None:
+        """A 2xx prefill answer with ``kv_transfer_params: null``: nothing to hand off.
+
+        The engine holds no KV (vLLM's connector keeps none when the one
+        token ended the sequence), so there is nothing to pull or release:
+        the leg's KV record says ``none`` and why, and the decode leg runs
+        as a plain request that recomputes the prompt. Never retried: a
+        greedy prefill would end the same way again (docs/operate.md).
+        """
+        kv = leg.kv = Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
+        kv.outcome, kv.method, kv.error = "none", "none", handoff.reason
+        req.plain_decode = True
+        url = leg.engine.url
+        if handoff.finish_reason != "stop" and url not in self.warned_no_kv:
+            # Not the end-of-sequence case: an engine without a KV connector
+            # answers like this for every request. Said once per engine.
+            self.warned_no_kv.add(url)
+            self.ctx.log(
+                "prefill_without_kv", level="warning", engine=url, finish_reason=handoff.finish_reason,
+                fix="check the prefill engine's --kv-transfer-config (kv_role kv_producer or kv_both); "
+                    "until then every decode leg recomputes its prompt",
+            )
+
+    def note_connector(self, url: str, params: dict[str, Any]) -> None:
+        """Record the NIXL connector version a prefill engine's answer shows; warn once about version 1."""
+        stats = self.ctx.stats
+        version = 2 if "remote_request_id" in params else 1
+        known = stats.kv_connector.get(url)
+        stats.kv_connector[url] = version
+        if version == 1 and known != 1:
+            self.ctx.log(
+                "kv_connector_v1", level="warning", engine=url,
+                consequence="its answers carry no remote_request_id (NIXL connector version 1): the decode "
+                            "engine asks it to free the blocks by the decode leg's own request ID, which differs "
+                            "from the prefill leg's, so every request's KV stays held until the engine's timeout "
+                            "(VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 120 s or 480 s)",
+                fix="run vLLM 0.14 or later (connector version 2, remote_request_id) on every engine",
+            )
+
+    # ---------------------------------------------------------------- releases
+
+    def release(self, req: Request, short: str = LEASE_SHORT) -> None:
+        """Release the request's prefilled KV that no decode leg pulled (docs/operate.md, "KV release in operation").
+
+        ``decode_pull`` (the default) sends a one-token decode request that
+        the decode engine runs, pulling the KV, which frees it on the prefill
+        engine; ``abort_endpoint`` asks the prefill engine's abort endpoint;
+        ``decode_abort`` sends a decode request and closes at once; ``lease``
+        does nothing. The outcome is settled by :meth:`release_done`. A
+        decode request never carries KV past its ``start_by`` (``short``
+        says why in the record).
+        """
+        kv = req.kv
+        if kv is None:
+            return
+        req.kv = None
+        mode = self.ctx.config.engine.kv_release
+        if mode == "lease":
+            kv.outcome, kv.method = "held_until_lease", "lease"
+            return
+        key = f"release-{kv.leg}"
+        if mode == "abort_endpoint":
+            command = self._abort(key, kv)
+        else:
+            if self.ctx.now >= kv.start_by:
+                kv.outcome, kv.method, kv.error = "held_until_lease", "lease", short
+                return
+            decode = self._decode_release(key, req, kv, mode)
+            if decode is None:
+                kv.outcome, kv.method, kv.error = "held_until_lease", mode, "no healthy decode engine"
+                return
+            command = decode
+        kv.method = mode
+        req.pending_releases += 1
+        self.releases[key] = (req, kv)
+        self.ctx.out.append(command)
+
+    def release_before_lease_ends(self, req: Request) -> None:
+        """Release the request's KV now: no decode engine had room before its ``start_by``."""
+        self.release(req, LEASE_SHORT + ": no decode engine had room in time")
+
+    def _abort(self, key: str, kv: Kv) -> StartControl:
+        """The prefill engine's abort endpoint, asked to free the KV (``abort_endpoint``)."""
+        e = self.ctx.config.engine
+        engine = kv.engine.address
+        owner = kv.handoff.owner
+        # SGLang's AbortReq names the request "rid"; the simulator reads "request_id".
+        body = wire.dumps({"rid": owner, "request_id": owner})
+        return StartControl(
+            key, engine, "POST", e.abort_path,
+            ((b"host", engine.authority), JSON_HEADER, *self.ctx.auth_header), body, e.control_timeout_s,
+        )
+
+    def _decode_release(self, key: str, req: Request, kv: Kv, mode: str) -> StartControl | None:
+        """A decode request carrying the KV (``decode_pull``, ``decode_abort``); ``None``: no decode engine."""
+        ctx = self.ctx
+        fleet = ctx.fleet
+        target = fleet.choose(DECODE, req.failed_on[DECODE], request_key=req.rid, now=ctx.now) or next(
+            (e for e in fleet.engines[DECODE] if e.healthy), None
+        )
+        if target is None:
+            return None
+        params = kv.handoff.params
+        assert params is not None  # (a prefill that handed off nothing holds nothing: never req.kv)
+        if not isinstance(params.get("remote_request_id"), str):
+            # Params without remote_request_id (vLLM's NIXL connector before
+            # version 2): the decode engine names the KV to the prefill
+            # engine by its own request ID, which matches the prefill's
+            # only when both were sent the same X-Request-Id.
+            bid = kv.leg
+        else:
+            attempt = req.attempts[DECODE] + 1
+            req.attempts[DECODE] = attempt
+            bid = backend_id(req.rid, DECODE, attempt)
+        headers = ctx.engine_headers(target.address, bid)
+        timeout = ctx.config.engine.control_timeout_s
+        kv.release_id = bid
+        if mode == "decode_pull":
+            return StartControl(
+                key, target.address, "POST", req.route, headers,
+                wire.dumps(release_body(req.accepted.body, params)), timeout,
+            )
+        raw = ctx.codec.engine_connection(max_body_bytes=None).send_request(
+            "POST", req.route, headers, wire.dumps(decode_body(req.accepted.body, params))
+        )
+        return StartControl(key, target.address, "POST", req.route, (), b"", timeout, drop_after_send=True, data=raw)
+
+    def request_of(self, key: str) -> Request | None:
+        """The request a release in flight is for."""
+        entry = self.releases.get(key)
+        return None if entry is None else entry[0]
+
+    def release_done(self, event: ControlDone) -> bool:
+        """Settle a release from its answer; ``False`` if ``event`` answers no release of ours."""
+        entry = self.releases.pop(event.key, None)
+        if entry is None:
+            return False
+        req, kv = entry
+        kv.outcome, kv.error = self.release_outcome(kv.method, event)
+        self.release_settled(req)
+        return True
+
+    def release_outcome(self, method: str | None, event: ControlDone) -> tuple[str, str | None]:
+        """A release's KV outcome and error: ``released`` only when the engine confirmed it.
+
+        (docs/operate.md, "KV release in operation".) ``release_sent``: it
+        went out (or may have: a timeout) and nothing confirmed it;
+        ``held_until_lease``: it never reached the engine, or the engine
+        refused it.
+        """
+        status = event.status
+        if status is None:
+            error = event.error
+            if error is None:
+                return "release_sent", None  # decode_abort: written, and nothing comes back
+            if event.local or error.startswith(_NOT_SENT):
+                return "held_until_lease", error
+            return "release_sent", error
+        if method == "decode_pull":
+            why = release_unconfirmed(status, event.body)
+            return ("released", None) if why is None else ("release_sent", why)
+        if not 200 <= status < 300:
+            if status == 404:
+                return "held_until_lease", (
+                    f"release answered 404: the engine has no {self.ctx.config.engine.abort_path} "
+                    '(vLLM has none: use kv_release = "decode_pull")'
+                )
+            return "held_until_lease", f"release answered {status}"
+        said = release_said(event.body)
+        if said is True:
+            return "released", None
+        if said is False:
+            return "released", NOTHING_HELD  # nothing was left to free: not a leak, not Narwhal's doing
+        return "release_sent", "the engine took the abort and did not say whether it freed anything"
+
+    @staticmethod
+    def abandon(legs: list[Leg]) -> None:
+        """Shutdown's grace ran out: the releases still unsettled are recorded as they stand."""
+        for leg in legs:
+            kv = leg.kv
+            if kv is not None and kv.outcome is None:
+                if kv.method is not None and kv.method != "lease":
+                    kv.outcome, kv.error = "release_sent", "shutdown before the release was confirmed"
+                else:
+                    kv.outcome, kv.method, kv.error = "held_until_lease", "lease", "shutdown before release"

@@ -1,0 +1,292 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
+"""Engine legs: one HTTP request to a prefill or decode engine each, from start to end.
+
+:class:`Legs` starts a request's leg on the engine the fleet chose, keeps
+its time limit (suspended while the adapter holds it back for a client that
+is not reading), and accounts for its end on its engine: load, health
+verdict, the request's current leg. It also keeps the prefill legs left
+running for a client that went away so that their KV can be released (the
+"orphans"), and makes the one re-send of a leg whose pooled connection the
+engine had closed. What the engine answers is :mod:`~narwhal_core.answers`'.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from . import wire
+from .events import CancelLeg, LegFailed, StartLeg
+from .http import EngineCodec
+from .ids import DECODE, PREFILL, Phase, backend_id
+from .journal import LegOutcome
+from .planning import decode_body, prefill_body
+from .states import Input, LegFailure
+
+if TYPE_CHECKING:
+    from .answers import Answers
+    from .context import Context
+    from .fleet import EngineState, Health
+    from .kv import Kv
+    from .lifecycle import Lifecycle
+    from .requests import Request, Requests
+    from .slots import SlotQueue
+    from .timers import Timer
+
+__all__ = ["Leg", "Legs"]
+
+# Leg outcomes that say nothing about the engine's health.
+_NO_VERDICT: Final = frozenset({"cancelled", "local_error"})
+
+
+class Leg:
+    """One engine request of a completion request (a leg of its terminal record)."""
+
+    __slots__ = (
+        "bid", "phase", "attempt", "engine", "codec", "rid", "started", "data", "deadline", "timer", "armed",
+        "status", "body", "outcome", "ended", "kv", "open", "streaming", "got_bytes", "fresh_retry", "orphan",
+        "held", "prompt",
+    )
+
+    def __init__(
+        self, bid: str, phase: Phase, attempt: int, engine: EngineState, codec: EngineCodec, rid: str,
+        started: float, data: bytes, deadline: float,
+    ) -> None:  # fmt: skip
+        self.bid = bid
+        self.phase = phase
+        self.attempt = attempt
+        self.engine = engine
+        self.codec = codec
+        self.rid = rid
+        self.started = started
+        self.data = data
+        self.deadline = deadline
+        self.timer: Timer | None = None
+        self.armed = 0.0
+        self.status: int | None = None
+        self.body: list[bytes] = []
+        self.outcome: LegOutcome | None = None
+        self.ended: float | None = None
+        self.kv: Kv | None = None
+        self.open = True
+        self.streaming = False
+        self.got_bytes = False
+        self.fresh_retry = False
+        #: A prefill leg left running after its client went away, so that the KV
+        #: it may already hold can be named and released.
+        self.orphan = False
+        #: Held back by the adapter for a client that is not reading
+        #: (:class:`~narwhal_core.events.ClientStalled`): its time limit does not run.
+        self.held = False
+        #: The batch prompt it serves (``None``: a one-prompt request).
+        self.prompt: int | None = None
+
+
+class Legs:
+    """The legs running, by backend ID; their answers, relays, tails, orphans and re-sends."""
+
+    __slots__ = ("ctx", "running", "requests", "lifecycle", "health", "slots", "answers")
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx: Final = ctx
+        #: Legs whose engine connection is still in use, by backend ID.
+        self.running: dict[str, Leg] = {}
+
+    def connect(
+        self, *, requests: Requests, lifecycle: Lifecycle, health: Health, slots: SlotQueue, answers: Answers
+    ) -> None:
+        """The parts this one calls."""
+        self.requests = requests
+        self.lifecycle = lifecycle
+        self.health = health
+        self.slots = slots
+        self.answers = answers
+
+    # ------------------------------------------------------------------- start
+
+    def start(self, req: Request, phase: Phase, engine: EngineState) -> None:
+        """Send the request's next ``phase`` leg to ``engine``."""
+        ctx = self.ctx
+        attempt = req.attempts[phase] + 1
+        req.attempts[phase] = attempt
+        bid = backend_id(req.rid, phase, attempt)
+        if phase == PREFILL:
+            body = wire.dumps(prefill_body(req.accepted.body))
+        else:
+            kv = req.kv
+            body = wire.dumps(req.accepted.body if kv is None else decode_body(req.accepted.body, kv.handoff.params))
+        timeout = self.limit(phase, False)
+        codec = ctx.codec.engine_connection(max_body_bytes=ctx.config.engine.max_response_bytes)
+        data = codec.send_request("POST", req.route, ctx.engine_headers(engine.address, bid), body)
+        leg = Leg(
+            bid=bid, phase=phase, attempt=attempt, engine=engine, codec=codec, rid=req.rid,
+            started=ctx.now, data=data, deadline=0.0,
+        )
+        self.set_deadline(leg, ctx.now + timeout)
+        if req.conn is not None and req.conn.stalled:
+            leg.held = True  # its client is not reading (see hold)
+        self.running[bid] = leg
+        req.leg = leg
+        req.legs.append(leg)
+        if req.prompts is not None:
+            leg.prompt = req.prompt
+        ctx.fleet.leg_started(engine)
+        ctx.out.append(StartLeg(
+            bid, engine.address, data, None if req.conn is None else req.conn.handle,
+            ctx.config.engine.connect_timeout_s,
+        ))
+
+    # ------------------------------------------------------------- time limits
+
+    def limit(self, phase: Phase, streaming: bool) -> float:
+        """How long a leg may go without an answer (or, streaming, between two reads)."""
+        e = self.ctx.config.engine
+        if streaming:
+            return e.stream_idle_timeout_s
+        return e.prefill_timeout_s if phase == PREFILL else e.decode_timeout_s
+
+    def set_deadline(self, leg: Leg, when: float) -> None:
+        """Move the leg's time limit to ``when``."""
+        # Deadlines move without touching the heap; a new timer is armed only
+        # when the deadline comes earlier than the one already armed.
+        leg.deadline = when
+        if leg.timer is None or when < leg.armed:
+            if leg.timer is not None:
+                leg.timer.cancel()
+            leg.armed = when
+            leg.timer = self.ctx.timers.arm(when, self.timer_fired, leg)
+
+    def timer_fired(self, leg: Leg) -> None:
+        leg.timer = None
+        if leg.deadline > self.ctx.now:
+            self.set_deadline(leg, leg.deadline)
+        elif leg.outcome is not None:
+            self.answers.drop_tail(leg)  # a finished stream's body that never ended
+        elif not leg.held:  # (held: re-armed when its client catches up)
+            self.fail_leg(leg, "timeout")
+
+    def hold(self, leg: Leg, stalled: bool) -> None:
+        """The adapter holds back (or lets go) the leg feeding a client that is not reading.
+
+        The engine's silence is then the client's doing, not a stalled
+        engine (which would fail the request and count against a healthy
+        engine). The leg's limit is suspended (a leg started meanwhile
+        starts held); meanwhile the client's send timeout and the request
+        deadline apply. A leg held past its limit gets the whole limit again
+        once the client catches up.
+        """
+        if leg.held == stalled:
+            return
+        if stalled:
+            leg.held = True
+        else:
+            self.unhold(leg)
+
+    def unhold(self, leg: Leg) -> None:
+        """The leg's time limit runs again; the whole limit, when it passed while held."""
+        leg.held = False
+        now = self.ctx.now
+        if leg.deadline <= now:
+            self.set_deadline(leg, now + self.limit(leg.phase, leg.streaming))
+
+    # ------------------------------------------------------------------- ends
+
+    def record_end(self, leg: Leg, outcome: LegOutcome, *, failed: bool = False) -> None:
+        """Account for a leg's end: its outcome, its engine's load and health, the request's current leg."""
+        ctx = self.ctx
+        leg.outcome = outcome
+        leg.ended = ctx.now
+        if leg.timer is not None:
+            leg.timer.cancel()
+            leg.timer = None
+        self.running.pop(leg.bid, None)
+        engine = leg.engine
+        ctx.fleet.leg_ended(engine)
+        req = self.requests.active.get(leg.rid)
+        if failed:
+            self.health.engine_failed(engine, f"{leg.phase} leg: " + (
+                f"HTTP {leg.status}" if outcome == "http_error" and leg.status else outcome))
+            if req is not None:
+                req.failed_on[leg.phase].append(engine)
+        elif outcome not in _NO_VERDICT:
+            ctx.fleet.record_success(engine, probe=False)
+        if req is not None and req.leg is leg:
+            req.leg = None
+        if self.slots.waiting[leg.phase]:
+            self.slots.wake(leg.phase)
+
+    def cancel(self, leg: Leg) -> None:
+        """Stop the leg: close its connection; its outcome, if it has none yet, is ``cancelled``."""
+        if leg.open:
+            leg.open = False
+            self.ctx.out.append(CancelLeg(leg.bid))
+        if leg.outcome is None:
+            self.record_end(leg, "cancelled")
+
+    def fail_leg(self, leg: Leg, reason: LegOutcome) -> None:
+        """The leg failed on our side of the engine (timeout, bad bytes, dropped)."""
+        if leg.open:
+            leg.open = False
+            self.ctx.out.append(CancelLeg(leg.bid))
+        self.record_end(leg, reason, failed=True)
+        req = self.requests.active[leg.rid]
+        if leg.orphan:
+            self.requests.release_settled(req)
+            return
+        self.lifecycle.fire(req, Input.LEG_FAILED, LegFailure(reason, leg))
+
+    def connection_lost(self, leg: Leg, event: LegFailed) -> None:
+        """The adapter reports the leg's connection failed (:class:`~narwhal_core.events.LegFailed`)."""
+        if leg.outcome is not None:
+            leg.open = False  # a finished stream's connection broke: nothing is lost
+            self.answers.drop_tail(leg)
+        elif event.reused and not leg.got_bytes and not leg.fresh_retry and self.may_resend(leg):
+            # A pooled connection the engine had closed: try once more on a
+            # fresh one; the engine never saw the request.
+            leg.fresh_retry = True
+            conn = self.requests.active[leg.rid].conn
+            self.ctx.out.append(StartLeg(
+                leg.bid, leg.engine.address, leg.data, None if conn is None else conn.handle,
+                self.ctx.config.engine.connect_timeout_s, True,
+            ))
+        else:
+            self._connection_failed(leg, event)
+
+    def _connection_failed(self, leg: Leg, event: LegFailed) -> None:
+        leg.open = False
+        if event.reason == "local_error":
+            # Narwhal's own shortage (file descriptors...): not the engine's fault.
+            self.ctx.shortage(f"{leg.phase} leg")
+            self.record_end(leg, "local_error")
+        else:
+            self.record_end(leg, "connect_failed" if event.reason != "dropped" else "dropped", failed=True)
+        req = self.requests.active[leg.rid]
+        if leg.orphan:
+            self.requests.release_settled(req)
+            return
+        self.lifecycle.fire(req, Input.LEG_FAILED, LegFailure(event.reason, leg))
+
+    def may_resend(self, leg: Leg) -> bool:
+        """Whether a leg may go out again on a fresh connection: a decode leg not past its KV's ``start_by``."""
+        if leg.phase != DECODE:
+            return True
+        req = self.requests.active.get(leg.rid)
+        kv = None if req is None else req.kv
+        return kv is None or self.ctx.now < kv.start_by
+
+    # ---------------------------------------------------------------- orphans
+
+    def orphan(self, req: Request, leg: Leg) -> None:
+        """Keep reading a prefill whose client went away, to release the KV its answer names."""
+        leg.orphan = True
+        req.leg = None
+        req.pending_releases += 1
+        if leg.held:
+            self.unhold(leg)  # its client is gone: nothing holds it back now
+
+    def cancel_orphans(self, req: Request) -> None:
+        """Stop the request's orphaned prefills (shutdown, or a request failed closed)."""
+        for leg in req.legs:
+            if leg.orphan and leg.outcome is None:
+                self.cancel(leg)
+

@@ -1,0 +1,445 @@
+# cython: annotation_typing=True
+# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
+"""Completion requests: admission, their timers, their answers and their one terminal record.
+
+:class:`Requests` holds every completion request not yet terminal. It takes
+a completion request from its client connection through the contract check
+and admission (or refuses it, with its record), keeps each request's timers
+(deadline, queue wait, retry backoff, KV lease), writes what the client
+gets at the end (the whole answer, a stream's end, an error), frees the
+request's admission slot once the client has its answer, and writes the
+terminal record once its KV is settled. What happens in between is the
+lifecycle's (:mod:`~narwhal_core.lifecycle`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from . import journal, wire
+from .errors import AuthError
+from .context import JSON_HEADER, Context, error_record
+from .contract import AcceptedRequest, Route, check_request
+from .errors import ContractError, NarwhalError
+from .events import ShutdownComplete, WriteJournal
+from .fleet import AdmitDecision
+from .http import HttpRequest
+from .ids import DECODE, PREFILL, Phase, sanitize_client_rid
+from .journal import ErrorRecord, LegOutcome, Terminal
+from .states import Input, State
+
+if TYPE_CHECKING:
+    from .clients import Clients, Conn
+    from .kv import Kv
+    from .legs import Leg
+    from .slots import SlotQueue
+    from .lifecycle import Lifecycle
+    from .planning import SseRelay
+    from .timers import Timer
+
+__all__ = ["Request", "Requests"]
+
+_SSE_HEADERS: Final = (
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+)
+
+
+class Request:
+    """One completion request, from admission to its terminal record."""
+
+    __slots__ = (
+        "rid", "conn", "route", "client", "client_rid", "received", "stream", "accepted", "state", "attempts",
+        "failed_on", "leg", "legs", "kv", "pending_releases", "admitted", "answered", "bytes_sent",
+        "first_byte", "relay", "retry_phase", "pulled_cached_tokens", "waiting_for_slot", "terminal",
+        "status", "error", "usage", "timers", "plain_decode", "prompts", "prompt", "answers", "prompt_base",
+    )
+
+    def __init__(
+        self, rid: str, conn: Conn | None, route: Route, client: str, client_rid: str | None,
+        received: float, stream: bool, accepted: AcceptedRequest,
+    ) -> None:  # fmt: skip
+        self.rid = rid
+        self.conn = conn
+        self.route = route
+        self.client = client
+        self.client_rid = client_rid
+        self.received = received
+        self.stream = stream
+        self.accepted = accepted
+        self.state = State.QUEUED
+        self.attempts: dict[str, int] = {PREFILL: 0, DECODE: 0}
+        self.failed_on: dict[str, list[Any]] = {PREFILL: [], DECODE: []}
+        self.leg: Leg | None = None
+        self.legs: list[Leg] = []
+        self.kv: Kv | None = None
+        self.pending_releases = 0
+        self.admitted = False
+        self.answered = False
+        self.bytes_sent = False
+        self.first_byte: float | None = None
+        self.relay: SseRelay | None = None
+        self.retry_phase: Phase = PREFILL
+        #: ``cached_tokens`` of the prefill whose KV the decode leg pulled.
+        self.pulled_cached_tokens: int | None = None
+        self.waiting_for_slot = False
+        self.terminal: Terminal | None = None
+        self.status: int | None = None
+        self.error: ErrorRecord | None = None
+        self.usage: dict[str, Any] | None = None
+        self.timers: dict[str, Timer] = {}
+        #: The last prefill handed off no KV: the decode leg runs as a plain
+        #: request (docs/operate.md, "Prefill answers without KV").
+        self.plain_decode = False
+        #: A batch's prompts (``None``: one prompt), served one after another;
+        #: ``prompt`` is the current one's index, ``answers`` the finished
+        #: ones' answers (not streamed), ``prompt_base`` the attempts per
+        #: phase before the current prompt began (docs/operate.md, "Batch prompts").
+        self.prompts: list[Any] | None = accepted.prompts
+        self.prompt = 0
+        self.answers: list[dict[str, Any]] = []
+        self.prompt_base: dict[str, int] = {PREFILL: 0, DECODE: 0}
+        if self.prompts is not None:
+            accepted.body["prompt"] = self.prompts[0]
+
+
+class Requests:
+    """The completion requests not yet terminal, by rid; their admission, timers, answers and records."""
+
+    __slots__ = ("ctx", "active", "timer_actions", "shutdown_reported", "clients", "lifecycle", "slots")
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx: Final = ctx
+        self.active: dict[str, Request] = {}
+        #: What each kind of request timer does when its time comes.
+        self.timer_actions: Final[dict[str, Callable[[Request], None]]] = {
+            "deadline": self._deadline_passed, "queue": self._queue_wait_over,
+            "wake": self._backoff_over, "lease": self._lease_running_short,
+        }
+        self.shutdown_reported = False
+
+    def connect(self, *, clients: Clients, lifecycle: Lifecycle, slots: SlotQueue) -> None:
+        """The parts this one calls."""
+        self.clients = clients
+        self.lifecycle = lifecycle
+        self.slots = slots
+
+    # -------------------------------------------------------------- admission
+
+    def accept(self, conn: Conn, rid: str, route: Route, request: HttpRequest) -> None:
+        """A completion request arrived whole: check it, admit or queue it, or refuse it with its record."""
+        ctx = self.ctx
+        clients = self.clients
+        client_rid = sanitize_client_rid(request.header(b"x-request-id"))
+        try:
+            client = clients.auth.authenticate(request.headers, conn.peer_host)
+        except AuthError as exc:
+            clients.refuse(conn, rid, route, client_rid, None, "denied", exc)
+            return
+        try:
+            accepted = check_request(
+                route, request.body, ctx.config.model_names, ctx.model,
+                max_prompts=ctx.config.ingress.max_batch_prompts,
+            )
+        except ContractError as exc:
+            clients.refuse(conn, rid, route, client_rid, client, "invalid", exc)
+            return
+        decision = self._admission(rid, client)
+        if isinstance(decision, NarwhalError):
+            clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
+                           accepted=accepted)
+            return
+        req = Request(
+            rid=rid, conn=conn, route=route, client=client, client_rid=client_rid,
+            received=ctx.now, stream=accepted.stream, accepted=accepted,
+        )
+        self.active[rid] = req
+        a = ctx.config.admission
+        self.arm(req, "deadline", ctx.now + a.request_timeout_s)
+        if decision == "admitted":
+            self.lifecycle.fire(req, Input.ADMIT)
+        else:
+            self.arm(req, "queue", ctx.now + a.queue_timeout_s)
+
+    def _admission(self, rid: str, client: str) -> AdmitDecision | NarwhalError:
+        """``admitted`` or ``queued``; or why a checked request is refused (shutdown, no engine, limits)."""
+        ctx = self.ctx
+        if ctx.draining:
+            return NarwhalError("Narwhal is shutting down; retry on another instance.", status=503,
+                                code="shutting_down")
+        for phase in ctx.phases:
+            if not ctx.fleet.has_healthy(phase):
+                return NarwhalError(f"No healthy {phase} engine is available.", status=503,
+                                    code="engine_unavailable")
+        decision = ctx.admission.offer(rid, client)
+        if decision == "client_limit":
+            return NarwhalError("Too many requests in flight for this client.", status=429,
+                                type="rate_limit_error", code="rate_limited")
+        if decision == "fleet_full":
+            return NarwhalError("The fleet is at capacity; retry later.", status=503, code="overloaded")
+        return decision
+
+    def journal_admitted(self, req: Request) -> None:
+        """The request's progress record: it holds an admission slot now."""
+        ctx = self.ctx
+        ctx.stats.journal_records["progress"] += 1
+        ctx.out.append(WriteJournal(journal.progress_line(
+            ctx.wall(), req.rid, "admitted", req.route, req.client, req.client_rid, ctx.mode, req.stream,
+        ), False))
+
+    def admit_from_queue(self) -> None:
+        """Admit queued requests while slots are free."""
+        while True:
+            rid = self.ctx.admission.next_from_queue()
+            if rid is None:
+                return
+            req = self.active[rid]
+            self.disarm(req, "queue")
+            self.lifecycle.fire(req, Input.ADMIT)
+
+    # ----------------------------------------------------------------- timers
+
+    def arm(self, req: Request, kind: str, when: float) -> None:
+        """Arm the request's ``kind`` timer for ``when`` (replacing one armed before)."""
+        timer = req.timers.get(kind)
+        if timer is not None:
+            timer.cancel()
+        req.timers[kind] = self.ctx.timers.arm(when, self.timer_actions[kind], req)
+
+    def disarm(self, req: Request, *kinds: str) -> None:
+        """Cancel the request's timers of ``kinds`` (none named: all of them)."""
+        for kind in kinds or tuple(req.timers):
+            timer = req.timers.pop(kind, None)
+            if timer is not None:
+                timer.cancel()
+
+    def _deadline_passed(self, req: Request) -> None:
+        del req.timers["deadline"]
+        self.lifecycle.fire(req, Input.DEADLINE)
+
+    def _queue_wait_over(self, req: Request) -> None:
+        del req.timers["queue"]
+        self.lifecycle.fire(req, Input.QUEUE_TIMEOUT)
+
+    def _backoff_over(self, req: Request) -> None:
+        del req.timers["wake"]
+        self.lifecycle.fire(req, Input.WAKE)
+
+    def _lease_running_short(self, req: Request) -> None:
+        del req.timers["lease"]
+        if req.state is State.DECODE_WAIT:
+            self.lifecycle.fire(req, Input.WAKE)  # its KV's lease runs short: start_phase prefills it again
+
+    # ---------------------------------------------------------------- answers
+
+    def live_conn(self, req: Request) -> Conn | None:
+        """The request's client connection, if it is still there and still waits for this request's answer."""
+        conn = req.conn
+        if conn is None or conn.closed or conn.rid != req.rid:
+            return None
+        return conn
+
+    def stream_out(self, req: Request, out: bytes) -> None:
+        """Relay a stream's bytes to the client (its head first, with FIRST_BYTES)."""
+        conn = self.live_conn(req)
+        if conn is None:
+            return
+        clients = self.clients
+        if not req.bytes_sent:
+            req.bytes_sent = True
+            req.first_byte = self.ctx.now
+            # No "connection: close" here, even while draining: a stream's head
+            # goes out long before its end, and a request the client pipelines
+            # meanwhile must still get its own answer (503 shutting_down) and
+            # record. Clients.end_response decides at the end, as for a stream
+            # begun before the shutdown.
+            clients.send(conn, conn.codec.send_stream_start(200, (
+                *_SSE_HEADERS, (b"x-request-id", req.rid.encode()),
+            )))
+            self.lifecycle.fire(req, Input.FIRST_BYTES)
+        elif req.state is State.DECODE:
+            # A later prompt of a batch streams its first event: from now on
+            # its decode leg cannot be retried (docs/operate.md, "Batch prompts").
+            self.lifecycle.fire(req, Input.FIRST_BYTES)
+        clients.send(conn, conn.codec.send_stream_data(out))
+
+    def end_stream(self, req: Request) -> None:
+        """The streamed answer is complete: ``completed``, or ``failed`` on the engine's in-stream error."""
+        relay = req.relay
+        assert relay is not None
+        req.usage = relay.usage
+        if relay.error is not None:
+            err = relay.error
+            error = NarwhalError(
+                str(err.get("message", "engine error"))[:1000], status=200,
+                type=str(err.get("type", "server_error")), code="engine_error",
+            )
+            self.record_end(req, "failed", error, leg=req.legs[-1], sent=True)
+        else:
+            self.record_end(req, "completed", None, status=200)
+        conn = self.live_conn(req)
+        if conn is not None:
+            self.clients.end_response(conn, conn.codec.send_stream_end())
+
+    def answer(self, req: Request, answer: dict[str, Any]) -> None:
+        """The whole answer, ``completed``."""
+        req.usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else None
+        body = wire.dumps(answer)
+        self.record_end(req, "completed", None, status=200)
+        conn = self.live_conn(req)
+        if conn is not None:
+            req.first_byte = self.ctx.now
+            self.clients.end_response(conn, conn.codec.send_response(200, (
+                JSON_HEADER, (b"x-request-id", req.rid.encode()), *self.clients.closing(conn),
+            ), body))
+
+    def answer_error(self, req: Request, *, retry_after: bool = False) -> None:
+        """Answer the client the request's error (a begun stream: one error event, then its end)."""
+        conn = self.live_conn(req)
+        error = req.error
+        if conn is None or error is None:
+            return
+        clients = self.clients
+        body = wire.dumps({"error": {
+            "message": error.message, "type": error.type, "param": error.param, "code": error.code,
+        }})
+        if req.bytes_sent:
+            # docs/contract.md: a failure after the first byte ends the stream with one error event.
+            data = conn.codec.send_stream_data(b"data: " + body + b"\n\n")
+            clients.send(conn, data)
+            clients.end_response(conn, conn.codec.send_stream_end())
+            return
+        extra = ((b"retry-after", clients.retry_after),) if retry_after else ()
+        clients.end_response(conn, conn.codec.send_response(req.status or 500, (
+            JSON_HEADER, (b"x-request-id", req.rid.encode()), *extra, *clients.closing(conn),
+        ), body))
+
+    def answer_internal_error(self, req: Request) -> None:
+        """Answer 500 ``internal_error`` (the request failed closed) and close the connection."""
+        conn = self.live_conn(req)
+        if conn is None:
+            return
+        try:
+            self.answer_error(req)
+        except Exception:  # noqa: BLE001 - the connection's state is what failed
+            if not req.bytes_sent:
+                self.clients.send_internal_error(conn, req.rid)
+        self.clients.close_client(conn)  # what it was in the middle of cannot be trusted either
+
+    # ------------------------------------------------------------------- ends
+
+    def record_end(
+        self,
+        req: Request,
+        terminal: Terminal,
+        error: NarwhalError | None,
+        *,
+        status: int | None = None,
+        leg: Leg | None = None,
+        sent: bool = False,
+    ) -> None:
+        """Decide how the request ends (its terminal record is written once KV is settled)."""
+        req.terminal = terminal
+        if error is not None:
+            req.error = error_record(error, leg)
+            req.status = 200 if sent else error.status
+        else:
+            req.status = status
+
+    def mark_answered(self, req: Request) -> State:
+        """The client has its answer (or is gone): free the slot; the record waits for KV."""
+        req.answered = True
+        req.waiting_for_slot = False
+        if req.admitted:
+            req.admitted = False
+            self.ctx.admission.release(req.client)
+            self.admit_from_queue()
+        req.conn = None
+        self.disarm(req, "deadline", "queue", "wake", "lease")
+        if self.slots.waiting[PREFILL]:
+            self.slots.wake_prefills()  # it may have been the last one waiting for a decode engine
+        return State.RELEASING
+
+    def release_settled(self, req: Request) -> None:
+        """One of the request's KV releases (or orphaned prefills) is settled; the last one ends it."""
+        req.pending_releases -= 1
+        if req.pending_releases == 0 and req.state is State.RELEASING:
+            self.lifecycle.fire(req, Input.RELEASED)
+
+    def write_record(self, req: Request) -> None:
+        """Journal the request's terminal record and count it; the request is done."""
+        if req.terminal is None:
+            return
+        # The record's line and its metrics, straight from the request's
+        # state (journal.terminal_line: the TerminalRecord's own shape).
+        ctx = self.ctx
+        wall = ctx.wall()
+        legs = [self._leg_line(leg) for leg in req.legs]
+        received = req.received + ctx.wall_offset
+        duration = _ms(wall - received)
+        ttft = None if req.first_byte is None else _ms(req.first_byte - req.received)
+        stats = ctx.stats
+        stats.observe_request(req.route, req.terminal, req.status, duration, ttft)
+        stats.journal_records["terminal"] += 1
+        ctx.out.append(WriteJournal(journal.terminal_line(
+            wall, req.rid, req.client_rid, req.client, req.route, req.accepted.requested_model or ctx.model,
+            req.stream, ctx.mode, req.terminal, req.status, req.error, legs, req.usage, received, duration,
+            ttft, req.accepted.stripped,
+        ), True))
+        del self.active[req.rid]
+        req.state = State.DONE
+        self.disarm(req)
+        self.check_drained()
+
+    def _leg_line(self, leg: Leg) -> Any:
+        """One leg of a terminal record (its KV settled, if it was not), counted in the metrics."""
+        kv = leg.kv
+        kv_line = kv_counted = None
+        if kv is not None:
+            if kv.outcome is None:
+                # Never left unsettled in a terminal record.
+                kv.outcome, kv.method = "held_until_lease", "lease"
+            method = kv.method or ""
+            kv_line = journal.kv_json(
+                kv.outcome, kv.handoff.owner, kv.engine.url, method, kv.error, kv.release_id  # type: ignore[arg-type]
+            )
+            kv_counted = (kv.outcome, method)
+        outcome: LegOutcome = leg.outcome or "cancelled"
+        ctx = self.ctx
+        duration = _ms((ctx.now if leg.ended is None else leg.ended) - leg.started)
+        self.ctx.stats.observe_leg(leg.phase, outcome, leg.attempt, duration, kv_counted)
+        return journal.leg_json(
+            leg.phase, leg.attempt, leg.bid, leg.engine.url, leg.status, outcome,
+            leg.started + ctx.wall_offset, duration, kv_line, leg.prompt,
+        )
+
+    # ------------------------------------------------------- clients and shutdown
+
+    def client_gone(self, conn: Conn) -> None:
+        """The connection went away: its request, if it has no answer yet, is cancelled."""
+        rid = conn.rid
+        if rid is not None:
+            req = self.active.get(rid)
+            if req is not None and not req.answered:
+                self.lifecycle.fire(req, Input.CLIENT_GONE)
+
+    def abandon_all(self) -> None:
+        """Shutdown's grace ran out: every request left ends now."""
+        for pending in list(self.active.values()):
+            if pending.state is not State.DONE:
+                self.lifecycle.fire(pending, Input.ABANDON)
+
+    def check_drained(self) -> None:
+        """While draining, the last terminal record completes the shutdown (once)."""
+        ctx = self.ctx
+        if ctx.draining and not self.active and not self.shutdown_reported:
+            self.shutdown_reported = True
+            ctx.log("drained")
+            ctx.out.append(ShutdownComplete())
+
+
+def _ms(seconds: float) -> float:
+    # To the microsecond, as Context.wall.
+    return math.floor(seconds * 1e6 + 0.5) / 1000.0
