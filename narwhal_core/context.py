@@ -3,7 +3,7 @@
 """What the router's parts share: the configuration, the clock's last reading, the command queue.
 
 The :class:`~narwhal_core.router.Router` is a dispatcher over parts with one
-job each (``docs/design-core.md``, "Core parts"): client connections
+job each (``docs/design.md``, "The parts of the core"): client connections
 (:mod:`~narwhal_core.clients`), the request registry and its answers
 (:mod:`~narwhal_core.requests`), the lifecycle handlers
 (:mod:`~narwhal_core.lifecycle`), engine legs (:mod:`~narwhal_core.legs`),

@@ -23,7 +23,7 @@ States::
 
 ``RELEASING``: the client has its answer (or is gone) and KV releases are
 still in flight; the terminal record waits for their outcome.
-(docs/design-core.md, "Core parts", has the table as states x inputs.)
+(docs/design.md, "A request's life", has the table as states x inputs.)
 """
 
 from __future__ import annotations

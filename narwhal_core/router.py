@@ -9,8 +9,8 @@ command in order; it re-arms its one timer at :meth:`Router.get_deadline`
 and calls :meth:`Router.handle_deadline` when it fires. Nothing here does
 I/O, reads a clock or draws a random number.
 
-The router is a dispatcher over parts with one job each (docs/design-core.md,
-"Core parts"): :class:`~narwhal_core.clients.Clients` (client connections and
+The router is a dispatcher over parts with one job each (docs/design.md,
+"The parts of the core"): :class:`~narwhal_core.clients.Clients` (client connections and
 the routes that are not completions), :class:`~narwhal_core.requests.Requests`
 (admission, answers, terminal records), :class:`~narwhal_core.lifecycle.Lifecycle`
 (the request lifecycle table and its handlers), :class:`~narwhal_core.legs.Legs`

@@ -1,4 +1,4 @@
-"""The core's parts (docs/design-core.md, "Core parts"): the lifecycle table, its closed failure, the engine choice."""
+"""The core's parts (docs/design.md, "The parts of the core"): the lifecycle table, its closed failure, the engine choice."""
 
 from __future__ import annotations
 
