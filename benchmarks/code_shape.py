@@ -64,13 +64,29 @@ def definitions(name: str, path: Path) -> Iterator[tuple[int, str, str]]:
     yield from walk(tree, name)
 
 
-def imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The project modules ``name`` imports (resolved to the longest known module name)."""
+def type_only_nodes(tree: ast.AST) -> set[int]:
+    """``id()`` of every node under an ``if TYPE_CHECKING:`` block (imports for annotations only)."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                found.update(id(n) for n in ast.walk(child))
+    return found
+
+
+def imports(name: str, path: Path, known: set[str], *, type_only: bool = True) -> set[str]:
+    """The project modules ``name`` imports (resolved to the longest known module name).
+
+    With ``type_only=False``, imports under ``if TYPE_CHECKING:`` (for annotations only) do not count.
+    """
     tree = ast.parse(path.read_text(encoding="utf-8"))
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
+    skipped = set() if type_only else type_only_nodes(tree)
     found: set[str] = set()
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -174,10 +190,12 @@ def main() -> None:
     print("\n## import cycles")
     known = set(everything)
     graph = {name: imports(name, path, known) for name, path in product.items()}
+    run_time = {name: imports(name, path, known, type_only=False) for name, path in product.items()}
     package_graph: dict[str, set[str]] = defaultdict(set)
     for name, targets in graph.items():
         package_graph[name.split(".")[0]] |= {t.split(".")[0] for t in targets if t.split(".")[0] != name.split(".")[0]}
-    for label, g in (("between packages", package_graph), ("between modules", graph)):
+    for label, g in (("between packages", package_graph), ("between modules, imports that run", run_time),
+                     ("between modules, counting imports for annotations only", graph)):
         found_cycles = cycles(dict(g))
         print(f"  {label}: {len(found_cycles)}")
         for cycle in found_cycles:
