@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from narwhal_core.router import NOTHING_HELD
+from narwhal_core.kv import NOTHING_HELD
 
 from ..harness import Fleet
 from ..helpers import (

@@ -14,7 +14,8 @@ import gc
 
 import httpx
 
-from narwhal_core import router as router_module
+from narwhal_core.legs import Leg
+from narwhal_core.requests import Request
 
 from ..helpers import COMPLETIONS, only_terminals
 from .support import assert_idle, body
@@ -33,8 +34,8 @@ def test_finished_requests_are_not_retained(start_router, fleet, journal_path) -
             assert answer.status_code == 200, answer.text
         only_terminals(journal_path, 60)
         assert_idle(router)
-        requests = router.call(lambda: _live(router_module._Request))
-        legs = router.call(lambda: _live(router_module._Leg))
+        requests = router.call(lambda: _live(Request))
+        legs = router.call(lambda: _live(Leg))
     assert (requests, legs) == (0, 0), (
         f"{requests} finished requests and {legs} finished legs are still referenced by the router"
     )
