@@ -28,11 +28,11 @@ from narwhal_core import (
 )
 from narwhal_runtime.app import Run, listen_failure, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
+from narwhal_runtime.listening import listening_sockets
 from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
 
 from .engines import Engines
-from .journal_file import JournalFile
 from .listener import Listener
 
 __all__ = ["Server", "run", "new_event_loop", "RUNTIME"]
@@ -155,7 +155,7 @@ class Server(ServerBase):
     engines: Engines | None
 
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
-        super().__init__(config, router, now=clock(), journal_file=JournalFile)
+        super().__init__(config, router, now=clock(), sleep=asyncio.sleep, in_thread=asyncio.to_thread)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: set[_Client] = set()
         #: Connections Narwhal closed, dropping what their clients still send (:data:`LINGER_S`).
@@ -176,7 +176,7 @@ class Server(ServerBase):
         self._drained = loop.create_future()
         i = self.config.ingress
         try:
-            listener = Listener.open(loop, i.listen_host, i.listen_port, lambda: _Client(self))
+            listener = Listener(loop, listening_sockets(i.listen_host, i.listen_port), lambda: _Client(self))
         except OSError as exc:
             raise listen_failure(i.listen, exc) from None
         host, port = listener.sockets[0].getsockname()[:2]

@@ -1,22 +1,23 @@
 """The half of each runtime's ``Server`` that does not depend on its event loop.
 
 Both adapters subclass :class:`ServerBase`: it builds the router and its
-driver, opens the journal (a failure is a start-up error), performs the
-effects that are the same on both runtimes (the journal write, process-log
-lines, the queued leg requests) and turns SIGHUP into the router's new
-authenticator. What is left in each adapter is its loop: accept, read,
+driver, opens the journal (:mod:`.journal_file`; a failure is a start-up
+error), performs the effects that are the same on both runtimes (the
+journal write, process-log lines, the queued leg requests) and turns SIGHUP
+into the router's new authenticator. What is left in each adapter is its loop: accept, read,
 write, connect, sleep, signals.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, Router
 
 from .app import build_router, journal_failure, load_authenticator
 from .driver import BusyPoll, Driver
+from .journal_file import JournalFile
 from .log import log_event
 
 __all__ = ["ServerBase"]
@@ -29,12 +30,14 @@ class ServerBase:
     engines: Any
 
     def __init__(self, config: Config, router: Router | None, *, now: float,
-                 journal_file: Callable[[str, str, float], Any]) -> None:
+                 sleep: Callable[[float], Awaitable[object]],
+                 in_thread: Callable[[Callable[[], None]], Awaitable[object]]) -> None:
         self.config = config
         self.router = router or build_router(config, now=now)
         self.driver = Driver(self.router)
+        j = config.journal
         try:
-            self.journal = journal_file(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
+            self.journal = JournalFile(j.path, j.fsync, j.fsync_interval_s, sleep=sleep, in_thread=in_thread)
         except OSError as exc:
             raise journal_failure(config.journal.path, exc) from None
         self.engines = None

@@ -33,11 +33,11 @@ from narwhal_core import (
 )
 from narwhal_runtime.app import Run, listen_failure, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
+from narwhal_runtime.listening import ACCEPT_RETRY_S, listening_sockets
 from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
 
 from .engines import Engines, close_socket, plain_socket, receive, send_all
-from .journal_file import JournalFile
 
 __all__ = ["Server", "run", "RUNTIME"]
 
@@ -68,7 +68,7 @@ class Server(ServerBase):
     engines: Engines | None
 
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
-        super().__init__(config, router, now=trio.current_time(), journal_file=JournalFile)
+        super().__init__(config, router, now=trio.current_time(), sleep=trio.sleep, in_thread=trio.to_thread.run_sync)
         self._clients: dict[int, _Client] = {}
         self._next_handle = 0
         #: Writer tasks running (clients whose socket could not take every byte at once).
@@ -91,10 +91,11 @@ class Server(ServerBase):
         """
         i = self.config.ingress
         try:
-            listeners = await trio.open_tcp_listeners(i.listen_port, host=i.listen_host)
+            sockets = listening_sockets(i.listen_host, i.listen_port)
         except OSError as exc:
             raise listen_failure(i.listen, exc) from None
-        host, port = listeners[0].socket.getsockname()[:2]
+        listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets]
+        host, port = sockets[0].getsockname()[:2]
         self.address = (host, port)
         self._token = trio.lowlevel.current_trio_token()
         end_of_batch = _EndOfBatch(self._end_of_batch)
@@ -149,7 +150,7 @@ class Server(ServerBase):
             except OSError as exc:  # EMFILE and friends: back off, keep serving
                 limit.release()
                 log_event("accept_failed", error=str(exc))
-                await trio.sleep(0.1)
+                await trio.sleep(ACCEPT_RETRY_S)
                 continue
             except BaseException:
                 limit.release()
