@@ -26,9 +26,8 @@ from typing import Any
 from narwhal_core import (
     ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested,
 )
-from narwhal_runtime.app import Run, listen_failure, log_listening
+from narwhal_runtime.app import Run, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
-from narwhal_runtime.listening import listening_sockets
 from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
 
@@ -174,13 +173,8 @@ class Server(ServerBase):
         """Listen, serve until a shutdown drains, then close the journal; ``started`` gets ``(host, port)``."""
         loop = self._loop = asyncio.get_running_loop()
         self._drained = loop.create_future()
-        i = self.config.ingress
-        try:
-            listener = Listener(loop, listening_sockets(i.listen_host, i.listen_port), lambda: _Client(self))
-        except OSError as exc:
-            raise listen_failure(i.listen, exc) from None
-        host, port = listener.sockets[0].getsockname()[:2]
-        self.address = (host, port)
+        listener = Listener(loop, self._listen(), lambda: _Client(self))
+        host, port = self.address  # type: ignore[misc]
         sync_task: asyncio.Task[None] | None = None
         try:
             self._listener = listener
@@ -289,10 +283,7 @@ class Server(ServerBase):
         self._flush_scheduled = False
         if self.engines is None:
             return
-        try:
-            self.driver.flush(self)
-        except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server
-            log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
+        self._perform_batch()
         self._after_drain()  # what the flush fed (journal health, a client admitted)
 
     def send(self, client: _Client, data: bytes, close: bool) -> None:

@@ -31,9 +31,9 @@ import trio
 from narwhal_core import (
     ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested,
 )
-from narwhal_runtime.app import Run, listen_failure, log_listening
+from narwhal_runtime.app import Run, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
-from narwhal_runtime.listening import ACCEPT_RETRY_S, listening_sockets
+from narwhal_runtime.listening import ACCEPT_RETRY_S
 from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
 
@@ -89,14 +89,8 @@ class Server(ServerBase):
 
         ``task_status.started`` receives the bound ``(host, port)``.
         """
-        i = self.config.ingress
-        try:
-            sockets = listening_sockets(i.listen_host, i.listen_port)
-        except OSError as exc:
-            raise listen_failure(i.listen, exc) from None
-        listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets]
-        host, port = sockets[0].getsockname()[:2]
-        self.address = (host, port)
+        listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in self._listen()]
+        host, port = self.address  # type: ignore[misc]
         self._token = trio.lowlevel.current_trio_token()
         end_of_batch = _EndOfBatch(self._end_of_batch)
         trio.lowlevel.add_instrument(end_of_batch)
@@ -241,9 +235,7 @@ class Server(ServerBase):
     def _flush(self) -> None:
         self._flushing = True
         try:
-            self.driver.flush(self)
-        except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server (nor the instrument)
-            log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
+            self._perform_batch()
         finally:
             self._flushing = False
         self._notice()
