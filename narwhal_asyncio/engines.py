@@ -1,16 +1,11 @@
-"""Engine connections on asyncio: pooled keep-alive legs and control requests, the I/O only.
+"""Engine connections on asyncio: the I/O of legs (:mod:`narwhal_runtime.legs`) and control requests.
 
-What to reuse, when a pooled connection is stale, what returns to the pool
-is decided by :mod:`narwhal_runtime.pool`; a control request's bytes and
-its answer by :mod:`narwhal_runtime.control`. Here: each engine connection
-is an :class:`asyncio.Protocol` feeding every read back from
-``data_received``, also while idle (an engine's close is noticed at once).
-A leg on a pooled connection is written when the server flushes the loop
-iteration (after the journal: :meth:`Engines.write_unsent`), one on a new
-connection as soon as it is open; a task runs only to open a connection. A
-leg's connection stops reading while the client it relays to cannot take
-more bytes (the server pauses and resumes the legs linked to a client).
-Every failure and cancellation is reported back to the router.
+Each engine connection is an :class:`asyncio.Protocol` feeding every read
+from ``data_received``, also while idle; a task runs only to open one. A
+leg on a pooled connection is written by the flush, one on a new
+connection as soon as it is open. A leg's connection stops reading while
+the client it relays to cannot take more bytes (the server pauses and
+resumes the legs linked to a client).
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
-"""Narwhal on asyncio: protocols, the timer and signals around the driver.
+"""Narwhal on asyncio: protocols, the timer and signals around the driver (:mod:`narwhal_runtime.driver`).
 
-A transport's ``data_received`` feeds the driver (:mod:`narwhal_runtime.driver`)
-synchronously; the driver feeds the router and gathers its commands into a
-batch, and one ``call_soon`` callback per event-loop iteration performs the
-batch's I/O, before the loop waits for I/O again, in the order the driver
-keeps: the journal in one ``write(2)``, then the engines, then each client's
-bytes in one ``transport.write``. With ``ingress.busy_poll_us``, each event
-also keeps the loop polling (a ``call_soon`` callback that re-queues itself)
-until that long after it, instead of sleeping. No task runs per request:
-tasks only open new engine connections and run control requests.
-Backpressure: when a client's transport stops taking bytes
-(``pause_writing``), the server stops reading from that client and from
-every engine leg relaying to it, until ``resume_writing``. uvloop runs the
-loop when it is installed.
+A transport's ``data_received`` feeds the driver synchronously; one
+``call_soon`` callback per loop iteration performs the batch, before the
+loop waits for I/O again. No task runs per request (tasks only open engine
+connections and run control requests). Backpressure: while a client's
+transport stops taking bytes (``pause_writing``), neither that client nor
+any engine leg relaying to it is read. uvloop runs the loop when installed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +22,7 @@ from narwhal_runtime.app import Run, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
+from narwhal_runtime.slots import Admission, ConnectionSlots
 
 from .engines import Engines
 from .listener import Listener
@@ -156,12 +149,10 @@ class Server(ServerBase):
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
         super().__init__(config, router, now=clock(), sleep=asyncio.sleep, in_thread=asyncio.to_thread)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._clients: set[_Client] = set()
+        self._slots: ConnectionSlots[_Client] = ConnectionSlots(config.ingress.max_connections)
         #: Connections Narwhal closed, dropping what their clients still send (:data:`LINGER_S`).
         self._lingering: set[_Client] = set()
         self._flush_scheduled = False
-        self._waiting: deque[_Client] = deque()
-        self._max_clients = config.ingress.max_connections
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
         self._listener: Listener | None = None
@@ -218,8 +209,8 @@ class Server(ServerBase):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        while self._waiting:
-            self._waiting.popleft().transport.abort()
+        for client in self._slots.drop_waiting():
+            client.transport.abort()
 
     async def _close_clients(self) -> None:
         # After a drain the router has closed every connection; give the last
@@ -227,12 +218,13 @@ class Server(ServerBase):
         # cancelled instead, connection_lost tells the router of each client.)
         for client in list(self._lingering):
             client.transport.abort()
-        for client in list(self._clients):
+        clients = self._slots.holders
+        for client in list(clients):
             client.transport.close()
         deadline = clock() + EXIT_FLUSH_S
-        while self._clients and clock() < deadline:
+        while clients and clock() < deadline:
             await asyncio.sleep(0.01)
-        for client in list(self._clients):
+        for client in list(clients):
             client.transport.abort()
         await asyncio.sleep(0)  # let connection_lost run
 
@@ -309,7 +301,7 @@ class Server(ServerBase):
             transport.resume_reading()
             client.linger = self._loop.call_later(LINGER_S, transport.close)
             # The router is done with it: its connection slot is free.
-            self._clients.discard(client)
+            self._slots.release(client)
             self._lingering.add(client)
             self._admit_waiting()
         else:
@@ -325,23 +317,19 @@ class Server(ServerBase):
             client.transport.abort()
             return
         client.transport.set_write_buffer_limits(high=HIGH_WATER)
-        if len(self._clients) >= self._max_clients:
-            # At the connection limit: hold it unread until a slot frees (like
-            # a connection waiting in the backlog on trio), within a bound.
-            if len(self._waiting) >= self._max_clients:
-                client.transport.abort()
-                return
+        admission = self._slots.arrive(client)
+        if admission is Admission.ADMITTED:
+            self._admit(client)
+        elif admission is Admission.WAITING:
             client.waiting = []
             client.transport.pause_reading()
-            self._waiting.append(client)
-            return
-        self._admit(client)
+        else:
+            client.transport.abort()
 
     def _admit(self, client: _Client) -> None:
-        self._clients.add(client)
         peer = client.transport.get_extra_info("peername")
         if not peer:
-            self._clients.discard(client)
+            self._slots.release(client)
             client.closed = True
             client.transport.abort()
             return
@@ -360,12 +348,9 @@ class Server(ServerBase):
     def _client_lost(self, client: _Client) -> None:
         self._lingering.discard(client)
         if client.waiting is not None:
-            try:
-                self._waiting.remove(client)
-            except ValueError:
-                pass
+            self._slots.withdraw(client)
             return
-        self._clients.discard(client)
+        self._slots.release(client)
         client.write_paused = False
         for leg in client.relays:
             leg.resume()
@@ -379,8 +364,7 @@ class Server(ServerBase):
         return client.closed or self.driver.closing(client)
 
     def _admit_waiting(self) -> None:
-        while self._waiting and len(self._clients) < self._max_clients:
-            client = self._waiting.popleft()
+        while (client := self._slots.next_waiting()) is not None:
             early, client.waiting = client.waiting or [], None
             self._admit(client)
             for data in early:

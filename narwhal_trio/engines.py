@@ -1,21 +1,14 @@
-"""Engine connections on trio: pooled keep-alive legs and control requests, the I/O only.
+"""Engine connections on trio: the I/O of legs (:mod:`narwhal_runtime.legs`) and control requests.
 
-What to reuse, when a pooled connection is stale, what returns to the pool
-is decided by :mod:`narwhal_runtime.pool`; a control request's bytes and
-its answer by :mod:`narwhal_runtime.control`. Here: one task per engine
-connection (not per leg), reading whatever the engine sends, also while the
-connection is idle (an engine's close is noticed at once); a leg on a pooled
-connection is written straight from the drain that started it (a
-non-blocking ``send``; what the socket cannot take at once is finished by a
-task); a new connection is opened by the task that then serves it.
-
-The sockets are plain non-blocking sockets driven with
+One task per engine connection (not per leg) reads whatever the engine
+sends, also while the connection is idle; a leg on a pooled connection is
+written straight from the flush (a non-blocking ``send``, a task finishing
+what the socket could not take); a new connection is opened by the task
+that then serves it. Sockets are plain non-blocking ones driven with
 :func:`trio.lowlevel.wait_readable` / :func:`~trio.lowlevel.wait_writable`:
-a ``SocketStream`` call costs a cancel scope, two context managers and a
-yield per call, several times the ``recv`` it wraps. Each wait is a
-checkpoint; closing a socket another task may wait on goes through
-:func:`trio.lowlevel.notify_closing`. Every failure and cancellation is
-reported back to the router.
+a ``SocketStream`` call costs several times the ``recv`` it wraps. Closing
+a socket another task may wait on goes through
+:func:`trio.lowlevel.notify_closing`.
 """
 
 from __future__ import annotations
