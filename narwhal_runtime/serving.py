@@ -67,6 +67,10 @@ class ServerBase:
     def _feed_now(self, event: Event) -> None:
         raise NotImplementedError
 
+    def send(self, conn: Any, data: bytes, close: bool) -> None:
+        """The adapter's client write (:meth:`narwhal_runtime.driver.Effects.send`)."""
+        raise NotImplementedError
+
     def _listen(self) -> list[socket.socket]:
         """Bind the listening sockets (:mod:`.listening`; a failure is a start-up error), set :attr:`address`."""
         i = self.config.ingress
