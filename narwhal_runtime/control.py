@@ -158,7 +158,7 @@ class ControlExchange:
 
 async def connect_first(infos: Sequence[Any],
                         sock_connect: Callable[[socket.socket, Any], Awaitable[None]]) -> socket.socket:
-    """A non-blocking socket connected (by the runtime's ``sock_connect``) to the first address of ``infos`` that takes it.
+    """A socket connected (by the runtime's ``sock_connect``) to the first address of ``infos`` that takes it.
 
     Each address is tried in turn; if none takes the connection, the
     ``OSError`` raised keeps each address's own error (a refusal on every

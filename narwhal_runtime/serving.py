@@ -5,8 +5,9 @@ driver, opens the journal (:mod:`.journal_file`; a failure is a start-up
 error), performs the effects that are the same on both runtimes (the
 journal write, process-log lines, the queued leg requests) and turns SIGHUP
 into the router's new authenticator. It binds the listening sockets
-(:mod:`.listening`) and performs a batch with its failure contained. What is left in each adapter is its loop: accept, read,
-write, connect, sleep, signals.
+(:mod:`.listening`) and performs a batch with its failure contained. What
+is left in each adapter is its loop: accept, read, write, connect, sleep,
+signals.
 """
 
 from __future__ import annotations

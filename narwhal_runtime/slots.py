@@ -62,7 +62,7 @@ class ConnectionSlots(Generic[T]):
             pass
 
     def next_waiting(self) -> T | None:
-        """The connection that has waited longest, now holding the slot that freed; ``None``: none free or none waits."""
+        """The connection that waited longest, now holding the slot that freed; ``None``: none free, or none waits."""
         if self.waiting and len(self.holders) < self.limit:
             conn = self.waiting.popleft()
             self.holders.add(conn)
