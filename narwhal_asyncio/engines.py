@@ -1,29 +1,26 @@
-"""Engine connections on asyncio: pooled keep-alive legs and control requests, the I/O only.
+"""Engine connections on asyncio: the I/O of legs (:mod:`narwhal_runtime.legs`) and control requests.
 
-What to reuse, when a pooled connection is stale, what returns to the pool
-is decided by :mod:`narwhal_runtime.pool`; a control request's bytes and
-its answer by :mod:`narwhal_runtime.control`. Here: each engine connection
-is an :class:`asyncio.Protocol` feeding every read back from
-``data_received``, also while idle (an engine's close is noticed at once).
-A leg on a pooled connection is written when the server flushes the loop
-iteration (after the journal: :meth:`Engines.write_unsent`), one on a new
-connection as soon as it is open; a task runs only to open a connection. A
-leg's connection stops reading while the client it relays to cannot take
-more bytes (the server pauses and resumes the legs linked to a client).
-Every failure and cancellation is reported back to the router.
+Each engine connection is an :class:`asyncio.Protocol` feeding every read
+from ``data_received``, also while idle; a task runs only to open one. A
+leg on a pooled connection is written by the flush, one on a new
+connection as soon as it is open. A leg's connection stops reading while
+the client it relays to cannot take more bytes (the server pauses and
+resumes the legs linked to a client).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from narwhal_core import Event, LegData, LegFailed, StartControl, StartLeg, local_failure
 from narwhal_core.events import LegFailure
-from narwhal_runtime.control import ControlExchange, ControlRefused
-from narwhal_runtime.pool import Pool, PooledConnection
+from narwhal_runtime.control import ControlExchange, ControlRefused, connect_first
+from narwhal_runtime.legs import EngineLegs
+from narwhal_runtime.pool import PooledConnection
 
 __all__ = ["Engines"]
 
@@ -78,40 +75,23 @@ class _LegConnection(PooledConnection, asyncio.Protocol):
             self.transport.resume_reading()
 
 
-class Engines:
-    """Legs and control requests for one router, on one event loop."""
+class Engines(EngineLegs[_LegConnection]):
+    """Legs (:class:`~narwhal_runtime.legs.EngineLegs`) and control requests for one router, on one event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, feed: Callable[[Event], None], *, pool_size: int) -> None:
+        super().__init__(feed, pool_size)
         self._loop = loop
-        self._feed = feed
-        self._pool: Pool[_LegConnection] = Pool(pool_size)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._closed = False
 
-    @property
-    def unsent(self) -> bool:
-        """Legs started on pooled connections wait for :meth:`write_unsent`."""
-        return bool(self._pool.unsent)
-
-    # commands from the router (synchronous: they only write, flag or start things)
-
-    def start_leg(self, cmd: StartLeg) -> None:
-        """Queue the leg on a pooled connection (see :meth:`write_unsent`), or open one in a task."""
-        if self._closed:
-            return  # shutting down: the loop is about to end
-        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection)
-        if conn is not None:
-            self._link(conn, cmd.conn)
-            return
+    def _open(self, cmd: StartLeg) -> _LegConnection:
         conn = _LegConnection(self, cmd.engine.url)
-        self._pool.attach(conn, cmd.leg)
         conn.task = self._spawn(self._connect(conn, cmd))
+        return conn
 
-    def cancel_leg(self, key: str) -> None:
-        """Stop a leg: closing its connection makes the engine abort the request."""
-        conn = self._pool.cancel(key)
-        if conn is None:
-            return
+    def _reused(self, conn: _LegConnection, cmd: StartLeg) -> None:
+        self._link(conn, cmd.conn)
+
+    def _cancelled(self, conn: _LegConnection) -> None:
         if conn.transport is None:
             assert conn.task is not None
             conn.task.cancel()  # still connecting
@@ -119,12 +99,7 @@ class Engines:
         self._unlink(conn)
         self._close(conn, abort=True)
 
-    def finish_leg(self, key: str, reusable: bool) -> None:
-        """The answer is complete: the connection goes back to the pool (reading on), or is closed."""
-        finished = self._pool.finish(key, reusable)
-        if finished is None:
-            return
-        conn, kept = finished
+    def _finished(self, conn: _LegConnection, kept: bool) -> None:
         self._unlink(conn)
         if kept:
             conn.resume()
@@ -226,13 +201,12 @@ class Engines:
                 if cmd.resolve:
                     # Resolved at every probe: the addresses may name the KV side channel.
                     self._feed(exchange.resolved(infos))
-                sock = await _connect(loop, infos)
+                sock = await connect_first(infos, loop.sock_connect)
                 try:
                     exchange.connected()
-                    await loop.sock_sendall(sock, data)
-                    done = exchange.sent() if exchange.hang_up else None
-                    while done is None:
-                        done = exchange.receive_data(await loop.sock_recv(sock, READ_SIZE))
+                    done = await exchange.converse(
+                        data, partial(loop.sock_sendall, sock), partial(loop.sock_recv, sock, READ_SIZE)
+                    )
                 finally:
                     sock.close()
         except TimeoutError as exc:  # before OSError, of which it is a subclass
@@ -252,25 +226,3 @@ async def _addresses(loop: asyncio.AbstractEventLoop, host: str, port: int) -> l
     except socket.gaierror:
         return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
-
-async def _connect(loop: asyncio.AbstractEventLoop, infos: Sequence[Any]) -> socket.socket:
-    """A socket connected to the first address of ``infos`` that takes the connection.
-
-    ``loop.create_connection`` on Python 3.11 sums up several failed
-    addresses (``localhost``: ``::1`` and ``127.0.0.1``) in one ``OSError``
-    without an errno; this one keeps each (a refusal is named as one).
-    """
-    errors: list[OSError] = []
-    for family, kind, proto, _, address in infos:
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, address)
-            return sock
-        except OSError as exc:
-            sock.close()
-            errors.append(exc)
-        except BaseException:
-            sock.close()
-            raise
-    raise OSError("no address of the engine took the connection") from ExceptionGroup("connect", errors)

@@ -1,38 +1,30 @@
-"""Narwhal on asyncio: protocols, the timer and signals around the driver.
+"""Narwhal on asyncio: protocols, the timer and signals around the driver (:mod:`narwhal_runtime.driver`).
 
-A transport's ``data_received`` feeds the driver (:mod:`narwhal_runtime.driver`)
-synchronously; the driver feeds the router and gathers its commands into a
-batch, and one ``call_soon`` callback per event-loop iteration performs the
-batch's I/O, before the loop waits for I/O again, in the order the driver
-keeps: the journal in one ``write(2)``, then the engines, then each client's
-bytes in one ``transport.write``. With ``ingress.busy_poll_us``, each event
-also keeps the loop polling (a ``call_soon`` callback that re-queues itself)
-until that long after it, instead of sleeping. No task runs per request:
-tasks only open new engine connections and run control requests.
-Backpressure: when a client's transport stops taking bytes
-(``pause_writing``), the server stops reading from that client and from
-every engine leg relaying to it, until ``resume_writing``. uvloop runs the
-loop when it is installed.
+A transport's ``data_received`` feeds the driver synchronously; one
+``call_soon`` callback per loop iteration performs the batch, before the
+loop waits for I/O again. No task runs per request (tasks only open engine
+connections and run control requests). Backpressure: while a client's
+transport stops taking bytes (``pause_writing``), neither that client nor
+any engine leg relaying to it is read. uvloop runs the loop when installed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from narwhal_core import (
     ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested,
 )
-from narwhal_runtime.app import Run, listen_failure, log_listening
+from narwhal_runtime.app import Run, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
+from narwhal_runtime.slots import Admission, ConnectionSlots
 
 from .engines import Engines
-from .journal_file import JournalFile
 from .listener import Listener
 
 __all__ = ["Server", "run", "new_event_loop", "RUNTIME"]
@@ -155,14 +147,12 @@ class Server(ServerBase):
     engines: Engines | None
 
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
-        super().__init__(config, router, now=clock(), journal_file=JournalFile)
+        super().__init__(config, router, now=clock(), sleep=asyncio.sleep, in_thread=asyncio.to_thread)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._clients: set[_Client] = set()
+        self._slots: ConnectionSlots[_Client] = ConnectionSlots(config.ingress.max_connections)
         #: Connections Narwhal closed, dropping what their clients still send (:data:`LINGER_S`).
         self._lingering: set[_Client] = set()
         self._flush_scheduled = False
-        self._waiting: deque[_Client] = deque()
-        self._max_clients = config.ingress.max_connections
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
         self._listener: Listener | None = None
@@ -174,13 +164,8 @@ class Server(ServerBase):
         """Listen, serve until a shutdown drains, then close the journal; ``started`` gets ``(host, port)``."""
         loop = self._loop = asyncio.get_running_loop()
         self._drained = loop.create_future()
-        i = self.config.ingress
-        try:
-            listener = Listener.open(loop, i.listen_host, i.listen_port, lambda: _Client(self))
-        except OSError as exc:
-            raise listen_failure(i.listen, exc) from None
-        host, port = listener.sockets[0].getsockname()[:2]
-        self.address = (host, port)
+        listener = Listener(loop, self._listen(), lambda: _Client(self))
+        host, port = self.address  # type: ignore[misc]
         sync_task: asyncio.Task[None] | None = None
         try:
             self._listener = listener
@@ -224,8 +209,8 @@ class Server(ServerBase):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        while self._waiting:
-            self._waiting.popleft().transport.abort()
+        for client in self._slots.drop_waiting():
+            client.transport.abort()
 
     async def _close_clients(self) -> None:
         # After a drain the router has closed every connection; give the last
@@ -233,12 +218,13 @@ class Server(ServerBase):
         # cancelled instead, connection_lost tells the router of each client.)
         for client in list(self._lingering):
             client.transport.abort()
-        for client in list(self._clients):
+        clients = self._slots.holders
+        for client in list(clients):
             client.transport.close()
         deadline = clock() + EXIT_FLUSH_S
-        while self._clients and clock() < deadline:
+        while clients and clock() < deadline:
             await asyncio.sleep(0.01)
-        for client in list(self._clients):
+        for client in list(clients):
             client.transport.abort()
         await asyncio.sleep(0)  # let connection_lost run
 
@@ -289,10 +275,7 @@ class Server(ServerBase):
         self._flush_scheduled = False
         if self.engines is None:
             return
-        try:
-            self.driver.flush(self)
-        except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server
-            log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
+        self._perform_batch()
         self._after_drain()  # what the flush fed (journal health, a client admitted)
 
     def send(self, client: _Client, data: bytes, close: bool) -> None:
@@ -318,7 +301,7 @@ class Server(ServerBase):
             transport.resume_reading()
             client.linger = self._loop.call_later(LINGER_S, transport.close)
             # The router is done with it: its connection slot is free.
-            self._clients.discard(client)
+            self._slots.release(client)
             self._lingering.add(client)
             self._admit_waiting()
         else:
@@ -334,23 +317,19 @@ class Server(ServerBase):
             client.transport.abort()
             return
         client.transport.set_write_buffer_limits(high=HIGH_WATER)
-        if len(self._clients) >= self._max_clients:
-            # At the connection limit: hold it unread until a slot frees (like
-            # a connection waiting in the backlog on trio), within a bound.
-            if len(self._waiting) >= self._max_clients:
-                client.transport.abort()
-                return
+        admission = self._slots.arrive(client)
+        if admission is Admission.ADMITTED:
+            self._admit(client)
+        elif admission is Admission.WAITING:
             client.waiting = []
             client.transport.pause_reading()
-            self._waiting.append(client)
-            return
-        self._admit(client)
+        else:
+            client.transport.abort()
 
     def _admit(self, client: _Client) -> None:
-        self._clients.add(client)
         peer = client.transport.get_extra_info("peername")
         if not peer:
-            self._clients.discard(client)
+            self._slots.release(client)
             client.closed = True
             client.transport.abort()
             return
@@ -369,12 +348,9 @@ class Server(ServerBase):
     def _client_lost(self, client: _Client) -> None:
         self._lingering.discard(client)
         if client.waiting is not None:
-            try:
-                self._waiting.remove(client)
-            except ValueError:
-                pass
+            self._slots.withdraw(client)
             return
-        self._clients.discard(client)
+        self._slots.release(client)
         client.write_paused = False
         for leg in client.relays:
             leg.resume()
@@ -388,8 +364,7 @@ class Server(ServerBase):
         return client.closed or self.driver.closing(client)
 
     def _admit_waiting(self) -> None:
-        while self._waiting and len(self._clients) < self._max_clients:
-            client = self._waiting.popleft()
+        while (client := self._slots.next_waiting()) is not None:
             early, client.waiting = client.waiting or [], None
             self._admit(client)
             for data in early:

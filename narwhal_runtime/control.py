@@ -16,9 +16,13 @@ An adapter runs one :class:`ControlExchange` per ``StartControl``::
     data = exchange.request()            # before connecting: may refuse
     ...connect (resolving first if cmd.resolve: feed exchange.resolved(infos))...
     exchange.connected()
-    ...write data; if exchange.hang_up: close, feed exchange.sent()...
-    ...else read: done = exchange.receive_data(chunk) until not None (b"" at EOF)...
+    done = await exchange.converse(data, send_all, receive_some)   # then close
     failures: exchange.failed(exc), exchange.timed_out(), exchange.cancelled()
+
+(:meth:`ControlExchange.converse` writes, then reads until the outcome is
+known, feeding :meth:`~ControlExchange.receive_data`; after a ``decode_abort``
+request, ``hang_up``, it reads nothing: :meth:`~ControlExchange.sent`.) An
+adapter that connects by address uses :func:`connect_first`.
 
 The request carries the engine credential where the router put it; no
 error text made here holds a request header, so the credential reaches
@@ -27,7 +31,8 @@ neither the log nor the journal (docs/security.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Final
 
 from narwhal_core import CONTROL_BODY_LIMIT, ControlDone, StartControl, local_failure
@@ -37,7 +42,7 @@ from narwhal_core.http import NEED_DATA, BodyData, EngineConnection, ResponseEnd
 
 from .engine_probe import addresses_of, describe_failure, shorten
 
-__all__ = ["ControlExchange", "ControlRefused", "CONTROL_HEADERS"]
+__all__ = ["ControlExchange", "ControlRefused", "CONTROL_HEADERS", "connect_first"]
 
 #: Added to every control request (``decode_abort``'s raw request aside):
 #: the answer's bytes are read as they come (a KV release's body is parsed,
@@ -90,6 +95,16 @@ class ControlExchange:
         """The connection is open: a timeout from now on may have let the request reach the engine."""
         self._connected = True
 
+    async def converse(self, data: bytes, send_all: Callable[[bytes], Awaitable[object]],
+                       receive_some: Callable[[], Awaitable[bytes]]) -> ControlDone:
+        """Write ``data`` on the open connection, then read until the outcome is known."""
+        await send_all(data)
+        if self.hang_up:
+            return self.sent()
+        while (done := self.receive_data(await receive_some())) is None:
+            pass
+        return done
+
     def sent(self) -> ControlDone:
         """A ``decode_abort`` request was written and the connection closed: nothing comes back."""
         return ControlDone(self.cmd.key, None)
@@ -139,3 +154,29 @@ class ControlExchange:
         """The adapter is shutting down and stopped the request."""
         return ControlDone(self.cmd.key, None, "cancelled")
 
+
+
+async def connect_first(infos: Sequence[Any],
+                        sock_connect: Callable[[socket.socket, Any], Awaitable[None]]) -> socket.socket:
+    """A socket connected (by the runtime's ``sock_connect``) to the first address of ``infos`` that takes it.
+
+    Each address is tried in turn; if none takes the connection, the
+    ``OSError`` raised keeps each address's own error (a refusal on every
+    address is named as one by :func:`~.engine_probe.describe_failure`),
+    where Python 3.11's ``loop.create_connection`` sums them up in one
+    ``OSError`` without an errno.
+    """
+    errors: list[OSError] = []
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            errors.append(exc)
+        except BaseException:
+            sock.close()
+            raise
+    raise OSError("no address of the engine took the connection") from ExceptionGroup("connect", errors)

@@ -150,8 +150,9 @@ class Driver:
         self.armed = math.inf
         #: Set by a drain that moved the deadline earlier: arm the timer for it.
         self.rearm = False
-        #: Drains so far (the trio adapter tells light load from heavy by it).
+        #: Drains so far, and at the end of the last scheduler batch (:meth:`batch_ended`).
         self.drains = 0
+        self._drains_at_batch_end = 0
 
     # ------------------------------------------------------------ the router
 
@@ -231,6 +232,17 @@ class Driver:
                 self._logs.append((cmd.event, cmd.fields))  # type: ignore[union-attr]
             elif kind is ShutdownComplete:
                 self.shutdown_complete = True
+
+    def batch_ended(self) -> bool:
+        """The scheduler's batch is over: was the load light (one drain in it, or none)?
+
+        Then an adapter that can choose does better performing each batch at
+        once than at the end of the scheduler's next batch (trio: the engine's
+        answer finds the process awake more often; benchmarks/README.md).
+        """
+        light = self.drains - self._drains_at_batch_end <= 1
+        self._drains_at_batch_end = self.drains
+        return light
 
     # ------------------------------------------------------------- the batch
 

@@ -1,22 +1,27 @@
 """The half of each runtime's ``Server`` that does not depend on its event loop.
 
 Both adapters subclass :class:`ServerBase`: it builds the router and its
-driver, opens the journal (a failure is a start-up error), performs the
-effects that are the same on both runtimes (the journal write, process-log
-lines, the queued leg requests) and turns SIGHUP into the router's new
-authenticator. What is left in each adapter is its loop: accept, read,
-write, connect, sleep, signals.
+driver, opens the journal (:mod:`.journal_file`; a failure is a start-up
+error), performs the effects that are the same on both runtimes (the
+journal write, process-log lines, the queued leg requests) and turns SIGHUP
+into the router's new authenticator. It binds the listening sockets
+(:mod:`.listening`) and performs a batch with its failure contained. What
+is left in each adapter is its loop: accept, read, write, connect, sleep,
+signals.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, Router
 
-from .app import build_router, journal_failure, load_authenticator
+from .app import build_router, journal_failure, listen_failure, load_authenticator
 from .driver import BusyPoll, Driver
+from .journal_file import JournalFile
+from .listening import listening_sockets
 from .log import log_event
 
 __all__ = ["ServerBase"]
@@ -29,12 +34,14 @@ class ServerBase:
     engines: Any
 
     def __init__(self, config: Config, router: Router | None, *, now: float,
-                 journal_file: Callable[[str, str, float], Any]) -> None:
+                 sleep: Callable[[float], Awaitable[object]],
+                 in_thread: Callable[[Callable[[], None]], Awaitable[object]]) -> None:
         self.config = config
         self.router = router or build_router(config, now=now)
         self.driver = Driver(self.router)
+        j = config.journal
         try:
-            self.journal = journal_file(config.journal.path, config.journal.fsync, config.journal.fsync_interval_s)
+            self.journal = JournalFile(j.path, j.fsync, j.fsync_interval_s, sleep=sleep, in_thread=in_thread)
         except OSError as exc:
             raise journal_failure(config.journal.path, exc) from None
         self.engines = None
@@ -60,6 +67,28 @@ class ServerBase:
 
     def _feed_now(self, event: Event) -> None:
         raise NotImplementedError
+
+    def send(self, conn: Any, data: bytes, close: bool) -> None:
+        """The adapter's client write (:meth:`narwhal_runtime.driver.Effects.send`)."""
+        raise NotImplementedError
+
+    def _listen(self) -> list[socket.socket]:
+        """Bind the listening sockets (:mod:`.listening`; a failure is a start-up error), set :attr:`address`."""
+        i = self.config.ingress
+        try:
+            sockets = listening_sockets(i.listen_host, i.listen_port)
+        except OSError as exc:
+            raise listen_failure(i.listen, exc) from None
+        host, port = sockets[0].getsockname()[:2]
+        self.address = (host, port)
+        return sockets
+
+    def _perform_batch(self) -> None:
+        """Perform the driver's batch; a failed effect is logged (``flush_error``), never fatal."""
+        try:
+            self.driver.flush(self)
+        except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server (nor trio's instrument)
+            log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
 
     # Effects (narwhal_runtime.driver.Effects) that are the same on both runtimes.
 

@@ -1,21 +1,14 @@
-"""Engine connections on trio: pooled keep-alive legs and control requests, the I/O only.
+"""Engine connections on trio: the I/O of legs (:mod:`narwhal_runtime.legs`) and control requests.
 
-What to reuse, when a pooled connection is stale, what returns to the pool
-is decided by :mod:`narwhal_runtime.pool`; a control request's bytes and
-its answer by :mod:`narwhal_runtime.control`. Here: one task per engine
-connection (not per leg), reading whatever the engine sends, also while the
-connection is idle (an engine's close is noticed at once); a leg on a pooled
-connection is written straight from the drain that started it (a
-non-blocking ``send``; what the socket cannot take at once is finished by a
-task); a new connection is opened by the task that then serves it.
-
-The sockets are plain non-blocking sockets driven with
+One task per engine connection (not per leg) reads whatever the engine
+sends, also while the connection is idle; a leg on a pooled connection is
+written straight from the flush (a non-blocking ``send``, a task finishing
+what the socket could not take); a new connection is opened by the task
+that then serves it. Sockets are plain non-blocking ones driven with
 :func:`trio.lowlevel.wait_readable` / :func:`~trio.lowlevel.wait_writable`:
-a ``SocketStream`` call costs a cancel scope, two context managers and a
-yield per call, several times the ``recv`` it wraps. Each wait is a
-checkpoint; closing a socket another task may wait on goes through
-:func:`trio.lowlevel.notify_closing`. Every failure and cancellation is
-reported back to the router.
+a ``SocketStream`` call costs several times the ``recv`` it wraps. Closing
+a socket another task may wait on goes through
+:func:`trio.lowlevel.notify_closing`.
 """
 
 from __future__ import annotations
@@ -28,7 +21,8 @@ import trio
 from narwhal_core import Event, StartControl, StartLeg, local_failure
 from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlExchange, ControlRefused
-from narwhal_runtime.pool import Pool, PooledConnection
+from narwhal_runtime.legs import EngineLegs
+from narwhal_runtime.pool import PooledConnection
 
 __all__ = ["Engines", "plain_socket", "close_socket", "send_all", "receive"]
 
@@ -87,28 +81,17 @@ class _Connection(PooledConnection):
         self.scope: trio.CancelScope | None = None
 
 
-class Engines:
-    """Legs and control requests for one router, on one nursery."""
+class Engines(EngineLegs[_Connection]):
+    """Legs (:class:`~narwhal_runtime.legs.EngineLegs`) and control requests for one router, on one nursery."""
 
     def __init__(self, nursery: trio.Nursery, feed: Callable[[Event], Awaitable[None]], *, pool_size: int) -> None:
+        super().__init__(feed, pool_size)
         self._nursery = nursery
-        self._feed = feed
-        self._pool: Pool[_Connection] = Pool(pool_size)
 
-    @property
-    def unsent(self) -> bool:
-        """Legs started on pooled connections wait for :meth:`write_unsent`."""
-        return bool(self._pool.unsent)
-
-    # commands from the router (synchronous: they only write, flag or start things)
-
-    def start_leg(self, cmd: StartLeg) -> None:
-        """Queue the leg on a pooled connection (see :meth:`write_unsent`), or open one in a task."""
-        if self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection) is not None:
-            return
+    def _open(self, cmd: StartLeg) -> _Connection:
         conn = _Connection(cmd.engine.url)
-        self._pool.attach(conn, cmd.leg)
         self._nursery.start_soon(self._connect, conn, cmd)
+        return conn
 
     def write_unsent(self) -> bool:
         """Write the queued leg requests; return whether a task was started to finish one."""
@@ -128,17 +111,9 @@ class Engines:
                 started = True
         return started
 
-    def cancel_leg(self, key: str) -> None:
-        """Stop a leg: closing its connection makes the engine abort the request."""
-        conn = self._pool.cancel(key)
-        if conn is not None:
-            self._close(conn)
-
-    def finish_leg(self, key: str, reusable: bool) -> None:
-        """The answer is complete: the connection goes back to the pool (its task reads on), or is closed."""
-        finished = self._pool.finish(key, reusable)
-        if finished is not None and not finished[1]:
-            self._close(finished[0])
+    def _finished(self, conn: _Connection, kept: bool) -> None:
+        if not kept:
+            self._close(conn)  # a kept one's task reads on
 
     def start_control(self, cmd: StartControl) -> None:
         """Run a control request in its own task."""
@@ -146,17 +121,21 @@ class Engines:
 
     async def aclose(self) -> None:
         """Close every connection (their tasks report the legs they carried)."""
+        self._closed = True
         for conn in self._pool.all_connections():
             self._close(conn)
 
     # connections
 
     def _close(self, conn: _Connection) -> None:
+        """Close ``conn``: a cancelled leg's, one not kept, or at shutdown."""
         conn.closed = True
         if conn.sock is not None:
             close_socket(conn.sock)  # wakes its task's wait with ClosedResourceError
         elif conn.scope is not None:
             conn.scope.cancel()  # still connecting
+
+    _cancelled = _close
 
     async def _fail(self, conn: _Connection, reason: LegFailure) -> None:
         event = self._pool.failed(conn, reason)  # None: the leg was cancelled, the router knows
@@ -246,10 +225,7 @@ class Engines:
                 stream = await trio.open_tcp_stream(cmd.engine.host, cmd.engine.port)
                 exchange.connected()
                 try:
-                    await stream.send_all(data)
-                    done = exchange.sent() if exchange.hang_up else None
-                    while done is None:
-                        done = exchange.receive_data(await stream.receive_some(READ_SIZE))
+                    done = await exchange.converse(data, stream.send_all, lambda: stream.receive_some(READ_SIZE))
                 finally:
                     stream.socket.close()
         except trio.TooSlowError:

@@ -1,22 +1,14 @@
-"""Narwhal on trio: sockets, tasks, the timer and signals around the driver.
+"""Narwhal on trio: sockets, tasks, the timer and signals around the driver (:mod:`narwhal_runtime.driver`).
 
-Each task that reads a socket feeds what it read to the driver
-(:mod:`narwhal_runtime.driver`), which feeds the router and gathers its
-commands into a batch; this module performs the batch's I/O in the order the
-driver keeps (journal, engines, clients). Under load, a whole scheduler
-batch is performed at its end, from trio's ``before_io_wait`` hook (an
-instrument), before the run loop waits for I/O again: a busy router writes
-the journal once per batch and sockets in one burst. When the last batch ran
-one drain or none (light load), each feed performs its batch at once
-instead: writing just before the loop sleeps would make the engine's answer
-find the process asleep more often (benchmarks/README.md has both
-measurements). A socket that cannot take all its
-bytes at once is finished by a writer task; a task that feeds bytes to a
-client whose writer is more than ``HIGH_WATER`` behind waits for it, so a
-slow client slows the engine leg relaying to it.
-
-Client sockets, like engine connections (:mod:`.engines`), are plain
-non-blocking sockets driven with :func:`trio.lowlevel.wait_readable`.
+When a batch is performed is trio's: under load, at the end of the scheduler
+batch, from the ``before_io_wait`` hook (an instrument), so a busy router
+writes the journal once per batch and the sockets in one burst; under light
+load (the driver's :meth:`~narwhal_runtime.driver.Driver.batch_ended`), at
+once from each feed: writing just before the loop sleeps would make the
+engine's answer find the process asleep more often (benchmarks/README.md).
+A client socket that cannot take all its bytes at once is finished by a
+writer task; a task feeding a client more than ``HIGH_WATER`` behind waits
+for it. Sockets are plain non-blocking ones (see :mod:`.engines`).
 """
 
 from __future__ import annotations
@@ -31,13 +23,13 @@ import trio
 from narwhal_core import (
     ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested,
 )
-from narwhal_runtime.app import Run, listen_failure, log_listening
+from narwhal_runtime.app import Run, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
+from narwhal_runtime.listening import ACCEPT_RETRY_S
 from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
 
 from .engines import Engines, close_socket, plain_socket, receive, send_all
-from .journal_file import JournalFile
 
 __all__ = ["Server", "run", "RUNTIME"]
 
@@ -68,13 +60,12 @@ class Server(ServerBase):
     engines: Engines | None
 
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
-        super().__init__(config, router, now=trio.current_time(), journal_file=JournalFile)
+        super().__init__(config, router, now=trio.current_time(), sleep=trio.sleep, in_thread=trio.to_thread.run_sync)
         self._clients: dict[int, _Client] = {}
         self._next_handle = 0
         #: Writer tasks running (clients whose socket could not take every byte at once).
         self._writers = 0
-        self._eager = True  # the last batch ran one drain or none: perform each at once
-        self._drains_seen = 0
+        self._eager = True  # the last batch was light: perform each at once
         self._flushing = False
         self._token: trio.lowlevel.TrioToken | None = None
         self._timer_wakeup = trio.Event()
@@ -89,13 +80,8 @@ class Server(ServerBase):
 
         ``task_status.started`` receives the bound ``(host, port)``.
         """
-        i = self.config.ingress
-        try:
-            listeners = await trio.open_tcp_listeners(i.listen_port, host=i.listen_host)
-        except OSError as exc:
-            raise listen_failure(i.listen, exc) from None
-        host, port = listeners[0].socket.getsockname()[:2]
-        self.address = (host, port)
+        listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in self._listen()]
+        host, port = self.address  # type: ignore[misc]
         self._token = trio.lowlevel.current_trio_token()
         end_of_batch = _EndOfBatch(self._end_of_batch)
         trio.lowlevel.add_instrument(end_of_batch)
@@ -149,7 +135,7 @@ class Server(ServerBase):
             except OSError as exc:  # EMFILE and friends: back off, keep serving
                 limit.release()
                 log_event("accept_failed", error=str(exc))
-                await trio.sleep(0.1)
+                await trio.sleep(ACCEPT_RETRY_S)
                 continue
             except BaseException:
                 limit.release()
@@ -225,9 +211,7 @@ class Server(ServerBase):
 
     def _end_of_batch(self, timeout: float) -> None:
         """trio's ``before_io_wait``: perform what this batch produced."""
-        drains = self.driver.drains
-        self._eager = drains - self._drains_seen <= 1
-        self._drains_seen = drains
+        self._eager = self.driver.batch_ended()
         if self.driver.pending() or (self.engines is not None and self.engines.unsent):
             self._flush()
             if timeout > 0 and trio.lowlevel.current_statistics().tasks_runnable:
@@ -240,9 +224,7 @@ class Server(ServerBase):
     def _flush(self) -> None:
         self._flushing = True
         try:
-            self.driver.flush(self)
-        except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server (nor the instrument)
-            log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
+            self._perform_batch()
         finally:
             self._flushing = False
         self._notice()
@@ -251,18 +233,14 @@ class Server(ServerBase):
         client = self._clients.get(conn)
         if client is None or client.closed:
             return
-        if data:
-            client.out.append(data)
-            client.buffered += len(data)
         if close:
             client.close_after = True
         if client.writing:
-            return  # the writer sends what is queued, in order, then closes
-        out = client.out
-        if out:
-            data = out[0] if len(out) == 1 else b"".join(out)  # type: ignore[assignment]
-            client.out = []
-            client.buffered = 0
+            if data:  # the writer sends what is queued, in order, then closes
+                client.out.append(data)
+                client.buffered += len(data)
+            return
+        if data:
             try:
                 sent = client.sock.send(data)
             except BlockingIOError:

@@ -4,8 +4,10 @@ Both adapters perform what the shared driver (narwhal_runtime/driver.py)
 decides; the tests at the end check that they do so the same way where it
 shows from outside: an exception in the core (while it handles an event, or
 while its commands are drained) ends only its request, identically, and the
-process goes on serving; and a request's journal record is written before
-its client sees the end of the answer.
+process goes on serving; a request's journal record is written before its
+client sees the end of the answer; and a connection over
+``ingress.max_connections`` waits, unanswered, until a slot frees
+(narwhal_runtime/slots.py on asyncio, the listen backlog on trio).
 
 One scenario — valid, invalid, streaming, unknown model, a decode engine that
 fails every leg (so the router retries elsewhere), a client that leaves
@@ -267,3 +269,25 @@ def test_the_journal_record_is_written_before_the_answer_ends_on_both_runtimes(t
     expected = [("plain", True), ("stream", True), ("plain", True), ("stream", True)]
     assert _order_run("trio", tmp_path) == expected
     assert _order_run("asyncio", tmp_path) == expected
+
+
+# ------------------------------------------------------------ connection slots
+
+
+@pytest.mark.parametrize("runtime", harness.RUNTIMES)
+def test_a_connection_over_the_limit_waits_for_a_slot(runtime: str, tmp_path: Path) -> None:
+    health = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode, \
+            RouterThread(make_config(tmp_path / "journal.jsonl", prefill=(prefill.url,), decode=(decode.url,),
+                                     ingress={"max_connections": 1}), runtime) as router:  # fmt: skip
+        first = socket.create_connection(router.address, timeout=10)
+        first.sendall(health)
+        assert first.recv(65536).startswith(b"HTTP/1.1 200")  # it holds the one slot
+        with socket.create_connection(router.address, timeout=10) as second:
+            second.sendall(health)
+            second.settimeout(0.5)
+            with pytest.raises(socket.timeout):
+                second.recv(65536)  # no slot: not served yet
+            first.close()  # frees the slot
+            second.settimeout(10)
+            assert second.recv(65536).startswith(b"HTTP/1.1 200")

@@ -217,14 +217,15 @@ def test_a_connection_that_never_opens_is_a_connect_timeout(runtime: str) -> Non
 
 def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
     # Python 3.11's create_connection would say "Multiple exceptions: ..." without an errno.
-    from narwhal_asyncio.engines import _connect
+    from narwhal_runtime.control import connect_first
     from narwhal_runtime.engine_probe import describe_failure
 
     infos = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", free_port())) for _ in range(2)]
 
     async def main() -> str:
         try:
-            await _connect(asyncio.get_running_loop(), infos)
+            loop = asyncio.get_running_loop()
+            await connect_first(infos, loop.sock_connect)
         except OSError as exc:
             return describe_failure(exc)
         raise AssertionError("connected")

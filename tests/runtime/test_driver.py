@@ -301,3 +301,14 @@ def test_the_driver_and_the_runtime_support_import_no_adapter_nor_the_cli() -> N
         if path.parent == package:
             forbidden = forbidden | (forbidden_everywhere if path.name != "driver.py" else set())
         assert not imported & forbidden, (path, imported & forbidden)
+
+
+def test_a_scheduler_batch_with_one_drain_or_none_is_light() -> None:
+    driver = Driver(ScriptedRouter())  # type: ignore[arg-type]
+    assert driver.batch_ended()  # none
+    driver.feed("a", now=1.0)
+    assert driver.batch_ended()  # one
+    driver.feed("a", now=1.0)
+    driver.fire_timer(now=1.0)
+    assert not driver.batch_ended()  # two: perform at the end of the batch
+    assert driver.batch_ended()

@@ -1,0 +1,85 @@
+"""The router's leg commands as both adapters carry them out; each adapter's ``Engines`` does the I/O.
+
+A leg starts on an idle pooled connection when there is one (its request
+then waits in the pool until the adapter writes it, after the batch's
+journal records: :meth:`EngineLegs.write_unsent`), else on a new connection
+the adapter opens, attached to the leg at once so that a ``CancelLeg``
+finds it while it is still connecting. A cancelled leg's connection is
+closed (the engine then aborts the request); a finished leg's goes back to
+the pool or is closed, as :class:`~narwhal_runtime.pool.Pool` decides.
+
+An adapter subclasses :class:`EngineLegs` and says how to open
+(:meth:`~EngineLegs._open`), and what to do with a connection whose leg
+was cancelled (:meth:`~EngineLegs._cancelled`) or finished
+(:meth:`~EngineLegs._finished`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic
+
+from narwhal_core import StartLeg
+
+from .pool import C, Pool
+
+__all__ = ["EngineLegs"]
+
+
+class EngineLegs(Generic[C]):
+    """Start, cancel and finish legs on pooled engine connections (:class:`~.driver.EngineCommands`)."""
+
+    def __init__(self, feed: Any, pool_size: int) -> None:
+        #: Where the connections' events go (the adapter's ``Server.feed``).
+        self._feed = feed
+        self._pool: Pool[C] = Pool(pool_size)
+        #: Closing (:meth:`aclose` began): no leg starts any more, the loop is about to end.
+        self._closed = False
+
+    @property
+    def unsent(self) -> bool:
+        """Legs started on pooled connections wait for :meth:`write_unsent`."""
+        return bool(self._pool.unsent)
+
+    def start_leg(self, cmd: StartLeg) -> None:
+        """Queue the leg on an idle pooled connection, or open a new one for it."""
+        if self._closed:
+            return
+        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection)
+        if conn is not None:
+            self._reused(conn, cmd)
+            return
+        conn = self._open(cmd)
+        self._pool.attach(conn, cmd.leg)
+
+    def cancel_leg(self, key: str) -> None:
+        """Stop a leg: closing its connection makes the engine abort the request."""
+        conn = self._pool.cancel(key)
+        if conn is not None:
+            self._cancelled(conn)
+
+    def finish_leg(self, key: str, reusable: bool) -> None:
+        """The answer is complete: its connection goes back to the pool (read on while idle), or is closed."""
+        finished = self._pool.finish(key, reusable)
+        if finished is not None:
+            self._finished(*finished)
+
+    # what the adapter does
+
+    def write_unsent(self) -> object:
+        """Write the requests of legs started on pooled connections since the last call."""
+        raise NotImplementedError
+
+    def _open(self, cmd: StartLeg) -> C:
+        """A new connection for ``cmd``, being opened (it connects and writes ``cmd.data`` in its own time)."""
+        raise NotImplementedError
+
+    def _reused(self, conn: C, cmd: StartLeg) -> None:
+        """``conn``, idle until now, carries ``cmd``'s leg (its request waits in the pool)."""
+
+    def _cancelled(self, conn: C) -> None:
+        """``conn``'s leg was cancelled: close it."""
+        raise NotImplementedError
+
+    def _finished(self, conn: C, kept: bool) -> None:
+        """``conn``'s leg is complete: it went back to the pool (``kept``) or must be closed."""
+        raise NotImplementedError
