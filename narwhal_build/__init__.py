@@ -39,7 +39,7 @@ PURE_ENV = "NARWHAL_PURE_PYTHON"
 #: run from their sources.
 COMPILED = (
     "answers", "clients", "context", "http.engine", "http.grammar", "http.request_head", "http.request_reader",
-    "http.server", "kv", "legs", "lifecycle", "planning", "requests", "router", "slots", "timers", "wire",
+    "http.server", "kv", "legs", "lifecycle", "planning", "relay", "requests", "router", "slots", "timers", "wire",
 )
 
 _CORE = "narwhal_core"

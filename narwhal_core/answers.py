@@ -4,7 +4,7 @@
 
 :class:`Answers` reads what an engine sends on a leg through the leg's
 codec, relays a streamed answer to the client as it comes (rewritten by
-:class:`~narwhal_core.planning.SseRelay`), judges the whole answer and feeds
+:class:`~narwhal_core.relay.SseRelay`), judges the whole answer and feeds
 the request's lifecycle the input it amounts to (``LEG_OK``,
 ``LEG_REFUSED``, ``LEG_FAILED``). After a stream's ``[DONE]`` it keeps the
 connection read to the end of the engine's body (the "tail"), so that the
@@ -22,7 +22,8 @@ from .events import CancelLeg, FinishLeg
 from .http import NEED_DATA, BodyData, ResponseEnd, ResponseHead
 from .ids import DECODE, PREFILL
 from .journal import LegOutcome
-from .planning import PrefillAnswerError, SseRelay, check_prefill_answer, engine_error, normalise_answer
+from .planning import PrefillAnswerError, check_prefill_answer, engine_error, normalise_answer
+from .relay import SseRelay
 from .states import Input, LegAnswer, LegFailure, LegRefusal, State
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class Answers:
             self.kv.pulled(req, kv)
 
     def relay(self, req: Request, leg: Leg, data: bytes) -> None:
-        """Relay a streamed answer's bytes to the client, rewritten (:class:`~narwhal_core.planning.SseRelay`)."""
+        """Relay a streamed answer's bytes to the client, rewritten (:class:`~narwhal_core.relay.SseRelay`)."""
         relay = req.relay
         assert relay is not None
         try:

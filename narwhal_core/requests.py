@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .legs import Leg
     from .slots import SlotQueue
     from .lifecycle import Lifecycle
-    from .planning import SseRelay
+    from .relay import SseRelay
     from .timers import Timer
 
 __all__ = ["Request", "Requests"]

@@ -1,10 +1,10 @@
 """The SSE relay and answer merging of a batch of prompts (docs/operate.md, "Batch prompts").
 
-Pure functions of narwhal_core.planning: a batch prompt's relay rewrites
-every choice's ``index`` to the prompt's and every ``id`` to the batch's
-first, holds the usage-only event back, drops ``[DONE]`` but the last
-prompt's, and sends the summed usage just before it -- whatever way the
-engine's bytes are split into reads.
+narwhal_core.relay's SseRelay and narwhal_core.planning's merges: a batch
+prompt's relay rewrites every choice's ``index`` to the prompt's and every
+``id`` to the batch's first, holds the usage-only event back, drops
+``[DONE]`` but the last prompt's, and sends the summed usage just before it
+-- whatever way the engine's bytes are split into reads.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narwhal_core.contract import COMPLETIONS
-from narwhal_core.planning import SseRelay, merge_answers, merge_usage
+from narwhal_core.planning import merge_answers, merge_usage
+from narwhal_core.relay import SseRelay
 
 MODEL = "m"
 

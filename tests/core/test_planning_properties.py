@@ -23,12 +23,12 @@ from narwhal_core import wire
 from narwhal_core.errors import NarwhalError
 from narwhal_core.planning import (
     PrefillAnswerError,
-    SseRelay,
     check_prefill_answer,
     decode_body,
     normalise_answer,
     prefill_body,
 )
+from narwhal_core.relay import SseRelay
 
 from ..helpers import CHAT, COMPLETIONS, MODEL, PREFILL_KV_REQUEST
 

@@ -9,13 +9,13 @@ import pytest
 from narwhal_core import wire
 from narwhal_core.planning import (
     PrefillAnswerError,
-    SseRelay,
     check_prefill_answer,
     decode_body,
     engine_error,
     normalise_answer,
     openai_error_type,
 )
+from narwhal_core.relay import SseRelay
 from narwhal_core.contract import COMPLETIONS
 
 MODEL = "m"

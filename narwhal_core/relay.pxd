@@ -1,4 +1,4 @@
-# Declarations for the compiled build of planning.py (Cython reads this file;
+# Declarations for the compiled build of relay.py (Cython reads this file;
 # Python never does): the SSE relay, which runs for every relayed chunk, as
 # an extension type whose methods read and write their own fields directly.
 # Every field is a Python object, as in the source, and must be declared here
