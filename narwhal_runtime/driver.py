@@ -156,16 +156,27 @@ class Driver:
 
     # ------------------------------------------------------------ the router
 
-    def feed(self, event: Event, *, now: float) -> None:
-        """Hand the router one event and gather its commands; nothing it raises escapes."""
+    def feed(self, event: Event, *, now: float) -> bool:
+        """Hand the router one event and gather its commands; nothing it raises escapes.
+
+        Returns :meth:`pending` (the caller schedules a flush on it, and
+        asking again would cost a call per event).
+        """
         self.transmitted.clear()
         self._now = now
+        router = self.router
         try:
-            self.router.receive(event, now=now)
+            router.receive(event, now=now)
             self._take_commands()
         except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
             self._contain(event, exc)
-        self._deadline()
+        # _deadline(), inlined: this runs once per event, the hottest path here.
+        self.drains += 1
+        deadline = router.get_deadline()
+        if deadline is not None and deadline < self.armed:
+            self.armed = deadline
+            self.rearm = True
+        return bool(self._journal or self._outboxes or self._engine or self._logs)
 
     def fire_timer(self, *, now: float) -> None:
         """The armed deadline is due: let the router handle it, gather its commands."""
@@ -286,17 +297,21 @@ class Driver:
                 commands, self._engine = self._engine, []
                 engines = out.engines
                 assert engines is not None  # the router starts nothing before the adapter serves
+                started = False
                 for cmd in commands:
                     kind = type(cmd)
                     if kind is StartLeg:
                         engines.start_leg(cmd)  # type: ignore[arg-type]
+                        started = True
                     elif kind is FinishLeg:
                         engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
                     elif kind is CancelLeg:
                         engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
                     else:
                         engines.start_control(cmd)  # type: ignore[arg-type]
-                out.write_legs()
+                if started:
+                    # Only a leg started here can have queued a request on a pooled connection.
+                    out.write_legs()
             outboxes = self._outboxes
             if outboxes:
                 self._outboxes = {}

@@ -86,7 +86,10 @@ class Pool(Generic[C]):
             conn = idle.pop()
             if not conn.closed:
                 conn.reused = True
-                self.attach(conn, key)
+                # attach(conn, key), inlined: this runs for every leg on a pooled connection.
+                conn.leg = key
+                conn.got_bytes = False
+                self.legs[key] = conn
                 self.unsent.append((conn, key, data))
                 return conn
         return None
@@ -94,8 +97,13 @@ class Pool(Generic[C]):
     def take_unsent(self) -> list[tuple[C, bytes]]:
         """The leg requests to write now on pooled connections: those queued since the last call still wanted."""
         unsent, self.unsent = self.unsent, []
-        # A leg cancelled, or a connection failed, before its request went out: nothing to write.
-        return [(conn, data) for conn, key, data in unsent if conn.leg == key and not conn.closed]
+        # A loop, not a list comprehension: that would be one more call per batch (Python 3.11).
+        wanted = []
+        for conn, key, data in unsent:
+            # A leg cancelled, or a connection failed, before its request went out: nothing to write.
+            if conn.leg == key and not conn.closed:
+                wanted.append((conn, data))
+        return wanted
 
     def attach(self, conn: C, key: str) -> None:
         """``conn`` carries leg ``key`` from now on (a new connection, even before it is open)."""

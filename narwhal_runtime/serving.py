@@ -88,7 +88,11 @@ class ServerBase:
         try:
             self.driver.flush(self)
         except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server (nor trio's instrument)
-            log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
+            self._flush_failed(exc)
+
+    def _flush_failed(self, exc: Exception) -> None:
+        """A batch's effect raised ``exc``: log it (``flush_error``); the server goes on."""
+        log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
 
     # Effects (narwhal_runtime.driver.Effects) that are the same on both runtimes.
 
@@ -100,5 +104,6 @@ class ServerBase:
         log_event(event, **fields)
 
     def write_legs(self) -> None:
-        if self.engines is not None and self.engines.unsent:
-            self.engines.write_unsent()
+        # The driver calls this only after starting legs, so there are engines;
+        # write_unsent finds out itself whether a request waits.
+        self.engines.write_unsent()
