@@ -47,11 +47,12 @@ class _LegConnection(PooledConnection, asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        event = self._engines._pool.received(self, data)
+        engines = self._engines  # once: this runs for every read of an answer
+        event = engines._pool.received(self, data)
         if event is None:  # an idle connection spoke: unusable
-            self._engines._close(self, abort=True)
+            engines._close(self, abort=True)
         else:
-            self._engines._feed(event)
+            engines._feed(event)
 
     def eof_received(self) -> bool:
         self.closed = True  # the transport closes itself (returning False)
@@ -88,9 +89,6 @@ class Engines(EngineLegs[_LegConnection]):
         conn.task = self._spawn(self._connect(conn, cmd))
         return conn
 
-    def _reused(self, conn: _LegConnection, cmd: StartLeg) -> None:
-        self._link(conn, cmd.conn)
-
     def _cancelled(self, conn: _LegConnection) -> None:
         if conn.transport is None:
             assert conn.task is not None
@@ -100,9 +98,14 @@ class Engines(EngineLegs[_LegConnection]):
         self._close(conn, abort=True)
 
     def _finished(self, conn: _LegConnection, kept: bool) -> None:
-        self._unlink(conn)
+        # _unlink(conn), inlined: this runs for every leg.
+        client = conn.client
+        if client is not None:
+            conn.client = None
+            client.relays.discard(conn)
         if kept:
-            conn.resume()
+            if conn.paused:  # seldom: only a leg that relayed to a slow client
+                conn.resume()
         else:
             self._close(conn)
 
@@ -145,12 +148,17 @@ class Engines(EngineLegs[_LegConnection]):
         else:
             conn.transport.close()
 
-    def _link(self, conn: _LegConnection, client: Any) -> None:
+    def _link(self, conn: _LegConnection, cmd: StartLeg) -> None:
+        # The leg relays to cmd.conn (if any): it pauses with that client.
+        client: Any = cmd.conn  # a narwhal_asyncio.server._Client
         if client is not None:
             conn.client = client
             client.relays.add(conn)
             if client.write_paused:
                 conn.pause()
+
+    #: A pooled connection taking a leg links to its client at once (a new one: once open, in _connect).
+    _reused = _link
 
     def _unlink(self, conn: _LegConnection) -> None:
         client = conn.client
@@ -184,7 +192,7 @@ class Engines(EngineLegs[_LegConnection]):
         if conn.leg != key or conn.closed:
             transport.abort()  # cancelled just as the connection opened, or already lost (reported)
             return
-        self._link(conn, cmd.conn)
+        self._link(conn, cmd)
         # Its journal line was flushed with the iteration that started the leg.
         transport.write(cmd.data)
 
