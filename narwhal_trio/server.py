@@ -147,8 +147,7 @@ class Server(ServerBase):
     async def feed(self, event: Event) -> None:
         """Feed one event; wait if a client it fed is far behind (backpressure)."""
         driver = self.driver
-        driver.feed(event, now=trio.current_time())
-        self._after_drain()
+        self._after_drain(driver.feed(event, now=trio.current_time()))
         if self._writers and driver.transmitted:
             for client in self._backlogged(driver.transmitted):
                 if client.drained is None:
@@ -169,12 +168,12 @@ class Server(ServerBase):
 
     def _feed_now(self, event: Event) -> None:
         # For callers that must not block on a client socket (timer, cleanup).
-        self.driver.feed(event, now=trio.current_time())
-        self._after_drain()
+        self._after_drain(self.driver.feed(event, now=trio.current_time()))
 
-    def _after_drain(self) -> None:
+    def _after_drain(self, pending: bool | None = None) -> None:
+        # pending: what Driver.feed returned (None: ask the driver).
         self._notice()
-        if self._eager and not self._flushing and self.driver.pending():
+        if self._eager and not self._flushing and (self.driver.pending() if pending is None else pending):
             self._flush()  # light load: perform now, while this task still has work to do
 
     def _notice(self) -> None:
