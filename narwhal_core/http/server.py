@@ -122,12 +122,7 @@ class ServerConnection(RequestReader):
         none.
         """
         self._transition(_Send.RESPONSE)
-        lines, close = self._response_lines(status, headers)
-        if status in NO_BODY_STATUSES:
-            if body:
-                raise LocalProtocolError(f"a {status} response has no body")
-        else:
-            lines.append(b"content-length: %d\r\n" % len(body))
+        lines, close = self._response_lines(status, headers, body)
         close = close or self._close or self._state in _BODY_UNREAD
         lines.append(self._connection_field(close))
         lines.append(b"\r\n")
@@ -137,11 +132,25 @@ class ServerConnection(RequestReader):
         self._finish_response()
         return b"".join(lines)
 
-    def _response_lines(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> tuple[list[bytes], bool]:
+    def _response_lines(
+        self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes | None
+    ) -> tuple[list[bytes], bool]:
+        """A response's status and field lines, and whether they ask to close.
+
+        A whole response (``body`` given) gets its ``content-length`` last; a
+        streamed one (``None``) is framed by its caller.
+        """
         if not 200 <= status <= 599:
             raise LocalProtocolError(f"status {status} is not a final status (200-599)")
         lines, close = encode_fields(headers)
         lines.insert(0, STATUS_LINES[status])
+        if body is None:
+            pass
+        elif status in NO_BODY_STATUSES:
+            if body:
+                raise LocalProtocolError(f"a {status} response has no body")
+        else:
+            lines.append(b"content-length: %d\r\n" % len(body))
         return lines, close
 
     def send_stream_start(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bytes:
@@ -149,7 +158,7 @@ class ServerConnection(RequestReader):
         self._transition(_Send.STREAM_START)
         if status in NO_BODY_STATUSES:
             raise LocalProtocolError(f"a {status} response has no body to stream; use send_response()")
-        lines, close = self._response_lines(status, headers)
+        lines, close = self._response_lines(status, headers, None)
         close = close or self._close or self._state in _BODY_UNREAD
         if self._version == "1.1":
             # Also for HEAD: the head is the one a GET would get (RFC 9110 §9.3.2).
@@ -193,12 +202,7 @@ class ServerConnection(RequestReader):
         :attr:`must_close` true.
         """
         self._transition(_Send.ERROR_RESPONSE)
-        lines, _ = self._response_lines(status, headers)
-        if status in NO_BODY_STATUSES:
-            if body:
-                raise LocalProtocolError(f"a {status} response has no body")
-        else:
-            lines.append(b"content-length: %d\r\n" % len(body))
+        lines, _ = self._response_lines(status, headers, body)
         lines.append(b"connection: close\r\n\r\n")
         if body and self._method != "HEAD":
             lines.append(body)
