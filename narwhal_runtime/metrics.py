@@ -8,9 +8,9 @@ path never touches a metrics library.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from narwhal_core.stats import Histogram
 
 __all__ = ["render"]
+
+
+def _counter(name: str, doc: str, labels: list[str], counts: Mapping[Any, int]) -> CounterMetricFamily:
+    """A counter family from ``counts``: a label value (one label) or a tuple of them -> count, in label order."""
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, n in sorted(counts.items()):
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], n)
+    return family
 
 
 def _histogram(name: str, doc: str, label: str, table: dict[str, Histogram]) -> HistogramMetricFamily:
@@ -55,22 +63,10 @@ class _RouterCollector:
         yield _histogram("narwhal_request_duration_seconds", "Whole-request duration.", "route", stats.request_seconds)
         yield _histogram("narwhal_leg_duration_seconds", "Engine leg duration.", "phase", stats.leg_seconds)
         yield _histogram("narwhal_time_to_first_byte_seconds", "Time to the first answer byte.", "route", stats.ttft_seconds)
-        legs = CounterMetricFamily("narwhal_legs", "Engine legs by phase and outcome.", labels=["phase", "outcome"])
-        for (phase, outcome), n in sorted(stats.legs.items()):
-            legs.add_metric([phase, outcome], n)
-        yield legs
-        retries = CounterMetricFamily("narwhal_retries", "Retried legs by phase.", labels=["phase"])
-        for phase, n in sorted(stats.retries.items()):
-            retries.add_metric([phase], n)
-        yield retries
-        kv = CounterMetricFamily("narwhal_kv_outcomes", "KV outcomes of prefill legs.", labels=["outcome", "method"])
-        for (outcome, method), n in sorted(stats.kv.items()):
-            kv.add_metric([outcome, method], n)
-        yield kv
-        records = CounterMetricFamily("narwhal_journal_records", "Journal records written.", labels=["kind"])
-        for kind, n in sorted(stats.journal_records.items()):
-            records.add_metric([kind], n)
-        yield records
+        yield _counter("narwhal_legs", "Engine legs by phase and outcome.", ["phase", "outcome"], stats.legs)
+        yield _counter("narwhal_retries", "Retried legs by phase.", ["phase"], stats.retries)
+        yield _counter("narwhal_kv_outcomes", "KV outcomes of prefill legs.", ["outcome", "method"], stats.kv)
+        yield _counter("narwhal_journal_records", "Journal records written.", ["kind"], stats.journal_records)
         yield GaugeMetricFamily("narwhal_inflight_requests", "Requests holding an admission slot.", value=live.inflight)
         yield GaugeMetricFamily("narwhal_queued_requests", "Requests waiting for admission.", value=live.queued)
         yield GaugeMetricFamily("narwhal_open_connections", "Open client connections.", value=live.connections)

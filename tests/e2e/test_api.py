@@ -282,6 +282,16 @@ def test_metrics_is_prometheus_text(start_router) -> None:
     samples = [line for line in text.splitlines() if line.startswith("narwhal_requests_total{")]
     assert any('terminal="completed"' in s and re.search(r" 1(\.0)?$", s) for s in samples), samples
     assert any('terminal="invalid"' in s for s in samples), samples
+    # The labelled counters: one of each family's samples per label tuple, with its count.
+    counters = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
+                if line.startswith(("narwhal_legs_total{", "narwhal_kv_outcomes_total{", "narwhal_journal_records_total{"))}
+    assert counters == {
+        'narwhal_legs_total{outcome="ok",phase="prefill"}': 1.0,
+        'narwhal_legs_total{outcome="ok",phase="decode"}': 1.0,
+        'narwhal_kv_outcomes_total{method="decode",outcome="pulled"}': 1.0,
+        'narwhal_journal_records_total{kind="progress"}': 1.0,
+        'narwhal_journal_records_total{kind="terminal"}': 2.0,
+    }, counters
     for line in text.splitlines():  # every line is a comment or "name{labels} value"
         assert not line or line.startswith("#") or re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*(\{.*\})? \S+", line), line
 
