@@ -25,13 +25,18 @@ from .. import corebuild
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The core's behavioural tests (the static ones -- purity, mypy -- read sources, the same for both builds).
+#: The core's behavioural tests of the compiled modules (the static ones -- purity, mypy -- read sources, the
+#: same for both builds; the tests of modules never compiled -- ids, auth, config, errors -- would run the
+#: same code twice: :data:`PURE_ONLY_TESTS`, checked below).
 CORE_TESTS = (
     "tests/core/test_router_scenarios.py",
     "tests/core/test_router_machine.py",
     "tests/core/test_http.py",
     "tests/core/test_contract_properties.py",
     "tests/core/test_planning_properties.py",
+)
+#: Core tests that import no compiled module: their code is the same in both builds.
+PURE_ONLY_TESTS = (
     "tests/core/test_ids.py",
     "tests/core/test_auth.py",
     "tests/core/test_config.py",
@@ -234,3 +239,48 @@ def test_the_declared_classes_are_extension_types_in_the_compiled_build() -> Non
         # A field the declarations lack does not exist: the test above keeps them complete.
         with pytest.raises(AttributeError):
             kv.Kv(None, None, "leg").undeclared = 1  # type: ignore[arg-type,attr-defined]
+
+
+def _core_imports(stem: str) -> set[str]:
+    """The core modules ``stem`` imports at run time, transitively (annotation-only imports excluded)."""
+    seen: set[str] = set()
+    todo = [stem]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        path = CORE / f"{current.replace('.', '/')}.py"
+        if not path.is_file():
+            path = CORE / current.replace(".", "/") / "__init__.py"
+        package = current.rsplit(".", 1)[0] if "." in current and path.name != "__init__.py" else (
+            current if path.name == "__init__.py" else "")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []  # annotation-only
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if package else []
+                target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                for alias in node.names:
+                    name = f"{target}.{alias.name}" if target else alias.name
+                    todo.append(name if module_exists(name) else target)
+    return {name for name in seen if name}
+
+
+def module_exists(stem: str) -> bool:
+    return (CORE / f"{stem.replace('.', '/')}.py").is_file() or (CORE / stem.replace(".", "/") / "__init__.py").is_file()
+
+
+@pytest.mark.parametrize("test_file", PURE_ONLY_TESTS)
+def test_the_tests_left_out_of_the_pure_rerun_touch_no_compiled_module(test_file: str) -> None:
+    used: set[str] = set()
+    for node in ast.walk(ast.parse((ROOT / test_file).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("narwhal_core"):
+            for alias in node.names:
+                if node.module == "narwhal_core":  # re-exported by the package: where it is defined
+                    stem = getattr(narwhal_core, alias.name).__module__.removeprefix("narwhal_core.")
+                else:
+                    stem = node.module.removeprefix("narwhal_core.")
+                used |= _core_imports(stem)
+    assert used, test_file
+    assert not used & set(corebuild.COMPILED), f"{test_file} runs {sorted(used & set(corebuild.COMPILED))}"
