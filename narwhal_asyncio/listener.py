@@ -1,4 +1,10 @@
-"""Listening sockets on asyncio, accepted by hand: a shortage of descriptors costs one log line, not the loop."""
+"""Listening sockets on asyncio, accepted by hand.
+
+A shortage of descriptors costs one log line, not the loop; and with every
+connection slot (``ingress.max_connections``) held, the sockets are not
+watched, so further connections wait in the kernel's listen backlog, as
+they do on trio.
+"""
 
 from __future__ import annotations
 
@@ -29,21 +35,45 @@ class Listener:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sockets: list[socket.socket],
-                 factory: Callable[[], asyncio.Protocol]) -> None:
+                 factory: Callable[[], asyncio.Protocol], *, limit: int) -> None:
         self._loop = loop
         self.sockets = sockets
         self._factory = factory
+        #: ``ingress.max_connections``, and the connections accepted and not yet :meth:`release`\ d.
+        self.limit = limit
+        self.open = 0
+        self._watching = False
+        self._closed = False
         self._retry: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watch()
 
+    def release(self) -> None:
+        """A connection accepted here no longer holds a slot: accept again if that was the limit."""
+        self.open -= 1
+        if self._retry is None:
+            self._watch()
+
     def _watch(self) -> None:
         self._retry = None
+        if self._watching or self._closed or self.open >= self.limit:
+            return
+        self._watching = True
         for sock in self.sockets:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
 
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._watching = False
+            for sock in self.sockets:
+                self._loop.remove_reader(sock.fileno())
+
     def _accept(self, sock: socket.socket) -> None:
         for _ in range(ACCEPT_BATCH):
+            if self.open >= self.limit:
+                # Every slot is held: the rest wait in the kernel's listen backlog, as on trio.
+                self._unwatch()
+                return
             try:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -53,10 +83,10 @@ class Listener:
             except OSError as exc:
                 log_event("accept_failed", error=str(exc))
                 if accept_shortage(exc) and self._retry is None:
-                    for listening in self.sockets:
-                        self._loop.remove_reader(listening.fileno())
+                    self._unwatch()
                     self._retry = self._loop.call_later(ACCEPT_RETRY_S, self._watch)
                 return
+            self.open += 1
             conn.setblocking(False)
             task = self._loop.create_task(self._start(conn))
             self._tasks.add(task)
@@ -67,13 +97,14 @@ class Listener:
             await self._loop.connect_accepted_socket(self._factory, conn)
         except OSError:
             conn.close()
+            self.release()  # no protocol ever saw it
 
     def close(self) -> None:
         """Stop listening (connections already accepted go on)."""
+        self._closed = True
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
+        self._unwatch()
         for sock in self.sockets:
-            if sock.fileno() != -1:
-                self._loop.remove_reader(sock.fileno())
-                sock.close()
+            sock.close()

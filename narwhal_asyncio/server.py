@@ -22,7 +22,6 @@ from narwhal_runtime.app import Run, log_listening
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
-from narwhal_runtime.slots import Admission, ConnectionSlots
 
 from .engines import Engines
 from .listener import Listener
@@ -58,7 +57,7 @@ class _Client(asyncio.Protocol):
     """One client connection; it is its own handle in the router's events and commands."""
 
     __slots__ = (
-        "server", "transport", "closed", "lost", "write_paused", "relays", "waiting", "stall", "linger", "discarded",
+        "server", "transport", "closed", "lost", "write_paused", "relays", "stall", "linger", "discarded",
     )
 
     def __init__(self, server: Server) -> None:
@@ -70,8 +69,6 @@ class _Client(asyncio.Protocol):
         self.write_paused = False
         #: Engine leg connections relaying to this client (paused with it).
         self.relays: set[Any] = set()
-        #: Bytes read while waiting for a connection slot (``None`` once admitted).
-        self.waiting: list[bytes] | None = None
         #: Fires when the client has left our bytes unread for ``send_timeout_s``.
         self.stall: asyncio.TimerHandle | None = None
         #: Closes the socket at the end of the lingering close (see :data:`LINGER_S`).
@@ -90,16 +87,9 @@ class _Client(asyncio.Protocol):
             if not keep_lingering(self.discarded):
                 self.transport.close()
             return
-        if self.waiting is None:
-            self.server.feed(ClientData(self, data))
-        else:
-            self.waiting.append(data)
-            self.transport.pause_reading()
+        self.server.feed(ClientData(self, data))
 
     def eof_received(self) -> bool:
-        if self.waiting is not None:
-            self.waiting.append(b"")
-            return True
         self.server._client_eof(self)
         return False
 
@@ -149,7 +139,8 @@ class Server(ServerBase):
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
         super().__init__(config, router, now=clock(), sleep=asyncio.sleep, in_thread=asyncio.to_thread)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._slots: ConnectionSlots[_Client] = ConnectionSlots(config.ingress.max_connections)
+        #: The connections holding a slot (``ingress.max_connections``, counted by the :class:`Listener`).
+        self._clients: set[_Client] = set()
         #: Connections Narwhal closed, dropping what their clients still send (:data:`LINGER_S`).
         self._lingering: set[_Client] = set()
         self._flush_scheduled = False
@@ -164,7 +155,7 @@ class Server(ServerBase):
         """Listen, serve until a shutdown drains, then close the journal; ``started`` gets ``(host, port)``."""
         loop = self._loop = asyncio.get_running_loop()
         self._drained = loop.create_future()
-        listener = Listener(loop, self._listen(), lambda: _Client(self))
+        listener = Listener(loop, self._listen(), lambda: _Client(self), limit=self.config.ingress.max_connections)
         host, port = self.address  # type: ignore[misc]
         sync_task: asyncio.Task[None] | None = None
         try:
@@ -208,9 +199,6 @@ class Server(ServerBase):
         self._stopping = True
         if self._listener is not None:
             self._listener.close()
-            self._listener = None
-        for client in self._slots.drop_waiting():
-            client.transport.abort()
 
     async def _close_clients(self) -> None:
         # After a drain the router has closed every connection; give the last
@@ -218,7 +206,7 @@ class Server(ServerBase):
         # cancelled instead, connection_lost tells the router of each client.)
         for client in list(self._lingering):
             client.transport.abort()
-        clients = self._slots.holders
+        clients = self._clients
         for client in list(clients):
             client.transport.close()
         deadline = clock() + EXIT_FLUSH_S
@@ -320,10 +308,8 @@ class Server(ServerBase):
             transport.write_eof()
             transport.resume_reading()
             client.linger = self._loop.call_later(LINGER_S, transport.close)
-            # The router is done with it: its connection slot is free.
-            self._slots.release(client)
+            self._release(client)  # the router is done with it: its connection slot is free
             self._lingering.add(client)
-            self._admit_waiting()
         else:
             transport.close()  # after the bytes written before it
         if transport.get_write_buffer_size() and client.stall is None:
@@ -333,27 +319,20 @@ class Server(ServerBase):
     # -------------------------------------------------------------- clients
 
     def _accepted(self, client: _Client) -> None:
-        if self._stopping:
+        self._clients.add(client)  # its slot, taken by the listener's accept
+        peer = client.transport.get_extra_info("peername")
+        if self._stopping or not peer:
+            client.closed = True  # the router never hears of it
             client.transport.abort()
             return
         client.transport.set_write_buffer_limits(high=HIGH_WATER)
-        admission = self._slots.arrive(client)
-        if admission is Admission.ADMITTED:
-            self._admit(client)
-        elif admission is Admission.WAITING:
-            client.waiting = []
-            client.transport.pause_reading()
-        else:
-            client.transport.abort()
-
-    def _admit(self, client: _Client) -> None:
-        peer = client.transport.get_extra_info("peername")
-        if not peer:
-            self._slots.release(client)
-            client.closed = True
-            client.transport.abort()
-            return
         self.feed(ClientConnected(client, str(peer[0]), int(peer[1])))
+
+    def _release(self, client: _Client) -> None:
+        if client in self._clients:
+            self._clients.discard(client)
+            if self._listener is not None:
+                self._listener.release()
 
     def _client_eof(self, client: _Client) -> None:
         if self._closing(client):
@@ -367,10 +346,7 @@ class Server(ServerBase):
 
     def _client_lost(self, client: _Client) -> None:
         self._lingering.discard(client)
-        if client.waiting is not None:
-            self._slots.withdraw(client)
-            return
-        self._slots.release(client)
+        self._release(client)
         client.write_paused = False
         for leg in client.relays:
             leg.resume()
@@ -378,27 +354,9 @@ class Server(ServerBase):
             # The socket broke under us: the router must hear it.
             client.closed = True
             self.feed(ClientGone(client))
-        self._admit_waiting()
 
     def _closing(self, client: _Client) -> bool:
         return client.closed or self.driver.closing(client)
-
-    def _admit_waiting(self) -> None:
-        while (client := self._slots.next_waiting()) is not None:
-            early, client.waiting = client.waiting or [], None
-            self._admit(client)
-            for data in early:
-                if client.closed:
-                    break
-                if data:
-                    self.feed(ClientData(client, data))
-                else:
-                    self._client_eof(client)
-                    client.transport.close()
-                    break
-            else:
-                if not client.closed and not client.write_paused:
-                    client.transport.resume_reading()
 
 
 def _abort_unless_lost(client: _Client) -> None:

@@ -7,7 +7,7 @@ while its commands are drained) ends only its request, identically, and the
 process goes on serving; a request's journal record is written before its
 client sees the end of the answer; and a connection over
 ``ingress.max_connections`` waits, unanswered, until a slot frees
-(narwhal_runtime/slots.py on asyncio, the listen backlog on trio).
+(the listen backlog on both: neither accepts while every slot is held).
 
 One scenario — valid, invalid, streaming, unknown model, a decode engine that
 fails every leg (so the router retries elsewhere), a client that leaves
