@@ -5,6 +5,8 @@ usage: narwhal COMMAND [options]      (narwhal COMMAND --help for its options)
 commands:
   serve --config FILE [--runtime trio|asyncio]
         run the router (docs/configure.md describes the config file)
+  serve --config FILE --check-config
+        run serve's start-up checks on FILE, print whether it is valid, exit
   demo [--port N] [--runtime trio|asyncio]
         the router and two simulated engines in one process, on loopback
   sim --role prefill|decode|mixed --listen HOST:PORT [...]
@@ -48,9 +50,18 @@ def version() -> str:
 
 def _serve(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="narwhal serve", description="Run the router.")
+    parser.add_argument(
+        "--check-config", action="store_true",
+        help="only run the start-up checks serve makes before it listens (the config, the API keys file, "
+             "the engine credential's variable, the journal's directory), print one line and exit: 0 valid, "
+             "2 bad config, 1 journal not writable; opens no socket, contacts no engine (docs/operate.md)")
     parser.add_argument("--config", required=True, help="TOML config file (see docs/configure.md)")
     parser.add_argument("--runtime", choices=RUNTIMES, default="trio", help="event loop (default: trio)")
     args = parser.parse_args(argv)
+    if args.check_config:
+        from .check_config import check_config
+
+        return check_config(args.config)
     from narwhal_core.errors import ConfigError
 
     from narwhal_runtime.app import load_config
