@@ -23,9 +23,13 @@ RUN python3.11 -m venv .venv && . .venv/bin/activate && pip install -e . \
  && rm -rf build
 
 FROM python:3.11-slim
-# A user of its own, with no login shell and no home to write to.
+# A user of its own, with no login shell and no home to write to, and the
+# directory of the journal the deploy/kubernetes/ config names (there an
+# emptyDir volume is mounted on it; without one, `docker run` writes it in
+# the container's own layer).
 RUN groupadd --system --gid 10001 narwhal \
- && useradd --system --uid 10001 --gid narwhal --no-create-home --shell /usr/sbin/nologin narwhal
+ && useradd --system --uid 10001 --gid narwhal --no-create-home --shell /usr/sbin/nologin narwhal \
+ && mkdir -p /var/lib/narwhal && chown narwhal:narwhal /var/lib/narwhal
 # The same path as in the build stage: the virtual environment and the
 # editable install name /app. COPY keeps the files' times, so the compiled
 # modules stay newer than their sources (no core_stale at start-up).
