@@ -481,3 +481,33 @@ def test_odd_values_give_a_key() -> None:
     for _ in range(400):
         deep = [deep]
     assert isinstance(prompt_key({"messages": [{"role": "user", "content": deep}]}, True), bytes)
+
+
+ODD_TEXT = st.text(alphabet=["a", "é", "\x00", "\udcfe", "\udcff", "\ud800", "\U0001f600"], max_size=4) | st.sampled_from(["user", "tool"])
+
+
+@SETTINGS
+@given(
+    messages=st.lists(st.fixed_dictionaries({"role": ODD_TEXT, "content": ODD_TEXT}), min_size=1, max_size=4),
+    extra=st.sampled_from([{}, {"name": "n"}, {"content": [{"type": "text", "text": "t"}]}]),
+)
+def test_plain_and_other_messages_key_the_same_way(messages: list[Any], extra: dict[str, Any]) -> None:
+    # The usual message (a usual role, a string content) is keyed in fewer steps than the others, which
+    # take the general way: both give the same bytes, odd text included.
+    plain = prompt_key({"messages": messages}, True)
+    mixed = prompt_key({"messages": [*messages, {"role": "user", "content": "x", **extra}]}, True)
+    assert mixed.startswith(plain)
+    with_fields = prompt_key({"messages": messages, "documents": [{"text": "d"}]}, True)
+    assert with_fields.endswith(plain[1:])
+
+
+@SETTINGS
+@given(message=st.fixed_dictionaries({"role": ODD_TEXT, "content": ODD_TEXT}) | MESSAGE)
+def test_the_short_way_for_usual_messages_gives_the_general_ways_bytes(message: dict[str, Any]) -> None:
+    from narwhal_core.prefix import _append_message, _append_messages
+
+    short: list[bytes] = []
+    _append_messages(short, [message])
+    general: list[bytes] = []
+    _append_message(general, message)
+    assert b"".join(short) == b"".join(general)
