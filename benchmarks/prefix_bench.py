@@ -17,7 +17,8 @@ Three tables, in one run:
    scale only: it changes with ``PYTHONHASHSEED``, so the core cannot use it).
    The whole-key hash speed of each (one call over 48 KB) is shown beside it.
 2. **Prompt keys**: µs for a 1 KB and a 48 KB string prompt, a chat of 21
-   messages, and a 12k token-ID prompt.
+   messages, and a 12k token-ID prompt; beside it, for scale, the JSON work
+   the core does on the same body anyway (decoding it, encoding two legs).
 3. **Per request**: ``prompt_key`` + ``block_hashes`` + ``matched_blocks``
    on 4 engines + ``insert`` on one, for the 1 KB and 48 KB string prompt
    and the 48 KB chat, with the module's hash (and each candidate hash in its
@@ -45,7 +46,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from narwhal_core import prefix
+from narwhal_core import prefix, wire
 from narwhal_core.prefix import PrefixIndex, block_hashes, prompt_key, tokens_to_blocks
 
 try:
@@ -261,7 +262,7 @@ def main() -> None:
             row += f" {cpu_us(lambda: chain(key48k, block), seconds):9.2f}"
         print(row)
 
-    print("\n2. prompt_key: CPU µs per body")
+    print("\n2. prompt_key: CPU µs per body (for scale: the core's own JSON work on it, wire.loads + 2 x wire.dumps)")
     keys = {
         "completion, 1 KB string": (completion_body(1024, 3), False),
         "completion, 48 KB string": (completion_body(48 * 1024, 4), False),
@@ -270,7 +271,10 @@ def main() -> None:
         "completion, 12k token IDs (48 KB)": (token_body(12 * 1024, 7), False),
     }
     for name, (body, chat) in keys.items():
-        print(f"{name:42s} {cpu_us(lambda: prompt_key(body, chat), seconds):9.2f}   key {len(prompt_key(body, chat))} B")
+        raw = wire.dumps(body)
+        json_us = cpu_us(lambda: (wire.dumps(wire.loads(raw)), wire.dumps(body)), seconds)
+        print(f"{name:42s} {cpu_us(lambda: prompt_key(body, chat), seconds):9.2f}   key {len(prompt_key(body, chat))} B,"
+              f" JSON {json_us:.1f} µs")  # fmt: skip
 
     print(f"\n3. per request: prompt_key + hashes + matched_blocks x{ENGINES} + insert, CPU µs")
     print(f"{'hash':42s} {'block':>6s} {'1K cold':>9s} {'1K hot':>9s} {'48K cold':>9s} {'48K hot':>9s}"

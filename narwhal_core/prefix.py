@@ -210,16 +210,20 @@ def _append_messages(parts: list[bytes], messages: Any) -> None:
         if messages is not None:
             parts.extend((_MESSAGE, _JSON, _canonical(messages), _END))
         return
-    extend = parts.extend
-    role_parts = _ROLE_PARTS
+    append = parts.append
+    role_part_of = _ROLE_PARTS.copy().get  # a plain dict's: faster than through the proxy
+    end = _END
     for message in messages:
         # The usual message, {"role": a usual role, "content": a string}, in the fewest steps;
         # anything else (or a string that needs _utf8) the general way, to the same bytes.
         try:
             if len(message) == 2:
-                role_part = role_parts.get(message["role"])
+                role_part = role_part_of(message["role"])
                 if role_part is not None:
-                    extend((role_part, message["content"].encode(), _END))
+                    content = message["content"].encode()
+                    append(role_part)
+                    append(content)
+                    append(end)
                     continue
         except (TypeError, KeyError, AttributeError, UnicodeEncodeError):
             pass
@@ -423,7 +427,7 @@ class PrefixIndex:
         blocks = self._blocks
         popitem = blocks.popitem
         for _ in range(len(blocks) - self._capacity):
-            popitem(last=False)
+            popitem(False)  # the least recently used
 
 
 def _checked_capacity(capacity_blocks: int) -> int:

@@ -101,6 +101,26 @@ def test_index_matches_a_list_lru_and_never_exceeds_its_bound(capacity: int, ops
         assert index.matched_blocks(model.held[::-1]) == len(model.held)
 
 
+CHAINS = st.lists(st.lists(st.sampled_from([b"aaaa", b"bbbb", b"cccc"]), max_size=6).map(b"".join), min_size=1, max_size=6)
+
+
+@SETTINGS
+@given(prompts=CHAINS, order=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12)), max_size=30))
+def test_chains_of_block_hashes_keep_the_index_prefix_closed(prompts: list[bytes], order: list[tuple[int, int]]) -> None:
+    # What the engine would hold: a block's predecessors are held whenever it is (docs/design.md).
+    chains = [block_hashes(p, 4) for p in prompts]
+    index = PrefixIndex(5)
+    for which, capacity in order:
+        if capacity > 10:
+            index.resize(capacity - 8)
+        else:
+            index.insert(chains[which % len(chains)])
+        for chain in chains:
+            held = [index.matched_blocks([h]) == 1 for h in chain]
+            matched = index.matched_blocks(chain)
+            assert held == [True] * matched + [False] * (len(chain) - matched)
+
+
 def test_insert_touches_the_last_block_first_so_the_tail_goes_first() -> None:
     index = PrefixIndex(3)
     index.insert([1, 2, 3])
