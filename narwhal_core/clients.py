@@ -250,7 +250,8 @@ class Clients:
             conn.rid = rid
             self._journal_refused(rid, route, "rejected", error)
         self.send(conn, conn.codec.send_error_response(
-            503, (*self._error_headers(rid), (b"retry-after", self.retry_after)), error_body(message, "overloaded")
+            503, (*self._error_headers(rid), (b"retry-after", self.retry_after)),
+            error_body(message, "overloaded", error.type),  # the type the record says too
         ))
         self.close_client(conn)
 

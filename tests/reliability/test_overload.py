@@ -130,7 +130,8 @@ def test_slow_uploads_past_max_buffered_bytes_get_503(start_router, fleet, journ
         assert refused.startswith(b"HTTP/1.1 503 "), refused[:200]
         head, _, text = refused.partition(b"\r\n\r\n")
         assert b"\r\nretry-after: " in head.lower() and b"\r\nconnection: close" in head.lower()
-        assert json.loads(text)["error"]["code"] == "overloaded"
+        refused_error = json.loads(text)["error"]
+        assert (refused_error["type"], refused_error["code"]) == ("server_error", "overloaded")
         # A small request still fits beside the first upload, which then completes.
         assert post(router).status_code == 200
         first.sendall(payload[-10:])
@@ -144,7 +145,9 @@ def test_slow_uploads_past_max_buffered_bytes_get_503(start_router, fleet, journ
         ("completed", 200), ("completed", 200), ("rejected", 503)
     ]
     rejected = next(r for r in records.values() if r["status"] == 503)
-    assert rejected["error"]["code"] == "overloaded" and rejected["route"] == "/v1/completions"
+    # The record says what the client was told.
+    assert (rejected["error"]["type"], rejected["error"]["code"]) == ("server_error", "overloaded")
+    assert rejected["error"]["message"] == refused_error["message"] and rejected["route"] == "/v1/completions"
     assert_idle(router)
     assert poll(lambda: router.statistics().buffered_bytes == 0, timeout=WAIT)
 
