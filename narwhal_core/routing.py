@@ -1,0 +1,243 @@
+"""Routing: which engine each leg goes to, and whether a request is disaggregated at all.
+
+Two decisions, both pure functions of the request, the fleet's state as
+Narwhal knows it and the configuration (docs/configure.md, ``[routing]``):
+
+* at admission, the request's :class:`Plan` (:meth:`Routing.plan`): ``pd``
+  (a prefill leg, then a decode leg pulling its KV) or ``single`` (the whole
+  request on one decode engine), why, and what the choice weighed — the
+  journal's ``routing`` record (docs/operate.md, "The journal");
+* for every leg, the engine: :meth:`~narwhal_core.fleet.Fleet.choose` keeps
+  the engines in rotation with a free slot (and those the request has not
+  failed on), in turn order, and the configured :class:`Policy` picks one.
+
+A policy never reads a clock or draws a random number, so the same traffic
+is routed the same way every time; ties go to the first candidate in turn
+order, and the turn moves past each engine chosen, so equal engines share
+the load instead of one taking it all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+from .ids import PREFILL, Phase
+from .journal import routing_json
+
+if TYPE_CHECKING:
+    from .config import RoutingConfig
+    from .contract import Route
+    from .fleet import EngineState, Fleet
+
+__all__ = [
+    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "Plan", "Policy", "RoundRobin", "LeastLoaded", "POLICIES", "make_policy",
+    "estimate_tokens", "Routing",
+]
+
+#: Bytes of prompt per token in Narwhal's estimates (it never tokenizes): about
+#: right for English text under the common BPE vocabularies.
+BYTES_PER_TOKEN: Final = 4
+#: Most prefill candidates a journal ``routing`` record lists (docs/operate.md, "The journal").
+MAX_CANDIDATES: Final = 8
+
+
+def estimate_tokens(size: int) -> int:
+    """A prompt's tokens estimated from its size in bytes (at least 1)."""
+    return size // BYTES_PER_TOKEN or 1
+
+
+class Plan:
+    """How one request is routed: decided once, at admission (the journal's ``routing`` record).
+
+    A plain slotted class made once per request on the hot path; treat it as a value.
+    """
+
+    __slots__ = ("pd", "reason", "tokens", "hashes", "candidates")
+
+    def __init__(
+        self, pd: bool, reason: str, tokens: int, hashes: Sequence[int] | None = None,
+        candidates: tuple[tuple[str, int, int], ...] = (),
+    ) -> None:  # fmt: skip
+        #: Disaggregated (a prefill leg, then a decode leg) or ``single`` (one decode leg).
+        self.pd = pd
+        #: Why, as one fixed word (docs/configure.md, "Disaggregation per request").
+        self.reason = reason
+        #: The prompt's estimated tokens: what a prefill leg of it adds to its engine's queue.
+        self.tokens = tokens
+        #: The chained hashes of the prompt's blocks, when a prefix index needs them.
+        self.hashes = hashes
+        #: The prefill engines weighed: (URL, uncached tokens, queued tokens), at most :data:`MAX_CANDIDATES`.
+        self.candidates = candidates
+
+    @property
+    def mode(self) -> str:
+        """``pd`` or ``single``."""
+        return "pd" if self.pd else "single"
+
+    def to_json(self, policy: str, prefill: str | None, decode: str | None) -> dict[str, Any]:
+        """The journal's ``routing`` object, with the engines the request's legs last went to."""
+        return routing_json(policy, "pd" if self.pd else "single", self.reason, prefill, decode, [
+            {"engine": url, "uncached_tokens": uncached, "queued_tokens": queued}
+            for url, uncached, queued in self.candidates
+        ])
+
+
+class Policy:
+    """What a routing policy does: pick a leg's engine among candidates, and learn from what was sent.
+
+    ``candidates`` is never empty: the engines of ``phase`` in rotation,
+    with a free slot, and not failed on by this request (unless none is
+    left), in turn order. The first of equally good candidates is the one
+    to pick: that is what makes ties take turns.
+    """
+
+    #: Its name in ``routing.policy`` and in the journal.
+    name: ClassVar[str] = ""
+    #: Whether it keys prompts (:meth:`key`): admission then hashes each prompt once.
+    keyed: ClassVar[bool] = False
+
+    __slots__ = ()
+
+    def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
+        """The engine of ``candidates`` the leg goes to."""
+        raise NotImplementedError
+
+    def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
+        """A keyed policy's hashes of the prompt's blocks, and its tokens (only when :attr:`keyed`)."""
+        raise NotImplementedError
+
+    def uncached(self, engine: EngineState, plan: Plan) -> int:
+        """The prompt's tokens a prefill on ``engine`` is expected to compute (all of them: nothing is known cached)."""
+        return plan.tokens
+
+    def sent(self, engine: EngineState, plan: Plan) -> None:
+        """A prefill leg of ``plan``'s prompt was sent to ``engine`` (a prefix index learns from it)."""
+
+    def forget(self, engine: EngineState) -> None:
+        """``engine`` left rotation: whatever it held may be gone when it comes back."""
+
+
+class RoundRobin(Policy):
+    """``round_robin``: each leg to the next engine of its phase in turn."""
+
+    name: ClassVar[str] = "round_robin"
+    __slots__ = ()
+
+    def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
+        return candidates[0]
+
+
+class LeastLoaded(Policy):
+    """``least_loaded``: prefill legs by the prompt tokens in flight on each engine, decode legs by legs running.
+
+    A prefill engine's work is the prompt tokens of the prefill legs Narwhal
+    has running there (legs running break a tie); a decode engine's, the
+    sequences it runs for Narwhal (its legs running).
+    """
+
+    name: ClassVar[str] = "least_loaded"
+    __slots__ = ()
+
+    def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
+        best = candidates[0]
+        if phase == PREFILL:
+            tokens, legs = best.queued_tokens, best.outstanding
+            for e in candidates:
+                if e.queued_tokens < tokens or (e.queued_tokens == tokens and e.outstanding < legs):
+                    best, tokens, legs = e, e.queued_tokens, e.outstanding
+            return best
+        legs = best.outstanding
+        for e in candidates:
+            if e.outstanding < legs:
+                best, legs = e, e.outstanding
+        return best
+
+
+#: ``routing.policy`` -> the policy's class.
+POLICIES: Final[Mapping[str, type[Policy]]] = MappingProxyType({
+    "least_loaded": LeastLoaded,
+    "round_robin": RoundRobin,
+})
+
+
+def make_policy(config: RoutingConfig) -> Policy:
+    """The policy ``config`` names, fresh (a policy's state belongs to one router)."""
+    return POLICIES[config.policy]()
+
+
+class Routing:
+    """The plan of each request at admission: ``pd`` or ``single``, and why (docs/configure.md, ``[routing]``).
+
+    With ``mode = "always"`` or ``"never"`` and a policy that keeps no
+    prefix index, the plan is fixed and costs one small object: nothing is
+    hashed or weighed. Otherwise the prefill candidates are weighed once
+    here, and the journal's record lists them.
+    """
+
+    __slots__ = ("config", "fleet", "policy", "name", "fixed", "reason", "weigh")
+
+    def __init__(self, config: RoutingConfig, fleet: Fleet) -> None:
+        self.config: Final = config
+        self.fleet: Final = fleet
+        self.policy: Final = fleet.policy
+        #: ``routing.policy``, as the journal names it.
+        self.name: Final = config.policy
+        #: The mode every request gets, when it is not decided per request (``None``: ``auto``).
+        self.fixed: Final[bool | None] = (
+            False if not fleet.pd or config.mode == "never" else True if config.mode == "always" else None
+        )
+        self.reason: Final = "configured" if fleet.pd else "no_prefill_engines"
+        #: Whether admission weighs the prefill candidates (``auto``, or a policy with a prefix index).
+        self.weigh: Final = self.fixed is None or (self.fixed and self.policy.keyed)
+
+    def plan(self, body: dict[str, Any], route: Route, size: int) -> Plan:
+        """The plan of a request just admitted (``size``: its body's bytes)."""
+        if not self.weigh:
+            return Plan(bool(self.fixed), self.reason, estimate_tokens(size))
+        return self._weighed(body, route, size)
+
+    def _weighed(self, body: dict[str, Any], route: Route, size: int) -> Plan:
+        """Weigh the prefill candidates: the policy's best one, and the mode ``auto`` decides from it."""
+        policy = self.policy
+        hashes = None
+        tokens = estimate_tokens(size)
+        if policy.keyed:
+            hashes, tokens = policy.key(body, route)
+        plan = Plan(True, "configured", tokens, hashes)
+        fleet = self.fleet
+        weighed = [(e, policy.uncached(e, plan), e.queued_tokens) for e in fleet.candidates(PREFILL)]
+        if weighed:
+            best = policy.pick(PREFILL, [e for e, _, _ in weighed], plan)
+            weighed.sort(key=lambda c: (c[0] is not best, c[1] + c[2]))
+            plan.candidates = tuple((e.url, uncached, queued) for e, uncached, queued in weighed[:MAX_CANDIDATES])
+        if self.fixed is None:
+            plan.pd, plan.reason = self.decide(plan)
+        return plan
+
+    def replan(self, plan: Plan, body: dict[str, Any], route: Route) -> Plan:
+        """The next prompt of a batch: the request's mode, with this prompt's own hashes and tokens."""
+        hashes, tokens = self.policy.key(body, route)
+        return Plan(plan.pd, plan.reason, tokens, hashes, plan.candidates)
+
+    def decide(self, plan: Plan) -> tuple[bool, str]:
+        """``auto``: ``pd`` or ``single`` from the best prefill candidate (docs/configure.md, "Disaggregation per request").
+
+        Single when the prompt's uncached tokens there are fewer than
+        ``disaggregate_min_uncached_tokens`` (``short_prompt``), or when the
+        queue there would make the client wait longer than computing the
+        whole prompt on a decode engine adds (``prefill_queue``); else
+        disaggregated (``long_prompt``). Single too when no prefill engine
+        has a free slot now (``prefill_queue``, with no candidates).
+        """
+        if not plan.candidates:
+            return False, "prefill_queue"
+        _, uncached, queued = plan.candidates[0]
+        config = self.config
+        if uncached < config.disaggregate_min_uncached_tokens:
+            return False, "short_prompt"
+        rate = config.prefill_tokens_per_s
+        if queued / rate > plan.tokens / rate:
+            return False, "prefill_queue"
+        return True, "long_prompt"
