@@ -23,8 +23,10 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
+from .contract import CHAT
 from .ids import PREFILL, Phase
 from .journal import routing_json
+from .prefix import BYTES_PER_TOKEN, PrefixIndex, block_hashes, blocks_to_tokens, prompt_key, tokens_to_blocks
 
 if TYPE_CHECKING:
     from .config import RoutingConfig
@@ -32,13 +34,11 @@ if TYPE_CHECKING:
     from .fleet import EngineState, Fleet
 
 __all__ = [
-    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "Plan", "Policy", "RoundRobin", "LeastLoaded", "POLICIES", "make_policy",
+    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix", "POLICIES",
+    "make_policy",
     "estimate_tokens", "Routing",
 ]
 
-#: Bytes of prompt per token in Narwhal's estimates (it never tokenizes): about
-#: right for English text under the common BPE vocabularies.
-BYTES_PER_TOKEN: Final = 4
 #: Most prefill candidates a journal ``routing`` record lists (docs/operate.md, "The journal").
 MAX_CANDIDATES: Final = 8
 
@@ -100,6 +100,11 @@ class Policy:
 
     __slots__ = ()
 
+    @classmethod
+    def from_config(cls, config: RoutingConfig) -> Policy:
+        """A fresh policy of this kind for ``config`` (its state belongs to one router)."""
+        return cls()
+
     def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
         """The engine of ``candidates`` the leg goes to."""
         raise NotImplementedError
@@ -155,16 +160,83 @@ class LeastLoaded(Policy):
         return best
 
 
+class Prefix(LeastLoaded):
+    """``prefix``: a prefill leg to the engine with the least expected time to first token.
+
+    Narwhal keeps a :class:`~narwhal_core.prefix.PrefixIndex` per prefill
+    engine of the prompts it sent there, bounded by ``kv_capacity_tokens``
+    (least recently used out, as the engine evicts). A prefill engine's
+    expected TTFT for a prompt is (its queued prompt tokens + the prompt's
+    tokens it does not hold) / ``prefill_tokens_per_s``; the throughput is
+    the same for every engine, so the policy compares the sums. A hit saves
+    its blocks once, while every request queued behind it waits: past a
+    point the queue on a hot prefix's engine outweighs the hit, and the
+    prefix spreads to other engines (docs/configure.md, "Routing
+    policies"). Decode legs go by load, as with ``least_loaded``.
+    """
+
+    name: ClassVar[str] = "prefix"
+    keyed: ClassVar[bool] = True
+    __slots__ = ("capacity", "indexes")
+
+    def __init__(self, capacity_tokens: int) -> None:
+        #: Each engine's index bound, in blocks of the index.
+        self.capacity: Final = tokens_to_blocks(capacity_tokens)
+        #: The index of each prefill engine Narwhal sent a prompt to, by URL.
+        self.indexes: Final[dict[str, PrefixIndex]] = {}
+
+    @classmethod
+    def from_config(cls, config: RoutingConfig) -> Policy:
+        return cls(config.kv_capacity_tokens)
+
+    def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
+        key = prompt_key(body, route == CHAT)
+        return block_hashes(key), len(key) // BYTES_PER_TOKEN or 1
+
+    def uncached(self, engine: EngineState, plan: Plan) -> int:
+        hashes = plan.hashes
+        index = self.indexes.get(engine.url)
+        if not hashes or index is None:
+            return plan.tokens
+        return max(0, plan.tokens - blocks_to_tokens(index.matched_blocks(hashes)))
+
+    def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
+        if phase != PREFILL or plan is None or plan.hashes is None:
+            return LeastLoaded.pick(self, phase, candidates, plan)
+        best = candidates[0]
+        cost, legs = best.queued_tokens + self.uncached(best, plan), best.outstanding
+        for e in candidates:
+            c = e.queued_tokens + self.uncached(e, plan)
+            if c < cost or (c == cost and e.outstanding < legs):
+                best, cost, legs = e, c, e.outstanding
+        return best
+
+    def sent(self, engine: EngineState, plan: Plan) -> None:
+        hashes = plan.hashes
+        if not hashes:
+            return
+        index = self.indexes.get(engine.url)
+        if index is None:
+            index = self.indexes[engine.url] = PrefixIndex(self.capacity)
+        index.insert(hashes)
+
+    def forget(self, engine: EngineState) -> None:
+        index = self.indexes.get(engine.url)
+        if index is not None:
+            index.clear()
+
+
 #: ``routing.policy`` -> the policy's class.
 POLICIES: Final[Mapping[str, type[Policy]]] = MappingProxyType({
     "least_loaded": LeastLoaded,
     "round_robin": RoundRobin,
+    "prefix": Prefix,
 })
 
 
 def make_policy(config: RoutingConfig) -> Policy:
     """The policy ``config`` names, fresh (a policy's state belongs to one router)."""
-    return POLICIES[config.policy]()
+    return POLICIES[config.policy].from_config(config)
 
 
 class Routing:

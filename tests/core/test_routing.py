@@ -16,7 +16,18 @@ from hypothesis import strategies as st
 from narwhal_core.config import EngineAddress, RoutingConfig, parse_engine_url
 from narwhal_core.fleet import EngineState, Fleet
 from narwhal_core.ids import DECODE, PREFILL
-from narwhal_core.routing import MAX_CANDIDATES, LeastLoaded, Plan, Policy, RoundRobin, Routing, make_policy
+from narwhal_core.contract import CHAT
+from narwhal_core.prefix import BLOCK_BYTES, BYTES_PER_TOKEN, block_hashes, prompt_key
+from narwhal_core.routing import (
+    MAX_CANDIDATES,
+    LeastLoaded,
+    Plan,
+    Policy,
+    Prefix,
+    RoundRobin,
+    Routing,
+    make_policy,
+)
 
 PREFILLS = tuple(parse_engine_url(f"http://10.0.0.{i}:8100", key="p") for i in range(1, 5))
 DECODES = tuple(parse_engine_url(f"http://10.0.1.{i}:8200", key="d") for i in range(1, 3))
@@ -132,7 +143,7 @@ def replay(policy: Policy, ops: list[tuple[str, int, int]]) -> list[int | None]:
 
 
 @SETTINGS
-@given(ops=OPS, name=st.sampled_from(["least_loaded", "round_robin"]))
+@given(ops=OPS, name=st.sampled_from(["least_loaded", "round_robin", "prefix"]))
 def test_the_choice_is_a_pure_function_of_the_history(ops: list[tuple[str, int, int]], name: str) -> None:
     """Same inputs, same choices: two fleets fed the same history choose alike."""
     config = RoutingConfig(policy=name)  # type: ignore[arg-type]
@@ -240,3 +251,177 @@ def test_the_plan_is_a_pure_function_of_its_inputs(mode: str) -> None:
         return out
 
     assert plans() == plans()
+
+
+# ------------------------------------------------------------------ prefix
+
+#: A system prompt every request shares: 8 blocks of the index (4096 tokens).
+SHARED = "You are the narwhal help desk. " * 530  # ~16 KB
+BLOCK_TOKENS = BLOCK_BYTES // BYTES_PER_TOKEN
+
+
+def chat(question: str, system: str = SHARED) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def prefix_routing(fleet: Fleet, **config: Any) -> Routing:
+    return Routing(RoutingConfig(policy="prefix", **config), fleet)
+
+
+def prefix_fleet(capacity_tokens: int = 2_000_000, max_inflight: int = 100) -> tuple[Fleet, Prefix]:
+    policy = Prefix(capacity_tokens)
+    return fleet_of(policy, max_inflight=max_inflight), policy
+
+
+def admit(fleet: Fleet, routing: Routing, body: dict[str, Any]) -> tuple[EngineState, Plan]:
+    """Admission and the prefill leg's start, as the lifecycle and Legs.start do."""
+    p = routing.plan(body, CHAT, 0)
+    engine = fleet.choose(PREFILL, plan=p)
+    assert engine is not None
+    fleet.leg_started(engine, p.tokens)
+    fleet.policy.sent(engine, p)
+    return engine, p
+
+
+def test_prefix_keys_the_prompt_once_at_admission() -> None:
+    fleet, policy = prefix_fleet()
+    p = prefix_routing(fleet).plan(chat("hello"), CHAT, 123456)
+    key = prompt_key(chat("hello"), True)
+    assert p.hashes == block_hashes(key) and len(p.hashes) >= 8
+    assert p.tokens == len(key) // BYTES_PER_TOKEN  # from the key, not the body's size
+    assert [c[1] for c in p.candidates] == [p.tokens] * 4  # nothing cached anywhere yet
+
+
+def test_a_prompt_whose_every_block_one_idle_engine_holds_goes_there() -> None:
+    fleet, policy = prefix_fleet()
+    routing = prefix_routing(fleet)
+    body = chat("the same question, asked twice")
+    first, _ = admit(fleet, routing, body)
+    fleet.leg_ended(first, fleet.engines[PREFILL][first.index].queued_tokens)  # it finished: idle again
+    # The turn has moved past it: without the index the next choice would be another engine.
+    assert fleet.choose(PREFILL, plan=Plan(True, "configured", 10)) is not first
+    again = routing.plan(body, CHAT, 0)
+    assert again.candidates[0][0] == first.url and again.candidates[0][1] < BLOCK_TOKENS
+    assert fleet.choose(PREFILL, plan=again) is first
+
+
+@SETTINGS
+@given(questions=st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=6), busy=st.integers(0, 3))
+def test_a_fully_cached_prompt_goes_to_the_idle_engine_holding_it(questions: list[str], busy: int) -> None:
+    fleet, policy = prefix_fleet()
+    routing = prefix_routing(fleet)
+    for q in questions:
+        engine, p = admit(fleet, routing, chat(q))
+        fleet.leg_ended(engine, p.tokens)
+    holder, p = admit(fleet, routing, chat(questions[-1]))
+    fleet.leg_ended(holder, p.tokens)
+    for engine in fleet.engines[PREFILL]:  # the others are busy, the holder idle
+        if engine is not holder:
+            fleet.leg_started(engine, 1 + busy)
+    assert fleet.choose(PREFILL, plan=routing.plan(chat(questions[-1]), CHAT, 0)) is holder
+
+
+def test_a_hotspot_spreads_once_its_queue_outweighs_the_hit() -> None:
+    """One shared prefix, all traffic: its engine takes it while its queue is short, then every engine does."""
+    fleet, policy = prefix_fleet()
+    routing = prefix_routing(fleet)
+    running: list[tuple[EngineState, int]] = []
+    chosen = []
+    for i in range(40):
+        engine, p = admit(fleet, routing, chat(f"question {i}"))
+        chosen.append(engine.index)
+        running.append((engine, p.tokens))
+        if len(running) > 3:  # three prefills in flight at any time, the oldest finishing first
+            done, tokens = running.pop(0)
+            fleet.leg_ended(done, tokens)
+    # A second request behind the first on the prefix's engine would wait for all of the
+    # first's prompt, more than the hit saves: it goes elsewhere, and so the prefix spreads.
+    assert chosen[1] != chosen[0], chosen
+    shares = [chosen.count(i) for i in range(4)]
+    assert min(shares) > 0 and max(shares) <= 1.5 * len(chosen) / 4, shares
+    assert all(len(index) >= 8 for index in policy.indexes.values())  # every engine holds the prefix now
+
+
+def test_without_a_queue_a_shared_prefix_stays_on_its_engine() -> None:
+    """Each request done before the next: nothing waits, so the engine holding the prefix takes them all."""
+    fleet, policy = prefix_fleet()
+    routing = prefix_routing(fleet)
+    chosen = []
+    for i in range(8):
+        engine, p = admit(fleet, routing, chat(f"question {i}"))
+        fleet.leg_ended(engine, p.tokens)
+        chosen.append(engine.index)
+    assert chosen == [chosen[0]] * 8
+
+
+def test_prefix_cost_weighs_queued_tokens_against_cached_ones() -> None:
+    fleet, policy = prefix_fleet()
+    routing = prefix_routing(fleet)
+    holder, p = admit(fleet, routing, chat("q"))
+    fleet.leg_ended(holder, p.tokens)
+    cached = p.tokens - routing.plan(chat("q"), CHAT, 0).candidates[0][1]
+    assert cached >= 8 * BLOCK_TOKENS
+    fleet.leg_started(holder, cached - 1)  # its queue costs less than the hit saves: still there
+    assert fleet.choose(PREFILL, plan=routing.plan(chat("q"), CHAT, 0)) is holder
+    fleet.leg_started(holder, 2)  # now it costs more
+    assert fleet.choose(PREFILL, plan=routing.plan(chat("q"), CHAT, 0)) is not holder
+
+
+@SETTINGS
+@given(
+    prompts=st.lists(st.integers(0, 40), min_size=1, max_size=30),
+    capacity_blocks=st.integers(0, 12),
+)
+def test_the_index_never_exceeds_its_bound(prompts: list[int], capacity_blocks: int) -> None:
+    fleet, policy = prefix_fleet(capacity_tokens=capacity_blocks * BLOCK_TOKENS)
+    routing = prefix_routing(fleet, kv_capacity_tokens=max(1, capacity_blocks * BLOCK_TOKENS))
+    for n in prompts:
+        admit(fleet, routing, {"prompt": f"{n} " + "x" * (BLOCK_BYTES * (n % 7))})
+        assert all(len(index) <= capacity_blocks for index in policy.indexes.values())
+
+
+def test_an_engine_out_of_rotation_is_forgotten() -> None:
+    fleet, policy = prefix_fleet()
+    routing = prefix_routing(fleet)
+    holder, p = admit(fleet, routing, chat("q"))
+    fleet.leg_ended(holder, p.tokens)
+    assert len(policy.indexes[holder.url]) > 0
+    while fleet.record_failure(holder) != "down":
+        pass
+    assert len(policy.indexes[holder.url]) == 0
+    fleet.record_success(holder, probe=True)  # healthy_after=1: back, holding nothing we know of
+    assert holder.healthy
+    assert routing.plan(chat("q"), CHAT, 0).candidates[0][1] == p.tokens
+
+
+def test_prefix_decode_legs_go_by_load_not_by_the_prefill_choice() -> None:
+    fleet, policy = prefix_fleet()
+    routing = prefix_routing(fleet)
+    _, p = admit(fleet, routing, chat("q"))
+    d = fleet.engines[DECODE]
+    fleet.leg_started(d[0])
+    assert fleet.choose(DECODE, plan=p) is d[1]
+
+
+@SETTINGS
+@given(ops=st.lists(st.tuples(st.integers(0, 5), st.booleans()), max_size=25))
+def test_prefix_choice_is_a_pure_function_of_the_history(ops: list[tuple[int, bool]]) -> None:
+    def run() -> list[tuple[int, bool, str]]:
+        fleet, policy = prefix_fleet(max_inflight=3)
+        routing = prefix_routing(fleet, mode="auto", disaggregate_min_uncached_tokens=1000)
+        out = []
+        running: list[tuple[EngineState, int]] = []
+        for question, finish in ops:
+            p = routing.plan(chat(str(question)), CHAT, 0)
+            engine = fleet.choose(PREFILL, plan=p)
+            out.append((-1 if engine is None else engine.index, p.pd, p.reason))
+            if engine is not None:
+                fleet.leg_started(engine, p.tokens)
+                policy.sent(engine, p)
+                running.append((engine, p.tokens))
+            if finish and running:
+                engine, tokens = running.pop(0)
+                fleet.leg_ended(engine, tokens)
+        return out
+
+    assert run() == run()
