@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Final, Literal
 import attrs
 
 from .config import EngineAddress, is_ip_address, is_loopback_host, normalize_host
+from .engine_metrics import EngineLoad
 from .events import ControlDone, StartControl
 from .ids import DECODE, PREFILL, Phase
 from .routing import LeastLoaded, Plan, Policy
@@ -65,6 +66,9 @@ class EngineState:
     #: The addresses its host name resolved to at the last probe (a prefill
     #: engine's KV side channel may be named by any of them).
     addresses: frozenset[str] = frozenset()
+    #: What its ``/metrics`` said last (:mod:`.load`; ``None``: nothing, or too long ago), and when.
+    reported: EngineLoad | None = None
+    reported_at: float = 0.0
 
     @property
     def url(self) -> str:

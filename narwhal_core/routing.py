@@ -123,6 +123,9 @@ class Policy:
     def forget(self, engine: EngineState) -> None:
         """``engine`` left rotation: whatever it held may be gone when it comes back."""
 
+    def capacity(self, engine: EngineState, tokens: int) -> None:
+        """``engine`` reported that its KV cache holds ``tokens`` (a prefix index is bounded by it)."""
+
 
 class RoundRobin(Policy):
     """``round_robin``: each leg to the next engine of its phase in turn."""
@@ -177,11 +180,13 @@ class Prefix(LeastLoaded):
 
     name: ClassVar[str] = "prefix"
     keyed: ClassVar[bool] = True
-    __slots__ = ("capacity", "indexes")
+    __slots__ = ("default_capacity", "capacities", "indexes")
 
     def __init__(self, capacity_tokens: int) -> None:
-        #: Each engine's index bound, in blocks of the index.
-        self.capacity: Final = tokens_to_blocks(capacity_tokens)
+        #: An engine's index bound, in blocks of the index, until it reports its own (``kv_capacity_tokens``).
+        self.default_capacity: Final = tokens_to_blocks(capacity_tokens)
+        #: The bounds engines reported (``vllm:cache_config_info``, :mod:`.load`), by URL.
+        self.capacities: Final[dict[str, int]] = {}
         #: The index of each prefill engine Narwhal sent a prompt to, by URL.
         self.indexes: Final[dict[str, PrefixIndex]] = {}
 
@@ -217,13 +222,20 @@ class Prefix(LeastLoaded):
             return
         index = self.indexes.get(engine.url)
         if index is None:
-            index = self.indexes[engine.url] = PrefixIndex(self.capacity)
+            index = self.indexes[engine.url] = PrefixIndex(self.capacities.get(engine.url, self.default_capacity))
         index.insert(hashes)
 
     def forget(self, engine: EngineState) -> None:
         index = self.indexes.get(engine.url)
         if index is not None:
             index.clear()
+
+    def capacity(self, engine: EngineState, tokens: int) -> None:
+        blocks = tokens_to_blocks(tokens)
+        self.capacities[engine.url] = blocks
+        index = self.indexes.get(engine.url)
+        if index is not None:
+            index.resize(blocks)
 
 
 #: ``routing.policy`` -> the policy's class.
