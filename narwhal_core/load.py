@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from .engine_metrics import EngineLoad, parse_load
+from .engine_metrics import EngineLoad, MetricsError, parse_engine_metrics
 from .events import ControlDone, StartControl
 
 if TYPE_CHECKING:
@@ -102,8 +102,11 @@ class LoadReports:
         ctx = self.ctx
         load = None
         if event.status is not None and 200 <= event.status < 300:
-            load = parse_load(event.body)
-            if load.waiting is None and load.running is None and load.kv_usage is None:
+            try:
+                load = parse_engine_metrics(event.body)
+            except MetricsError:
+                load = None  # more than it reads at all (the scrape's body limit keeps it from happening)
+            if load is not None and load.waiting is None and load.running is None and load.kv_usage is None:
                 load = None  # answered, but with none of the figures: not a vLLM-shaped /metrics
         if load is not None:
             self._reported(engine, load)
