@@ -23,13 +23,14 @@ state: no clock, no randomness, nothing at module level that changes.
 from __future__ import annotations
 
 import json
-import zlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Final
 
 import orjson
+import xxhash
 
 from .wire import RawFloat, RawInt
 
@@ -63,7 +64,6 @@ _JSON: Final = b"\xfc"  # the value that follows is canonical JSON, not a raw st
 _PROMPT: Final = b"\xfb"  # ends a completion key's fields; the prompt follows
 _TRAILER: Final = b"\xf9"  # the chat fields that shape the end of the rendered prompt
 _TOKEN_IDS: Final = b"\xf8ids"  # token IDs follow, 4 bytes each (4 bytes long: blocks stay token-aligned)
-
 # Token IDs packed as unsigned 32-bit little-endian integers. ``array`` packs
 # a list of ints in one C loop; "I" is 4 bytes on every platform CPython runs
 # on, and the byte order is the machine's, swapped where it is big-endian.
@@ -102,6 +102,12 @@ _COMPLETION_HEADER: Final = (
     ("prompt_embeds", None),
 )
 _COMPLETION_NAMES: Final = frozenset(name for name, _ in _COMPLETION_HEADER)
+_CHAT_NAMES: Final = frozenset(name for name, _ in (*_CHAT_HEADER, *_CHAT_TRAILER, ("tool_choice", None)))
+# The usual roles with their message's marker before and their end after:
+# one lookup instead of an encode, for the common message.
+_ROLE_PARTS: Final = MappingProxyType(
+    {role: _MESSAGE + role.encode() + _END for role in ("system", "developer", "user", "assistant", "tool")}
+)
 # ``tool_choice`` changes the prompt only when it is "none" and the engine
 # runs with --exclude-tools-when-tool-choice-none (the tools are then not
 # rendered); other values only constrain the output. ``echo`` changes what
@@ -128,7 +134,10 @@ def prompt_key(body: Mapping[str, Any], chat: bool) -> bytes:
     prompt = body.get("prompt")
     if _COMPLETION_NAMES.isdisjoint(body):
         if type(prompt) is str:
-            return prompt.encode("utf-8", "surrogatepass")
+            try:
+                return prompt.encode()
+            except UnicodeEncodeError:
+                return _utf8(prompt)
         return _prompt_bytes(prompt)
     parts: list[bytes] = []
     _append_fields(parts, body, _COMPLETION_HEADER)
@@ -147,13 +156,13 @@ def _prompt_bytes(prompt: Any) -> bytes:
     (docs/operate.md, "Batch prompts"), and a one-item list is that item.
     """
     if type(prompt) is str:
-        return prompt.encode("utf-8", "surrogatepass")
+        return _utf8(prompt)
     if prompt is None:
         return b""
     if type(prompt) is list and prompt:
         first = prompt[0]
         if type(first) is str:
-            return first.encode("utf-8", "surrogatepass")
+            return _utf8(first)
         if type(first) is list:
             return _prompt_bytes(first) if first and type(first[0]) is int else _JSON + _canonical(first)
         packed = _token_ids(prompt)
@@ -181,39 +190,55 @@ def _token_ids(ids: list[Any]) -> bytes | None:
 
 def _chat_key(body: Mapping[str, Any]) -> bytes:
     parts = [_CHAT]
-    append = parts.append
+    if _CHAT_NAMES.isdisjoint(body):
+        _append_messages(parts, body.get("messages"))
+        return b"".join(parts)
     _append_fields(parts, body, _CHAT_HEADER)
     if body.get("tool_choice") == "none" and body.get("tools"):
         parts.extend(_TOOL_CHOICE_NONE)
-    messages = body.get("messages")
-    if type(messages) is list:
-        for message in messages:
-            if not isinstance(message, dict):
-                parts.extend((_MESSAGE, _JSON, _canonical(message), _END))
-                continue
-            append(_MESSAGE)
-            # The usual message, {"role": str, "content": str}, in the fewest steps.
-            role = message.get("role")
-            if type(role) is str:
-                append(role.encode("utf-8", "surrogatepass"))
-                append(_END)
-            else:
-                _append_value(parts, role)
-            content = message.get("content")
-            if type(content) is str:
-                append(content.encode("utf-8", "surrogatepass"))
-                append(_END)
-            else:
-                _append_content(parts, content)
-            if len(message) != 2 or "role" not in message or "content" not in message:
-                _append_other_fields(parts, message)
-    elif messages is not None:
-        parts.extend((_MESSAGE, _JSON, _canonical(messages), _END))
+    _append_messages(parts, body.get("messages"))
     trailer_at = len(parts)
     _append_fields(parts, body, _CHAT_TRAILER)
     if len(parts) > trailer_at:
         parts.insert(trailer_at, _TRAILER)
     return b"".join(parts)
+
+
+def _append_messages(parts: list[bytes], messages: Any) -> None:
+    """Every message in order: its role, its content, then its other fields by name."""
+    if type(messages) is not list:
+        if messages is not None:
+            parts.extend((_MESSAGE, _JSON, _canonical(messages), _END))
+        return
+    append = parts.append
+    role_part_of = _ROLE_PARTS.copy().get  # a plain dict's: faster than through the proxy
+    end = _END
+    for message in messages:
+        # The usual message, {"role": a usual role, "content": a string}, in the fewest steps;
+        # anything else (or a string that needs _utf8) the general way, to the same bytes.
+        try:
+            if len(message) == 2:
+                role_part = role_part_of(message["role"])
+                if role_part is not None:
+                    content = message["content"].encode()
+                    append(role_part)
+                    append(content)
+                    append(end)
+                    continue
+        except (TypeError, KeyError, AttributeError, UnicodeEncodeError):
+            pass
+        _append_message(parts, message)
+
+
+def _append_message(parts: list[bytes], message: Any) -> None:
+    if not isinstance(message, Mapping):
+        parts.extend((_MESSAGE, _JSON, _canonical(message), _END))
+        return
+    parts.append(_MESSAGE)
+    _append_value(parts, message.get("role"))
+    _append_content(parts, message.get("content"))
+    if len(message) != 2 or "role" not in message or "content" not in message:
+        _append_other_fields(parts, message)
 
 
 def _append_fields(parts: list[bytes], body: Mapping[str, Any], table: tuple[tuple[str, Any], ...]) -> None:
@@ -229,9 +254,20 @@ def _append_fields(parts: list[bytes], body: Mapping[str, Any], table: tuple[tup
         _append_value(parts, value)
 
 
+def _utf8(text: str) -> bytes:
+    """``text`` in UTF-8, never failing: a lone surrogate becomes its 3 bytes (never a marker's byte).
+
+    Text decoded from JSON holds none (the decoder refuses them).
+    """
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
 def _append_value(parts: list[bytes], value: Any) -> None:
     if type(value) is str:
-        parts.append(value.encode("utf-8", "surrogatepass"))
+        parts.append(_utf8(value))
     else:
         parts.append(_JSON)
         parts.append(_canonical(value))
@@ -254,7 +290,7 @@ def _append_other_fields(parts: list[bytes], message: Mapping[Any, Any]) -> None
     others.sort(key=_name)
     for name in others:
         parts.append(_FIELD)
-        parts.append(_name(name).encode("utf-8", "surrogatepass"))
+        parts.append(_utf8(_name(name)))
         parts.append(_END)
         _append_value(parts, message[name])
 
@@ -274,7 +310,7 @@ def _canonical(value: Any) -> bytes:
         text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
     except (TypeError, ValueError, RecursionError):
         text = repr(value)
-    return text.encode("utf-8", "surrogatepass")
+    return _utf8(text)
 
 
 def _exact_number(value: Any) -> Any:
@@ -288,20 +324,26 @@ def block_hashes(key: bytes, block_bytes: int = BLOCK_BYTES) -> list[int]:
 
     So equal prefixes give equal leading hashes, and a difference anywhere in
     block ``i`` changes hashes ``i`` and after. A trailing partial block has
-    no hash (the engine does not cache a partial block either). The hash is
-    CRC-32 continued from block to block, so ``hashes[i]`` is the CRC-32 of
-    the whole prefix; it is not meant to resist a chosen collision, which
-    would only make one engine look like it holds one block more or less.
+    no hash (the engine does not cache a partial block either).
+
+    Each block is hashed with XXH3-64 seeded with the previous block's hash
+    (the first with 0): 64 bits, the same in every process and on every
+    machine, at C speed (docs/design.md, "The prefix index", has the
+    figures). It is not meant to resist a chosen collision, which would only
+    make one engine look as if it held a block it does not: the engine's own
+    cache is keyed by its own hashes.
     """
     if block_bytes < 1:
         raise ValueError(f"block_bytes must be at least 1, not {block_bytes}")
+    if len(key) < block_bytes:
+        return []
     view = memoryview(key)
     hashes: list[int] = []
     append = hashes.append
-    crc = zlib.crc32
+    xxh3 = xxhash.xxh3_64_intdigest
     value = 0
     for start in range(0, len(view) - block_bytes + 1, block_bytes):
-        value = crc(view[start : start + block_bytes], value)
+        value = xxh3(view[start : start + block_bytes], value)
         append(value)
     return hashes
 
@@ -352,6 +394,8 @@ class PrefixIndex:
     def matched_blocks(self, hashes: Sequence[int]) -> int:
         """How many LEADING hashes the index holds (it stops at the first miss); changes nothing."""
         blocks = self._blocks
+        if not hashes or hashes[0] not in blocks:
+            return 0  # the usual miss, in one lookup
         count = 0
         for value in hashes:
             if value not in blocks:
@@ -365,6 +409,8 @@ class PrefixIndex:
         The last block is touched first and the first last; past the
         capacity, the least recently used blocks are forgotten.
         """
+        if not hashes:
+            return
         blocks = self._blocks
         move_to_end = blocks.move_to_end
         for value in reversed(hashes):
@@ -387,7 +433,7 @@ class PrefixIndex:
         blocks = self._blocks
         popitem = blocks.popitem
         for _ in range(len(blocks) - self._capacity):
-            popitem(last=False)
+            popitem(False)  # the least recently used
 
 
 def _checked_capacity(capacity_blocks: int) -> int:

@@ -101,6 +101,26 @@ def test_index_matches_a_list_lru_and_never_exceeds_its_bound(capacity: int, ops
         assert index.matched_blocks(model.held[::-1]) == len(model.held)
 
 
+CHAINS = st.lists(st.lists(st.sampled_from([b"aaaa", b"bbbb", b"cccc"]), max_size=6).map(b"".join), min_size=1, max_size=6)
+
+
+@SETTINGS
+@given(prompts=CHAINS, order=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12)), max_size=30))
+def test_chains_of_block_hashes_keep_the_index_prefix_closed(prompts: list[bytes], order: list[tuple[int, int]]) -> None:
+    # What the engine would hold: a block's predecessors are held whenever it is (docs/design.md).
+    chains = [block_hashes(p, 4) for p in prompts]
+    index = PrefixIndex(5)
+    for which, capacity in order:
+        if capacity > 10:
+            index.resize(capacity - 8)
+        else:
+            index.insert(chains[which % len(chains)])
+        for chain in chains:
+            held = [index.matched_blocks([h]) == 1 for h in chain]
+            matched = index.matched_blocks(chain)
+            assert held == [True] * matched + [False] * (len(chain) - matched)
+
+
 def test_insert_touches_the_last_block_first_so_the_tail_goes_first() -> None:
     index = PrefixIndex(3)
     index.insert([1, 2, 3])
@@ -186,7 +206,7 @@ def test_hashes_are_the_same_in_every_process() -> None:
     assert len(block_hashes(b"abcdefgh", 4)) == 2 and block_hashes(b"abcdefg", 4)[0] == block_hashes(b"abcd", 4)[0]
 
 
-PINNED_HASHES = [2673794392, 2727420034, 4194370726]
+PINNED_HASHES = [15943310518510861568, 3915517667738680766, 2538500191705181167]
 
 
 def test_block_bytes_must_be_positive() -> None:
@@ -481,3 +501,33 @@ def test_odd_values_give_a_key() -> None:
     for _ in range(400):
         deep = [deep]
     assert isinstance(prompt_key({"messages": [{"role": "user", "content": deep}]}, True), bytes)
+
+
+ODD_TEXT = st.text(alphabet=["a", "é", "\x00", "\udcfe", "\udcff", "\ud800", "\U0001f600"], max_size=4) | st.sampled_from(["user", "tool"])
+
+
+@SETTINGS
+@given(
+    messages=st.lists(st.fixed_dictionaries({"role": ODD_TEXT, "content": ODD_TEXT}), min_size=1, max_size=4),
+    extra=st.sampled_from([{}, {"name": "n"}, {"content": [{"type": "text", "text": "t"}]}]),
+)
+def test_plain_and_other_messages_key_the_same_way(messages: list[Any], extra: dict[str, Any]) -> None:
+    # The usual message (a usual role, a string content) is keyed in fewer steps than the others, which
+    # take the general way: both give the same bytes, odd text included.
+    plain = prompt_key({"messages": messages}, True)
+    mixed = prompt_key({"messages": [*messages, {"role": "user", "content": "x", **extra}]}, True)
+    assert mixed.startswith(plain)
+    with_fields = prompt_key({"messages": messages, "documents": [{"text": "d"}]}, True)
+    assert with_fields.endswith(plain[1:])
+
+
+@SETTINGS
+@given(message=st.fixed_dictionaries({"role": ODD_TEXT, "content": ODD_TEXT}) | MESSAGE)
+def test_the_short_way_for_usual_messages_gives_the_general_ways_bytes(message: dict[str, Any]) -> None:
+    from narwhal_core.prefix import _append_message, _append_messages
+
+    short: list[bytes] = []
+    _append_messages(short, [message])
+    general: list[bytes] = []
+    _append_message(general, message)
+    assert b"".join(short) == b"".join(general)
