@@ -72,10 +72,11 @@ class Plan:
 
     def to_json(self, policy: str, prefill: str | None, decode: str | None) -> dict[str, Any]:
         """The journal's ``routing`` object, with the engines the request's legs last went to."""
+        candidates = self.candidates
         return routing_json(policy, "pd" if self.pd else "single", self.reason, prefill, decode, [
             {"engine": url, "uncached_tokens": uncached, "queued_tokens": queued}
-            for url, uncached, queued in self.candidates
-        ])
+            for url, uncached, queued in candidates
+        ] if candidates else [])
 
 
 class Policy:
@@ -261,7 +262,7 @@ class Routing:
     def plan(self, body: dict[str, Any], route: Route, size: int) -> Plan:
         """The plan of a request just admitted (``size``: its body's bytes)."""
         if not self.weigh:
-            return Plan(bool(self.fixed), self.reason, estimate_tokens(size))
+            return Plan(bool(self.fixed), self.reason, size // BYTES_PER_TOKEN or 1)
         return self._weighed(body, route, size)
 
     def _weighed(self, body: dict[str, Any], route: Route, size: int) -> Plan:
