@@ -484,10 +484,7 @@ class ShutdownConfig:
 
 @attrs.frozen(kw_only=True)
 class RoutingConfig:
-    """``[routing]``: which engine each leg goes to, and whether a request is disaggregated at all.
-
-    (docs/configure.md, ``[routing]``; the policies are :mod:`narwhal_core.routing`.)
-    """
+    """``[routing]``: each leg's engine, and whether a request is disaggregated (:mod:`narwhal_core.routing`)."""
 
     SECTION: ClassVar[str] = "routing"
 
@@ -511,11 +508,10 @@ class RoutingConfig:
         minimum=0,
     )
     metrics_interval_s: float = seconds(
-        1.0, "Time between two scrapes of each engine's /metrics for the load view (0 = never scraped).",
-        positive=False,
+        1.0, "Time between two scrapes of each engine's /metrics (0 = never scraped).", positive=False
     )
     prefill_tokens_per_s: float = seconds(
-        8000.0, "Estimated prompt tokens one prefill engine computes per second: the cost model's throughput.",
+        8000.0, "Estimated prompt tokens one prefill engine computes per second: the cost model's throughput."
     )
     kv_capacity_tokens: int = count(
         2000000,

@@ -408,9 +408,9 @@ class Requests:
         prefill = decode = None
         for leg in req.legs:
             if leg.phase == PREFILL:
-                prefill = leg.engine.url
+                prefill = leg.engine.address.url
             else:
-                decode = leg.engine.url
+                decode = leg.engine.address.url
         return plan.to_json(self.ctx.routing.name, prefill, decode)
 
     def _leg_line(self, leg: Leg) -> Any:

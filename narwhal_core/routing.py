@@ -34,9 +34,8 @@ if TYPE_CHECKING:
     from .fleet import EngineState, Fleet
 
 __all__ = [
-    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix", "POLICIES",
-    "make_policy",
-    "estimate_tokens", "Routing",
+    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "estimate_tokens", "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix",
+    "POLICIES", "make_policy", "Routing",
 ]
 
 #: Most prefill candidates a journal ``routing`` record lists (docs/operate.md, "The journal").
@@ -71,17 +70,13 @@ class Plan:
         #: The prefill engines weighed: (URL, uncached tokens, queued tokens), at most :data:`MAX_CANDIDATES`.
         self.candidates = candidates
 
-    @property
-    def mode(self) -> str:
-        """``pd`` or ``single``."""
-        return "pd" if self.pd else "single"
-
     def to_json(self, policy: str, prefill: str | None, decode: str | None) -> dict[str, Any]:
         """The journal's ``routing`` object, with the engines the request's legs last went to."""
+        candidates = self.candidates
         return routing_json(policy, "pd" if self.pd else "single", self.reason, prefill, decode, [
             {"engine": url, "uncached_tokens": uncached, "queued_tokens": queued}
-            for url, uncached, queued in self.candidates
-        ])
+            for url, uncached, queued in candidates
+        ] if candidates else [])
 
 
 class Policy:
@@ -279,7 +274,7 @@ class Routing:
     def plan(self, body: dict[str, Any], route: Route, size: int) -> Plan:
         """The plan of a request just admitted (``size``: its body's bytes)."""
         if not self.weigh:
-            return Plan(bool(self.fixed), self.reason, estimate_tokens(size))
+            return Plan(bool(self.fixed), self.reason, size // BYTES_PER_TOKEN or 1)
         return self._weighed(body, route, size)
 
     def _weighed(self, body: dict[str, Any], route: Route, size: int) -> Plan:
@@ -306,7 +301,9 @@ class Routing:
         return Plan(plan.pd, plan.reason, tokens, hashes, plan.candidates)
 
     def decide(self, plan: Plan) -> tuple[bool, str]:
-        """``auto``: ``pd`` or ``single`` from the best prefill candidate (docs/configure.md, "Disaggregation per request").
+        """``auto``: ``pd`` or ``single``, from the best prefill candidate.
+
+        (docs/configure.md, "Disaggregation per request".)
 
         Single when the prompt's uncached tokens there are fewer than
         ``disaggregate_min_uncached_tokens`` (``short_prompt``), or when the

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from narwhal_core.config import EngineAddress, RoutingConfig, parse_engine_url
 from narwhal_core.fleet import EngineState, Fleet
 from narwhal_core.ids import DECODE, PREFILL
-from narwhal_core.contract import CHAT
+from narwhal_core.contract import CHAT, COMPLETIONS
 from narwhal_core.prefix import BLOCK_BYTES, BYTES_PER_TOKEN, block_hashes, prompt_key
 from narwhal_core.routing import (
     MAX_CANDIDATES,
@@ -28,6 +28,8 @@ from narwhal_core.routing import (
     Routing,
     make_policy,
 )
+
+from .router_driver import Driver, completion_body
 
 PREFILLS = tuple(parse_engine_url(f"http://10.0.0.{i}:8100", key="p") for i in range(1, 5))
 DECODES = tuple(parse_engine_url(f"http://10.0.1.{i}:8200", key="d") for i in range(1, 3))
@@ -425,3 +427,62 @@ def test_prefix_choice_is_a_pure_function_of_the_history(ops: list[tuple[int, bo
         return out
 
     assert run() == run()
+
+
+# ------------------------------------------------------------- the router
+
+
+def test_a_single_request_retries_its_decode_leg_and_holds_no_kv() -> None:
+    """mode never: a failed decode leg is retried as a decode leg (no prefill); nothing to release."""
+    d = Driver(routing={"mode": "never"}, retry={"backoff_base_s": 0.01, "backoff_max_s": 0.01})
+    client = d.post(COMPLETIONS, completion_body())
+    assert d.open_legs("prefill") == []
+    first = d.leg("decode")
+    assert "kv_transfer_params" not in first.body and first.body["max_tokens"] == 64
+    d.answer_status(first.bid, 503)
+    d.advance(0.05)
+    second = d.leg("decode")
+    assert second.bid == f"{first.rid}-d2" and second.engine.url != first.engine.url  # not the one failed on
+    d.answer_decode(second.bid)
+    assert client.last.status == 200
+    assert d.pending_controls() == []  # no release: no KV was held
+    record = d.terminal(first.rid)
+    assert record["mode"] == "single"
+    assert [(leg["phase"], leg["outcome"], leg["kv"]) for leg in record["legs"]] == [
+        ("decode", "http_error", None), ("decode", "ok", None),
+    ]
+    assert record["routing"] == {
+        "policy": "least_loaded", "mode": "single", "reason": "configured",
+        "prefill": None, "decode": second.engine.url, "candidates": [],
+    }
+    d.check_invariants(final=True)
+
+
+def test_a_batch_in_single_mode_runs_one_decode_leg_per_prompt() -> None:
+    d = Driver(routing={"mode": "never"})
+    client = d.post(COMPLETIONS, completion_body(prompt=["one", "two"]))
+    d.serve_until_done()
+    assert client.last.status == 200 and len(client.last.json()["choices"]) == 2
+    rid = client.last.rid
+    assert rid is not None
+    record = d.terminal(rid)
+    assert [(leg["phase"], leg["prompt"]) for leg in record["legs"]] == [("decode", 0), ("decode", 1)]
+    d.check_invariants(final=True)
+
+
+def test_prefix_batches_key_each_prompt_and_auto_decides_once() -> None:
+    d = Driver(routing={"policy": "prefix", "mode": "auto", "disaggregate_min_uncached_tokens": 0})
+    long = "x" * (3 * BLOCK_BYTES)
+    client = d.post(COMPLETIONS, completion_body(prompt=[long, "y" + long]))
+    d.serve_until_done()
+    assert client.last.status == 200
+    rid = client.last.rid
+    assert rid is not None
+    record = d.terminal(rid)
+    assert [leg["phase"] for leg in record["legs"]] == ["prefill", "decode", "prefill", "decode"]
+    assert (record["routing"]["mode"], record["routing"]["reason"]) == ("pd", "long_prompt")
+    policy = d.router.fleet.policy
+    assert isinstance(policy, Prefix)
+    held = sum(len(index) for index in policy.indexes.values())
+    assert held == 6  # each prompt's own three blocks: the second was keyed on its own
+    d.check_invariants(final=True)
