@@ -69,6 +69,11 @@ class EngineState:
     #: What its ``/metrics`` said last (:mod:`.load`; ``None``: nothing, or too long ago), and when.
     reported: EngineLoad | None = None
     reported_at: float = 0.0
+    #: From that report (0 without one): the requests it runs or queues beyond Narwhal's legs there,
+    #: their estimated prompt tokens, and the fraction of its KV cache in use.
+    foreign: int = 0
+    foreign_tokens: int = 0
+    kv_usage: float = 0.0
 
     @property
     def url(self) -> str:
@@ -100,6 +105,8 @@ class Fleet:
         self._turn: dict[Phase, int] = {PREFILL: 0, DECODE: 0}
         #: The routing policy that picks among the candidates (``routing.policy``; :mod:`narwhal_core.routing`).
         self.policy: Final[Policy] = policy if policy is not None else LeastLoaded()
+        #: Prompt tokens of a prefill leg, a running mean (what a request Narwhal did not send may cost).
+        self.mean_prompt_tokens = 0.0
         #: What the configuration allows as a prefill answer's ``remote_host``
         #: (``EngineConfig.kv_host_allowed``); by default, the prefill hosts as written.
         self._kv_static: Callable[[str], bool] = (
@@ -255,7 +262,12 @@ class Fleet:
         """A leg now runs on ``engine``; a prefill leg adds its prompt's estimated ``tokens`` to its queue."""
         engine.outstanding += 1
         engine.total_legs += 1
-        engine.queued_tokens += tokens
+        if tokens:
+            engine.queued_tokens += tokens
+            # A running mean of prompt lengths (1/16 weight each, the first taken whole): what another
+            # router's request there may cost.
+            mean = self.mean_prompt_tokens
+            self.mean_prompt_tokens = mean + (tokens - mean) / 16 if mean else float(tokens)
 
     def leg_ended(self, engine: EngineState, tokens: int = 0) -> None:
         """A leg on ``engine`` is over (``tokens``: what its start added)."""

@@ -114,7 +114,10 @@ class LoadReports:
                 self.next_scrape[engine] = ctx.timers.arm(ctx.now + self.interval, self.scrape, engine)
             return True
         if engine.reported is not None and ctx.now - engine.reported_at > self.max_age:
-            engine.reported = None  # too old to route on: Narwhal's own view alone, until the figures come back
+            # Too old to route on: Narwhal's own view alone, until the figures come back.
+            engine.reported = None
+            engine.foreign = engine.foreign_tokens = 0
+            engine.kv_usage = 0.0
         if engine not in self.unavailable:
             self.unavailable.add(engine)
             reason = event.error or (f"HTTP {event.status}" if event.status is not None else "no answer")
@@ -130,6 +133,11 @@ class LoadReports:
         ctx = self.ctx
         engine.reported = load
         engine.reported_at = ctx.now
+        # What the engine runs or queues beyond Narwhal's own legs: other routers' requests (docs/operate.md).
+        seen = (load.waiting or 0) + (load.running or 0)
+        engine.foreign = max(0, seen - engine.outstanding)
+        engine.foreign_tokens = round(engine.foreign * ctx.fleet.mean_prompt_tokens)
+        engine.kv_usage = load.kv_usage or 0.0
         if engine in self.unavailable:
             self.unavailable.discard(engine)
             ctx.log("engine_metrics_available", engine=engine.url, phase=engine.phase)

@@ -34,12 +34,15 @@ if TYPE_CHECKING:
     from .fleet import EngineState, Fleet
 
 __all__ = [
-    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "estimate_tokens", "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix",
+    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "estimate_tokens", "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix",
     "POLICIES", "make_policy", "Routing",
 ]
 
 #: Most prefill candidates a journal ``routing`` record lists (docs/operate.md, "The journal").
 MAX_CANDIDATES: Final = 8
+#: A decode engine that reported its KV cache this full is chosen last: new sequences there would be
+#: preempted, or wait for blocks (vLLM's scheduler, ``vllm/v1/core/sched/scheduler.py``).
+KV_NEARLY_FULL: Final = 0.9
 
 
 def estimate_tokens(size: int) -> int:
@@ -133,11 +136,15 @@ class RoundRobin(Policy):
 
 
 class LeastLoaded(Policy):
-    """``least_loaded``: prefill legs by the prompt tokens in flight on each engine, decode legs by legs running.
+    """``least_loaded``: prefill legs by the prompt tokens queued on each engine, decode legs by sequences running.
 
     A prefill engine's work is the prompt tokens of the prefill legs Narwhal
-    has running there (legs running break a tie); a decode engine's, the
-    sequences it runs for Narwhal (its legs running).
+    has running there, plus what the engine itself reported beyond them
+    (:mod:`.load`: requests other routers sent there, at Narwhal's mean
+    prompt length); legs running break a tie. A decode engine's load is the
+    sequences it runs for Narwhal plus those it reported beyond them; one
+    whose KV cache it reported nearly full (:data:`KV_NEARLY_FULL`) comes
+    last, and the fuller cache loses a tie.
     """
 
     name: ClassVar[str] = "least_loaded"
@@ -146,15 +153,17 @@ class LeastLoaded(Policy):
     def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
         best = candidates[0]
         if phase == PREFILL:
-            tokens, legs = best.queued_tokens, best.outstanding
+            tokens, legs = best.queued_tokens + best.foreign_tokens, best.outstanding
             for e in candidates:
-                if e.queued_tokens < tokens or (e.queued_tokens == tokens and e.outstanding < legs):
-                    best, tokens, legs = e, e.queued_tokens, e.outstanding
+                t = e.queued_tokens + e.foreign_tokens
+                if t < tokens or (t == tokens and e.outstanding < legs):
+                    best, tokens, legs = e, t, e.outstanding
             return best
-        legs = best.outstanding
+        key = (best.kv_usage >= KV_NEARLY_FULL, best.outstanding + best.foreign, best.kv_usage)
         for e in candidates:
-            if e.outstanding < legs:
-                best, legs = e, e.outstanding
+            k = (e.kv_usage >= KV_NEARLY_FULL, e.outstanding + e.foreign, e.kv_usage)
+            if k < key:
+                best, key = e, k
         return best
 
 
@@ -204,9 +213,9 @@ class Prefix(LeastLoaded):
         if phase != PREFILL or plan is None or plan.hashes is None:
             return LeastLoaded.pick(self, phase, candidates, plan)
         best = candidates[0]
-        cost, legs = best.queued_tokens + self.uncached(best, plan), best.outstanding
+        cost, legs = best.queued_tokens + best.foreign_tokens + self.uncached(best, plan), best.outstanding
         for e in candidates:
-            c = e.queued_tokens + self.uncached(e, plan)
+            c = e.queued_tokens + e.foreign_tokens + self.uncached(e, plan)
             if c < cost or (c == cost and e.outstanding < legs):
                 best, cost, legs = e, c, e.outstanding
         return best
@@ -286,7 +295,7 @@ class Routing:
             hashes, tokens = policy.key(body, route)
         plan = Plan(True, "configured", tokens, hashes)
         fleet = self.fleet
-        weighed = [(e, policy.uncached(e, plan), e.queued_tokens) for e in fleet.candidates(PREFILL)]
+        weighed = [(e, policy.uncached(e, plan), e.queued_tokens + e.foreign_tokens) for e in fleet.candidates(PREFILL)]
         if weighed:
             best = policy.pick(PREFILL, [e for e, _, _ in weighed], plan)
             weighed.sort(key=lambda c: (c[0] is not best, c[1] + c[2]))

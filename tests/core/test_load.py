@@ -5,7 +5,7 @@ from __future__ import annotations
 from narwhal_core.engine_metrics import EngineLoad
 from narwhal_core.load import METRICS_BODY_LIMIT, METRICS_PATH, stale_after
 
-from .router_driver import DECODE_URLS, PREFILL_URLS, Driver
+from .router_driver import DECODE_URLS, PREFILL_URLS, Driver, completion_body
 
 METRICS = (b'vllm:num_requests_waiting{engine="0"} 4\nvllm:num_requests_running{engine="0"} 2\n'
            b'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
@@ -98,3 +98,47 @@ def test_no_scrapes_when_turned_off_or_once_draining() -> None:
     d.shutdown()
     d.advance(5.0)
     assert url not in scrapes(d)
+
+
+def report(d: Driver, url: str, *, waiting: int = 0, running: int = 0, usage: float = 0.0) -> None:
+    """``url``'s pending scrape answers with these figures."""
+    body = (f'vllm:num_requests_waiting{{engine="0"}} {waiting}\nvllm:num_requests_running{{engine="0"}} {running}\n'
+            f'vllm:kv_cache_usage_perc{{engine="0"}} {usage}\n').encode()
+    d.complete_control(scrapes(d)[url], status=200, body=body)
+
+
+def test_a_prefill_engine_busy_with_other_routers_traffic_is_passed_over() -> None:
+    d = Driver(routing={"policy": "least_loaded"})
+    busy, idle = PREFILL_URLS
+    # Narwhal's own legs have taught it a mean prompt length.
+    d.post("/v1/completions", completion_body("x" * 4000))
+    first = d.leg("prefill")
+    report(d, busy, waiting=6, running=2)  # beyond Narwhal's one leg at most: other routers' requests
+    report(d, idle)
+    e = engine(d, busy)
+    assert e.foreign == 8 - e.outstanding and e.foreign_tokens > 0
+    for _ in range(3):
+        d.post("/v1/completions", completion_body("y" * 4000))
+    chosen = [leg.engine.url for leg in d.open_legs("prefill") if leg.bid != first.bid]
+    assert chosen and set(chosen) == {idle}, chosen
+
+
+def test_a_decode_engine_reporting_a_nearly_full_cache_comes_last() -> None:
+    d = Driver(routing={"policy": "least_loaded", "mode": "never"})
+    full, roomy = DECODE_URLS
+    report(d, full, usage=0.95)
+    report(d, roomy, running=3, usage=0.5)  # more sequences, but room for KV
+    d.post("/v1/completions", completion_body("hello"))
+    assert d.leg("decode").engine.url == roomy
+
+
+def test_stale_figures_leave_the_load_view() -> None:
+    d = Driver(routing={"metrics_interval_s": 1.0}, health={"probe_timeout_s": 0.5})
+    url = DECODE_URLS[0]
+    report(d, url, waiting=2, running=9, usage=0.97)
+    e = engine(d, url, "decode")
+    assert (e.foreign, e.kv_usage) == (11, 0.97)
+    while e.reported is not None:
+        d.advance(1.0)
+        d.complete_control(scrapes(d)[url], status=503)
+    assert (e.foreign, e.foreign_tokens, e.kv_usage) == (0, 0, 0.0)
