@@ -445,7 +445,7 @@ def test_a_single_request_retries_its_decode_leg_and_holds_no_kv() -> None:
     assert second.bid == f"{first.rid}-d2" and second.engine.url != first.engine.url  # not the one failed on
     d.answer_decode(second.bid)
     assert client.last.status == 200
-    assert d.pending_controls() == []  # no release: no KV was held
+    assert d.pending_controls("release") == []  # no release: no KV was held
     record = d.terminal(first.rid)
     assert record["mode"] == "single"
     assert [(leg["phase"], leg["outcome"], leg["kv"]) for leg in record["legs"]] == [
