@@ -109,7 +109,7 @@ class Answers:
             previous = req.relay
             ctx = self.ctx
             req.relay = SseRelay(
-                route=req.route, model=ctx.model, pd=ctx.pd and not req.plain_decode,
+                route=req.route, model=ctx.model, pd=_pd(req),
                 cached_tokens=None if kv is None else kv.handoff.cached_tokens,
                 redact=ctx.secret,
             )
@@ -235,7 +235,7 @@ class Answers:
         self.legs.record_end(leg, "ok")
         ctx = self.ctx
         normalise_answer(
-            req.route, answer, ctx.model, pd=ctx.pd and not req.plain_decode, cached_tokens=req.pulled_cached_tokens,
+            req.route, answer, ctx.model, pd=_pd(req), cached_tokens=req.pulled_cached_tokens,
         )
         self.lifecycle.fire(req, Input.LEG_OK, LegAnswer(answer))
 
@@ -271,7 +271,7 @@ class Answers:
         if leg.timer is not None:
             leg.timer.cancel()
             leg.timer = None
-        self.ctx.fleet.leg_ended(leg.engine)
+        self.ctx.fleet.leg_ended(leg.engine, leg.tokens)
         if self.slots.waiting[leg.phase]:
             self.slots.wake(leg.phase)
 
@@ -292,3 +292,9 @@ class Answers:
             self.legs.record_end(leg, "refused" if 400 <= status < 500 else "http_error", failed=status >= 500)
         self.requests.release_settled(req)
 
+
+
+def _pd(req: Request) -> bool:
+    """Whether the request's decode leg pulled a prefill's KV (its usage then counts the prefill's cached tokens)."""
+    plan = req.plan
+    return plan is not None and plan.pd and not req.plain_decode

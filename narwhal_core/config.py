@@ -81,6 +81,9 @@ __all__ = [
     "HealthConfig",
     "JournalConfig",
     "ShutdownConfig",
+    "RoutingConfig",
+    "RoutingPolicy",
+    "RoutingMode",
     "Config",
     "SECTIONS",
     "parse_config",
@@ -96,6 +99,8 @@ __all__ = [
 AuthMode = Literal["none", "api_keys", "trusted_header"]
 KvRelease = Literal["decode_pull", "abort_endpoint", "decode_abort", "lease"]
 FsyncPolicy = Literal["always", "interval", "never"]
+RoutingPolicy = Literal["least_loaded", "round_robin", "prefix"]
+RoutingMode = Literal["always", "never", "auto"]
 
 
 # -- engine addresses ---------------------------------------------------------------
@@ -478,6 +483,44 @@ class ShutdownConfig:
 
 
 @attrs.frozen(kw_only=True)
+class RoutingConfig:
+    """``[routing]``: each leg's engine, and whether a request is disaggregated (:mod:`narwhal_core.routing`)."""
+
+    SECTION: ClassVar[str] = "routing"
+
+    policy: RoutingPolicy = attrs.field(
+        default="least_loaded",
+        validator=one_of(RoutingPolicy),
+        metadata=doc("How a leg's engine is chosen: least_loaded, round_robin or prefix (prefix-cache aware)."),
+    )
+    mode: RoutingMode = attrs.field(
+        default="always",
+        validator=one_of(RoutingMode),
+        metadata=doc(
+            "Disaggregation per request: always (prefill and decode legs), never (the whole request on one "
+            "decode engine) or auto (decided per request by the cost model)."
+        ),
+    )
+    disaggregate_min_uncached_tokens: int = count(
+        512,
+        'With mode = "auto": a prompt expected to have fewer uncached tokens than this on the best prefill '
+        "engine runs whole on a decode engine.",
+        minimum=0,
+    )
+    metrics_interval_s: float = seconds(
+        1.0, "Time between two scrapes of each engine's /metrics (0 = never scraped).", positive=False
+    )
+    prefill_tokens_per_s: float = seconds(
+        8000.0, "Estimated prompt tokens one prefill engine computes per second: the cost model's throughput."
+    )
+    kv_capacity_tokens: int = count(
+        2000000,
+        "Estimated tokens of KV cache one prefill engine holds: the bound of its prefix index (policy = prefix).",
+        minimum=1,
+    )
+
+
+@attrs.frozen(kw_only=True)
 class Config:
     """A whole Narwhal configuration. Build it in code or with :func:`parse_config`."""
 
@@ -503,6 +546,9 @@ class Config:
     shutdown: ShutdownConfig = attrs.field(
         factory=ShutdownConfig, validator=section(ShutdownConfig), metadata=doc("[shutdown] section.")
     )
+    routing: RoutingConfig = attrs.field(
+        factory=RoutingConfig, validator=section(RoutingConfig), metadata=doc("[routing] section.")
+    )
 
     model_names: frozenset[str] = attrs.field(
         init=False, eq=False, repr=False, metadata=doc("model.name and model.aliases: the names clients may use.")
@@ -522,6 +568,7 @@ SECTIONS: Final[Mapping[str, type]] = MappingProxyType({
     "health": HealthConfig,
     "journal": JournalConfig,
     "shutdown": ShutdownConfig,
+    "routing": RoutingConfig,
 })
 
 

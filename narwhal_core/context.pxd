@@ -13,4 +13,4 @@ cdef class Context:
     cdef public Timers timers
     cdef public object config, out, stats, fleet, admission, now, wall_offset, model, mode, pd, first_phase
     cdef public object phases, codec, new_rid, auth_header, secret, draining, journal_ok, journal_problem
-    cdef public object shortages, shortage_logged
+    cdef public object shortages, shortage_logged, routing

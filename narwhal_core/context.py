@@ -28,6 +28,7 @@ from .fleet import Admission, Fleet
 from .http import CodecLike
 from .ids import DECODE, PREFILL, Phase
 from .journal import ErrorRecord
+from .routing import Routing, make_policy
 from .stats import Stats
 from .timers import Timers
 
@@ -44,7 +45,7 @@ class Context:
 
     __slots__ = (
         "config", "out", "timers", "stats", "fleet", "admission", "now", "wall_offset", "model", "mode", "pd",
-        "first_phase", "phases", "codec", "new_rid", "auth_header", "secret", "draining", "journal_ok",
+        "first_phase", "routing", "phases", "codec", "new_rid", "auth_header", "secret", "draining", "journal_ok",
         "journal_problem", "shortages", "shortage_logged",
     )
 
@@ -65,6 +66,7 @@ class Context:
             unhealthy_after=config.health.unhealthy_after,
             healthy_after=config.health.healthy_after,
             kv_host_allowed=e.kv_host_allowed,
+            policy=make_policy(config.routing),
         )
         a = config.admission
         self.admission: Final = Admission(
@@ -76,11 +78,16 @@ class Context:
         self.now = now
         self.wall_offset = wall_offset
         self.model: Final = config.model.name
+        #: Prefill engines are configured (a request may be disaggregated).
         self.pd: Final = self.fleet.pd
-        self.mode: Final = "pd" if self.pd else "single"
-        self.first_phase: Final[Phase] = PREFILL if self.pd else DECODE
+        #: Each request's plan at admission: ``pd`` or ``single`` (docs/configure.md, ``[routing]``).
+        self.routing: Final = Routing(config.routing, self.fleet)
+        disaggregated = self.pd and config.routing.mode != "never"
+        #: The mode a request refused before admission is journalled with (admitted ones: their plan's).
+        self.mode: Final = "pd" if disaggregated else "single"
+        self.first_phase: Final[Phase] = PREFILL if disaggregated else DECODE
         #: The phases a request needs an engine for.
-        self.phases: Final[tuple[Phase, ...]] = (PREFILL, DECODE) if self.pd else (DECODE,)
+        self.phases: Final[tuple[Phase, ...]] = (PREFILL, DECODE) if disaggregated else (DECODE,)
         self.codec: Final = codec
         self.new_rid: Final = rid_source
         self.auth_header: tuple[tuple[bytes, bytes], ...] = (

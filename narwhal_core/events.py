@@ -162,7 +162,8 @@ class ControlDone:
 
 
 #: How much of a control answer's body an adapter reads and passes on in
-#: :class:`ControlDone` (an abort endpoint's answer is a few dozen bytes).
+#: :class:`ControlDone` unless the request says otherwise
+#: (:attr:`StartControl.body_limit`; an abort endpoint's answer is a few dozen bytes).
 CONTROL_BODY_LIMIT: Final = 4096
 
 
@@ -295,6 +296,10 @@ class StartControl:
     #: :class:`EngineResolved` (health probes of prefill engines named by a
     #: name rather than an address).
     resolve: bool = False
+    #: Most bytes of the answer's body the adapter reads and passes on in
+    #: :class:`ControlDone` (an engine's ``/metrics`` is far longer than an
+    #: abort endpoint's answer).
+    body_limit: int = CONTROL_BODY_LIMIT
 
 
 @attrs.define

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Final, Literal
 import attrs
 
 from .config import EngineAddress, is_ip_address, is_loopback_host, normalize_host
+from .engine_metrics import EngineLoad
 from .events import ControlDone, StartControl
 from .ids import DECODE, PREFILL, Phase
+from .routing import LeastLoaded, Plan, Policy
 
 if TYPE_CHECKING:
     from .context import Context
@@ -47,6 +49,8 @@ class EngineState:
     healthy: bool = True
     #: Legs now running on it.
     outstanding: int = 0
+    #: The estimated prompt tokens of the prefill legs now running on it (docs/configure.md, "Routing policies").
+    queued_tokens: int = 0
     #: Consecutive failures, active (probes) and passive (legs) alike.
     failures: int = 0
     #: Consecutive successful probes while out of rotation.
@@ -62,6 +66,14 @@ class EngineState:
     #: The addresses its host name resolved to at the last probe (a prefill
     #: engine's KV side channel may be named by any of them).
     addresses: frozenset[str] = frozenset()
+    #: What its ``/metrics`` said last (:mod:`.load`; ``None``: nothing, or too long ago), and when.
+    reported: EngineLoad | None = None
+    reported_at: float = 0.0
+    #: From that report (0 without one): the requests it runs or queues beyond Narwhal's legs there,
+    #: their estimated prompt tokens, and the fraction of its KV cache in use.
+    foreign: int = 0
+    foreign_tokens: int = 0
+    kv_usage: float = 0.0
 
     @property
     def url(self) -> str:
@@ -70,7 +82,7 @@ class EngineState:
 
 
 class Fleet:
-    """Health and load of every engine; least-outstanding choice among healthy ones."""
+    """Health and load of every engine; the engine choice among those in rotation, by the routing policy."""
 
     def __init__(
         self,
@@ -81,6 +93,7 @@ class Fleet:
         unhealthy_after: int,
         healthy_after: int,
         kv_host_allowed: Callable[[str], bool] | None = None,
+        policy: Policy | None = None,
     ) -> None:
         self.engines: dict[Phase, list[EngineState]] = {
             PREFILL: [EngineState(address=a, phase=PREFILL, index=i) for i, a in enumerate(prefill)],
@@ -90,6 +103,10 @@ class Fleet:
         self._unhealthy_after = unhealthy_after
         self._healthy_after = healthy_after
         self._turn: dict[Phase, int] = {PREFILL: 0, DECODE: 0}
+        #: The routing policy that picks among the candidates (``routing.policy``; :mod:`narwhal_core.routing`).
+        self.policy: Final[Policy] = policy if policy is not None else LeastLoaded()
+        #: Prompt tokens of a prefill leg, a running mean (what a request Narwhal did not send may cost).
+        self.mean_prompt_tokens = 0.0
         #: What the configuration allows as a prefill answer's ``remote_host``
         #: (``EngineConfig.kv_host_allowed``); by default, the prefill hosts as written.
         self._kv_static: Callable[[str], bool] = (
@@ -196,44 +213,66 @@ class Fleet:
         return False
 
     def choose(
-        self, phase: Phase, avoid: Collection[EngineState] = (), *, request_key: str | None = None, now: float = 0.0
-    ) -> EngineState | None:
+        self, phase: Phase, avoid: Collection[EngineState] = (), *, request_key: str | None = None,
+        now: float = 0.0, plan: Plan | None = None,
+    ) -> EngineState | None:  # fmt: skip
         """THE ENGINE CHOICE: the engine of ``phase`` a request's next leg (or KV release) goes to.
 
         Every leg and every decode-side release is sent where this says, so
-        this is the one seam where a routing policy plugs in (``request_key``
-        names the request, ``now`` is the event's time; today's policy reads
-        neither). Today: the healthy engine with the fewest outstanding legs
-        and a free slot; engines in ``avoid`` (those the request already
-        failed on) are chosen only when no other engine can take the leg;
-        ties rotate. ``None``: no engine in rotation has a free slot.
+        this is the one seam where the routing policy plugs in. The
+        candidates are the engines of ``phase`` in rotation with a free
+        slot, in turn order; engines in ``avoid`` (those the request already
+        failed on) are candidates only when no other engine can take the
+        leg. The policy (:mod:`narwhal_core.routing`) picks among them, from
+        the request's ``plan`` and the engines' load; the turn then moves
+        past the engine chosen, so ties rotate. (``request_key`` names the
+        request and ``now`` is the event's time; no policy reads them yet.)
+        ``None``: no engine in rotation has a free slot.
         """
         engines = self.engines[phase]
         count = len(engines)
         if count == 0:
             return None
         start = self._turn[phase]
-        best: EngineState | None = None
-        best_key: tuple[bool, int] | None = None
-        for k in range(count):
-            e = engines[(start + k) % count]
-            if not e.healthy or e.outstanding >= self._max:
-                continue
-            key = (e in avoid, e.outstanding)
-            if best_key is None or key < best_key:
-                best, best_key = e, key
-        if best is not None:
-            self._turn[phase] = (best.index + 1) % count
+        limit = self._max
+        candidates = []
+        failed_on = []
+        for e in (engines[start:] + engines[:start]) if start else engines:
+            if e.healthy and e.outstanding < limit:
+                if avoid and e in avoid:
+                    failed_on.append(e)
+                else:
+                    candidates.append(e)
+        if not candidates:
+            if not failed_on:
+                return None
+            candidates = failed_on
+        best = candidates[0] if len(candidates) == 1 else self.policy.pick(phase, candidates, plan)
+        self._turn[phase] = (best.index + 1) % count
         return best
 
-    def leg_started(self, engine: EngineState) -> None:
-        """A leg now runs on ``engine``."""
+    def candidates(self, phase: Phase) -> list[EngineState]:
+        """The engines of ``phase`` that could take a leg now (in rotation, a free slot), in turn order."""
+        engines = self.engines[phase]
+        start = self._turn[phase]
+        limit = self._max
+        return [e for e in engines[start:] + engines[:start] if e.healthy and e.outstanding < limit]
+
+    def leg_started(self, engine: EngineState, tokens: int = 0) -> None:
+        """A leg now runs on ``engine``; a prefill leg adds its prompt's estimated ``tokens`` to its queue."""
         engine.outstanding += 1
         engine.total_legs += 1
+        if tokens:
+            engine.queued_tokens += tokens
+            # A running mean of prompt lengths (1/16 weight each, the first taken whole): what another
+            # router's request there may cost.
+            mean = self.mean_prompt_tokens
+            self.mean_prompt_tokens = mean + (tokens - mean) / 16 if mean else float(tokens)
 
-    def leg_ended(self, engine: EngineState) -> None:
-        """A leg on ``engine`` is over."""
+    def leg_ended(self, engine: EngineState, tokens: int = 0) -> None:
+        """A leg on ``engine`` is over (``tokens``: what its start added)."""
         engine.outstanding -= 1
+        engine.queued_tokens -= tokens
 
     def record_failure(self, engine: EngineState) -> HealthChange:
         """Charge a failure (failed leg or probe) to ``engine``; ``"down"`` if it leaves rotation."""
@@ -242,6 +281,7 @@ class Fleet:
         engine.successes = 0
         if engine.healthy and engine.failures >= self._unhealthy_after:
             engine.healthy = False
+            self.policy.forget(engine)
             return "down"
         return None
 

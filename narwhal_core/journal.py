@@ -26,11 +26,13 @@ __all__ = [
     "KvRecord",
     "LegRecord",
     "ErrorRecord",
+    "RoutingRecord",
     "ProgressRecord",
     "TerminalRecord",
     "encode",
     "kv_json",
     "leg_json",
+    "routing_json",
     "progress_line",
     "terminal_line",
 ]
@@ -148,6 +150,30 @@ class ErrorRecord:
 
 
 @attrs.define(kw_only=True)
+class RoutingRecord:
+    """How an admitted request was routed (docs/operate.md, "The journal"; docs/configure.md, ``[routing]``)."""
+
+    #: ``routing.policy``: ``least_loaded``, ``round_robin`` or ``prefix``.
+    policy: str
+    #: ``pd`` (a prefill leg, then a decode leg) or ``single`` (the whole request on a decode engine).
+    mode: str
+    #: Why that mode, one fixed word: ``configured``, ``no_prefill_engines``, ``short_prompt``,
+    #: ``prefill_queue`` or ``long_prompt``.
+    reason: str
+    #: The engine of the request's last prefill leg (``None``: it had none).
+    prefill: str | None
+    #: The engine of the request's last decode leg (``None``: it had none).
+    decode: str | None
+    #: The prefill engines weighed at admission, the chosen one first: ``engine``,
+    #: ``uncached_tokens`` and ``queued_tokens`` each; at most 8; empty when nothing was weighed.
+    candidates: list[dict[str, Any]] = attrs.Factory(list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as a JSON object."""
+        return routing_json(self.policy, self.mode, self.reason, self.prefill, self.decode, self.candidates)
+
+
+@attrs.define(kw_only=True)
 class ProgressRecord:
     """A request is under way (``terminal: null``); written at least once per admitted request."""
 
@@ -194,7 +220,8 @@ class TerminalRecord:
     model: str | None
     #: Whether the client asked for a stream.
     stream: bool
-    #: ``pd`` or ``single``.
+    #: ``pd`` or ``single``: the routing's decision for an admitted request; for
+    #: one refused before admission, what the configuration would have started with.
     mode: str
     #: ``completed``, ``invalid``, ``denied``, ``rejected``, ``failed``, ``cancelled``.
     terminal: Terminal
@@ -214,6 +241,8 @@ class TerminalRecord:
     ttft_ms: float | None
     #: Router-owned body fields the client sent and Narwhal removed.
     stripped: tuple[str, ...]
+    #: How the request was routed; ``None`` when it was never admitted.
+    routing: RoutingRecord | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
@@ -221,6 +250,7 @@ class TerminalRecord:
             self.ts, self.rid, self.client_rid, self.client, self.route, self.model, self.stream, self.mode,
             self.terminal, self.status, self.error, [leg.to_json() for leg in self.legs], self.usage,
             self.received, self.duration_ms, self.ttft_ms, self.stripped,
+            None if self.routing is None else self.routing.to_json(),
         )
 
 
@@ -260,6 +290,17 @@ def leg_json(
     return out
 
 
+def routing_json(
+    policy: str, mode: str, reason: str, prefill: str | None, decode: str | None,
+    candidates: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """A :class:`RoutingRecord` as a JSON object, from its fields in order."""
+    return {
+        "policy": policy, "mode": mode, "reason": reason,
+        "prefill": prefill, "decode": decode, "candidates": candidates,
+    }
+
+
 def _progress_json(
     ts: float, rid: str, event: str, route: str, client: str, client_rid: str | None, mode: str, stream: bool
 ) -> dict[str, Any]:
@@ -281,7 +322,7 @@ def _terminal_json(
     ts: float, rid: str, client_rid: str | None, client: str | None, route: str, model: str | None,
     stream: bool, mode: str, terminal: Terminal, status: int | None, error: ErrorRecord | None,
     legs: list[dict[str, Any]], usage: dict[str, Any] | None, received: float, duration_ms: float,
-    ttft_ms: float | None, stripped: tuple[str, ...],
+    ttft_ms: float | None, stripped: tuple[str, ...], routing: dict[str, Any] | None,
 ) -> dict[str, Any]:
     return {
         "ts": ts, "rid": rid, "client_rid": client_rid,
@@ -293,6 +334,7 @@ def _terminal_json(
         "usage": usage, "received": received,
         "duration_ms": duration_ms, "ttft_ms": ttft_ms,
         "stripped": list(stripped),
+        "routing": routing,
     }
 
 
@@ -300,10 +342,10 @@ def terminal_line(
     ts: float, rid: str, client_rid: str | None, client: str | None, route: str, model: str | None,
     stream: bool, mode: str, terminal: Terminal, status: int | None, error: ErrorRecord | None,
     legs: list[dict[str, Any]], usage: dict[str, Any] | None, received: float, duration_ms: float,
-    ttft_ms: float | None, stripped: tuple[str, ...],
+    ttft_ms: float | None, stripped: tuple[str, ...], routing: dict[str, Any] | None = None,
 ) -> bytes:
     """:func:`encode` of a :class:`TerminalRecord`, from its fields in order (``legs`` from :func:`leg_json`)."""
     return wire.dumps_line(_terminal_json(
         ts, rid, client_rid, client, route, model, stream, mode, terminal, status, error, legs, usage,
-        received, duration_ms, ttft_ms, stripped,
+        received, duration_ms, ttft_ms, stripped, routing,
     ))

@@ -19,7 +19,7 @@ cdef class Leg:
     cdef public Kv kv
     cdef public Timer timer
     cdef public object bid, phase, attempt, engine, codec, rid, started, data, deadline, armed, status, body
-    cdef public object outcome, ended, open, streaming, got_bytes, fresh_retry, orphan, held, prompt
+    cdef public object outcome, ended, open, streaming, got_bytes, fresh_retry, orphan, held, prompt, tokens
 
 cdef class Legs:
     cdef public Context ctx

@@ -45,7 +45,7 @@ class Leg:
     __slots__ = (
         "bid", "phase", "attempt", "engine", "codec", "rid", "started", "data", "deadline", "timer", "armed",
         "status", "body", "outcome", "ended", "kv", "open", "streaming", "got_bytes", "fresh_retry", "orphan",
-        "held", "prompt",
+        "held", "prompt", "tokens",
     )
 
     def __init__(
@@ -80,6 +80,8 @@ class Leg:
         self.held = False
         #: The batch prompt it serves (``None``: a one-prompt request).
         self.prompt: int | None = None
+        #: A prefill leg: its prompt's estimated tokens, counted in its engine's queue while it runs.
+        self.tokens = 0
 
 
 class Legs:
@@ -110,8 +112,14 @@ class Legs:
         attempt = req.attempts[phase] + 1
         req.attempts[phase] = attempt
         bid = backend_id(req.rid, phase, attempt)
+        tokens = 0
         if phase == PREFILL:
             body = wire.dumps(prefill_body(req.accepted.body))
+            plan = req.plan
+            if plan is not None:
+                tokens = plan.tokens
+                if plan.hashes is not None:
+                    ctx.fleet.policy.sent(engine, plan)  # the prefix index learns where the prompt went
         else:
             kv = req.kv
             body = wire.dumps(req.accepted.body if kv is None else decode_body(req.accepted.body, kv.handoff.params))
@@ -130,7 +138,8 @@ class Legs:
         req.legs.append(leg)
         if req.prompts is not None:
             leg.prompt = req.prompt
-        ctx.fleet.leg_started(engine)
+        leg.tokens = tokens
+        ctx.fleet.leg_started(engine, tokens)
         ctx.out.append(StartLeg(
             bid, engine.address, data, None if req.conn is None else req.conn.handle,
             ctx.config.engine.connect_timeout_s,
@@ -201,7 +210,7 @@ class Legs:
             leg.timer = None
         self.running.pop(leg.bid, None)
         engine = leg.engine
-        ctx.fleet.leg_ended(engine)
+        ctx.fleet.leg_ended(engine, leg.tokens)
         req = self.requests.active.get(leg.rid)
         if failed:
             self.health.engine_failed(engine, f"{leg.phase} leg: " + (

@@ -153,11 +153,11 @@ class Lifecycle:
             kv = req.kv
             if kv is not None and ctx.now >= kv.start_by:
                 return self._lease_ran_short(req, kv)  # never decode from KV whose lease may be gone
-            engine = ctx.fleet.choose(phase, req.failed_on[phase], request_key=req.rid, now=ctx.now)
+            engine = ctx.fleet.choose(phase, req.failed_on[phase], request_key=req.rid, now=ctx.now, plan=req.plan)
         elif ctx.pd and self.slots.decode_backlog():
             engine = None  # prefilled requests waiting for a decode engine go first (docs/operate.md, "KV leases")
         else:
-            engine = ctx.fleet.choose(phase, req.failed_on[phase], request_key=req.rid, now=ctx.now)
+            engine = ctx.fleet.choose(phase, req.failed_on[phase], request_key=req.rid, now=ctx.now, plan=req.plan)
         if engine is None:
             if ctx.fleet.has_healthy(phase):
                 self.slots.wait(req, phase)
@@ -203,8 +203,9 @@ class Lifecycle:
     def begin(self, req: Request, _: None) -> State:
         """ADMIT: the request has its slot; journal its progress and start its first leg."""
         req.admitted = True
+        plan = req.plan = self.ctx.routing.plan(req.accepted.body, req.route, req.size)
         self.requests.journal_admitted(req)
-        return self.start_phase(req, self.ctx.first_phase)
+        return self.start_phase(req, PREFILL if plan.pd else DECODE)
 
     def resume(self, req: Request, _: None) -> State:
         """WAKE: a retry's backoff ended, or an engine slot freed up."""
@@ -257,7 +258,11 @@ class Lifecycle:
         req.prompt_base = dict(req.attempts)
         req.plain_decode = False
         req.pulled_cached_tokens = None
-        return self.start_phase(req, self.ctx.first_phase)
+        plan = req.plan
+        assert plan is not None
+        if plan.hashes is not None:
+            plan = req.plan = self.ctx.routing.replan(plan, req.accepted.body, req.route)
+        return self.start_phase(req, PREFILL if plan.pd else DECODE)
 
     def refused(self, req: Request, refusal: LegRefusal) -> State:
         """LEG_REFUSED: the client's mistake, answered 400, never retried elsewhere (docs/operate.md).
@@ -281,7 +286,8 @@ class Lifecycle:
         if phase == DECODE:
             self.kv.release(req)  # the decode leg failed before the handoff
         ctx = self.ctx
-        retry_phase: Phase = PREFILL if ctx.pd or phase == PREFILL else DECODE
+        plan = req.plan
+        retry_phase: Phase = PREFILL if (plan is not None and plan.pd) or phase == PREFILL else DECODE
         r = ctx.config.retry
         fleet = ctx.fleet
         # (Attempts count per prompt of a batch: prompt_base is what earlier prompts used.)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .slots import SlotQueue
     from .lifecycle import Lifecycle
     from .relay import SseRelay
+    from .routing import Plan
     from .timers import Timer
 
 __all__ = ["Request", "Requests"]
@@ -55,11 +56,12 @@ class Request:
         "failed_on", "leg", "legs", "kv", "pending_releases", "admitted", "answered", "bytes_sent",
         "first_byte", "relay", "retry_phase", "pulled_cached_tokens", "waiting_for_slot", "terminal",
         "status", "error", "usage", "timers", "plain_decode", "prompts", "prompt", "answers", "prompt_base",
+        "size", "plan",
     )
 
     def __init__(
         self, rid: str, conn: Conn | None, route: Route, client: str, client_rid: str | None,
-        received: float, stream: bool, accepted: AcceptedRequest,
+        received: float, stream: bool, accepted: AcceptedRequest, size: int = 0,
     ) -> None:  # fmt: skip
         self.rid = rid
         self.conn = conn
@@ -101,6 +103,10 @@ class Request:
         self.prompt = 0
         self.answers: list[dict[str, Any]] = []
         self.prompt_base: dict[str, int] = {PREFILL: 0, DECODE: 0}
+        #: The request body's size in bytes (the routing estimates tokens from it).
+        self.size = size
+        #: How it is routed, decided at admission (:meth:`narwhal_core.routing.Routing.plan`).
+        self.plan: Plan | None = None
         if self.prompts is not None:
             accepted.body["prompt"] = self.prompts[0]
 
@@ -153,7 +159,7 @@ class Requests:
             return
         req = Request(
             rid=rid, conn=conn, route=route, client=client, client_rid=client_rid,
-            received=ctx.now, stream=accepted.stream, accepted=accepted,
+            received=ctx.now, stream=accepted.stream, accepted=accepted, size=len(request.body),
         )
         self.active[rid] = req
         a = ctx.config.admission
@@ -185,8 +191,10 @@ class Requests:
         """The request's progress record: it holds an admission slot now."""
         ctx = self.ctx
         ctx.stats.journal_records["progress"] += 1
+        plan = req.plan
         ctx.out.append(WriteJournal(journal.progress_line(
-            ctx.wall(), req.rid, "admitted", req.route, req.client, req.client_rid, ctx.mode, req.stream,
+            ctx.wall(), req.rid, "admitted", req.route, req.client, req.client_rid,
+            ctx.mode if plan is None else "pd" if plan.pd else "single", req.stream,
         ), False))
 
     def admit_from_queue(self) -> None:
@@ -383,15 +391,27 @@ class Requests:
         stats = ctx.stats
         stats.observe_request(req.route, req.terminal, req.status, duration, ttft)
         stats.journal_records["terminal"] += 1
+        plan = req.plan
         ctx.out.append(WriteJournal(journal.terminal_line(
             wall, req.rid, req.client_rid, req.client, req.route, req.accepted.requested_model or ctx.model,
-            req.stream, ctx.mode, req.terminal, req.status, req.error, legs, req.usage, received, duration,
-            ttft, req.accepted.stripped,
+            req.stream, ctx.mode if plan is None else "pd" if plan.pd else "single", req.terminal, req.status,
+            req.error, legs, req.usage, received, duration, ttft, req.accepted.stripped,
+            None if plan is None else self._routing_line(req, plan),
         ), True))
         del self.active[req.rid]
         req.state = State.DONE
         self.disarm(req)
         self.check_drained()
+
+    def _routing_line(self, req: Request, plan: Plan) -> dict[str, Any]:
+        """The record's ``routing`` object: the plan, and the engines the request's legs last went to."""
+        prefill = decode = None
+        for leg in req.legs:
+            if leg.phase == PREFILL:
+                prefill = leg.engine.address.url
+            else:
+                decode = leg.engine.address.url
+        return plan.to_json(self.ctx.routing.name, prefill, decode)
 
     def _leg_line(self, leg: Leg) -> Any:
         """One leg of a terminal record (its KV settled, if it was not), counted in the metrics."""

@@ -53,7 +53,9 @@ from .events import (
 from .fleet import Health
 from .http import Codec, CodecLike
 from .kv import LEASE_SHORT, NOTHING_HELD, KvLedger
+from .engine_metrics import EngineLoad
 from .legs import Legs
+from .load import LoadReports
 from .slots import SlotQueue
 from .lifecycle import Lifecycle
 from .requests import Request, Requests
@@ -89,6 +91,8 @@ class RouterStatistics:
     buffered_bytes: int = 0
     #: Every engine's first health probe (sent at start) has finished.
     engines_probed: bool = True
+    #: What each engine's ``/metrics`` said last, and how many seconds ago (engines with figures only).
+    engine_reports: dict[tuple[str, str], tuple[EngineLoad, float]] = attrs.Factory(dict)
 
 
 class Router:
@@ -124,9 +128,11 @@ class Router:
         self.slots: Final = SlotQueue(ctx)
         self.kv: Final = KvLedger(ctx, self.requests.release_settled)
         self.health: Final = Health(ctx, self.slots.wake)
+        self.load: Final = LoadReports(ctx)
         self._wire()
         # Every engine is probed at once: /ready waits for answers (docs/operate.md).
         self.health.probe_all()
+        self.load.scrape_all()
 
     def _wire(self) -> None:
         """Introduce the parts to the ones they call."""
@@ -165,7 +171,7 @@ class Router:
             if leg is not None and leg.open:
                 self.legs.connection_lost(leg, event)
         elif isinstance(event, ControlDone):
-            if not self.kv.release_done(event):
+            if not self.kv.release_done(event) and not self.load.done(event):
                 self.health.probe_done(event)
         elif isinstance(event, ShutdownRequested):
             self._begin_shutdown()
@@ -220,6 +226,9 @@ class Router:
             ready=not ctx.ready_problems(),
             buffered_bytes=self.clients.buffered,
             engines_probed=self.fleet.all_probed(),
+            engine_reports={
+                (e.url, e.phase): (e.reported, ctx.now - e.reported_at) for e in self.fleet.all() if e.reported
+            },
         )
 
     def contain_failure(self, event: Event | None, problem: str, trace: str | None = None) -> None:
@@ -313,6 +322,7 @@ class Router:
         ctx.log("draining", requests=len(requests.active))
         self.clients.close_idle()
         self.health.stop_probing()
+        self.load.stop()
         ctx.timers.arm(ctx.now + self.config.shutdown.grace_s, self._grace_over, self)
         requests.check_drained()
 

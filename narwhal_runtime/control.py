@@ -7,8 +7,10 @@ here: the request is encoded by the core's own engine-side codec, the one
 the legs use (:class:`~narwhal_core.http.EngineConnection`), on a
 connection of its own that carries this one request (``connection:
 close``), and the answer is parsed back by it, up to
-:data:`~narwhal_core.CONTROL_BODY_LIMIT` bytes of body: an abort endpoint's
-answer is a few dozen bytes, a decode release's is read for its verdict.
+``StartControl.body_limit`` bytes of body (by default
+:data:`~narwhal_core.CONTROL_BODY_LIMIT`): an abort endpoint's answer is a
+few dozen bytes, a decode release's is read for its verdict, an engine's
+``/metrics`` is asked for with a larger limit.
 
 An adapter runs one :class:`ControlExchange` per ``StartControl``::
 
@@ -35,7 +37,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Final
 
-from narwhal_core import CONTROL_BODY_LIMIT, ControlDone, StartControl, local_failure
+from narwhal_core import ControlDone, StartControl, local_failure
 from narwhal_core.errors import LocalProtocolError, RemoteProtocolError
 from narwhal_core.events import EngineResolved
 from narwhal_core.http import NEED_DATA, BodyData, EngineConnection, ResponseEnd, ResponseHead
@@ -67,7 +69,7 @@ class ControlExchange:
         self.cmd = cmd
         #: ``decode_abort``: write the raw request and close the connection, reading nothing.
         self.hang_up = cmd.drop_after_send
-        # The answer is read only up to CONTROL_BODY_LIMIT: no body limit (whatever
+        # The answer is read only up to cmd.body_limit: no body limit (whatever
         # follows is never read), the codec's head limit.
         self._codec = EngineConnection(max_body_bytes=None)
         self._status: int | None = None
@@ -123,7 +125,7 @@ class ControlExchange:
                     self._status = event.status
                 elif type(event) is BodyData:
                     body += event.data
-                    if len(body) >= CONTROL_BODY_LIMIT:
+                    if len(body) >= self.cmd.body_limit:
                         break  # enough to know what the engine said
                 else:
                     assert type(event) is ResponseEnd
@@ -133,7 +135,7 @@ class ControlExchange:
             # message quotes at most the engine's own bytes.
             return ControlDone(self.cmd.key, None, shorten(str(exc)))
         assert self._status is not None
-        return ControlDone(self.cmd.key, self._status, None, False, bytes(body[:CONTROL_BODY_LIMIT]))
+        return ControlDone(self.cmd.key, self._status, None, False, bytes(body[: self.cmd.body_limit]))
 
     def failed(self, exc: BaseException) -> ControlDone:
         """The request failed with ``exc`` (a socket error, :class:`ControlRefused`): why, in a few words."""

@@ -22,6 +22,7 @@ from prometheus_client.core import (
 
 if TYPE_CHECKING:
     from narwhal_core import Router
+    from narwhal_core.engine_metrics import EngineLoad
     from narwhal_core.stats import Histogram
 
 __all__ = ["render"]
@@ -82,6 +83,7 @@ class _RouterCollector:
             outstanding.add_metric([url, phase], live.engine_outstanding[(url, phase)])
         yield healthy
         yield outstanding
+        yield from _engine_reports(live.engine_reports)
         connector = GaugeMetricFamily(
             "narwhal_engine_kv_connector",
             "NIXL connector version a prefill engine's answers show: 1 (no remote_request_id; its KV is "
@@ -91,6 +93,28 @@ class _RouterCollector:
         for url, version in sorted(stats.kv_connector.items()):
             connector.add_metric([url], version)
         yield connector
+
+
+def _engine_reports(reports: Mapping[tuple[str, str], tuple[EngineLoad, float]]) -> Iterator[Metric]:
+    """What each engine's own /metrics said last (``routing.metrics_interval_s``), and how old that is."""
+    labels = ["engine", "phase"]
+    waiting = GaugeMetricFamily("narwhal_engine_reported_waiting", "Requests waiting, as the engine reported.", labels=labels)
+    running = GaugeMetricFamily("narwhal_engine_reported_running", "Requests running, as the engine reported.", labels=labels)
+    usage = GaugeMetricFamily("narwhal_engine_reported_kv_usage", "KV cache in use (0 to 1), as the engine reported.",
+                              labels=labels)
+    capacity = GaugeMetricFamily("narwhal_engine_reported_kv_capacity_tokens",
+                                 "Tokens of KV cache the engine holds, as it reported (vllm:cache_config_info).",
+                                 labels=labels)
+    age = GaugeMetricFamily("narwhal_engine_report_age_seconds", "Seconds since the engine's figures arrived.",
+                            labels=labels)
+    for key, (load, seconds) in sorted(reports.items()):
+        figures = ((waiting, load.waiting), (running, load.running), (usage, load.kv_usage),
+                   (capacity, load.kv_capacity_tokens))
+        for family, value in figures:
+            if value is not None:
+                family.add_metric(list(key), value)
+        age.add_metric(list(key), seconds)
+    yield from (waiting, running, usage, capacity, age)
 
 
 def render(router: Router) -> bytes:

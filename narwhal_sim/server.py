@@ -750,6 +750,12 @@ class SimEngine:
                [(label, core.num_waiting)])  # fmt: skip
         metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
                [(label, core.pool.usage)])  # fmt: skip
+        # vLLM's log_metrics_info("cache_config", ...): an info metric as a gauge set to 1, the cache
+        # config's metrics_info() as labels (vllm/v1/metrics/loggers.py, 0.10); a few of them here.
+        pool = core.pool
+        info = '{block_size="%d",enable_prefix_caching="True",engine="0",num_gpu_blocks="%d"}' % (
+            pool.block_size, pool.num_blocks)
+        metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [(info, 1.0)])
         metric("vllm:prefix_cache_queries_total", "counter",
                "Prefix cache queries, in terms of number of queried tokens.",
                [(label, core.prefix_cache_queries)])  # fmt: skip

@@ -71,6 +71,7 @@ from narwhal_core.config import (
     JournalConfig,
     ModelConfig,
     RetryConfig,
+    RoutingConfig,
     ShutdownConfig,
 )
 from narwhal_core.http import CodecLike
@@ -111,6 +112,7 @@ def make_config(
     retry: Mapping[str, Any] | None = None,
     health: Mapping[str, Any] | None = None,
     shutdown: Mapping[str, Any] | None = None,
+    routing: Mapping[str, Any] | None = None,
 ) -> Config:
     """A config built in code: the given engines, loopback ingress, each section's overrides."""
     return Config(
@@ -122,6 +124,7 @@ def make_config(
         health=HealthConfig(**(health or {})),
         journal=JournalConfig(path="-"),
         shutdown=ShutdownConfig(**(shutdown or {})),
+        routing=RoutingConfig(**(routing or {})),
     )
 
 

@@ -22,6 +22,7 @@ from narwhal_core.config import (
     JournalConfig,
     ModelConfig,
     RetryConfig,
+    RoutingConfig,
     ShutdownConfig,
     config_from_dict,
     engine_api_key,
@@ -198,6 +199,12 @@ DEFAULTS: dict[str, object] = {
     "journal.fsync": "interval",
     "journal.fsync_interval_s": 1.0,
     "shutdown.grace_s": 30.0,
+    "routing.policy": "least_loaded",
+    "routing.mode": "always",
+    "routing.disaggregate_min_uncached_tokens": 512,
+    "routing.metrics_interval_s": 1.0,
+    "routing.prefill_tokens_per_s": 8000.0,
+    "routing.kv_capacity_tokens": 2000000,
 }
 REQUIRED = {"model.name", "engine.decode"}
 
@@ -591,7 +598,7 @@ def test_engine_api_key_env_must_be_a_variable_name(name: str) -> None:
 
 POSITIVE_SECONDS = [
     (s, a.name) for s, a in all_keys()
-    if a.type is float and a.name not in ("backoff_base_s", "backoff_max_s", "grace_s")
+    if a.type is float and a.name not in ("backoff_base_s", "backoff_max_s", "grace_s", "metrics_interval_s")
 ]
 
 
@@ -602,7 +609,9 @@ def test_timeouts_are_positive(section: str, name: str, value: float) -> None:
     assert str(error) == f"{section}.{name}: must be positive, got {float(value)!r}"
 
 
-@pytest.mark.parametrize(("section", "name"), [("retry", "backoff_base_s"), ("shutdown", "grace_s")])
+@pytest.mark.parametrize(
+    ("section", "name"), [("retry", "backoff_base_s"), ("shutdown", "grace_s"), ("routing", "metrics_interval_s")]
+)
 def test_zero_is_allowed_where_it_means_no_wait(section: str, name: str) -> None:
     config = config_from_dict(with_values(**{section: {name: 0}}), env={})
     assert getattr(getattr(config, section), name) == 0.0
@@ -616,6 +625,7 @@ MINIMUMS = {
     "engine.max_response_bytes": 1, "admission.max_inflight": 1, "admission.queue_size": 0,
     "admission.per_client_max_inflight": 0, "admission.retry_after_s": 0,
     "health.unhealthy_after": 1, "health.healthy_after": 1,
+    "routing.disaggregate_min_uncached_tokens": 0, "routing.kv_capacity_tokens": 1,
 }
 
 
@@ -680,6 +690,8 @@ def test_backoff_max_is_at_least_backoff_base() -> None:
         ("ingress", "auth", ["none", "api_keys", "trusted_header"]),
         ("engine", "kv_release", ["decode_pull", "abort_endpoint", "decode_abort", "lease"]),
         ("journal", "fsync", ["always", "interval", "never"]),
+        ("routing", "policy", ["least_loaded", "round_robin", "prefix"]),
+        ("routing", "mode", ["always", "never", "auto"]),
     ],
 )
 def test_enums_accept_exactly_their_values(section: str, name: str, values: list[str]) -> None:
@@ -687,6 +699,25 @@ def test_enums_accept_exactly_their_values(section: str, name: str, values: list
     assert list(get_args(field.type)) == values
     error = error_of(with_values(**{section: {name: values[0].upper()}}))
     assert error.key == f"{section}.{name}"
+
+
+def test_routing_table_parses_and_refuses_with_the_key() -> None:
+    text = EXAMPLE + '\n[routing]\npolicy = "prefix"\nmode = "auto"\nmetrics_interval_s = 0\nprefill_tokens_per_s = 12000\n'
+    routing = parse_config(text, env={"NARWHAL_ENGINE_API_KEY": SECRET}).routing
+    assert routing == RoutingConfig(policy="prefix", mode="auto", metrics_interval_s=0.0, prefill_tokens_per_s=12000.0)
+    assert str(error_of(with_values(routing={"policy": "cache_aware"}))) == (
+        'routing.policy: must be one of "least_loaded", "round_robin", "prefix", got "cache_aware"'
+    )
+    assert str(error_of(with_values(routing={"mode": "sometimes"}))) == (
+        'routing.mode: must be one of "always", "never", "auto", got "sometimes"'
+    )
+    assert str(error_of(with_values(routing={"prefill_tokens_per_s": -5}))) == (
+        "routing.prefill_tokens_per_s: must be positive, got -5.0"
+    )
+    assert str(error_of(with_values(routing={"metrics_interval_s": -1}))) == (
+        "routing.metrics_interval_s: must not be negative, got -1.0"
+    )
+    assert error_of(with_values(routing={"kv_capacity": 5})).key == "routing.kv_capacity"
 
 
 def test_journal_path() -> None:
@@ -711,6 +742,8 @@ def test_journal_path() -> None:
         (lambda: HealthConfig(probe_timeout_s=0), "health.probe_timeout_s"),
         (lambda: JournalConfig(fsync="sometimes"), "journal.fsync"),  # type: ignore[arg-type]
         (lambda: ShutdownConfig(grace_s=-1), "shutdown.grace_s"),
+        (lambda: RoutingConfig(policy="fastest"), "routing.policy"),  # type: ignore[arg-type]
+        (lambda: RoutingConfig(prefill_tokens_per_s=0), "routing.prefill_tokens_per_s"),
         (lambda: Config(model="m", engine=EngineConfig(decode=[DECODE])), "model"),  # type: ignore[arg-type]
     ],
 )

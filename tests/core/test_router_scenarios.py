@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from narwhal_core import CancelLeg, ClientStalled, FinishLeg, ShutdownComplete, StartLeg, WriteJournal, journal
-from narwhal_core.journal import ErrorRecord, KvRecord, LegRecord, TerminalRecord
+from narwhal_core.journal import ErrorRecord, KvRecord, LegRecord, RoutingRecord, TerminalRecord
 from narwhal_core.planning import PREFILL_KV_REQUEST
 from narwhal_core.router import NOTHING_HELD
 
@@ -53,7 +53,9 @@ def assert_line_is_the_records_encoding(d: Any, rid: str) -> None:
         LegRecord(**{**leg, "kv": None if leg["kv"] is None else KvRecord(**leg["kv"])}) for leg in record["legs"]
     )
     error = None if record["error"] is None else ErrorRecord(**record["error"])
-    rebuilt = TerminalRecord(**{**record, "legs": legs, "error": error, "stripped": tuple(record["stripped"])})
+    routing = None if record["routing"] is None else RoutingRecord(**record["routing"])
+    rebuilt = TerminalRecord(**{**record, "legs": legs, "error": error, "stripped": tuple(record["stripped"]),
+                                "routing": routing})
     assert journal.encode(rebuilt) == lines[0]
     # And the times agree with each other: received <= each leg's span <= ts.
     assert abs(record["duration_ms"] - (record["ts"] - record["received"]) * 1000) < 0.01, record

@@ -90,7 +90,7 @@ def _masked(records: list[dict[str, Any]], urls: dict[str, str]) -> list[Any]:
             match = re.fullmatch(r"(.+?)-([pd]\d+)(-.*)?", value)
             assert match, value
             return f"{rids.get(match.group(1), '?')}-{match.group(2)}" + ("-<suffix>" if match.group(3) else "")
-        if key == "engine" and isinstance(value, str):
+        if key in ("engine", "prefill", "decode") and isinstance(value, str):  # (routing names engines too)
             return urls.get(value, value)
         return value
 

@@ -1,0 +1,333 @@
+"""Routing: which engine each leg goes to, and whether a request is disaggregated at all.
+
+Two decisions, both pure functions of the request, the fleet's state as
+Narwhal knows it and the configuration (docs/configure.md, ``[routing]``):
+
+* at admission, the request's :class:`Plan` (:meth:`Routing.plan`): ``pd``
+  (a prefill leg, then a decode leg pulling its KV) or ``single`` (the whole
+  request on one decode engine), why, and what the choice weighed — the
+  journal's ``routing`` record (docs/operate.md, "The journal");
+* for every leg, the engine: :meth:`~narwhal_core.fleet.Fleet.choose` keeps
+  the engines in rotation with a free slot (and those the request has not
+  failed on), in turn order, and the configured :class:`Policy` picks one.
+
+A policy never reads a clock or draws a random number, so the same traffic
+is routed the same way every time; ties go to the first candidate in turn
+order, and the turn moves past each engine chosen, so equal engines share
+the load instead of one taking it all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+from .contract import CHAT
+from .ids import PREFILL, Phase
+from .journal import routing_json
+from .prefix import BYTES_PER_TOKEN, PrefixIndex, block_hashes, blocks_to_tokens, prompt_key, tokens_to_blocks
+
+if TYPE_CHECKING:
+    from .config import RoutingConfig
+    from .contract import Route
+    from .fleet import EngineState, Fleet
+
+__all__ = [
+    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "estimate_tokens", "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix",
+    "POLICIES", "make_policy", "Routing",
+]
+
+#: Most prefill candidates a journal ``routing`` record lists (docs/operate.md, "The journal").
+MAX_CANDIDATES: Final = 8
+#: A decode engine that reported its KV cache this full is chosen last: new sequences there would be
+#: preempted, or wait for blocks (vLLM's scheduler, ``vllm/v1/core/sched/scheduler.py``).
+KV_NEARLY_FULL: Final = 0.9
+
+
+def estimate_tokens(size: int) -> int:
+    """A prompt's tokens estimated from its size in bytes (at least 1)."""
+    return size // BYTES_PER_TOKEN or 1
+
+
+class Plan:
+    """How one request is routed: decided once, at admission (the journal's ``routing`` record).
+
+    A plain slotted class made once per request on the hot path; treat it as a value.
+    """
+
+    __slots__ = ("pd", "reason", "tokens", "hashes", "candidates")
+
+    def __init__(
+        self, pd: bool, reason: str, tokens: int, hashes: Sequence[int] | None = None,
+        candidates: tuple[tuple[str, int, int], ...] = (),
+    ) -> None:  # fmt: skip
+        #: Disaggregated (a prefill leg, then a decode leg) or ``single`` (one decode leg).
+        self.pd = pd
+        #: Why, as one fixed word (docs/configure.md, "Disaggregation per request").
+        self.reason = reason
+        #: The prompt's estimated tokens: what a prefill leg of it adds to its engine's queue.
+        self.tokens = tokens
+        #: The chained hashes of the prompt's blocks, when a prefix index needs them.
+        self.hashes = hashes
+        #: The prefill engines weighed: (URL, uncached tokens, queued tokens), at most :data:`MAX_CANDIDATES`.
+        self.candidates = candidates
+
+    def to_json(self, policy: str, prefill: str | None, decode: str | None) -> dict[str, Any]:
+        """The journal's ``routing`` object, with the engines the request's legs last went to."""
+        candidates = self.candidates
+        return routing_json(policy, "pd" if self.pd else "single", self.reason, prefill, decode, [
+            {"engine": url, "uncached_tokens": uncached, "queued_tokens": queued}
+            for url, uncached, queued in candidates
+        ] if candidates else [])
+
+
+class Policy:
+    """What a routing policy does: pick a leg's engine among candidates, and learn from what was sent.
+
+    ``candidates`` is never empty: the engines of ``phase`` in rotation,
+    with a free slot, and not failed on by this request (unless none is
+    left), in turn order. The first of equally good candidates is the one
+    to pick: that is what makes ties take turns.
+    """
+
+    #: Its name in ``routing.policy`` and in the journal.
+    name: ClassVar[str] = ""
+    #: Whether it keys prompts (:meth:`key`): admission then hashes each prompt once.
+    keyed: ClassVar[bool] = False
+
+    __slots__ = ()
+
+    @classmethod
+    def from_config(cls, config: RoutingConfig) -> Policy:
+        """A fresh policy of this kind for ``config`` (its state belongs to one router)."""
+        return cls()
+
+    def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
+        """The engine of ``candidates`` the leg goes to."""
+        raise NotImplementedError
+
+    def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
+        """A keyed policy's hashes of the prompt's blocks, and its tokens (only when :attr:`keyed`)."""
+        raise NotImplementedError
+
+    def uncached(self, engine: EngineState, plan: Plan) -> int:
+        """The prompt's tokens a prefill on ``engine`` is expected to compute (all of them: nothing is known cached)."""
+        return plan.tokens
+
+    def sent(self, engine: EngineState, plan: Plan) -> None:
+        """A prefill leg of ``plan``'s prompt was sent to ``engine`` (a prefix index learns from it)."""
+
+    def forget(self, engine: EngineState) -> None:
+        """``engine`` left rotation: whatever it held may be gone when it comes back."""
+
+    def capacity(self, engine: EngineState, tokens: int) -> None:
+        """``engine`` reported that its KV cache holds ``tokens`` (a prefix index is bounded by it)."""
+
+
+class RoundRobin(Policy):
+    """``round_robin``: each leg to the next engine of its phase in turn."""
+
+    name: ClassVar[str] = "round_robin"
+    __slots__ = ()
+
+    def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
+        return candidates[0]
+
+
+class LeastLoaded(Policy):
+    """``least_loaded``: prefill legs by the prompt tokens queued on each engine, decode legs by sequences running.
+
+    A prefill engine's work is the prompt tokens of the prefill legs Narwhal
+    has running there, plus what the engine itself reported beyond them
+    (:mod:`.load`: requests other routers sent there, at Narwhal's mean
+    prompt length); legs running break a tie. A decode engine's load is the
+    sequences it runs for Narwhal plus those it reported beyond them; one
+    whose KV cache it reported nearly full (:data:`KV_NEARLY_FULL`) comes
+    last, and the fuller cache loses a tie.
+    """
+
+    name: ClassVar[str] = "least_loaded"
+    __slots__ = ()
+
+    def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
+        best = candidates[0]
+        if phase == PREFILL:
+            tokens, legs = best.queued_tokens + best.foreign_tokens, best.outstanding
+            for e in candidates:
+                t = e.queued_tokens + e.foreign_tokens
+                if t < tokens or (t == tokens and e.outstanding < legs):
+                    best, tokens, legs = e, t, e.outstanding
+            return best
+        key = (best.kv_usage >= KV_NEARLY_FULL, best.outstanding + best.foreign, best.kv_usage)
+        for e in candidates:
+            k = (e.kv_usage >= KV_NEARLY_FULL, e.outstanding + e.foreign, e.kv_usage)
+            if k < key:
+                best, key = e, k
+        return best
+
+
+class Prefix(LeastLoaded):
+    """``prefix``: a prefill leg to the engine with the least expected time to first token.
+
+    Narwhal keeps a :class:`~narwhal_core.prefix.PrefixIndex` per prefill
+    engine of the prompts it sent there, bounded by ``kv_capacity_tokens``
+    (least recently used out, as the engine evicts). A prefill engine's
+    expected TTFT for a prompt is (its queued prompt tokens + the prompt's
+    tokens it does not hold) / ``prefill_tokens_per_s``; the throughput is
+    the same for every engine, so the policy compares the sums. A hit saves
+    its blocks once, while every request queued behind it waits: past a
+    point the queue on a hot prefix's engine outweighs the hit, and the
+    prefix spreads to other engines (docs/configure.md, "Routing
+    policies"). Decode legs go by load, as with ``least_loaded``.
+    """
+
+    name: ClassVar[str] = "prefix"
+    keyed: ClassVar[bool] = True
+    __slots__ = ("default_capacity", "capacities", "indexes")
+
+    def __init__(self, capacity_tokens: int) -> None:
+        #: An engine's index bound, in blocks of the index, until it reports its own (``kv_capacity_tokens``).
+        self.default_capacity: Final = tokens_to_blocks(capacity_tokens)
+        #: The bounds engines reported (``vllm:cache_config_info``, :mod:`.load`), by URL.
+        self.capacities: Final[dict[str, int]] = {}
+        #: The index of each prefill engine Narwhal sent a prompt to, by URL.
+        self.indexes: Final[dict[str, PrefixIndex]] = {}
+
+    @classmethod
+    def from_config(cls, config: RoutingConfig) -> Policy:
+        return cls(config.kv_capacity_tokens)
+
+    def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
+        key = prompt_key(body, route == CHAT)
+        return block_hashes(key), len(key) // BYTES_PER_TOKEN or 1
+
+    def uncached(self, engine: EngineState, plan: Plan) -> int:
+        hashes = plan.hashes
+        index = self.indexes.get(engine.url)
+        if not hashes or index is None:
+            return plan.tokens
+        return max(0, plan.tokens - blocks_to_tokens(index.matched_blocks(hashes)))
+
+    def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
+        if phase != PREFILL or plan is None or plan.hashes is None:
+            return LeastLoaded.pick(self, phase, candidates, plan)
+        best = candidates[0]
+        cost, legs = best.queued_tokens + best.foreign_tokens + self.uncached(best, plan), best.outstanding
+        for e in candidates:
+            c = e.queued_tokens + e.foreign_tokens + self.uncached(e, plan)
+            if c < cost or (c == cost and e.outstanding < legs):
+                best, cost, legs = e, c, e.outstanding
+        return best
+
+    def sent(self, engine: EngineState, plan: Plan) -> None:
+        hashes = plan.hashes
+        if not hashes:
+            return
+        index = self.indexes.get(engine.url)
+        if index is None:
+            index = self.indexes[engine.url] = PrefixIndex(self.capacities.get(engine.url, self.default_capacity))
+        index.insert(hashes)
+
+    def forget(self, engine: EngineState) -> None:
+        index = self.indexes.get(engine.url)
+        if index is not None:
+            index.clear()
+
+    def capacity(self, engine: EngineState, tokens: int) -> None:
+        blocks = tokens_to_blocks(tokens)
+        self.capacities[engine.url] = blocks
+        index = self.indexes.get(engine.url)
+        if index is not None:
+            index.resize(blocks)
+
+
+#: ``routing.policy`` -> the policy's class.
+POLICIES: Final[Mapping[str, type[Policy]]] = MappingProxyType({
+    "least_loaded": LeastLoaded,
+    "round_robin": RoundRobin,
+    "prefix": Prefix,
+})
+
+
+def make_policy(config: RoutingConfig) -> Policy:
+    """The policy ``config`` names, fresh (a policy's state belongs to one router)."""
+    return POLICIES[config.policy].from_config(config)
+
+
+class Routing:
+    """The plan of each request at admission: ``pd`` or ``single``, and why (docs/configure.md, ``[routing]``).
+
+    With ``mode = "always"`` or ``"never"`` and a policy that keeps no
+    prefix index, the plan is fixed and costs one small object: nothing is
+    hashed or weighed. Otherwise the prefill candidates are weighed once
+    here, and the journal's record lists them.
+    """
+
+    __slots__ = ("config", "fleet", "policy", "name", "fixed", "reason", "weigh")
+
+    def __init__(self, config: RoutingConfig, fleet: Fleet) -> None:
+        self.config: Final = config
+        self.fleet: Final = fleet
+        self.policy: Final = fleet.policy
+        #: ``routing.policy``, as the journal names it.
+        self.name: Final = config.policy
+        #: The mode every request gets, when it is not decided per request (``None``: ``auto``).
+        self.fixed: Final[bool | None] = (
+            False if not fleet.pd or config.mode == "never" else True if config.mode == "always" else None
+        )
+        self.reason: Final = "configured" if fleet.pd else "no_prefill_engines"
+        #: Whether admission weighs the prefill candidates (``auto``, or a policy with a prefix index).
+        self.weigh: Final = self.fixed is None or (self.fixed and self.policy.keyed)
+
+    def plan(self, body: dict[str, Any], route: Route, size: int) -> Plan:
+        """The plan of a request just admitted (``size``: its body's bytes)."""
+        if not self.weigh:
+            return Plan(bool(self.fixed), self.reason, size // BYTES_PER_TOKEN or 1)
+        return self._weighed(body, route, size)
+
+    def _weighed(self, body: dict[str, Any], route: Route, size: int) -> Plan:
+        """Weigh the prefill candidates: the policy's best one, and the mode ``auto`` decides from it."""
+        policy = self.policy
+        hashes = None
+        tokens = estimate_tokens(size)
+        if policy.keyed:
+            hashes, tokens = policy.key(body, route)
+        plan = Plan(True, "configured", tokens, hashes)
+        fleet = self.fleet
+        weighed = [(e, policy.uncached(e, plan), e.queued_tokens + e.foreign_tokens) for e in fleet.candidates(PREFILL)]
+        if weighed:
+            best = policy.pick(PREFILL, [e for e, _, _ in weighed], plan)
+            weighed.sort(key=lambda c: (c[0] is not best, c[1] + c[2]))
+            plan.candidates = tuple((e.url, uncached, queued) for e, uncached, queued in weighed[:MAX_CANDIDATES])
+        if self.fixed is None:
+            plan.pd, plan.reason = self.decide(plan)
+        return plan
+
+    def replan(self, plan: Plan, body: dict[str, Any], route: Route) -> Plan:
+        """The next prompt of a batch: the request's mode, with this prompt's own hashes and tokens."""
+        hashes, tokens = self.policy.key(body, route)
+        return Plan(plan.pd, plan.reason, tokens, hashes, plan.candidates)
+
+    def decide(self, plan: Plan) -> tuple[bool, str]:
+        """``auto``: ``pd`` or ``single``, from the best prefill candidate.
+
+        (docs/configure.md, "Disaggregation per request".)
+
+        Single when the prompt's uncached tokens there are fewer than
+        ``disaggregate_min_uncached_tokens`` (``short_prompt``), or when the
+        queue there would make the client wait longer than computing the
+        whole prompt on a decode engine adds (``prefill_queue``); else
+        disaggregated (``long_prompt``). Single too when no prefill engine
+        has a free slot now (``prefill_queue``, with no candidates).
+        """
+        if not plan.candidates:
+            return False, "prefill_queue"
+        _, uncached, queued = plan.candidates[0]
+        config = self.config
+        if uncached < config.disaggregate_min_uncached_tokens:
+            return False, "short_prompt"
+        rate = config.prefill_tokens_per_s
+        if queued / rate > plan.tokens / rate:
+            return False, "prefill_queue"
+        return True, "long_prompt"
