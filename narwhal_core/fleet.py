@@ -134,6 +134,8 @@ class Fleet:
         self._kv_refused: set[str] = set()
         #: Prefill engines are configured or may be discovered (else single-leg mode).
         self._pd = bool(prefill) if pd is None else pd
+        #: Engines were added at run time (docs/operate.md, "Engines that come and go").
+        self._dynamic = False
 
     @property
     def pd(self) -> bool:
@@ -169,6 +171,9 @@ class Fleet:
         engines = self.engines[phase]
         engine = EngineState(address=address, phase=phase, index=len(engines), healthy=False, joining=True)
         engines.append(engine)
+        self._dynamic = True
+        if phase == PREFILL:
+            self._kv_hosts_changed()
         return engine
 
     def drain(self, engine: EngineState) -> None:
@@ -191,12 +196,8 @@ class Fleet:
         for position, e in enumerate(engines):
             e.index = position
         self._turn[engine.phase] = 0
-        if engine.phase == PREFILL and engine.addresses:
-            everything: set[str] = set()
-            for e in engines:
-                everything |= e.addresses
-            self._kv_addresses = frozenset(everything)
-            self._kv_loopback = any(is_loopback_host(h) for h in everything)
+        if engine.phase == PREFILL:
+            self._kv_hosts_changed()
 
     # ---------------------------------------------------------- KV side channel
 
@@ -222,12 +223,19 @@ class Fleet:
                 e.addresses = found
                 changed = True
         if changed:
-            everything: set[str] = set()
-            for e in self.engines[PREFILL]:
-                everything |= e.addresses
-            self._kv_addresses = frozenset(everything)
-            self._kv_loopback = any(is_loopback_host(h) for h in everything)
+            self._kv_hosts_changed()
         return changed
+
+    def _kv_hosts_changed(self) -> None:
+        """The prefill engines or their addresses changed: what their KV side channels may be named by."""
+        everything: set[str] = set()
+        for e in self.engines[PREFILL]:
+            everything |= e.addresses
+            if e.joining or e.draining or self._dynamic:
+                # Found at run time: its host is the fleet's to allow, as a configured one is the config's.
+                everything.add(e.address.host)
+        self._kv_addresses = frozenset(everything)
+        self._kv_loopback = any(is_loopback_host(h) for h in everything)
 
     def kv_host_allowed(self, host: str) -> bool:
         """Whether a prefill answer's ``remote_host`` names a host of this fleet.
