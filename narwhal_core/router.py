@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import attrs
 
+from .admin import Admin
 from .answers import Answers
 from .auth import Authenticator
 from .clients import Clients, Conn
@@ -140,7 +141,7 @@ class Router:
     def _wire(self) -> None:
         """Introduce the parts to the ones they call."""
         clients, requests, lifecycle, legs, slots = self.clients, self.requests, self.lifecycle, self.legs, self.slots
-        clients.connect(requests=requests)
+        clients.connect(requests=requests, admin=Admin(self._ctx, self.membership))
         requests.connect(clients=clients, lifecycle=lifecycle, slots=slots)
         lifecycle.connect(requests=requests, legs=legs, kv=self.kv, slots=slots)
         legs.connect(requests=requests, lifecycle=lifecycle, health=self.health, slots=slots, answers=self.answers)

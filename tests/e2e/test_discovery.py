@@ -22,11 +22,12 @@ from typing import Any
 import httpx
 import pytest
 
+from narwhal_core import api_key_digest
 from narwhal_sim.testing import SimThread
 
 from ..dns_server import DnsServer
 from ..harness import RouterThread, make_config
-from ..helpers import body_for, free_port, poll
+from ..helpers import body_for, free_port, keys_file_text, poll
 
 COMPLETIONS = "/v1/completions"
 
@@ -155,3 +156,39 @@ def test_file_discovery_follows_the_file(tmp_path: Path, runtime: str) -> None:
             r = httpx.post(f"{router.url}{COMPLETIONS}", json=body_for(COMPLETIONS, max_tokens=4))
             assert r.status_code == 200 and len(second.requests(COMPLETIONS)) == 1
             prefill.wait_for(lambda s: s["kv_held"] == 0, timeout=10)
+
+
+def test_admin_api_with_and_without_its_key(tmp_path: Path, runtime: str) -> None:
+    admin_key, client_key = "sk-admin-" + "7" * 24, "sk-client-" + "3" * 24
+    keys = tmp_path / "keys.toml"
+    keys.write_text(keys_file_text({"alice": client_key})
+                    + f'[[keys]]\nclient = "ops"\nrole = "admin"\nsha256 = "{api_key_digest(admin_key)}"\n')
+    with SimThread(role="decode") as first, SimThread(role="decode") as second:
+        config = make_config(tmp_path / "journal.jsonl", decode=(first.url,),
+                             ingress={"auth": "api_keys", "api_keys_file": str(keys)},
+                             health={"probe_interval_s": 0.1, "probe_timeout_s": 1.0})
+        with RouterThread(config, runtime) as router:
+            url = f"{router.url}/admin/engines"
+            as_admin = {"authorization": f"Bearer {admin_key}"}
+            for headers in ({}, {"authorization": f"Bearer {client_key}"}, {"authorization": "Bearer sk-nope"}):
+                r = httpx.get(url, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+                assert admin_key not in r.text and client_key not in r.text
+            r = httpx.post(url, headers=as_admin, json={"url": second.url, "phase": "decode"})
+            assert r.status_code == 201 and r.json()["state"] == "joining"
+            r = httpx.request("DELETE", url, headers=as_admin, json={"url": first.url, "phase": "decode"})
+            assert r.status_code == 200
+            poll(lambda: [(e["url"], e["state"]) for e in httpx.get(url, headers=as_admin).json()["data"]]
+                 == [(second.url, "in rotation")], what="the new engine alone, in rotation")
+            r = httpx.post(f"{router.url}{COMPLETIONS}", json=body_for(COMPLETIONS, max_tokens=4),
+                           headers={"authorization": f"Bearer {client_key}"})
+            assert r.status_code == 200 and len(second.requests(COMPLETIONS)) == 1
+            assert len(first.requests(COMPLETIONS)) == 0
+            assert admin_key not in (tmp_path / "journal.jsonl").read_text()
+
+
+def test_admin_api_is_off_without_an_admin_key(tmp_path: Path) -> None:
+    with SimThread(role="decode") as engine, \
+            RouterThread(make_config(tmp_path / "journal.jsonl", decode=(engine.url,)), "asyncio") as router:
+        r = httpx.get(f"{router.url}/admin/engines", headers={"authorization": "Bearer anything"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
