@@ -165,15 +165,16 @@ def file_lookup(config: Config) -> Callable[[], Found | None]:
                 content = f.read(1 << 20)
         except OSError as exc:
             raise DiscoveryFailed(f"{path}: {exc.strerror or exc}") from None
-        last[0] = (stat.st_mtime_ns, stat.st_size)
         if content == last[1]:
+            last[0] = (stat.st_mtime_ns, stat.st_size)
             return None
         try:
             text = content.decode("utf-8")
         except UnicodeDecodeError:
             raise DiscoveryFailed(f"{path}: not UTF-8 text") from None
         found = parse_engine_file(text, json_file=json_file)
-        last[1] = content  # only a good read is remembered: a bad one is read (and logged) again
+        # Only a good read is remembered: a bad file is read again (its failure logged once) until it is fixed.
+        last[0], last[1] = (stat.st_mtime_ns, stat.st_size), content
         return found
 
     return lookup

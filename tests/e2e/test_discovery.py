@@ -108,6 +108,9 @@ def test_dns_discovery_adds_and_drains_decode_engines_during_traffic(
             served_by_leaving = len(leaving.requests(COMPLETIONS))
             poll(lambda: len(joining.requests(COMPLETIONS)) >= 2, what="legs on the new engine")
             assert engines_seen(router)[(joining.url, "decode")]
+            # Its first leg came after its first (successful) health probe.
+            first_probe = min(r["seq"] for r in joining.requests("/health") if r["status"] == 200)
+            assert min(r["seq"] for r in joining.requests(COMPLETIONS)) > first_probe
         finally:
             traffic.finish()
         assert traffic.errors == [] and traffic.statuses and set(traffic.statuses) == {200}
