@@ -43,7 +43,7 @@ class EngineState:
     address: EngineAddress
     #: The phase it serves.
     phase: Phase
-    #: Its position in the configured list (stable; used for ties).
+    #: Its position in its phase's list (the configured order, engines found later after; used for ties).
     index: int
     #: In rotation: legs may be sent to it.
     healthy: bool = True
