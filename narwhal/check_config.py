@@ -83,6 +83,8 @@ def check_config(path: str, env: Mapping[str, str] | None = None) -> int:
         print(f"narwhal: {journal_failure(journal, problem)}", file=sys.stderr)
         return 1
     engines = _engines(len(config.engine.prefill), "prefill") + " and " + _engines(len(config.engine.decode), "decode")
+    if config.engine.discovery != "static":
+        engines = f"engines found by {config.engine.discovery} discovery"  # (not looked up here: no I/O)
     print(f"narwhal: config {path} is valid (listen {config.ingress.listen}, auth {config.ingress.auth}, "
           f"{engines}, journal {journal}); no socket was opened and no engine contacted")
     return 0

@@ -158,11 +158,14 @@ class Server(ServerBase):
         listener = Listener(loop, self._listen(), lambda: _Client(self), limit=self.config.ingress.max_connections)
         host, port = self.address  # type: ignore[misc]
         sync_task: asyncio.Task[None] | None = None
+        discovery_task: asyncio.Task[None] | None = None
         try:
             self._listener = listener
             self.engines = Engines(loop, self.feed, pool_size=self.config.engine.pool_connections_per_engine)
             if self.config.journal.fsync == "interval":
                 sync_task = loop.create_task(self.journal.run_sync_timer())
+            if self.discovery is not None:
+                discovery_task = loop.create_task(self.discovery.run(self.feed, asyncio.sleep, asyncio.to_thread))
             self.driver.drain()
             self._after_drain()
             log_listening(self.config, host, port, RUNTIME, loop_name(loop))
@@ -179,9 +182,10 @@ class Server(ServerBase):
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            if sync_task is not None:
-                sync_task.cancel()
-                await asyncio.gather(sync_task, return_exceptions=True)
+            for task in (sync_task, discovery_task):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             if self.engines is not None:
                 await self.engines.aclose()
             await self._close_clients()

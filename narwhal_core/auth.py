@@ -43,7 +43,9 @@ ANONYMOUS: Final = "anonymous"
 MAX_CLIENT_ID_CHARS: Final = 128
 
 _KEYS_FILE: Final = "ingress.api_keys_file"
-_FIELDS: Final = frozenset({"client", "sha256"})
+_FIELDS: Final = frozenset({"client", "sha256", "role"})
+#: A key entry's ``role``: ``client`` (the default) may send completions, ``admin`` may use ``/admin/*`` only.
+ROLES: Final = ("client", "admin")
 _HEX: Final = frozenset("0123456789abcdefABCDEF")
 
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -91,10 +93,19 @@ class ApiKeys:
     clients: tuple[str, ...] = attrs.field(
         converter=_client_tuple, metadata=_doc("Client ID of each digest, at the same position.")
     )
+    admin_digests: tuple[bytes, ...] = attrs.field(
+        default=(), converter=_digest_tuple,
+        metadata=_doc("SHA-256 digests of the admin keys (role = \"admin\"): /admin/* only, never completions."),
+    )
+    admins: tuple[str, ...] = attrs.field(
+        default=(), converter=_client_tuple, metadata=_doc("The name of each admin key, at the same position.")
+    )
 
     def __attrs_post_init__(self) -> None:
-        if len(self.digests) != len(self.clients):
+        if len(self.digests) != len(self.clients) or len(self.admin_digests) != len(self.admins):
             raise ConfigError(_KEYS_FILE, "every key needs exactly one client")
+        if set(self.digests) & set(self.admin_digests):
+            raise ConfigError(_KEYS_FILE, "a key is both a client key and an admin key")
         seen: set[bytes] = set()
         for i, (digest, client) in enumerate(zip(self.digests, self.clients)):
             if not isinstance(digest, bytes) or len(digest) != 32:
@@ -110,7 +121,8 @@ class ApiKeys:
         return len(self.digests)
 
     def __repr__(self) -> str:
-        return f"ApiKeys(keys={len(self.digests)}, clients={len(set(self.clients))})"
+        shown = f"ApiKeys(keys={len(self.digests)}, clients={len(set(self.clients))}"
+        return shown + (f", admin_keys={len(self.admins)})" if self.admins else ")")
 
 
 def _field_problem(what: str, value: object) -> str:
@@ -122,8 +134,9 @@ def parse_api_keys(text: str) -> ApiKeys:
 
     The format: docs/configure.md, "The API keys file".
 
-    Each ``[[keys]]`` table has exactly ``client`` and ``sha256`` (64 hex
-    digits). Entries are counted from 0 in messages: ``keys[2].sha256``.
+    Each ``[[keys]]`` table has ``client`` and ``sha256`` (64 hex
+    digits), and may have ``role``: ``client`` (the default) or ``admin``
+    (a key for ``/admin/*`` only, docs/security.md). Entries are counted from 0 in messages: ``keys[2].sha256``.
     A file with no entries is valid and lets nobody in, so a reload can
     revoke every key. Messages never quote a value from the file.
     """
@@ -139,6 +152,8 @@ def parse_api_keys(text: str) -> ApiKeys:
         raise ConfigError(_KEYS_FILE, "keys: must be an array of [[keys]] tables")
     digests: list[bytes] = []
     clients: list[str] = []
+    admin_digests: list[bytes] = []
+    admins: list[str] = []
     first_seen: dict[bytes, int] = {}
     for i, entry in enumerate(entries):
         where = f"keys[{i}]"
@@ -150,7 +165,7 @@ def parse_api_keys(text: str) -> ApiKeys:
                 # without repeating it.
                 raise ConfigError(
                     _KEYS_FILE,
-                    f"{where}.{name}: unknown field; a key entry holds only client and sha256 "
+                    f"{where}.{name}: unknown field; a key entry holds only client, sha256 and role "
                     "(the SHA-256 of the key, never the key itself)",
                 )
         for name in ("client", "sha256"):
@@ -170,9 +185,17 @@ def parse_api_keys(text: str) -> ApiKeys:
         if digest in first_seen:
             raise ConfigError(_KEYS_FILE, f"{where}.sha256: repeats keys[{first_seen[digest]}].sha256")
         first_seen[digest] = i
-        digests.append(digest)
-        clients.append(client)
-    return ApiKeys(digests=tuple(digests), clients=tuple(clients))
+        role = entry.get("role", "client")
+        if role not in ROLES:
+            raise ConfigError(_KEYS_FILE, f'{where}.role: must be "client" or "admin"')
+        if role == "admin":
+            admin_digests.append(digest)
+            admins.append(client)
+        else:
+            digests.append(digest)
+            clients.append(client)
+    return ApiKeys(digests=tuple(digests), clients=tuple(clients), admin_digests=tuple(admin_digests),
+                   admins=tuple(admins))
 
 
 def _peer_address(peer_host: str) -> _Address | None:
@@ -192,6 +215,31 @@ def _peer_address(peer_host: str) -> _Address | None:
 
 def _denied() -> AuthError:
     return AuthError("Missing or invalid API key.", code="invalid_api_key")
+
+
+def _presented(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """The SHA-256 of the ``Authorization: Bearer`` key; raises AuthError."""
+    values = [value for name, value in headers if name == b"authorization"]
+    if len(values) != 1:
+        raise _denied()
+    scheme, _, token = values[0].strip(b" \t").partition(b" ")
+    token = token.strip(b" \t")
+    if scheme.lower() != b"bearer" or not token or b" " in token or b"\t" in token:
+        raise _denied()
+    return hashlib.sha256(token).digest()
+
+
+def _match(presented: bytes, digests: Sequence[bytes]) -> int:
+    """The position of ``presented`` among ``digests``; raises AuthError."""
+    # Compare against every digest, never stopping at a match, so the time
+    # taken does not depend on which key (if any) matched.
+    found = -1
+    for index, digest in enumerate(digests):
+        if hmac.compare_digest(digest, presented):
+            found = index
+    if found < 0:
+        raise _denied()
+    return found
 
 
 @attrs.frozen(kw_only=True)
@@ -238,25 +286,21 @@ class Authenticator:
         return self._by_trusted_header(headers, peer_host)
 
     def _by_api_key(self, headers: Sequence[tuple[bytes, bytes]]) -> str:
-        values = [value for name, value in headers if name == b"authorization"]
-        if len(values) != 1:
-            raise _denied()
-        scheme, _, token = values[0].strip(b" \t").partition(b" ")
-        token = token.strip(b" \t")
-        if scheme.lower() != b"bearer" or not token or b" " in token or b"\t" in token:
-            raise _denied()
-        presented = hashlib.sha256(token).digest()
         keys = self.keys
         assert keys is not None  # guaranteed by __attrs_post_init__
-        # Compare against every digest, never stopping at a match, so the time
-        # taken does not depend on which key (if any) matched.
-        found = -1
-        for index, digest in enumerate(keys.digests):
-            if hmac.compare_digest(digest, presented):
-                found = index
-        if found < 0:
+        return keys.clients[_match(_presented(headers), keys.digests)]
+
+    @property
+    def admin_enabled(self) -> bool:
+        """Whether the keys file holds an admin key (else ``/admin/*`` does not exist: docs/security.md)."""
+        return self.mode == "api_keys" and self.keys is not None and bool(self.keys.admin_digests)
+
+    def authenticate_admin(self, headers: Sequence[tuple[bytes, bytes]]) -> str:
+        """The name of the admin key a request to ``/admin/*`` carries, or raise AuthError (401)."""
+        keys = self.keys
+        if not self.admin_enabled or keys is None:
             raise _denied()
-        return keys.clients[found]
+        return keys.admins[_match(_presented(headers), keys.admin_digests)]
 
     def _by_trusted_header(self, headers: Sequence[tuple[bytes, bytes]], peer_host: str) -> str:
         address = _peer_address(peer_host)

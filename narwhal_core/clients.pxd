@@ -19,4 +19,4 @@ cdef class Conn:
 cdef class Clients:
     cdef public Context ctx
     cdef public Requests requests
-    cdef public object conns, pump, buffered, max_buffered, auth, metrics, retry_after
+    cdef public object conns, pump, buffered, max_buffered, auth, metrics, retry_after, admin

@@ -29,6 +29,7 @@ from .ids import sanitize_client_rid
 from .journal import Terminal
 
 if TYPE_CHECKING:
+    from .admin import Admin
     from .requests import Requests
     from .timers import Timer
 
@@ -73,7 +74,8 @@ class Conn:
 class Clients:
     """The client connections, by the adapter's handle; what they send and what they are answered."""
 
-    __slots__ = ("ctx", "conns", "pump", "buffered", "max_buffered", "auth", "metrics", "retry_after", "requests")
+    __slots__ = ("ctx", "conns", "pump", "buffered", "max_buffered", "auth", "metrics", "retry_after", "requests",
+                 "admin")
 
     def __init__(self, ctx: Context, authenticator: Authenticator, metrics: Callable[[], bytes] | None) -> None:
         self.ctx: Final = ctx
@@ -88,10 +90,12 @@ class Clients:
         #: Renders ``/metrics`` (``None``: not available).
         self.metrics: Final = metrics
         self.retry_after: Final = str(ctx.config.admission.retry_after_s).encode()
+        self.admin: Admin | None = None
 
-    def connect(self, *, requests: Requests) -> None:
-        """The part this one calls."""
+    def connect(self, *, requests: Requests, admin: Admin | None = None) -> None:
+        """The parts this one calls (``admin``: the admin API, docs/operate.md)."""
         self.requests = requests
+        self.admin = admin
 
     # ------------------------------------------------------------- connections
 
@@ -309,6 +313,9 @@ class Clients:
                             None, "invalid", error, extra=((b"allow", b"POST"),))
         elif path in _GET_ROUTES:
             self._get(conn, rid, path, request)
+        elif path.startswith("/admin/") and self.admin is not None:
+            status, body, extra = self.admin.answer(self.auth, path, request)
+            self.respond_plain(conn, rid, status, body, extra=extra)
         else:
             shown = path if len(path) <= 200 else path[:200] + "..."
             self.respond_plain(conn, rid, 404, error_body(f"Unknown route {shown}.", "not_found"))

@@ -66,6 +66,7 @@ from .config_fields import (
     string,
 )
 from .config_shape import make_converter, translate
+from .discovery_config import DiscoveryConfig, DiscoveryMode
 from .errors import ConfigError
 
 __all__ = [
@@ -284,8 +285,8 @@ class EngineConfig:
     )
     decode: tuple[str, ...] = attrs.field(
         converter=as_str_tuple,
-        validator=str_list(non_empty="must be a non-empty list of http:// URLs"),
-        metadata=doc("Decode engine URLs, http://HOST:PORT (required, non-empty)."),
+        validator=str_list(),
+        metadata=doc("Decode engine URLs, http://HOST:PORT (required; non-empty, or [] with engine.discovery dns or file)."),
     )
     engine_api_key_env: str | None = attrs.field(
         default=None,
@@ -329,6 +330,14 @@ class EngineConfig:
     stream_idle_timeout_s: float = seconds(60.0, "Longest gap between two chunks of a streamed decode answer.")
     max_response_bytes: int = count(67108864, "Largest engine response body accepted.", minimum=1)
     control_timeout_s: float = seconds(5.0, "Time for a control request (KV release) to an engine.")
+    discovery: DiscoveryMode = attrs.field(
+        default="static",
+        validator=one_of(DiscoveryMode),
+        metadata=doc(
+            "Where the engines come from: static (prefill and decode as written), dns (the [discovery] names, "
+            "re-resolved) or file (the [discovery] file, read again when it changes)."
+        ),
+    )
 
     prefill_engines: tuple[EngineAddress, ...] = attrs.field(
         init=False, eq=False, repr=False, metadata=doc("prefill, parsed.")
@@ -350,6 +359,11 @@ class EngineConfig:
     def __attrs_post_init__(self) -> None:
         # A URL may be in both lists (a "mixed" engine serves both phases), but
         # not twice in one list: that would double its share of the load.
+        if self.discovery == "static" and not self.decode:
+            raise ConfigError("engine.decode", "must be a non-empty list of http:// URLs")
+        if self.discovery != "static" and (self.decode or self.prefill):
+            key = "engine.decode" if self.decode else "engine.prefill"
+            raise ConfigError(key, f"must be [] with engine.discovery = {self.discovery!r} (discovery finds the engines)")
         pools: dict[str, tuple[EngineAddress, ...]] = {}
         for phase, urls in (("prefill", self.prefill), ("decode", self.decode)):
             seen: dict[str, int] = {}
@@ -549,12 +563,16 @@ class Config:
     routing: RoutingConfig = attrs.field(
         factory=RoutingConfig, validator=section(RoutingConfig), metadata=doc("[routing] section.")
     )
+    discovery: DiscoveryConfig = attrs.field(
+        factory=DiscoveryConfig, validator=section(DiscoveryConfig), metadata=doc("[discovery] section.")
+    )
 
     model_names: frozenset[str] = attrs.field(
         init=False, eq=False, repr=False, metadata=doc("model.name and model.aliases: the names clients may use.")
     )
 
     def __attrs_post_init__(self) -> None:
+        self.discovery.check(self.engine.discovery)
         set_derived(self, "model_names", frozenset((self.model.name, *self.model.aliases)))
 
 
@@ -569,6 +587,7 @@ SECTIONS: Final[Mapping[str, type]] = MappingProxyType({
     "journal": JournalConfig,
     "shutdown": ShutdownConfig,
     "routing": RoutingConfig,
+    "discovery": DiscoveryConfig,
 })
 
 

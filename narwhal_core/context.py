@@ -67,6 +67,7 @@ class Context:
             healthy_after=config.health.healthy_after,
             kv_host_allowed=e.kv_host_allowed,
             policy=make_policy(config.routing),
+            pd=bool(e.prefill_engines) or config.discovery.may_prefill(e.discovery),
         )
         a = config.admission
         self.admission: Final = Admission(

@@ -27,7 +27,7 @@ from .config import EngineAddress
 __all__ = [
     "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "LegData", "LegFailed",
     "ControlDone", "CONTROL_BODY_LIMIT", "ShutdownRequested", "AuthenticatorChanged", "JournalHealth",
-    "EngineResolved", "Event",
+    "EngineResolved", "EnginesChanged", "Event",
     "Transmit", "CloseClient", "StartLeg", "CancelLeg", "FinishLeg",
     "StartControl", "WriteJournal", "Log", "ShutdownComplete", "Command",
     "LegFailure", "LOCAL_ERRNOS", "local_failure",
@@ -207,9 +207,26 @@ class EngineResolved:
     addresses: tuple[str, ...]
 
 
+@attrs.frozen
+class EnginesChanged:
+    """Discovery found the engines of one phase: the whole new set (docs/operate.md, "Engines that come and go").
+
+    Engines not in it are drained, engines new in it join after their first
+    healthy probe; an empty set drains every engine of the phase. The
+    runtime feeds it only when the set changed, never after a failed lookup.
+    """
+
+    #: ``"prefill"`` or ``"decode"``.
+    phase: str
+    #: Every engine of the phase, as discovery found them.
+    engines: tuple[EngineAddress, ...]
+    #: What found them (``"dns"``, ``"file"``), for the log.
+    source: str = "discovery"
+
+
 Event = (
     ClientConnected | ClientData | ClientGone | ClientStalled | LegData | LegFailed | ControlDone
-    | ShutdownRequested | AuthenticatorChanged | JournalHealth | EngineResolved
+    | ShutdownRequested | AuthenticatorChanged | JournalHealth | EngineResolved | EnginesChanged
 )
 
 # -------------------------------------------------------------- commands out

@@ -43,7 +43,7 @@ class EngineState:
     address: EngineAddress
     #: The phase it serves.
     phase: Phase
-    #: Its position in the configured list (stable; used for ties).
+    #: Its position in its phase's list (the configured order, engines found later after; used for ties).
     index: int
     #: In rotation: legs may be sent to it.
     healthy: bool = True
@@ -74,6 +74,20 @@ class EngineState:
     foreign: int = 0
     foreign_tokens: int = 0
     kv_usage: float = 0.0
+    #: Found at run time and not yet in rotation: its first successful probe brings it in
+    #: (docs/operate.md, "Engines that come and go").
+    joining: bool = False
+    #: Gone from discovery (or removed by hand): out of rotation for good, forgotten once nothing uses it.
+    draining: bool = False
+
+    @property
+    def state(self) -> str:
+        """What ``GET /admin/engines`` says of it: joining, in rotation, out of rotation or draining."""
+        if self.draining:
+            return "draining"
+        if self.joining:
+            return "joining"
+        return "in rotation" if self.healthy else "out of rotation"
 
     @property
     def url(self) -> str:
@@ -94,6 +108,7 @@ class Fleet:
         healthy_after: int,
         kv_host_allowed: Callable[[str], bool] | None = None,
         policy: Policy | None = None,
+        pd: bool | None = None,
     ) -> None:
         self.engines: dict[Phase, list[EngineState]] = {
             PREFILL: [EngineState(address=a, phase=PREFILL, index=i) for i, a in enumerate(prefill)],
@@ -117,11 +132,15 @@ class Fleet:
         self._kv_loopback = False
         #: ``remote_host`` values refused so far (each is logged once).
         self._kv_refused: set[str] = set()
+        #: Prefill engines are configured or may be discovered (else single-leg mode).
+        self._pd = bool(prefill) if pd is None else pd
+        #: Engines were added at run time (docs/operate.md, "Engines that come and go").
+        self._dynamic = False
 
     @property
     def pd(self) -> bool:
         """Whether prefill engines are configured (else single-leg mode: docs/configure.md, `[engine]`)."""
-        return bool(self.engines[PREFILL])
+        return self._pd
 
     def all(self) -> list[EngineState]:
         """Every engine, prefill first."""
@@ -137,6 +156,48 @@ class Fleet:
     def all_probed(self) -> bool:
         """Whether every engine's first health probe has finished."""
         return all(e.probed for e in self.all())
+
+    # ------------------------------------------------------- engines that come and go
+
+    def find(self, phase: Phase, url: str) -> EngineState | None:
+        """The engine of ``phase`` at ``url`` (draining or not), if the fleet has it."""
+        for e in self.engines[phase]:
+            if e.url == url:
+                return e
+        return None
+
+    def add(self, phase: Phase, address: EngineAddress) -> EngineState:
+        """A new engine of ``phase``: out of rotation until its first successful probe."""
+        engines = self.engines[phase]
+        engine = EngineState(address=address, phase=phase, index=len(engines), healthy=False, joining=True)
+        engines.append(engine)
+        self._dynamic = True
+        if phase == PREFILL:
+            self._kv_hosts_changed()
+        return engine
+
+    def drain(self, engine: EngineState) -> None:
+        """``engine`` leaves for good: no new legs or releases go to it; what runs there finishes."""
+        engine.draining = True
+        engine.joining = False
+        engine.healthy = False
+        self.policy.forget(engine)
+
+    def rejoin(self, engine: EngineState) -> None:
+        """A draining engine was found again: it joins as a new one would, at its next successful probe."""
+        engine.draining = False
+        engine.joining = True
+        engine.successes = 0
+
+    def remove(self, engine: EngineState) -> None:
+        """Forget a drained engine that nothing uses any more; the others keep their state (and identity)."""
+        engines = self.engines[engine.phase]
+        engines.remove(engine)
+        for position, e in enumerate(engines):
+            e.index = position
+        self._turn[engine.phase] = 0
+        if engine.phase == PREFILL:
+            self._kv_hosts_changed()
 
     # ---------------------------------------------------------- KV side channel
 
@@ -162,12 +223,19 @@ class Fleet:
                 e.addresses = found
                 changed = True
         if changed:
-            everything: set[str] = set()
-            for e in self.engines[PREFILL]:
-                everything |= e.addresses
-            self._kv_addresses = frozenset(everything)
-            self._kv_loopback = any(is_loopback_host(h) for h in everything)
+            self._kv_hosts_changed()
         return changed
+
+    def _kv_hosts_changed(self) -> None:
+        """The prefill engines or their addresses changed: what their KV side channels may be named by."""
+        everything: set[str] = set()
+        for e in self.engines[PREFILL]:
+            everything |= e.addresses
+            if e.joining or e.draining or self._dynamic:
+                # Found at run time: its host is the fleet's to allow, as a configured one is the config's.
+                everything.add(e.address.host)
+        self._kv_addresses = frozenset(everything)
+        self._kv_loopback = any(is_loopback_host(h) for h in everything)
 
     def kv_host_allowed(self, host: str) -> bool:
         """Whether a prefill answer's ``remote_host`` names a host of this fleet.
@@ -292,8 +360,13 @@ class Fleet:
         """
         engine.failures = 0
         engine.answered = True
-        if engine.healthy or not probe:
+        if engine.healthy or not probe or engine.draining:
             return None
+        if engine.joining:
+            engine.joining = False
+            engine.healthy = True
+            engine.successes = 0
+            return "up"
         engine.successes += 1
         if engine.successes >= self._healthy_after:
             engine.healthy = True
@@ -427,7 +500,7 @@ class Health:
                 ctx.log("engine_not_answering", level="warning", engine=engine.url, phase=engine.phase,
                         reason=reason or "no answer")
             change = self.engine_failed(engine, reason or "no answer")
-        if not ctx.draining:
+        if not ctx.draining and not engine.draining:  # (a draining engine is probed no more)
             self.next_probe[engine] = ctx.timers.arm(ctx.now + ctx.config.health.probe_interval_s, self.probe, engine)
         if change == "up":
             ctx.log("engine_up", engine=engine.url, phase=engine.phase)

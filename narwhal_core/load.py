@@ -110,7 +110,7 @@ class LoadReports:
                 load = None  # answered, but with none of the figures: not a vLLM-shaped /metrics
         if load is not None:
             self._reported(engine, load)
-            if not ctx.draining:
+            if not ctx.draining and not engine.draining:
                 self.next_scrape[engine] = ctx.timers.arm(ctx.now + self.interval, self.scrape, engine)
             return True
         if engine.reported is not None and ctx.now - engine.reported_at > self.max_age:
@@ -125,7 +125,7 @@ class LoadReports:
                 reason = "no vllm: load figures in the answer"
             ctx.log("engine_metrics_unavailable", level="warning", engine=engine.url, phase=engine.phase,
                     reason=reason)
-        if not ctx.draining:
+        if not ctx.draining and not engine.draining:
             self.next_scrape[engine] = ctx.timers.arm(ctx.now + self.interval, self.scrape, engine)
         return True
 

@@ -26,4 +26,4 @@ cdef class Router:
     cdef public SlotQueue slots
     cdef public KvLedger kv
     cdef public Context _ctx
-    cdef public object config, fleet, admission, stats, health, load
+    cdef public object config, fleet, admission, stats, health, load, membership

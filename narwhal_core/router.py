@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import attrs
 
+from .admin import Admin
 from .answers import Answers
 from .auth import Authenticator
 from .clients import Clients, Conn
@@ -44,6 +45,7 @@ from .events import (
     Command,
     ControlDone,
     EngineResolved,
+    EnginesChanged,
     Event,
     JournalHealth,
     LegData,
@@ -56,6 +58,7 @@ from .kv import LEASE_SHORT, NOTHING_HELD, KvLedger
 from .engine_metrics import EngineLoad
 from .legs import Legs
 from .load import LoadReports
+from .membership import Membership
 from .slots import SlotQueue
 from .lifecycle import Lifecycle
 from .requests import Request, Requests
@@ -129,6 +132,7 @@ class Router:
         self.kv: Final = KvLedger(ctx, self.requests.release_settled)
         self.health: Final = Health(ctx, self.slots.wake)
         self.load: Final = LoadReports(ctx)
+        self.membership: Final = Membership(ctx, self.health, self.load, self.kv, self.requests)
         self._wire()
         # Every engine is probed at once: /ready waits for answers (docs/operate.md).
         self.health.probe_all()
@@ -137,7 +141,7 @@ class Router:
     def _wire(self) -> None:
         """Introduce the parts to the ones they call."""
         clients, requests, lifecycle, legs, slots = self.clients, self.requests, self.lifecycle, self.legs, self.slots
-        clients.connect(requests=requests)
+        clients.connect(requests=requests, admin=Admin(self._ctx, self.membership))
         requests.connect(clients=clients, lifecycle=lifecycle, slots=slots)
         lifecycle.connect(requests=requests, legs=legs, kv=self.kv, slots=slots)
         legs.connect(requests=requests, lifecycle=lifecycle, health=self.health, slots=slots, answers=self.answers)
@@ -180,6 +184,8 @@ class Router:
             ctx.log("keys_reloaded")
         elif isinstance(event, EngineResolved):
             self.fleet.resolved(event.engine, event.addresses)
+        elif isinstance(event, EnginesChanged):
+            self.membership.discovered(event)
         elif isinstance(event, JournalHealth):
             if event.ok != ctx.journal_ok:
                 ctx.log("journal_ok" if event.ok else "journal_failed", message=event.message)

@@ -121,6 +121,10 @@ class Policy:
     def forget(self, engine: EngineState) -> None:
         """``engine`` left rotation: whatever it held may be gone when it comes back."""
 
+    def drop(self, engine: EngineState) -> None:
+        """``engine`` left the fleet for good (docs/operate.md, "Engines that come and go"): keep nothing of it."""
+        self.forget(engine)
+
     def capacity(self, engine: EngineState, tokens: int) -> None:
         """``engine`` reported that its KV cache holds ``tokens`` (a prefix index is bounded by it)."""
 
@@ -233,6 +237,10 @@ class Prefix(LeastLoaded):
         index = self.indexes.get(engine.url)
         if index is not None:
             index.clear()
+
+    def drop(self, engine: EngineState) -> None:
+        self.indexes.pop(engine.url, None)
+        self.capacities.pop(engine.url, None)
 
     def capacity(self, engine: EngineState, tokens: int) -> None:
         blocks = tokens_to_blocks(tokens)

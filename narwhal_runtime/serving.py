@@ -19,6 +19,7 @@ from typing import Any
 from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, Router
 
 from .app import build_router, journal_failure, listen_failure, load_authenticator
+from .discovery import make_discovery
 from .driver import BusyPoll, Driver
 from .journal_file import JournalFile
 from .listening import listening_sockets
@@ -48,6 +49,8 @@ class ServerBase:
         #: The address the server listens on, once started.
         self.address: tuple[str, int] | None = None
         self._busy = BusyPoll(config.ingress.busy_poll_us / 1e6)
+        #: ``engine.discovery`` dns or file: the lookups the adapter runs while serving (``None``: static engines).
+        self.discovery = make_discovery(config)
 
     @property
     def busy_polls(self) -> int:

@@ -13,6 +13,8 @@ for it. Sockets are plain non-blocking ones (see :mod:`.engines`).
 
 from __future__ import annotations
 
+import functools
+
 import socket
 import time
 from collections.abc import Callable
@@ -94,6 +96,12 @@ class Server(ServerBase):
                     nursery.start_soon(self._busy_poll_loop)
                 if self.config.journal.fsync == "interval":
                     nursery.start_soon(self.journal.run_sync_timer)
+                if self.discovery is not None:
+                    # (A lookup in its thread is abandoned at shutdown: the resolver's own timeout ends it.)
+                    nursery.start_soon(
+                        self.discovery.run, self._feed_now, trio.sleep,
+                        functools.partial(trio.to_thread.run_sync, abandon_on_cancel=True),
+                    )
                 accepting = await nursery.start(self._accept_loop, listeners)
                 self.driver.drain()
                 self._after_drain()

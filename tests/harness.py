@@ -28,6 +28,7 @@ import trio
 
 import narwhal_runtime.log
 from narwhal_runtime.app import build_router
+from narwhal_core.discovery_config import DiscoveryConfig
 from narwhal_core import Config
 from narwhal_core.config import (
     AdmissionConfig,
@@ -58,7 +59,7 @@ def make_config(
     """A test config: loopback on port 0, fast probes, the given engines.
 
     ``sections`` maps a section name (``ingress``, ``engine``, ``admission``,
-    ``retry``, ``health``, ``journal``, ``shutdown``, ``routing``, ``model``) to keyword
+    ``retry``, ``health``, ``journal``, ``shutdown``, ``routing``, ``discovery``, ``model``) to keyword
     overrides for it.
     """
     def section(cls: type, section_name: str, **defaults: Any) -> Any:
@@ -74,6 +75,7 @@ def make_config(
         journal=section(JournalConfig, "journal", path=os.fspath(journal), fsync="never"),
         shutdown=section(ShutdownConfig, "shutdown", grace_s=10.0),
         routing=section(RoutingConfig, "routing"),
+        discovery=section(DiscoveryConfig, "discovery"),
     )
 
 

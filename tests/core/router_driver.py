@@ -46,6 +46,7 @@ from narwhal_core import (
     Command,
     Config,
     ControlDone,
+    EnginesChanged,
     Event,
     FinishLeg,
     LegData,
@@ -701,6 +702,8 @@ class Driver:
             codec=codec,
         )
         self.auto_probe = auto_probe
+        #: Every decode engine the router was given: configured, or fed by discovery since (``EnginesChanged``).
+        self.decode_engines = set(self.config.engine.decode_engines)
         self.step = 0
         self.commands: list[tuple[int, Command]] = []
         self.clients: dict[Hashable, FakeClient] = {}
@@ -735,6 +738,8 @@ class Driver:
             self._hold(event.conn, event.stalled)
         elif isinstance(event, ClientGone) or (isinstance(event, ClientData) and not event.data):
             self._hold(event.conn, False)
+        elif isinstance(event, EnginesChanged) and event.phase == "decode":
+            self.decode_engines.update(event.engines)
         self.step += 1
         try:
             self.router.receive(event, now=self.now)
@@ -1373,7 +1378,7 @@ class Driver:
                     body.get("kv_transfer_params") != leg.kv_params or body.get("max_tokens") != 1 or \
                     body.get("stream") is not False:
                 return [f"{leg.bid}: decode_pull {cmd.key} is not a one-token whole decode request carrying the KV"]
-            if cmd.engine not in self.router.config.engine.decode_engines:
+            if cmd.engine not in self.decode_engines:
                 return [f"{leg.bid}: decode_pull sent to {cmd.engine.url}, not a decode engine"]
         elif mode == "abort_endpoint":
             body = json.loads(cmd.body)
@@ -1385,7 +1390,7 @@ class Driver:
             _, target, headers, body = release.parsed
             if not cmd.drop_after_send or body.get("kv_transfer_params") != leg.kv_params or target != leg.route:
                 return [f"{leg.bid}: decode_abort {cmd.key} does not carry the KV params"]
-            if cmd.engine not in self.router.config.engine.decode_engines:
+            if cmd.engine not in self.decode_engines:
                 return [f"{leg.bid}: decode_abort sent to {cmd.engine.url}, not a decode engine"]
         else:
             return [f"{leg.bid}: a release control in lease mode: {cmd!r}"]

@@ -205,6 +205,14 @@ DEFAULTS: dict[str, object] = {
     "routing.metrics_interval_s": 1.0,
     "routing.prefill_tokens_per_s": 8000.0,
     "routing.kv_capacity_tokens": 2000000,
+    "engine.discovery": "static",
+    "discovery.prefill": None,
+    "discovery.decode": None,
+    "discovery.record": "A",
+    "discovery.port": 8000,
+    "discovery.interval_s": 5.0,
+    "discovery.nameserver": None,
+    "discovery.file": None,
 }
 REQUIRED = {"model.name", "engine.decode"}
 
@@ -634,6 +642,7 @@ def test_minimums_table_covers_every_integer_key() -> None:
     assert set(MINIMUMS) | {
         "retry.max_attempts", "ingress.max_buffered_bytes", "ingress.busy_poll_us",
         "ingress.max_batch_prompts",  # 1..1024: tests/core/test_router_prompts.py
+        "discovery.port",  # 1..65535: tests/core/test_dynamic_fleet.py
     } == ints
 
 

@@ -41,8 +41,16 @@ from hypothesis import strategies as st
 from hypothesis.internal.conjecture import engine as hypothesis_engine
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from narwhal_core import AuthenticatorChanged, ClientStalled, JournalHealth, NarwhalError, TransitionError
+from narwhal_core import (
+    AuthenticatorChanged,
+    ClientStalled,
+    EnginesChanged,
+    JournalHealth,
+    NarwhalError,
+    TransitionError,
+)
 from narwhal_core.auth import Authenticator
+from narwhal_core.config import parse_engine_url
 
 from .router_driver import (
     CHAT,
@@ -90,6 +98,10 @@ TIME_STEPS = (0.01, 0.3, 0.3, 1.0, 1.0, 2.5, 4.5, 9.0, 21.0)
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) < 80 else text[:77] + "..."
+
+
+#: The engine discovery may add to each phase.
+NEW_ENGINE = {"prefill": "http://10.0.0.9:8100", "decode": "http://10.0.1.9:8200"}
 
 
 class RouterMachine(RuleBasedStateMachine):
@@ -411,6 +423,20 @@ class RouterMachine(RuleBasedStateMachine):
             self.run(lambda: d.complete_control(key, status=500))
         else:
             self.run(lambda: d.complete_control(key, status=None, error="timeout"))
+
+    # ------------------------------------------------- engines that come and go
+
+    @rule(phase=st.sampled_from(["prefill", "decode"]), keep=st.integers(0, 7), coin=st.integers(0, 3))
+    def engines_change(self, phase: str, keep: int, coin: int) -> None:
+        # Discovery's new set for a phase (docs/operate.md, "Engines that come and go"): some of the
+        # configured engines and a new one, chosen by the bits of ``keep``; rare, like a rollout.
+        if coin:
+            return
+        d = self.driver
+        urls = (PREFILL_URLS if phase == "prefill" else DECODE_URLS) + (NEW_ENGINE[phase],)
+        chosen = tuple(parse_engine_url(u, key="t") for i, u in enumerate(urls) if keep >> i & 1)
+        event(f"engines change ({len(chosen)} {phase})")
+        self.run(lambda: d.feed(EnginesChanged(phase, chosen, "dns")))
 
     # ----------------------------------------------------------- time, stop
 
