@@ -214,13 +214,17 @@ class TerminalRecord:
     ttft_ms: float | None
     #: Router-owned body fields the client sent and Narwhal removed.
     stripped: tuple[str, ...]
+    #: The W3C trace the request belongs to (absent from the JSON when none: docs/operate.md, "Tracing").
+    trace_id: str | None = None
+    #: The client's ``traceparent`` as Narwhal read it (absent when the client sent no valid one).
+    traceparent: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
         return _terminal_json(
             self.ts, self.rid, self.client_rid, self.client, self.route, self.model, self.stream, self.mode,
             self.terminal, self.status, self.error, [leg.to_json() for leg in self.legs], self.usage,
-            self.received, self.duration_ms, self.ttft_ms, self.stripped,
+            self.received, self.duration_ms, self.ttft_ms, self.stripped, self.trace_id, self.traceparent,
         )
 
 
@@ -281,9 +285,10 @@ def _terminal_json(
     ts: float, rid: str, client_rid: str | None, client: str | None, route: str, model: str | None,
     stream: bool, mode: str, terminal: Terminal, status: int | None, error: ErrorRecord | None,
     legs: list[dict[str, Any]], usage: dict[str, Any] | None, received: float, duration_ms: float,
-    ttft_ms: float | None, stripped: tuple[str, ...],
+    ttft_ms: float | None, stripped: tuple[str, ...], trace_id: str | None = None,
+    traceparent: str | None = None,
 ) -> dict[str, Any]:
-    return {
+    out = {
         "ts": ts, "rid": rid, "client_rid": client_rid,
         "client": client, "route": route, "model": model,
         "stream": stream, "mode": mode, "terminal": terminal,
@@ -294,16 +299,22 @@ def _terminal_json(
         "duration_ms": duration_ms, "ttft_ms": ttft_ms,
         "stripped": list(stripped),
     }
+    if trace_id is not None:
+        out["trace_id"] = trace_id
+        if traceparent is not None:
+            out["traceparent"] = traceparent
+    return out
 
 
 def terminal_line(
     ts: float, rid: str, client_rid: str | None, client: str | None, route: str, model: str | None,
     stream: bool, mode: str, terminal: Terminal, status: int | None, error: ErrorRecord | None,
     legs: list[dict[str, Any]], usage: dict[str, Any] | None, received: float, duration_ms: float,
-    ttft_ms: float | None, stripped: tuple[str, ...],
+    ttft_ms: float | None, stripped: tuple[str, ...], trace_id: str | None = None,
+    traceparent: str | None = None,
 ) -> bytes:
     """:func:`encode` of a :class:`TerminalRecord`, from its fields in order (``legs`` from :func:`leg_json`)."""
     return wire.dumps_line(_terminal_json(
         ts, rid, client_rid, client, route, model, stream, mode, terminal, status, error, legs, usage,
-        received, duration_ms, ttft_ms, stripped,
+        received, duration_ms, ttft_ms, stripped, trace_id, traceparent,
     ))

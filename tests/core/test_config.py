@@ -198,6 +198,9 @@ DEFAULTS: dict[str, object] = {
     "journal.fsync": "interval",
     "journal.fsync_interval_s": 1.0,
     "shutdown.grace_s": 30.0,
+    "tracing.endpoint": None,
+    "tracing.service_name": "narwhal",
+    "tracing.export_timeout_s": 10.0,
 }
 REQUIRED = {"model.name", "engine.decode"}
 
