@@ -38,6 +38,7 @@ from narwhal_core.config import (
     ModelConfig,
     RetryConfig,
     ShutdownConfig,
+    TracingConfig,
 )
 
 from .helpers import ALIAS, MODEL
@@ -57,7 +58,7 @@ def make_config(
     """A test config: loopback on port 0, fast probes, the given engines.
 
     ``sections`` maps a section name (``ingress``, ``engine``, ``admission``,
-    ``retry``, ``health``, ``journal``, ``shutdown``, ``model``) to keyword
+    ``retry``, ``health``, ``journal``, ``shutdown``, ``model``, ``tracing``) to keyword
     overrides for it.
     """
     def section(cls: type, section_name: str, **defaults: Any) -> Any:
@@ -72,6 +73,7 @@ def make_config(
         health=section(HealthConfig, "health", probe_interval_s=0.2, probe_timeout_s=1.0),
         journal=section(JournalConfig, "journal", path=os.fspath(journal), fsync="never"),
         shutdown=section(ShutdownConfig, "shutdown", grace_s=10.0),
+        tracing=section(TracingConfig, "tracing"),
     )
 
 
