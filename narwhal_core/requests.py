@@ -150,8 +150,11 @@ class Requests:
         except ContractError as exc:
             clients.refuse(conn, rid, route, client_rid, client, "invalid", exc)
             return
-        # Tracing off and no traceparent: this header scan is all tracing costs (docs/contract.md).
-        trace = read_trace_context(request.headers, rid, ctx.config.tracing.endpoint is not None)
+        # Tracing off and no traceparent: this header lookup is all tracing costs (docs/contract.md).
+        trace = None
+        start_trace = ctx.config.tracing.endpoint is not None
+        if start_trace or request.header(b"traceparent") is not None:
+            trace = read_trace_context(request.headers, rid, start_trace)
         decision = self._admission(rid, client)
         if isinstance(decision, NarwhalError):
             clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
