@@ -147,7 +147,9 @@ class Tracer:
                     self.dropped += 1
 
     def shutdown(self) -> None:
-        """Turn what is pending into spans, send them, stop (blocks: call it from a worker thread)."""
+        """Turn what is pending into spans, send them, stop (blocks: call it from a worker thread); once."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(self._timeout + 5.0)
         self._processor.force_flush(int(self._timeout * 1000))
