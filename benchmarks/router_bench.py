@@ -20,7 +20,9 @@ What it starts (every listener on 127.0.0.1):
   (``launch --pd-disaggregation --policy round_robin``); on request
   (``--targets``), ``narwhal-trio-pure`` / ``narwhal-asyncio-pure`` (the
   core's pure Python sources) and ``narwhal-trio-poll`` /
-  ``narwhal-asyncio-poll`` (``ingress.busy_poll_us = 200``). The peers come from
+  ``narwhal-asyncio-poll`` (``ingress.busy_poll_us = 200``), ``narwhal-trio-traced`` /
+  ``narwhal-asyncio-traced`` (``[tracing] endpoint`` set: spans exported to a sink in
+  this process). The peers come from
   PyPI into a separate venv, ``benchmarks/.peers-venv``, created on first use
   (never into the project's dependencies). A target that fails to start,
   to answer, or to do PD is reported as such in the table, and the others go on;
@@ -78,6 +80,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -109,7 +112,11 @@ BUSY_POLL_US = 200
 #: (a checkout of an earlier commit with its core built in place, ``python
 #: setup.py build_ext --inplace``), for an A/B of two versions in one run.
 BASE_TARGETS = ("narwhal-trio-base", "narwhal-asyncio-base")
-KNOWN_TARGETS = ALL_TARGETS + PURE_TARGETS + POLL_TARGETS + BASE_TARGETS
+#: Also measurable, not run by default: Narwhal with ``[tracing] endpoint`` set, exporting every
+#: request's spans (wrk sends no traceparent: each request gets a trace of Narwhal's own) to a
+#: sink in this process that takes OTLP/HTTP posts and drops them (:func:`trace_sink`).
+TRACED_TARGETS = ("narwhal-trio-traced", "narwhal-asyncio-traced")
+KNOWN_TARGETS = ALL_TARGETS + PURE_TARGETS + POLL_TARGETS + BASE_TARGETS + TRACED_TARGETS
 PEERS = ("vllm-router", "sglang-router")
 #: ``--baseline``: where the ``-base`` targets import Narwhal from (set once by ``main``).
 BASELINE_TREE = ""
@@ -381,6 +388,33 @@ def narwhal_config(path: Path, port: int, prefill: str, decode: str, journal: Pa
     path.write_text("\n".join(text))
 
 
+_TRACE_SINK: list[str] = []
+
+
+def trace_sink() -> str:
+    """The URL of an OTLP/HTTP sink on 127.0.0.1 (started once): 200 to every POST, its body read and dropped."""
+    if not _TRACE_SINK:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Sink(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802 - the http.server name
+                self.rfile.read(int(self.headers.get("content-length", "0")))
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        _TRACE_SINK.append(f"http://127.0.0.1:{server.server_address[1]}")
+    return _TRACE_SINK[0]
+
+
 class Target:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -417,6 +451,8 @@ def start_target(name: str, core: int | None, work: Path, engines: dict[str, dic
         extra = {section: dict(keys) for section, keys in (narwhal_extra or {}).items()}
         if name.endswith("-poll"):
             extra.setdefault("ingress", {})["busy_poll_us"] = BUSY_POLL_US
+        if name.endswith("-traced"):
+            extra.setdefault("tracing", {})["endpoint"] = trace_sink()  # type: ignore[assignment]
         narwhal_config(cfg, port, prefill, decode, work / f"{name}-journal.jsonl", extra)
         cmd = [sys.executable, "-m", "narwhal.cli", "serve", "--config", str(cfg), "--runtime", runtime]
     elif name in PEERS:

@@ -190,6 +190,7 @@ class Server(ServerBase):
                 await self.engines.aclose()
             await self._close_clients()
             await self.journal.aclose()
+            await self.close_tracer()
             log_event("stopped", runtime=RUNTIME)
 
     def shutdown(self) -> None:

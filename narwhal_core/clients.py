@@ -31,6 +31,7 @@ from .journal import Terminal
 if TYPE_CHECKING:
     from .admin import Admin
     from .requests import Requests
+    from .tracecontext import TraceContext
     from .timers import Timer
 
 __all__ = ["Conn", "Clients"]
@@ -377,6 +378,7 @@ class Clients:
         retry_after: bool = False,
         accepted: AcceptedRequest | None = None,
         extra: _Headers = (),
+        trace: TraceContext | None = None,
     ) -> None:
         """Answer a request that never reached admission, with its one terminal record."""
         ctx = self.ctx
@@ -389,6 +391,8 @@ class Clients:
             mode=ctx.mode, terminal=terminal, status=exc.status,
             error=error_record(exc), legs=(), usage=None, received=wall, duration_ms=0.0,
             ttft_ms=None, stripped=() if accepted is None else accepted.stripped,
+            trace_id=None if trace is None else trace.trace_id,
+            traceparent=None if trace is None else trace.traceparent,
         )
         ctx.write_terminal(record)
         if retry_after:

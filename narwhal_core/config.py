@@ -85,6 +85,7 @@ __all__ = [
     "RoutingConfig",
     "RoutingPolicy",
     "RoutingMode",
+    "TracingConfig",
     "Config",
     "SECTIONS",
     "parse_config",
@@ -496,6 +497,34 @@ class ShutdownConfig:
     )
 
 
+def _otlp_endpoint(value: str) -> str | None:
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in ("http", "https") or "@" in rest or any(c in rest for c in "/?# "):
+        return f"must be an http://HOST:PORT URL (an OTLP/HTTP collector), got {describe(value)}"
+    try:
+        split_host_port(rest, min_port=1)
+    except ValueError as exc:
+        return f"{exc} (http://HOST:PORT), got {describe(value)}"
+    return None
+
+
+@attrs.frozen(kw_only=True)
+class TracingConfig:
+    """``[tracing]``: exporting a span per request and per leg over OTLP/HTTP (docs/configure.md, "[tracing]")."""
+
+    SECTION: ClassVar[str] = "tracing"
+
+    endpoint: str | None = attrs.field(
+        default=None,
+        validator=optional_string(_otlp_endpoint),
+        metadata=doc("OTLP/HTTP collector, http://HOST:PORT; spans go to its /v1/traces. Unset: no export."),
+    )
+    service_name: str = attrs.field(
+        default="narwhal", validator=string(non_empty), metadata=doc("The service.name of the spans.")
+    )
+    export_timeout_s: float = seconds(10.0, "Time one export to the collector may take.")
+
+
 @attrs.frozen(kw_only=True)
 class RoutingConfig:
     """``[routing]``: each leg's engine, and whether a request is disaggregated (:mod:`narwhal_core.routing`)."""
@@ -566,6 +595,9 @@ class Config:
     discovery: DiscoveryConfig = attrs.field(
         factory=DiscoveryConfig, validator=section(DiscoveryConfig), metadata=doc("[discovery] section.")
     )
+    tracing: TracingConfig = attrs.field(
+        factory=TracingConfig, validator=section(TracingConfig), metadata=doc("[tracing] section.")
+    )
 
     model_names: frozenset[str] = attrs.field(
         init=False, eq=False, repr=False, metadata=doc("model.name and model.aliases: the names clients may use.")
@@ -588,6 +620,7 @@ SECTIONS: Final[Mapping[str, type]] = MappingProxyType({
     "shutdown": ShutdownConfig,
     "routing": RoutingConfig,
     "discovery": DiscoveryConfig,
+    "tracing": TracingConfig,
 })
 
 

@@ -243,6 +243,10 @@ class TerminalRecord:
     stripped: tuple[str, ...]
     #: How the request was routed; ``None`` when it was never admitted.
     routing: RoutingRecord | None = None
+    #: The W3C trace the request belongs to (absent from the JSON when none: docs/operate.md, "Tracing").
+    trace_id: str | None = None
+    #: The client's ``traceparent`` as Narwhal read it (absent when the client sent no valid one).
+    traceparent: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
@@ -250,7 +254,7 @@ class TerminalRecord:
             self.ts, self.rid, self.client_rid, self.client, self.route, self.model, self.stream, self.mode,
             self.terminal, self.status, self.error, [leg.to_json() for leg in self.legs], self.usage,
             self.received, self.duration_ms, self.ttft_ms, self.stripped,
-            None if self.routing is None else self.routing.to_json(),
+            None if self.routing is None else self.routing.to_json(), self.trace_id, self.traceparent,
         )
 
 
@@ -323,8 +327,9 @@ def _terminal_json(
     stream: bool, mode: str, terminal: Terminal, status: int | None, error: ErrorRecord | None,
     legs: list[dict[str, Any]], usage: dict[str, Any] | None, received: float, duration_ms: float,
     ttft_ms: float | None, stripped: tuple[str, ...], routing: dict[str, Any] | None,
+    trace_id: str | None = None, traceparent: str | None = None,
 ) -> dict[str, Any]:
-    return {
+    out = {
         "ts": ts, "rid": rid, "client_rid": client_rid,
         "client": client, "route": route, "model": model,
         "stream": stream, "mode": mode, "terminal": terminal,
@@ -336,6 +341,11 @@ def _terminal_json(
         "stripped": list(stripped),
         "routing": routing,
     }
+    if trace_id is not None:
+        out["trace_id"] = trace_id
+        if traceparent is not None:
+            out["traceparent"] = traceparent
+    return out
 
 
 def terminal_line(
@@ -343,9 +353,10 @@ def terminal_line(
     stream: bool, mode: str, terminal: Terminal, status: int | None, error: ErrorRecord | None,
     legs: list[dict[str, Any]], usage: dict[str, Any] | None, received: float, duration_ms: float,
     ttft_ms: float | None, stripped: tuple[str, ...], routing: dict[str, Any] | None = None,
+    trace_id: str | None = None, traceparent: str | None = None,
 ) -> bytes:
     """:func:`encode` of a :class:`TerminalRecord`, from its fields in order (``legs`` from :func:`leg_json`)."""
     return wire.dumps_line(_terminal_json(
         ts, rid, client_rid, client, route, model, stream, mode, terminal, status, error, legs, usage,
-        received, duration_ms, ttft_ms, stripped, routing,
+        received, duration_ms, ttft_ms, stripped, routing, trace_id, traceparent,
     ))

@@ -125,7 +125,10 @@ class Legs:
             body = wire.dumps(req.accepted.body if kv is None else decode_body(req.accepted.body, kv.handoff.params))
         timeout = self.limit(phase, False)
         codec = ctx.codec.engine_connection(max_body_bytes=ctx.config.engine.max_response_bytes)
-        data = codec.send_request("POST", req.route, ctx.engine_headers(engine.address, bid), body)
+        headers = ctx.engine_headers(engine.address, bid)
+        if req.trace is not None:
+            headers += req.trace.leg_headers(bid)  # each leg a child span (docs/contract.md)
+        data = codec.send_request("POST", req.route, headers, body)
         leg = Leg(
             bid=bid, phase=phase, attempt=attempt, engine=engine, codec=codec, rid=req.rid,
             started=ctx.now, data=data, deadline=0.0,

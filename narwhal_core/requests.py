@@ -29,6 +29,7 @@ from .http import HttpRequest
 from .ids import DECODE, PREFILL, Phase, sanitize_client_rid
 from .journal import ErrorRecord, LegOutcome, Terminal
 from .states import Input, State
+from .tracecontext import TraceContext, read_trace_context
 
 if TYPE_CHECKING:
     from .clients import Clients, Conn
@@ -56,12 +57,13 @@ class Request:
         "failed_on", "leg", "legs", "kv", "pending_releases", "admitted", "answered", "bytes_sent",
         "first_byte", "relay", "retry_phase", "pulled_cached_tokens", "waiting_for_slot", "terminal",
         "status", "error", "usage", "timers", "plain_decode", "prompts", "prompt", "answers", "prompt_base",
-        "size", "plan",
+        "size", "plan", "trace",
     )
 
     def __init__(
         self, rid: str, conn: Conn | None, route: Route, client: str, client_rid: str | None,
         received: float, stream: bool, accepted: AcceptedRequest, size: int = 0,
+        trace: TraceContext | None = None,
     ) -> None:  # fmt: skip
         self.rid = rid
         self.conn = conn
@@ -109,6 +111,8 @@ class Request:
         self.plan: Plan | None = None
         if self.prompts is not None:
             accepted.body["prompt"] = self.prompts[0]
+        #: The W3C trace its legs carry on (``None``: no traceparent, tracing off; docs/contract.md).
+        self.trace = trace
 
 
 class Requests:
@@ -152,14 +156,19 @@ class Requests:
         except ContractError as exc:
             clients.refuse(conn, rid, route, client_rid, client, "invalid", exc)
             return
+        # Tracing off and no traceparent: this header lookup is all tracing costs (docs/contract.md).
+        trace = None
+        start_trace = ctx.config.tracing.endpoint is not None
+        if start_trace or request.header(b"traceparent") is not None:
+            trace = read_trace_context(request.headers, rid, start_trace)
         decision = self._admission(rid, client)
         if isinstance(decision, NarwhalError):
             clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
-                           accepted=accepted)
+                           accepted=accepted, trace=trace)
             return
         req = Request(
             rid=rid, conn=conn, route=route, client=client, client_rid=client_rid,
-            received=ctx.now, stream=accepted.stream, accepted=accepted, size=len(request.body),
+            received=ctx.now, stream=accepted.stream, accepted=accepted, size=len(request.body), trace=trace,
         )
         self.active[rid] = req
         a = ctx.config.admission
@@ -392,11 +401,13 @@ class Requests:
         stats.observe_request(req.route, req.terminal, req.status, duration, ttft)
         stats.journal_records["terminal"] += 1
         plan = req.plan
+        trace = req.trace
         ctx.out.append(WriteJournal(journal.terminal_line(
             wall, req.rid, req.client_rid, req.client, req.route, req.accepted.requested_model or ctx.model,
             req.stream, ctx.mode if plan is None else "pd" if plan.pd else "single", req.terminal, req.status,
             req.error, legs, req.usage, received, duration, ttft, req.accepted.stripped,
             None if plan is None else self._routing_line(req, plan),
+            None if trace is None else trace.trace_id, None if trace is None else trace.traceparent,
         ), True))
         del self.active[req.rid]
         req.state = State.DONE

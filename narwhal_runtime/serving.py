@@ -18,14 +18,28 @@ from typing import Any
 
 from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, Router
 
-from .app import build_router, journal_failure, listen_failure, load_authenticator
+from .app import StartupError, build_router, journal_failure, listen_failure, load_authenticator
 from .discovery import make_discovery
 from .driver import BusyPoll, Driver
 from .journal_file import JournalFile
 from .listening import listening_sockets
 from .log import log_event
 
-__all__ = ["ServerBase"]
+__all__ = ["ServerBase", "start_tracer"]
+
+
+def start_tracer(config: Config) -> Any:
+    """The span exporter ``[tracing]`` asks for (a :class:`~.tracing.Tracer`), or ``None`` when it is off."""
+    if config.tracing.endpoint is None:
+        return None
+    try:
+        from .tracing import Tracer
+    except ImportError as exc:
+        raise StartupError(
+            f"tracing.endpoint is set but the OpenTelemetry SDK cannot be imported ({exc}); "
+            "install narwhal[tracing]"
+        ) from None
+    return Tracer(config.tracing)
 
 
 class ServerBase:
@@ -45,6 +59,9 @@ class ServerBase:
             self.journal = JournalFile(j.path, j.fsync, j.fsync_interval_s, sleep=sleep, in_thread=in_thread)
         except OSError as exc:
             raise journal_failure(config.journal.path, exc) from None
+        #: Spans out of the terminal records ([tracing] endpoint; docs/operate.md, "Tracing").
+        self.tracer = start_tracer(config)
+        self._in_thread = in_thread
         self.engines = None
         #: The address the server listens on, once started.
         self.address: tuple[str, int] | None = None
@@ -101,7 +118,16 @@ class ServerBase:
 
     def write_journal(self, lines: list[bytes]) -> tuple[bool, str | None]:
         writer = self.journal.writer
-        return writer.write_lines(lines), writer.error
+        ok = writer.write_lines(lines)
+        if self.tracer is not None:
+            self.tracer.take(lines)
+        return ok, writer.error
+
+    async def close_tracer(self) -> None:
+        """Export the spans still pending and stop the tracer (at shutdown, after the last journal write)."""
+        if self.tracer is not None:
+            tracer, self.tracer = self.tracer, None
+            await self._in_thread(tracer.shutdown)
 
     def log(self, event: str, fields: dict[str, Any]) -> None:
         log_event(event, **fields)

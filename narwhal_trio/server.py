@@ -119,6 +119,7 @@ class Server(ServerBase):
                 if self.engines is not None:
                     await self.engines.aclose()
                 await self.journal.aclose()
+                await self.close_tracer()
             log_event("stopped", runtime=RUNTIME)
 
     def shutdown(self) -> None:

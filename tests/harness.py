@@ -40,6 +40,7 @@ from narwhal_core.config import (
     RetryConfig,
     RoutingConfig,
     ShutdownConfig,
+    TracingConfig,
 )
 
 from .helpers import ALIAS, MODEL
@@ -59,7 +60,7 @@ def make_config(
     """A test config: loopback on port 0, fast probes, the given engines.
 
     ``sections`` maps a section name (``ingress``, ``engine``, ``admission``,
-    ``retry``, ``health``, ``journal``, ``shutdown``, ``routing``, ``discovery``, ``model``) to keyword
+    ``retry``, ``health``, ``journal``, ``shutdown``, ``routing``, ``discovery``, ``model``, ``tracing``) to keyword
     overrides for it.
     """
     def section(cls: type, section_name: str, **defaults: Any) -> Any:
@@ -76,6 +77,7 @@ def make_config(
         shutdown=section(ShutdownConfig, "shutdown", grace_s=10.0),
         routing=section(RoutingConfig, "routing"),
         discovery=section(DiscoveryConfig, "discovery"),
+        tracing=section(TracingConfig, "tracing"),
     )
 
 

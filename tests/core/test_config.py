@@ -213,6 +213,9 @@ DEFAULTS: dict[str, object] = {
     "discovery.interval_s": 5.0,
     "discovery.nameserver": None,
     "discovery.file": None,
+    "tracing.endpoint": None,
+    "tracing.service_name": "narwhal",
+    "tracing.export_timeout_s": 10.0,
 }
 REQUIRED = {"model.name", "engine.decode"}
 
