@@ -3,7 +3,7 @@
 usage: narwhal COMMAND [options]      (narwhal COMMAND --help for its options)
 
 commands:
-  serve --config FILE [--runtime trio|asyncio]
+  serve --config FILE [--runtime trio|asyncio] [--workers N]
         run the router (docs/configure.md describes the config file)
   demo [--port N] [--runtime trio|asyncio]
         the router and two simulated engines in one process, on loopback
@@ -46,21 +46,50 @@ def version() -> str:
         return __version__
 
 
-def _serve(argv: Sequence[str]) -> int:
+def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="narwhal serve", description="Run the router.")
     parser.add_argument("--config", required=True, help="TOML config file (see docs/configure.md)")
     parser.add_argument("--runtime", choices=RUNTIMES, default="trio", help="event loop (default: trio)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="worker processes sharing the port (overrides ingress.workers; docs/operate.md)")
+    # Set by the supervisor when it starts a worker (narwhal_runtime/supervisor.py).
+    for flag in ("--worker-index", "--worker-port", "--supervisor-pid"):
+        parser.add_argument(flag, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-metrics-dir", help=argparse.SUPPRESS)
+    return parser
+
+
+def _serve(argv: Sequence[str]) -> int:
+    args = _serve_parser().parse_args(argv)
     from narwhal_core.errors import ConfigError
 
     from narwhal_runtime.app import load_config
+    from narwhal_runtime.workers import resolve_workers
 
     try:
         config = load_config(args.config)
+        workers = resolve_workers(config, args.workers)
+        if args.worker_index is not None:
+            return _worker(config, args, workers)
+        if workers > 1:
+            from narwhal_runtime.supervisor import Supervisor
+
+            return Supervisor(args.config, config, runtime=args.runtime, workers=workers).run()
     except ConfigError as exc:
         print(exc.line(), file=sys.stderr)
         return 2
     return _run(config, args.runtime)
+
+
+def _worker(config: object, args: argparse.Namespace, workers: int) -> int:
+    """One worker of a supervised group: its share of the config, then an ordinary ``serve``."""
+    from narwhal_runtime.group_metrics import join_group
+    from narwhal_runtime.workers import die_with_supervisor, worker_config
+
+    die_with_supervisor(args.supervisor_pid)
+    join_group(args.worker_metrics_dir, args.worker_index)
+    mine = worker_config(config, index=args.worker_index, workers=workers, port=args.worker_port)  # type: ignore[arg-type]
+    return _run(mine, args.runtime)
 
 
 def _run(config: object, runtime: str) -> int:
