@@ -101,6 +101,11 @@ def test_two_workers_share_the_port_serve_metrics_as_a_group_and_drain_on_sigter
             assert {r["rid"] for r in records if r["terminal"] is not None} == rids
             assert len(records) == sum(len(read_journal(f)) for f in files)
 
+            # SIGHUP reaches every worker: each rereads its keys.
+            os.kill(process.pid, signal.SIGHUP)
+            poll(lambda: {e.get("worker") for e in process.events() if e.get("event") == "keys_reloaded"} == {0, 1},
+                 timeout=10)
+
             os.kill(process.pid, signal.SIGTERM)
             assert process.wait(START_S) == 0
             exits = [e for e in process.events() if e.get("event") == "worker_exited"]
