@@ -78,6 +78,10 @@ def _serve(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(exc.line(), file=sys.stderr)
         return 2
+    if config.ingress.workers != 1:  # --workers 1, or "auto" on one core: one plain process
+        import attrs
+
+        config = attrs.evolve(config, ingress=attrs.evolve(config.ingress, workers=1))
     return _run(config, args.runtime)
 
 

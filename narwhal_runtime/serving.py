@@ -79,7 +79,7 @@ class ServerBase:
         """Bind the listening sockets (:mod:`.listening`; a failure is a start-up error), set :attr:`address`."""
         i = self.config.ingress
         try:
-            sockets = listening_sockets(i.listen_host, i.listen_port, reuse_port=i.workers != 1)
+            sockets = listening_sockets(i.listen_host, i.listen_port, reuse_port=i.workers not in (1, "auto"))
         except OSError as exc:
             raise listen_failure(i.listen, exc) from None
         host, port = sockets[0].getsockname()[:2]

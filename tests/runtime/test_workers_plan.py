@@ -84,3 +84,14 @@ def test_group_metrics_add_counters_and_histograms_and_take_the_minimum_of_ready
     assert "narwhal_ready 0.0" in text
     assert 'narwhal_engine_kv_connector{engine="http://p"} 2.0' in text
     assert "narwhal_workers_reporting 2.0" in text
+
+
+def test_the_supervisor_imports_no_adapter() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, narwhal.cli; from narwhal_runtime.supervisor import Supervisor; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('trio', 'narwhal_trio', 'narwhal_asyncio', 'asyncio', 'uvloop')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
