@@ -92,6 +92,7 @@ class Supervisor:
         self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._workers = [_Worker(k) for k in range(workers)]
         self._stops = 0
+        self._stop_signal = 0
         self._status = 0
         self._failure: int | None = None
         self._ready = False
@@ -168,6 +169,7 @@ class Supervisor:
             log_event("signal", signal=name, forwarded=self._forward(signum))
             return
         self._stops += 1
+        self._stop_signal = signum
         if self._stops == 2:
             self._status = STOPPED_BY_SIGNAL + signum
         for worker in self._workers:
@@ -245,13 +247,15 @@ class Supervisor:
         log_event("worker_exited", level="info" if self._stops else "error",
                   worker=worker.index, pid=pid, status=status, uptime_s=round(uptime, 3))
         if self._stops:
-            if status != 0 and self._failure is None and self._status == 0:
+            # A worker still starting when the signal came had no handler yet and nothing to drain.
+            killed_starting = not worker.listening and status == STOPPED_BY_SIGNAL + self._stop_signal
+            if status != 0 and not killed_starting and self._failure is None and self._status == 0:
                 self._failure = status
             return
         if not self._ready and not worker.listening:
             # A worker that cannot start (journal, port, config): the others would fail alike.
             self._failure = status or 1
-            self._stops = 1
+            self._stops, self._stop_signal = 1, signal.SIGTERM
             self._forward(signal.SIGTERM)
             for other in self._workers:
                 other.restart_at = None
