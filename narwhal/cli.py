@@ -3,7 +3,7 @@
 usage: narwhal COMMAND [options]      (narwhal COMMAND --help for its options)
 
 commands:
-  serve --config FILE [--runtime trio|asyncio]
+  serve --config FILE [--runtime trio|asyncio] [--workers N]
         run the router (docs/configure.md describes the config file)
   serve --config FILE --check-config
         run serve's start-up checks on FILE, print whether it is valid, exit
@@ -48,7 +48,7 @@ def version() -> str:
         return __version__
 
 
-def _serve(argv: Sequence[str]) -> int:
+def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="narwhal serve", description="Run the router.")
     parser.add_argument(
         "--check-config", action="store_true",
@@ -57,7 +57,17 @@ def _serve(argv: Sequence[str]) -> int:
              "2 bad config, 1 journal not writable; opens no socket, contacts no engine (docs/operate.md)")
     parser.add_argument("--config", required=True, help="TOML config file (see docs/configure.md)")
     parser.add_argument("--runtime", choices=RUNTIMES, default="trio", help="event loop (default: trio)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="worker processes sharing the port (overrides ingress.workers; docs/operate.md)")
+    # Set by the supervisor when it starts a worker (narwhal_runtime/supervisor.py).
+    for flag in ("--worker-index", "--worker-port", "--supervisor-pid"):
+        parser.add_argument(flag, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-metrics-dir", help=argparse.SUPPRESS)
+    return parser
+
+
+def _serve(argv: Sequence[str]) -> int:
+    args = _serve_parser().parse_args(argv)
     if args.check_config:
         from .check_config import check_config
 
@@ -65,13 +75,36 @@ def _serve(argv: Sequence[str]) -> int:
     from narwhal_core.errors import ConfigError
 
     from narwhal_runtime.app import load_config
+    from narwhal_runtime.workers import resolve_workers
 
     try:
         config = load_config(args.config)
+        workers = resolve_workers(config, args.workers)
+        if args.worker_index is not None:
+            return _worker(config, args, workers)
+        if workers > 1:
+            from narwhal_runtime.supervisor import Supervisor
+
+            return Supervisor(args.config, config, runtime=args.runtime, workers=workers).run()
     except ConfigError as exc:
         print(exc.line(), file=sys.stderr)
         return 2
+    if config.ingress.workers != 1:  # --workers 1, or "auto" on one core: one plain process
+        import attrs
+
+        config = attrs.evolve(config, ingress=attrs.evolve(config.ingress, workers=1))
     return _run(config, args.runtime)
+
+
+def _worker(config: object, args: argparse.Namespace, workers: int) -> int:
+    """One worker of a supervised group: its share of the config, then an ordinary ``serve``."""
+    from narwhal_runtime.group_metrics import join_group
+    from narwhal_runtime.workers import die_with_supervisor, worker_config
+
+    die_with_supervisor(args.supervisor_pid)
+    join_group(args.worker_metrics_dir, args.worker_index)
+    mine = worker_config(config, index=args.worker_index, workers=workers, port=args.worker_port)  # type: ignore[arg-type]
+    return _run(mine, args.runtime)
 
 
 def _run(config: object, runtime: str) -> int:

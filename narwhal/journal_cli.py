@@ -12,6 +12,9 @@ be killed at any moment, so this reader takes the file as it finds it:
 * Nothing is held in memory per line read: the file is streamed in chunks,
   and only ``--unfinished`` / ``--summary`` keep state, one entry per
   request still in flight.
+* The per-worker files of ``ingress.workers`` > 1 (``journal.w0.jsonl``...
+  next to ``journal.jsonl``) are read as one stream ordered by the records'
+  ``ts`` (:mod:`narwhal.journal_set`).
 
 The reading machinery is pull-based like the core (:class:`JournalReader`:
 ``feed`` bytes, drain ``next_event``); the I/O lives in :func:`read_events`
@@ -81,6 +84,8 @@ class Record:
     terminal: str | None
     #: The record's HTTP ``status`` when it is an integer.
     status: int | None
+    #: The record's ``ts`` (wall-clock seconds): orders the records of several files.
+    ts: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -290,7 +295,7 @@ def _record(number: int, raw: bytes, value: Any) -> Record | str:
     status = value.get("status")
     if isinstance(status, bool) or not isinstance(status, int):
         status = None
-    return Record(line=number, raw=raw, rid=rid, terminal=terminal, status=status)
+    return Record(line=number, raw=raw, rid=rid, terminal=terminal, status=status, ts=float(ts))
 
 
 class UnfinishedTracker:
@@ -568,9 +573,15 @@ def _run(
     stdin: BinaryIO | None,
     stop: Callable[[], bool] | None,
 ) -> None:
+    from .journal_set import follow_merged, journal_files, read_merged  # it builds on this module's reader
+
     events: Iterator[Event | CaughtUp]
+    files = [] if args.file == "-" else journal_files(args.file)
     if args.file == "-":
         events = read_events(stdin if stdin is not None else sys.stdin.buffer)
+    elif len(files) > 1 or files != [args.file]:  # the per-worker files of ingress.workers > 1
+        events = (follow_merged(files, args.file, stop=_stopper(stop, args.max_seconds)) if args.follow
+                  else read_merged(files))
     elif args.follow:
         events = follow_events(args.file, stop=_stopper(stop, args.max_seconds))
     else:

@@ -286,6 +286,8 @@ class Server(ServerBase):
             driver.flush(self)
         except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server
             self._flush_failed(exc)
+        if self._group is not None:
+            self._group.tick(self.router)
         if driver.drains != drains:
             # The flush fed the driver itself (journal health): act on that
             # drain too. (A client admitted meanwhile went through feed().)

@@ -30,7 +30,7 @@ import ipaddress
 import tomllib
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import ClassVar, Final, Literal
+from typing import Any, ClassVar, Final, Literal
 
 import attrs
 
@@ -175,6 +175,20 @@ class ModelConfig:
             seen[alias] = f"model.aliases[{i}]"
 
 
+#: The most worker processes ``ingress.workers`` may ask for.
+MAX_WORKERS: Final = 256
+
+
+def _workers(instance: object, attribute: "attrs.Attribute[Any]", value: object) -> None:
+    """``ingress.workers``: an integer from 1 to :data:`MAX_WORKERS`, or ``"auto"`` (resolved by the runtime)."""
+    if value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError("ingress.workers", f'must be an integer or "auto", got {describe(value)}')
+    if not 1 <= value <= MAX_WORKERS:
+        raise ConfigError("ingress.workers", f"must be between 1 and {MAX_WORKERS}, got {value}")
+
+
 @attrs.frozen(kw_only=True)
 class IngressConfig:
     """``[ingress]``: the client-facing listener, its authentication and limits."""
@@ -233,6 +247,14 @@ class IngressConfig:
         "prompts gets that 400).",
         minimum=1,
         maximum=1024,
+    )
+    workers: int | Literal["auto"] = attrs.field(
+        default=1,
+        validator=_workers,
+        metadata=doc(
+            'Router processes sharing the listening port (SO_REUSEPORT) under one supervisor; "auto" is one per '
+            "core. Admission limits stay fleet-wide figures, split across the workers (docs/operate.md, Workers)."
+        ),
     )
     busy_poll_us: int = count(
         0,

@@ -32,6 +32,7 @@ from narwhal_core import (
 from narwhal_core.config import engine_api_key
 from narwhal_core.errors import ConfigError
 
+from .group_metrics import current_group
 from .log import log_event
 from .metrics import render
 
@@ -132,7 +133,7 @@ def build_router(
         engine_api_key=engine_api_key(config, os.environ if env is None else env),
         wall_offset=wall_clock() - now,
         now=now,
-        render_metrics=render,
+        render_metrics=group.render if (group := current_group()) is not None else render,
     )
 
 

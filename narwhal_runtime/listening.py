@@ -4,6 +4,14 @@ Plain non-blocking sockets, bound before any event loop is involved: on
 every address ``ingress.listen_host`` resolves to, all on one port (with
 port 0, the one the first address got), IPv6 sockets IPv6-only, backlog
 :data:`BACKLOG`. Each adapter accepts from them with its own loop.
+
+With ``ingress.workers`` > 1 every worker binds the same port with
+``SO_REUSEPORT`` and the kernel spreads new connections across their
+listening sockets. The supervisor picks that port (port 0: the kernel's
+choice) by binding the addresses itself with ``SO_REUSEPORT`` *without
+listening* (:func:`reserve_port`) and holds them until it exits: a socket
+that does not listen gets no connections, yet keeps the port for the
+group, also across a worker's restart (docs/operate.md, "Workers").
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from __future__ import annotations
 import errno
 import socket
 
-__all__ = ["listening_sockets", "accept_shortage", "BACKLOG", "ACCEPT_RETRY_S"]
+__all__ = ["listening_sockets", "reserve_port", "accept_shortage", "BACKLOG", "ACCEPT_RETRY_S"]
 
 #: Listen backlog (the kernel caps it at ``somaxconn``).
 BACKLOG = 0xFFFF
@@ -21,8 +29,27 @@ ACCEPT_RETRY_S = 0.1
 _SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
-def listening_sockets(host: str, port: int) -> list[socket.socket]:
-    """Bind and listen on every address ``host`` resolves to; raises ``OSError`` (none left open)."""
+def listening_sockets(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
+    """Bind and listen on every address ``host`` resolves to; raises ``OSError`` (none left open).
+
+    ``reuse_port``: set ``SO_REUSEPORT`` (a worker of a group, ``ingress.workers`` > 1).
+    """
+    return _bound(host, port, reuse_port=reuse_port, listen=True)
+
+
+def reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
+    """Bind, without listening, ``SO_REUSEPORT`` sockets on every address of ``host``: the group's port.
+
+    Returns the sockets (close them when the group stops) and the port (with
+    ``port`` 0, the one the kernel chose). Raises ``OSError`` like
+    :func:`listening_sockets`, so a port another program holds is a start-up
+    failure of the supervisor, before any worker starts.
+    """
+    sockets = _bound(host, port, reuse_port=True, listen=False)
+    return sockets, sockets[0].getsockname()[1]
+
+
+def _bound(host: str, port: int, *, reuse_port: bool, listen: bool) -> list[socket.socket]:
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in socket.getaddrinfo(
@@ -31,13 +58,16 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
             if port == 0:  # every address on the one port the first got
                 port = sock.getsockname()[1]
-            sock.listen(BACKLOG)
-            sock.setblocking(False)
+            if listen:
+                sock.listen(BACKLOG)
+                sock.setblocking(False)
     except BaseException:
         for sock in sockets:
             sock.close()

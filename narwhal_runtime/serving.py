@@ -21,6 +21,7 @@ from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, Route
 from .app import StartupError, build_router, journal_failure, listen_failure, load_authenticator
 from .discovery import make_discovery
 from .driver import BusyPoll, Driver
+from .group_metrics import current_group
 from .journal_file import JournalFile
 from .listening import listening_sockets
 from .log import log_event
@@ -68,6 +69,8 @@ class ServerBase:
         self._busy = BusyPoll(config.ingress.busy_poll_us / 1e6)
         #: ``engine.discovery`` dns or file: the lookups the adapter runs while serving (``None``: static engines).
         self.discovery = make_discovery(config)
+        #: A worker of a group (``ingress.workers`` > 1) snapshots its metrics after batches.
+        self._group = current_group()
 
     @property
     def busy_polls(self) -> int:
@@ -96,7 +99,7 @@ class ServerBase:
         """Bind the listening sockets (:mod:`.listening`; a failure is a start-up error), set :attr:`address`."""
         i = self.config.ingress
         try:
-            sockets = listening_sockets(i.listen_host, i.listen_port)
+            sockets = listening_sockets(i.listen_host, i.listen_port, reuse_port=i.workers not in (1, "auto"))
         except OSError as exc:
             raise listen_failure(i.listen, exc) from None
         host, port = sockets[0].getsockname()[:2]
@@ -109,6 +112,8 @@ class ServerBase:
             self.driver.flush(self)
         except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server (nor trio's instrument)
             self._flush_failed(exc)
+        if self._group is not None:
+            self._group.tick(self.router)
 
     def _flush_failed(self, exc: Exception) -> None:
         """A batch's effect raised ``exc``: log it (``flush_error``); the server goes on."""

@@ -166,6 +166,7 @@ DEFAULTS: dict[str, object] = {
     "ingress.max_connections": 20000,
     "ingress.max_buffered_bytes": 536870912,
     "ingress.busy_poll_us": 0,
+    "ingress.workers": 1,
     "ingress.max_batch_prompts": 8,
     "engine.prefill": (),
     "engine.engine_api_key_env": None,
@@ -276,6 +277,9 @@ def wrong_values(annotation: object) -> list[tuple[object, str]]:
     if get_origin(annotation) is Literal:
         listed = ", ".join(f'"{v}"' for v in get_args(annotation))
         return [(5, f"must be one of {listed}, got 5"), ("bogus", f'must be one of {listed}, got "bogus"')]
+    if annotation == (int | Literal["auto"]):
+        return [(True, 'must be an integer or "auto", got true'), (1.5, 'must be an integer or "auto", got 1.5'),
+                ("bogus", 'must be an integer or "auto", got "bogus"'), (0, "must be between 1 and 256, got 0")]
     raise AssertionError(f"no wrong values for {annotation!r}")
 
 
@@ -805,6 +809,8 @@ def type_cell(annotation: object) -> str:
         return "array of strings"
     if get_origin(annotation) is Literal:
         return "enum"
+    if annotation == (int | Literal["auto"]):
+        return 'integer or "auto"'
     raise AssertionError(annotation)
 
 
