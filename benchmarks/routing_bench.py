@@ -100,6 +100,12 @@ BASELINE = "pool-round_robin"
 ALL_TARGETS = (*NARWHAL_CONFIGS, *(f"vllm-pd-{p}" for p in VLLM_PD_POLICIES), BASELINE)
 QUICK_TARGETS = ("narwhal", "vllm-pd-round_robin")
 RATE_NAMES = ("light", "knee", "past")
+#: The ``sessions`` workload: chat sessions whose turns resend a growing
+#: history (user messages of ~2k tokens, answers of ~200), four shared
+#: system prompts; ~7,400 prompt tokens a request on average, 400 requests.
+#: Keeping a session on the engine that holds its history is what pays here.
+SESSIONS = SessionWorkload(sessions=100, turns=4, system_prompts=4, system_tokens=2048, user_tokens=2048,
+                           output_tokens=192, session_rate=1.0, think_s=8.0, seed=0)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the fleet
@@ -262,14 +268,20 @@ def trace_window(args: argparse.Namespace, work: Path) -> Path:
 
 def workload_args(workload: str, window: Path, rate: float, args: argparse.Namespace) -> list[str]:
     """``narwhal bench`` workload flags: arrivals S times faster, at ``rate`` times the workload's own rate."""
-    source = ["--trace", str(window)] if workload == "trace" else ["--generate", "--seed", "0"]
+    if workload == "trace":
+        source = ["--trace", str(window)]
+    else:
+        source = ["--generate"]
+        for field in ("sessions", "turns", "system_prompts", "system_tokens", "user_tokens", "output_tokens",
+                      "session_rate", "think_s", "seed"):  # fmt: skip
+            source += ["--" + field.replace("_", "-"), str(getattr(SESSIONS, field))]
     return [*source, "--time-scale", repr(1.0 / args.speed), "--request-rate-scale", repr(rate),
             "--duration", repr(args.duration / args.speed), "--max-requests", str(args.max_requests)]  # fmt: skip
 
 
 def workload_requests(workload: str, window: Path, rate: float, args: argparse.Namespace) -> list[Any]:
     """The very requests ``narwhal bench`` sends with :func:`workload_args` (same functions, same order)."""
-    base = load_mooncake(str(window)) if workload == "trace" else generate_sessions(SessionWorkload(seed=0))
+    base = load_mooncake(str(window)) if workload == "trace" else generate_sessions(SESSIONS)
     scaled = scale_arrivals(base, time_scale=1.0 / args.speed, rate_scale=rate)
     return limit(scaled, max_requests=args.max_requests, duration_s=args.duration / args.speed)
 
@@ -438,7 +450,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", default="trace", help="comma-separated: trace, sessions (the built-in generator)")
     p.add_argument("--rates", default="0.2,0.5,0.75",
                    help="light,knee,past arrival rates, as multiples of the trace window's own rate")
-    p.add_argument("--session-rates", default="2,6,9", help="the same for the sessions workload")
+    p.add_argument("--session-rates", default="1,3,4", help="the same for the sessions workload")
     p.add_argument("--trace", default=TRACE)
     p.add_argument("--trace-offset", type=int, default=3000,
                    help="replay the trace from this request on (its prefix reuse grows with its history)")
