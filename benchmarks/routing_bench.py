@@ -364,7 +364,7 @@ def figures(name: str, out: Path, stats: dict[str, dict[str, Any]], fleet: Fleet
         "prompt_tokens_per_engine": {names[u]: computed[u] for u in pool},
         "prompt_share_of_mean": {names[u]: (round(v, 3) if v is not None else None) for u, v in shares.items()},
         "max_share": max((v for v in shares.values() if v is not None), default=None),
-        "ttft_s_sim": sorted(r.ttft_s * s for r in results if r.ok and r.ttft_s is not None),
+        "ttft_s_sim": sorted(round(r.ttft_s * s, 4) for r in results if r.ok and r.ttft_s is not None),
     }  # fmt: skip
 
 
@@ -407,6 +407,35 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                    f"| {_pct(r['bound']['rate'])} | {_n(r['hit_over_bound'], '.2f')} | {per} "
                    f"| {_n(r['max_share'], '.2f')} |")  # fmt: skip
     return "\n".join(out)
+
+
+def verdict(rows: list[dict[str, Any]], rate_name: str) -> str:
+    """The targets at the knee: Narwhal's best configuration against vLLM Router's best PD policy
+    (best: the highest goodput; ``kv_aware`` is not among them), the hit rate against its bound, the
+    largest prompt share."""
+    done = [r for r in rows if r["rate"] == rate_name and r["workload"] == "trace" and "error" not in r]
+    best = {}
+    for side in ("narwhal", "vllm-pd-"):
+        mine = [r for r in done if r["target"].startswith(side)]
+        if mine:
+            best[side] = max(mine, key=lambda r: (r["goodput"], -(r["ttft_ms"]["p90"] or 1e12)))
+    if len(best) < 2:
+        return "targets: not measured (need a Narwhal and a vLLM Router run at the knee)"
+    n, v = best["narwhal"], best["vllm-pd-"]
+    p90 = (n["ttft_ms"]["p90"] or 0) / (v["ttft_ms"]["p90"] or float("inf"))
+    good = n["goodput"] / v["goodput"] if v["goodput"] else float("inf")
+    lines = [f"targets at the knee, {n['target']} against {v['target']}:",
+             f"  TTFT p90 {_n(n['ttft_ms']['p90'])} / {_n(v['ttft_ms']['p90'])} ms = {p90:.2f}x (target <= 0.5x): "
+             f"{'MET' if p90 <= 0.5 else 'NOT MET'}",
+             f"  goodput {n['goodput']:.3f} / {v['goodput']:.3f} req/s = {good:.2f}x (target >= 1.3x): "
+             f"{'MET' if good >= 1.3 else 'NOT MET'}"]  # fmt: skip
+    for r in (n, v):
+        ratio, share = r["hit_over_bound"], r["max_share"]
+        lines.append(f"  {r['target']}: hit rate {_pct(r['hit_rate'])} = {_n(ratio, '.2f')} of the bound "
+                     f"{_pct(r['bound']['rate'])} (target >= 0.85: {'MET' if (ratio or 0) >= 0.85 else 'NOT MET'}), "
+                     f"largest prompt share {_n(share, '.2f')} (target <= 1.5: "
+                     f"{'MET' if share is not None and share <= 1.5 else 'NOT MET'})")  # fmt: skip
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], path: Path, rate_name: str) -> str:
@@ -487,6 +516,7 @@ def rate_table(text: str) -> list[tuple[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.loadavg_start = os.getloadavg()
     targets = [t for t in args.targets.split(",") if t]
     unknown = [t for t in targets if t not in ALL_TARGETS]
     if unknown:
@@ -517,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in targets:
                     rows.append(run_one(name, workload, rate_name, rate, fleet, window, work, args, peers))
     except KeyboardInterrupt as exc:
-        log(f"stopped ({exc or 'Ctrl-C'}): reporting the runs done")
+        log(f"stopped ({str(exc) or 'Ctrl-C'}): reporting the runs done")
     finally:
         signal.alarm(0)
         Proc.stop_all()
@@ -525,17 +555,35 @@ def main(argv: list[str] | None = None) -> int:
     return report(rows, args, work)
 
 
+def code_commit() -> str:
+    """The commit the targets ran from, ``+dirty`` when the tree had changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, work: Path) -> int:
     for r in rows:
         r["slo_ttft_s"] = args.slo_ttft_ms / 1000
     table = markdown(rows, args)
-    settings = {k: v for k, v in vars(args).items()}
-    (work / "routing.json").write_text(json.dumps({"settings": settings, "runs": rows}, indent=1) + "\n")
+    machine = {"cpus": os.cpu_count(), "loadavg_start": args.loadavg_start, "loadavg_end": os.getloadavg(),
+               "commit": code_commit()}  # fmt: skip
+    settings = {k: v for k, v in vars(args).items() if k != "loadavg_start"}
+    doc = {"settings": settings, "machine": machine, "runs": rows}
+    (work / "routing.json").write_text(json.dumps(doc, indent=1) + "\n")
     knee = rate_table(args.rates)[1 if len(rate_table(args.rates)) > 1 else 0][0]
     note = plot(rows, work / "ttft_cdf.png", knee)
-    text = (f"Simulated time (speed {args.speed:g}: wall seconds x {args.speed:g}); SLO TTFT <= "
+    text = (f"Code {machine['commit']}; load average {args.loadavg_start[0]:.1f} at the start, "
+            f"{machine['loadavg_end'][0]:.1f} at the end, {machine['cpus']} CPUs.\n"
+            f"Simulated time (speed {args.speed:g}: wall seconds x {args.speed:g}); SLO TTFT <= "
             f"{args.slo_ttft_ms:g} ms and TPOT <= {args.slo_itl_ms:g} ms; bound: one LRU cache of "
-            f"{args.prefill} x {args.num_gpu_blocks} blocks of {BLOCK_TOKENS} tokens.\n\n{table}\n")
+            f"{args.prefill} x {args.num_gpu_blocks} blocks of {BLOCK_TOKENS} tokens.\n\n{table}\n\n"
+            f"{verdict(rows, knee)}\n")
     (work / "routing.md").write_text(text)
     print(text)
     print(note, file=sys.stderr)
