@@ -67,8 +67,9 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-from router_bench import Proc, ensure_peers, free_port, http, listening_addresses, log  # noqa: E402
+from router_bench import Proc, cpu_seconds, ensure_peers, free_port, http, listening_addresses, log  # noqa: E402
 from routing_bound import prefix_bound, share_of_mean  # noqa: E402
+from routing_report import markdown, plot, verdict  # noqa: E402
 
 from narwhal_bench.stats import percentile, read_results, summarize  # noqa: E402
 from narwhal_bench.trace import load_mooncake, scale_arrivals, limit, generate_sessions, SessionWorkload  # noqa: E402
@@ -100,12 +101,13 @@ BASELINE = "pool-round_robin"
 ALL_TARGETS = (*NARWHAL_CONFIGS, *(f"vllm-pd-{p}" for p in VLLM_PD_POLICIES), BASELINE)
 QUICK_TARGETS = ("narwhal", "vllm-pd-round_robin")
 RATE_NAMES = ("light", "knee", "past")
-#: The ``sessions`` workload: chat sessions whose turns resend a growing
-#: history (user messages of ~2k tokens, answers of ~200), four shared
-#: system prompts; ~7,400 prompt tokens a request on average, 400 requests.
-#: Keeping a session on the engine that holds its history is what pays here.
-SESSIONS = SessionWorkload(sessions=100, turns=4, system_prompts=4, system_tokens=2048, user_tokens=2048,
-                           output_tokens=192, session_rate=1.0, think_s=8.0, seed=0)  # fmt: skip
+#: The ``sessions`` workload: 60 chat sessions of 5 turns that resend a
+#: growing history (user messages of ~4k tokens, answers of ~200), four
+#: shared system prompts of 2k; ~14,000 prompt tokens a request on average,
+#: 300 requests, a working set near the prefill pool's KV. Keeping a
+#: session on the engine that holds its history is what pays here.
+SESSIONS = SessionWorkload(sessions=60, turns=5, system_prompts=4, system_tokens=2048, user_tokens=4096,
+                           output_tokens=192, session_rate=0.5, think_s=8.0, seed=0)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the fleet
@@ -302,6 +304,7 @@ def run_one(name: str, workload: str, rate_name: str, rate: float, fleet: Fleet,
             row["error"] = error
             log(f"{tag}: {error}")
             return row
+        cpu_start = cpu_seconds(proc.pid) if proc is not None else 0.0
         out = work / f"{tag}.jsonl"
         slo = ["--slo-ttft-ms", repr(args.slo_ttft_ms / args.speed), "--slo-itl-ms", repr(args.slo_itl_ms / args.speed)]
         cmd = [sys.executable, "-m", "narwhal", "bench", *workload_args(workload, window, rate, args),
@@ -316,6 +319,8 @@ def run_one(name: str, workload: str, rate_name: str, rate: float, fleet: Fleet,
             row["error"] = f"narwhal bench exited {code}: {(work / f'{tag}.bench.txt').read_text()[-300:]}"
             return row
         stats = fleet.stats()
+        if proc is not None and proc.alive():
+            row["router_cpu_s"] = round(cpu_seconds(proc.pid) - cpu_start, 2)
         row.update(figures(name, out, stats, fleet, workload_requests(workload, window, rate, args), args))
         if proc is not None and not proc.alive():
             row["error"] = f"exited during the run: {proc.tail(2)}"
@@ -388,96 +393,8 @@ def brief(row: dict[str, Any]) -> str:
     return (f"{row['completed']}/{row['requests']} ok, TTFT p50/p90/p99 {t['p50']}/{t['p90']}/{t['p99']} ms, "
             f"ITL p99 {row['itl_p99_ms']} ms, goodput {row['goodput']:.3f}/s, hit "
             f"{'-' if hit is None else f'{hit:.1%}'} (bound {row['bound']['rate'] or 0:.1%}), "
-            f"max share {row['max_share'] or 0:.2f}, wall {row['wall_s']} s")  # fmt: skip
-
-
-# ---------------------------------------------------------------------------- report
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v * 100:.1f} %"
-
-
-def _n(v: float | None, spec: str = ".0f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    """The table: one line per target and rate; refused or failed runs say why."""
-    head = ("| workload | rate | target | ok / sent | TTFT p50 / p90 / p99 (ms) | ITL p99 (ms) | goodput (req/s) "
-            "| prefix hit rate | bound | hit / bound | requests per engine | max prompt share |")
-    out = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        where = f"| {r['workload']} | {r['rate']} ({r['rate_scale']:g}x) | {r['target']} |"
-        if "error" in r:
-            out.append(f"{where} {r['error'][:120].replace('|', '/')} |" + " |" * 8)
-            continue
-        t = r["ttft_ms"]
-        per = " ".join(f"{k}:{v}" for k, v in r["requests_per_engine"].items())
-        out.append(f"{where} {r['completed']} / {r['requests']} | {_n(t['p50'])} / {_n(t['p90'])} / {_n(t['p99'])} "
-                   f"| {_n(r['itl_p99_ms'], '.1f')} | {r['goodput']:.3f} ({r['good']}) | {_pct(r['hit_rate'])} "
-                   f"| {_pct(r['bound']['rate'])} | {_n(r['hit_over_bound'], '.2f')} | {per} "
-                   f"| {_n(r['max_share'], '.2f')} |")  # fmt: skip
-    return "\n".join(out)
-
-
-def verdict(rows: list[dict[str, Any]], rate_name: str) -> str:
-    """The targets at the knee: Narwhal's best configuration against vLLM Router's best PD policy
-    (best: the highest goodput; ``kv_aware`` is not among them), the hit rate against its bound, the
-    largest prompt share."""
-    done = [r for r in rows if r["rate"] == rate_name and r["workload"] == "trace" and "error" not in r]
-    best = {}
-    for side in ("narwhal", "vllm-pd-"):
-        mine = [r for r in done if r["target"].startswith(side)]
-        if mine:
-            best[side] = max(mine, key=lambda r: (r["goodput"], -(r["ttft_ms"]["p90"] or 1e12)))
-    if len(best) < 2:
-        return "targets: not measured (need a Narwhal and a vLLM Router run at the knee)"
-    n, v = best["narwhal"], best["vllm-pd-"]
-    p90 = (n["ttft_ms"]["p90"] or 0) / (v["ttft_ms"]["p90"] or float("inf"))
-    good = n["goodput"] / v["goodput"] if v["goodput"] else float("inf")
-    lines = [f"targets at the knee, {n['target']} against {v['target']}:",
-             f"  TTFT p90 {_n(n['ttft_ms']['p90'])} / {_n(v['ttft_ms']['p90'])} ms = {p90:.2f}x (target <= 0.5x): "
-             f"{'MET' if p90 <= 0.5 else 'NOT MET'}",
-             f"  goodput {n['goodput']:.3f} / {v['goodput']:.3f} req/s = {good:.2f}x (target >= 1.3x): "
-             f"{'MET' if good >= 1.3 else 'NOT MET'}"]  # fmt: skip
-    for r in (n, v):
-        ratio, share = r["hit_over_bound"], r["max_share"]
-        lines.append(f"  {r['target']}: hit rate {_pct(r['hit_rate'])} = {_n(ratio, '.2f')} of the bound "
-                     f"{_pct(r['bound']['rate'])} (target >= 0.85: {'MET' if (ratio or 0) >= 0.85 else 'NOT MET'}), "
-                     f"largest prompt share {_n(share, '.2f')} (target <= 1.5: "
-                     f"{'MET' if share is not None and share <= 1.5 else 'NOT MET'})")  # fmt: skip
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict[str, Any]], path: Path, rate_name: str) -> str:
-    """TTFT CDF per target at one rate (the trace workload); what was written, or why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed"
-    chosen = [r for r in rows if r["rate"] == rate_name and r["workload"] == "trace" and r.get("ttft_s_sim")]
-    if not chosen:
-        return "no plot: no run at the knee rate"
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in chosen:
-        xs = r["ttft_s_sim"]
-        ys = [(i + 1) / r["requests"] for i in range(len(xs))]  # failed requests never reach 1
-        ax.step(xs, ys, where="post", label=r["target"], linestyle="-" if r["target"].startswith("narwhal") else "--")
-    ax.axvline(chosen[0].get("slo_ttft_s", 2.0), color="grey", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT, simulated seconds (log)")
-    ax.set_ylabel("fraction of requests sent")
-    ax.set_title(f"TTFT CDF at the knee ({chosen[0]['rate_scale']:g}x the trace's rate)")
-    ax.legend(fontsize=7)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot written to {path}"
+            f"max share {row['max_share'] or 0:.2f}, router CPU {row.get('router_cpu_s', '-')} s, "
+            f"wall {row['wall_s']} s")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- main
@@ -491,7 +408,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", default="trace", help="comma-separated: trace, sessions (the built-in generator)")
     p.add_argument("--rates", default="0.2,0.5,0.75",
                    help="light,knee,past arrival rates, as multiples of the trace window's own rate")
-    p.add_argument("--session-rates", default="1,3,4", help="the same for the sessions workload")
+    p.add_argument("--session-rates", default="0.75,1.5,2.25", help="the same for the sessions workload")
     p.add_argument("--trace", default=TRACE)
     p.add_argument("--trace-offset", type=int, default=3000,
                    help="replay the trace from this request on (its prefix reuse grows with its history)")
@@ -582,7 +499,7 @@ def code_commit() -> str:
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, work: Path) -> int:
     for r in rows:
         r["slo_ttft_s"] = args.slo_ttft_ms / 1000
-    table = markdown(rows, args)
+    table = markdown(rows)
     machine = {"cpus": os.cpu_count(), "loadavg_start": args.loadavg_start, "loadavg_end": os.getloadavg(),
                "commit": code_commit()}  # fmt: skip
     settings = {k: v for k, v in vars(args).items() if k != "loadavg_start"}
