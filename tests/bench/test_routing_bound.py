@@ -7,9 +7,14 @@ size, with the engine's rules (docs/simulator.md, "The KV block pool").
 from __future__ import annotations
 
 import importlib.util
+import random
 from pathlib import Path
 
 import pytest
+
+from narwhal_bench.client import Target
+from narwhal_bench.trace import PromptSynth, TraceRequest
+from narwhal_bench.virtual import run_virtual
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_bound.py"
 _spec = importlib.util.spec_from_file_location("routing_bound", _PATH)
@@ -51,3 +56,31 @@ def test_share_of_mean() -> None:
     assert routing_bound.share_of_mean({"a": 30, "b": 10, "c": 20}) == {"a": 1.5, "b": 0.5, "c": 1.0}
     assert routing_bound.share_of_mean({"a": 0, "b": 0}) == {"a": None, "b": None}
     assert routing_bound.share_of_mean({}) == {}
+
+
+def _shared_prefix_trace() -> list[TraceRequest]:
+    """24 requests, one a second (none overlaps another), over four shared roots with a few tails;
+    prompts in whole 16-token blocks, so that no partial block takes room in the engine's pool."""
+    rng = random.Random(7)
+    roots = [[rng.randrange(1000) for _ in range(3)] for _ in range(4)]
+    out = []
+    for i in range(24):
+        ids = tuple(rng.choice(roots) + [10_000 + rng.randrange(6) for _ in range(rng.randrange(3))])
+        n_in = 16 * rng.randrange(20, 32 * len(ids) + 1)
+        out.append(TraceRequest(index=i, arrival_s=float(i), input_length=n_in, output_length=2, hash_ids=ids))
+    return out
+
+
+@pytest.mark.parametrize("capacity", [200, 300, 5000])
+def test_the_bound_is_what_one_engine_holding_all_the_capacity_hits(capacity: int) -> None:
+    # One prefill engine of the simulator with the whole capacity, requests one at a time: the
+    # placement problem is gone, so its own hit counters must come out at (never above) the bound.
+    trace = _shared_prefix_trace()
+    outcome = run_virtual(trace, Target(base_url="http://virtual"), synth=PromptSynth(), fleet="1P1D",
+                          engine_options=[f"num_gpu_blocks={capacity}"])  # fmt: skip
+    bound = routing_bound.prefix_bound(((r.input_length, r.hash_ids) for r in trace), capacity)
+    assert all(r.ok for r in outcome.results)
+    assert outcome.hit_rate is not None and outcome.hit_rate.queries == bound.queries
+    assert 0.98 * bound.hits <= outcome.hit_rate.hits <= bound.hits
+    if capacity >= 5000:  # nothing evicted: the same blocks, to the token
+        assert outcome.hit_rate.hits == bound.hits
