@@ -44,7 +44,8 @@ p50/p90/p99, ITL p99, goodput, the prefix hit rate against its bound
 total capacity seeing the same requests in order), requests per engine and
 each engine's share of computed prompt tokens against the mean.
 
-Writes ``routing.json`` (every figure), ``routing.md`` (the tables) and
+Writes ``routing.json`` (every figure), ``routing_summary.json`` (the same
+without the per-request TTFTs), ``routing.md`` (the tables) and
 ``ttft_cdf.png`` (TTFT CDF per target at the knee rate) to ``--out`` (default
 a new directory under /tmp), with each run's per-request results and logs.
 """
@@ -509,14 +510,20 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, work: Path) -> 
     settings = {k: v for k, v in vars(args).items() if k != "loadavg_start"}
     doc = {"settings": settings, "machine": machine, "runs": rows}
     (work / "routing.json").write_text(json.dumps(doc, indent=1) + "\n")
-    knee = rate_table(args.rates)[1 if len(rate_table(args.rates)) > 1 else 0][0]
+    brief_rows = [{k: v for k, v in r.items() if k != "ttft_s_sim"} for r in rows]  # the CDFs are in the plot
+    (work / "routing_summary.json").write_text(json.dumps({**doc, "runs": brief_rows}, indent=1) + "\n")
+    knees = {}
+    for workload in (w for w in args.workloads.split(",") if w):
+        rates = rate_table(args.rates if workload == "trace" else args.session_rates)
+        knees[workload] = rates[1 if len(rates) > 1 else 0][0]
+    knee = knees.get("trace", "knee")
     note = plot(rows, work / "ttft_cdf.png", knee)
     text = (f"Code {machine['commit']}; load average {args.loadavg_start[0]:.1f} at the start, "
             f"{machine['loadavg_end'][0]:.1f} at the end, {machine['cpus']} CPUs.\n"
             f"Simulated time (speed {args.speed:g}: wall seconds x {args.speed:g}); SLO TTFT <= "
             f"{args.slo_ttft_ms:g} ms and TPOT <= {args.slo_itl_ms:g} ms; bound: one LRU cache of "
             f"{args.prefill} x {args.num_gpu_blocks} blocks of {BLOCK_TOKENS} tokens.\n\n{table}\n\n"
-            f"{verdict(rows, knee)}\n")
+            + "\n\n".join(verdict(rows, k, w) for w, k in knees.items()) + "\n")
     (work / "routing.md").write_text(text)
     print(text)
     print(note, file=sys.stderr)

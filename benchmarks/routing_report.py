@@ -39,22 +39,22 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def verdict(rows: list[dict[str, Any]], rate_name: str) -> str:
+def verdict(rows: list[dict[str, Any]], rate_name: str, workload: str = "trace") -> str:
     """The targets at the knee: Narwhal's best configuration against vLLM Router's best PD policy
     (best: the highest goodput; ``kv_aware`` is not among them), the hit rate against its bound, the
     largest prompt share."""
-    done = [r for r in rows if r["rate"] == rate_name and r["workload"] == "trace" and "error" not in r]
+    done = [r for r in rows if r["rate"] == rate_name and r["workload"] == workload and "error" not in r]
     best = {}
     for side in ("narwhal", "vllm-pd-"):
         mine = [r for r in done if r["target"].startswith(side)]
         if mine:
             best[side] = max(mine, key=lambda r: (r["goodput"], -(r["ttft_ms"]["p90"] or 1e12)))
     if len(best) < 2:
-        return "targets: not measured (need a Narwhal and a vLLM Router run at the knee)"
+        return f"{workload}: targets not measured (need a Narwhal and a vLLM Router run at the knee)"
     n, v = best["narwhal"], best["vllm-pd-"]
     p90 = (n["ttft_ms"]["p90"] or 0) / (v["ttft_ms"]["p90"] or float("inf"))
     good = n["goodput"] / v["goodput"] if v["goodput"] else float("inf")
-    lines = [f"targets at the knee, {n['target']} against {v['target']}:",
+    lines = [f"{workload}, targets at the knee, {n['target']} against {v['target']}:",
              f"  TTFT p90 {_n(n['ttft_ms']['p90'])} / {_n(v['ttft_ms']['p90'])} ms = {p90:.2f}x (target <= 0.5x): "
              f"{'MET' if p90 <= 0.5 else 'NOT MET'}",
              f"  goodput {n['goodput']:.3f} / {v['goodput']:.3f} req/s = {good:.2f}x (target >= 1.3x): "
