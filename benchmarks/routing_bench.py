@@ -72,8 +72,8 @@ from router_bench import Proc, cpu_seconds, ensure_peers, free_port, http, liste
 from routing_bound import prefix_bound, share_of_mean  # noqa: E402
 from routing_report import markdown, plot, verdict  # noqa: E402
 
-from narwhal_bench.stats import percentile, read_results, summarize  # noqa: E402
-from narwhal_bench.trace import load_mooncake, scale_arrivals, limit, generate_sessions, SessionWorkload  # noqa: E402
+from narwhal_bench.stats import read_results, summarize  # noqa: E402
+from narwhal_bench.trace import SessionWorkload, generate_sessions, limit, load_mooncake, scale_arrivals  # noqa: E402
 from narwhal_sim.testing import SimProcess  # noqa: E402
 
 TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
