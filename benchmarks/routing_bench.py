@@ -108,7 +108,7 @@ RATE_NAMES = ("light", "knee", "past")
 #: The ``sessions`` workload: 60 chat sessions of 5 turns that resend a
 #: growing history (user messages of ~4k tokens, answers of ~200), four
 #: shared system prompts of 2k; ~14,000 prompt tokens a request on average,
-#: 300 requests, a working set near the prefill pool's KV. Keeping a
+#: 300 requests, a working set of ~0.7x the prefill pool's KV. Keeping a
 #: session on the engine that holds its history is what pays here.
 SESSIONS = SessionWorkload(sessions=60, turns=5, system_prompts=4, system_tokens=2048, user_tokens=4096,
                            output_tokens=192, session_rate=0.5, think_s=8.0, seed=0)  # fmt: skip
