@@ -2,8 +2,8 @@
 
 One command, bounded in time and count, every listener on 127.0.0.1::
 
-    python benchmarks/routing_bench.py            # the whole matrix (~25 min on a quiet 2-core machine)
-    python benchmarks/routing_bench.py --quick    # 2 targets, 1 rate, 40 requests (under a minute)
+    python benchmarks/routing_bench.py            # the whole matrix (~15 min for the 8 targets that run today)
+    python benchmarks/routing_bench.py --quick    # 2 targets, the knee rate, 36 requests (~20 s)
 
 What it starts:
 
@@ -11,8 +11,9 @@ What it starts:
   with the simulator's Llama-3.1-8B / H100 model (docs/simulator.md: a token
   budget per step shared by prefill and decode, one KV block pool holding
   the prefix cache and the running requests), ``--num-gpu-blocks`` KV blocks
-  each (the trace window's working set is several times the fleet's
-  capacity: the caches evict), prefix caching on, all at ``--speed S``;
+  each (at the knee rate the trace window's prompts hold about twice the
+  prefill pool's capacity: the caches evict), prefix caching on, all at
+  ``--speed S``;
 * **one target at a time**, started afresh for each run (no state carried
   from one run to the next): ``narwhal serve`` with each entry of
   :data:`NARWHAL_CONFIGS` (a ``[routing]`` table; an entry the router
