@@ -178,7 +178,7 @@ class Proc:
         self.name = name
         self.cmd = cmd
         self.core = core
-        self.log_path = logdir / f"{name}.log"
+        self.log_path = logdir / f"{name.replace('/', '+')}.log"  # a target's policy may hold a slash
         self._log = open(self.log_path, "wb")
 
         nice = Proc.nice
