@@ -34,7 +34,27 @@ run, after a warm-up window):
 
 * ``pd-c1``  non-streaming completion through the PD legs, concurrency 1, 16 tokens, ~1 KB body;
 * ``pd-c32`` the same at concurrency 32;
-* ``stream`` a streamed completion of 256 tokens (257 SSE events with ``[DONE]``), concurrency 8.
+* ``stream`` a streamed completion of 256 tokens (257 SSE events with ``[DONE]``), concurrency 8;
+* on request (``--scenarios``): ``pd-48k``, the ``pd-c32`` request with a
+  ~48 KB prompt, and ``pd-48k-chat``, a chat request of the same size (a
+  long system prompt, a short exchange, and a last user message), both at
+  concurrency 32. Every request is a different body
+  (``benchmarks/wrk/post_prompts.lua``): one of a few 40 KB beginnings taken
+  in turn, then a number unique to the request and 8 KB more, so a
+  prefix-aware router finds most of each prompt already sent to an engine
+  and adds the rest as new.
+
+A target may name its routing policy after ``@``: ``narwhal-trio@prefix``
+writes ``[routing] policy = "prefix"`` into that Narwhal's config;
+``vllm-router@cache_aware`` starts vllm-router with ``--policy
+cache_aware`` (in PD mode the prefill and the decode policy both follow
+it), and ``vllm-router@cache_aware/power_of_two`` with ``--prefill-policy
+cache_aware --decode-policy power_of_two`` (sglang-router alike). Without
+``@`` a target runs as before: Narwhal's default policy, the peers'
+``round_robin``. With a long-prompt scenario the report adds the routing
+cost of each ``@prefix`` Narwhal against the same runtime's
+``least_loaded`` and vllm-router's ``cache_aware``, and the share of each
+prompt the prefix index found on the engine chosen (from the journal).
 
 Per target and scenario: requests/s, p50/p99 latency (wrk, per request),
 added p50/p99 against ``direct`` in the same run, the router's CPU time per
@@ -57,7 +77,7 @@ On a shared machine each window is measured again (``--retries``) when
 other processes took more than ``--max-other`` % of a core it used; the
 ``other%`` column shows how disturbed the kept window was.
 
-``--profile TARGET`` adds one py-spy window (pd-c32) on a Narwhal target
+``--profile TARGET`` adds one py-spy window (pd-c32, or ``--profile-scenario``) on a Narwhal target
 and prints where its time goes (py-spy from the peers venv; the SVG is kept
 in the work directory).
 
@@ -70,6 +90,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import json
 import os
 import resource
@@ -79,6 +100,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import random
 import tempfile
 import threading
 import time
@@ -96,6 +118,8 @@ PEERS_VENV = HERE / ".peers-venv"
 #: The peers and the profiler, pinned so a rerun measures the same code.
 PEER_PACKAGES = ("vllm-router==0.1.17", "sglang-router==0.3.2", "py-spy==0.4.3")
 WRK_SCRIPT = HERE / "wrk" / "post_json.lua"
+#: The long-prompt scenarios' wrk script: a different body per request, from a spec file.
+PROMPTS_SCRIPT = HERE / "wrk" / "post_prompts.lua"
 INSTANT_ENGINE = HERE / "instant_engine.py"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROMPT = "Narwhals are medium-sized toothed whales that live year-round in the Arctic. " * 11  # ~850 chars
@@ -125,7 +149,20 @@ SCENARIOS = {
     "pd-c1": (False, 1, 16, "non-stream PD, c=1"),
     "pd-c32": (False, 32, 16, "non-stream PD, c=32"),
     "stream": (True, 8, 256, "stream 256 tok, c=8"),
+    "pd-48k": (False, 32, 16, "48 KB prompt PD, c=32"),
+    "pd-48k-chat": (False, 32, 16, "48 KB chat PD, c=32"),
 }
+#: What runs without ``--scenarios``.
+DEFAULT_SCENARIOS = ("pd-c1", "pd-c32", "stream")
+#: The long-prompt scenarios and their path: each request's body is built by
+#: :data:`PROMPTS_SCRIPT` from :func:`long_prompt_spec`.
+LONG_PROMPTS = {"pd-48k": "/v1/completions", "pd-48k-chat": "/v1/chat/completions"}
+#: A long prompt: one of LONG_PREFIXES shared beginnings of LONG_SHARED bytes, then its own LONG_TAIL bytes.
+LONG_PREFIXES = 4
+LONG_SHARED = 40 * 1024
+LONG_TAIL = 8 * 1024
+#: Narwhal's ``routing.policy`` values, and the peers' ``--policy`` choices (``vllm-router --help``, 0.1.17).
+NARWHAL_POLICIES = ("least_loaded", "round_robin", "prefix")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -148,7 +185,7 @@ class Proc:
         self.name = name
         self.cmd = cmd
         self.core = core
-        self.log_path = logdir / f"{name}.log"
+        self.log_path = logdir / f"{name.replace('/', '+')}.log"  # a target's policy may hold a slash
         self._log = open(self.log_path, "wb")
 
         nice = Proc.nice
@@ -370,7 +407,7 @@ def start_engine(kind: str, role: str, core: int | None, logdir: Path, token_int
 
 
 def narwhal_config(path: Path, port: int, prefill: str, decode: str, journal: Path,
-                   extra: dict[str, dict[str, int]] | None = None) -> None:  # fmt: skip
+                   extra: dict[str, dict[str, Any]] | None = None) -> None:  # fmt: skip
     """Narwhal's config: the shipped defaults but for the addresses (and ``extra`` keys per section)."""
     sections: dict[str, dict[str, Any]] = {
         "model": {"name": MODEL},
@@ -415,9 +452,85 @@ def trace_sink() -> str:
     return _TRACE_SINK[0]
 
 
+# ---------------------------------------------------------------------------- long prompts
+
+#: Words of the long prompts: ASCII without quotes or backslashes, so a prompt is its own JSON string.
+_VOCAB = tuple(
+    "the a sea ice whale narwhal tusk arctic water winter dive hunt fish deep cold light pod calf migrate "
+    "coast fjord current surface breath sound echo signal ocean depth pressure season summer research "
+    "survey sample record measure report table figure result method data model estimate population "
+    "range habitat north south east west under over near far long short slow fast bright dark is are "
+    "was were has have swims dives feeds rests travels returns follows leads sings listens".split()
+)
+
+
+def _prose(seed: int, size: int) -> str:
+    """``size`` bytes of sentences from :data:`_VOCAB`, the same for the same seed."""
+    rng = random.Random(seed)
+    sentences: list[str] = []
+    n = 0
+    while n < size:
+        sentence = " ".join(rng.choice(_VOCAB) for _ in range(rng.randint(6, 16))).capitalize() + "."
+        sentences.append(sentence)
+        n += len(sentence) + 1
+    return " ".join(sentences)[:size]
+
+
+def long_prompt_spec(scen: str) -> tuple[str, bytes]:
+    """A long-prompt scenario's spec for :data:`PROMPTS_SCRIPT`, and its request 0's body (to validate).
+
+    :data:`LONG_PREFIXES` shared beginnings of :data:`LONG_SHARED` bytes of
+    prompt (a completion's prompt; a chat's system prompt, a user message and
+    an assistant answer), then the request's number and :data:`LONG_TAIL`
+    bytes: what follows the number is new to any cache, so every request
+    both hits (its beginning) and adds (its end).
+    """
+    path = LONG_PROMPTS[scen]
+    fields = json.dumps({"model": MODEL, "max_tokens": 16, "temperature": 0.7, "top_p": 0.95, "user": "bench"})
+    fields = fields[:-1]  # the closing brace comes with the end
+    tail = ": " + _prose(10_000, LONG_TAIL)
+    heads = []
+    if path == "/v1/completions":
+        for k in range(LONG_PREFIXES):
+            heads.append(f'{fields}, "prompt": "[Document {k}] {_prose(k, LONG_SHARED)} Request ')
+        end = '"}'
+    else:
+        for k in range(LONG_PREFIXES):
+            messages = [
+                {"role": "system", "content": f"[Assistant {k}] {_prose(k, LONG_SHARED - 4096)}"},
+                {"role": "user", "content": _prose(100 + k, 2048)},
+                {"role": "assistant", "content": _prose(200 + k, 2048)},
+            ]  # fmt: skip
+            heads.append(f'{fields}, "messages": {json.dumps(messages)[:-1]}, {{"role": "user", "content": "Question ')
+        end = '"}]}'
+    sample = (heads[0] + "0" + tail + end).encode()
+    json.loads(sample)  # the pieces make valid JSON
+    lines = [f"P {path}", *(f"H {h}" for h in heads), f"T {tail}", f"E {end}"]
+    return "\n".join(lines) + "\n", sample
+
+
+def target_parts(name: str) -> tuple[str, str]:
+    """A target's name without its ``@policy``, and that policy (empty when none is named)."""
+    base, _, policy = name.partition("@")
+    return base, policy
+
+
+def peer_policy_args(policy: str) -> list[str]:
+    """A peer's policy flags: ``--policy P``, or per phase for ``PREFILL/DECODE``; round_robin by default."""
+    if not policy:
+        return ["--policy", "round_robin"]
+    prefill, _, decode = policy.partition("/")
+    if not decode:
+        return ["--policy", prefill]
+    return ["--policy", prefill, "--prefill-policy", prefill, "--decode-policy", decode]
+
+
 class Target:
     def __init__(self, name: str) -> None:
         self.name = name
+        self.base, self.policy = target_parts(name)
+        #: Narwhal's journal (the prefix index's hits are read from its ``routing`` records).
+        self.journal: Path | None = None
         self.proc: Proc | None = None
         self.url = ""
         self.error: str | None = None
@@ -430,7 +543,7 @@ class Target:
 
 def start_target(name: str, core: int | None, work: Path, engines: dict[str, dict[str, Any]],
                  peers_bin: Path | None, peers_error: str,
-                 narwhal_extra: dict[str, dict[str, int]] | None = None) -> Target:  # fmt: skip
+                 narwhal_extra: dict[str, dict[str, Any]] | None = None) -> Target:  # fmt: skip
     t = Target(name)
     prefill, decode = engines["prefill"]["url"], engines["decode"]["url"]
     if name == "direct":
@@ -439,35 +552,42 @@ def start_target(name: str, core: int | None, work: Path, engines: dict[str, dic
     port = free_port()
     t.url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
-    if name.startswith("narwhal-"):
-        runtime = name.split("-")[1]
-        env[PURE_ENV] = "1" if name.endswith("-pure") else ""
-        if name.endswith("-base"):
+    base, policy = t.base, t.policy
+    if base.startswith("narwhal-"):
+        runtime = base.split("-")[1]
+        env[PURE_ENV] = "1" if base.endswith("-pure") else ""
+        if base.endswith("-base"):
             if not BASELINE_TREE:
                 t.error = "no --baseline tree given"
                 return t
             env["PYTHONPATH"] = BASELINE_TREE
         cfg = work / f"{name}.toml"
         extra = {section: dict(keys) for section, keys in (narwhal_extra or {}).items()}
-        if name.endswith("-poll"):
+        if base.endswith("-poll"):
             extra.setdefault("ingress", {})["busy_poll_us"] = BUSY_POLL_US
         if name.endswith("-traced"):
             extra.setdefault("tracing", {})["endpoint"] = trace_sink()  # type: ignore[assignment]
         narwhal_config(cfg, port, prefill, decode, work / f"{name}-journal.jsonl", extra)
+
+
+        if policy:
+            extra.setdefault("routing", {})["policy"] = policy
+        t.journal = work / f"{name}-journal.jsonl"
+        narwhal_config(cfg, port, prefill, decode, t.journal, extra)
         cmd = [sys.executable, "-m", "narwhal.cli", "serve", "--config", str(cfg), "--runtime", runtime]
-    elif name in PEERS:
+    elif base in PEERS:
         if peers_bin is None:
             t.error = peers_error or "peers not installed"
             return t
         prom = str(free_port())
-        if name == "vllm-router":
+        if base == "vllm-router":
             cmd = [str(peers_bin / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
                    "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                   "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", prom]  # fmt: skip
+                   *peer_policy_args(policy), "--prometheus-host", "127.0.0.1", "--prometheus-port", prom]  # fmt: skip
         else:
             cmd = [str(peers_bin / "sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port),
                    "--pd-disaggregation", "--prefill", prefill, "none", "--decode", decode,
-                   "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", prom]  # fmt: skip
+                   *peer_policy_args(policy), "--prometheus-host", "127.0.0.1", "--prometheus-port", prom]  # fmt: skip
     else:
         raise ValueError(name)
     env["NO_COLOR"] = "1"
@@ -514,14 +634,16 @@ def engine_stats(engines: dict[str, dict[str, Any]], kind: str) -> dict[str, int
     return out
 
 
-def validate(t: Target, engines: dict[str, dict[str, Any]], kind: str, bodies: dict[str, bytes]) -> None:
-    """One request per scenario: the answer is whole and, through a router, both PD legs ran."""
+def validate(t: Target, engines: dict[str, dict[str, Any]], kind: str, bodies: dict[str, bytes],
+             scenarios: list[str]) -> None:  # fmt: skip
+    """One request per scenario run: the answer is whole and, through a router, both PD legs ran."""
     if t.error is not None:
         return
-    for scen, (stream, _, max_tokens, _) in SCENARIOS.items():
+    for scen in scenarios:
+        stream, _, max_tokens, _ = SCENARIOS[scen]
         before = engine_stats(engines, kind)
         try:
-            status, data = http("POST", t.url + "/v1/completions", bodies[scen], timeout=10)
+            status, data = http("POST", t.url + LONG_PROMPTS.get(scen, "/v1/completions"), bodies[scen], timeout=10)
         except OSError as exc:
             t.error = f"{scen}: request failed: {exc}"
             return
@@ -537,7 +659,8 @@ def validate(t: Target, engines: dict[str, dict[str, Any]], kind: str, bodies: d
             t.chunks = len(events)
         else:
             doc = json.loads(data)
-            text = doc["choices"][0].get("text")
+            choice = doc["choices"][0]
+            text = choice["message"].get("content") if "message" in choice else choice.get("text")
             if not text or doc.get("kv_transfer_params"):
                 t.error = f"{scen}: bad answer {data[:200]!r}"
                 return
@@ -558,10 +681,18 @@ def validate(t: Target, engines: dict[str, dict[str, Any]], kind: str, bodies: d
 # ---------------------------------------------------------------------------- load
 
 
+#: Numbers the long prompts of each wrk run from a new point: a router never sees a tail twice.
+_WRK_RUNS = itertools.count(1)
+
+
 def run_wrk(url: str, body_file: Path, concurrency: int, seconds: float, core: int | None) -> dict[str, Any]:
+    """A wrk window: the same body every request, or (a ``.prompts`` spec) a long prompt each."""
     seconds = max(1, round(seconds))  # wrk takes whole seconds
-    cmd = ["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "10s", "-s", str(WRK_SCRIPT),
-           url + "/v1/completions", "--", str(body_file)]  # fmt: skip
+    script, script_args = WRK_SCRIPT, [str(body_file)]
+    if body_file.suffix == ".prompts":
+        script, script_args = PROMPTS_SCRIPT, [str(body_file), str(next(_WRK_RUNS) * 10_000_000)]
+    cmd = ["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "10s", "-s", str(script),
+           url + "/v1/completions", "--", *script_args]  # fmt: skip
     if core is not None:
         cmd = ["taskset", "-c", str(core), *cmd]
     if Proc.nice:
@@ -589,11 +720,13 @@ def measure(t: Target, scen: str, body_file: Path, seconds: float, warmup: float
     cpu0 = user0 + sys0
     io0 = io_calls(pid) if pid else (0, 0)
     self0 = resource.getrusage(resource.RUSAGE_SELF)
+    journal0 = journal_size(t)
     busy0 = core_busy([router_core, load_core])
     w0 = time.monotonic()
     res = run_wrk(t.url, body_file, conc, seconds, load_core)
     wall = time.monotonic() - w0
     busy1 = core_busy([router_core, load_core])
+    journal1 = journal_size(t)
     self1 = resource.getrusage(resource.RUSAGE_SELF)
     user1, sys1 = cpu_split(pid) if pid else (0.0, 0.0)
     cpu1 = user1 + sys1
@@ -631,7 +764,38 @@ def measure(t: Target, scen: str, body_file: Path, seconds: float, warmup: float
     }
     if SCENARIOS[scen][0] and t.chunks and m["cpu_us_per_req"] is not None:
         m["cpu_us_per_chunk"] = m["cpu_us_per_req"] / t.chunks
+    if t.policy == "prefix" and t.journal is not None and scen in LONG_PROMPTS:
+        m["uncached_tokens"] = uncached_tokens(t.journal, journal0, journal1)
     return m
+
+
+def journal_size(t: Target) -> int:
+    try:
+        return t.journal.stat().st_size if t.journal is not None else 0
+    except OSError:
+        return 0
+
+
+def uncached_tokens(journal: Path, start: int, end: int) -> float | None:
+    """Mean prompt tokens the prefix index did not find on the engine chosen, over the journal's records in a window.
+
+    The journal's ``routing`` record lists the prefill candidates weighed,
+    the chosen first, with the tokens of the prompt each was expected not
+    to hold (docs/operate.md, "The journal").
+    """
+    found: list[int] = []
+    with open(journal, "rb") as f:
+        f.seek(start)
+        data = f.read(max(0, end - start))
+    for line in data.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by the window's edge
+        routing = record.get("routing") if isinstance(record, dict) else None
+        if isinstance(routing, dict) and routing.get("candidates"):
+            found.append(routing["candidates"][0]["uncached_tokens"])
+    return statistics.mean(found) if found else None
 
 
 # ---------------------------------------------------------------------------- report
@@ -657,7 +821,7 @@ def summarise(results: dict[str, dict[str, list[dict[str, Any]]]], targets: list
                 continue
             s: dict[str, Any] = {}
             for key in ("rps", "p50_us", "p99_us", "cpu_us_per_req", "cpu_us_per_chunk", "sys_pct", "router_core_pct",
-                        "load_core_pct", "other_pct"):  # fmt: skip
+                        "load_core_pct", "other_pct", "uncached_tokens"):  # fmt: skip
                 s[key] = med([r.get(key) for r in runs])
             s["errors"] = sum(r["errors"] for r in runs)
             s["requests"] = sum(r["requests"] for r in runs)
@@ -673,11 +837,12 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
                 args: argparse.Namespace, results_of: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:  # fmt: skip
     lines: list[str] = []
     p = lines.append
+    w = max([16, *(len(t.name) for t in targets)])  # the target column
     p("")
     pacing = f", streamed tokens paced {args.paced_ms:g} ms apart" if args.paced_ms else ""
     p(f"Router benchmark: median of {runs} run(s), {args.duration:g} s windows, engines: {args.engine} "
       f"(speed 0{pacing}), router core {args.router_core}, load core {args.load_core}")  # fmt: skip
-    head = (f"{'scenario':<20} {'target':<16} {'req/s':>8} {'p50 µs':>8} {'p99 µs':>8} {'+p50 µs':>8} "
+    head = (f"{'scenario':<21} {'target':<{w}} {'req/s':>8} {'p50 µs':>8} {'p99 µs':>8} {'+p50 µs':>8} "
             f"{'+p99 µs':>8} {'CPU µs/req':>10} {'CPU µs/chunk':>12} {'sys%':>5} {'router%':>7} {'load%':>6} "
             f"{'other%':>6}  notes")  # fmt: skip
     p(head)
@@ -691,7 +856,7 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
             if s is None:
                 why = t.error or t.scen_errors.get(scen)
                 if why:
-                    p(f"{label:<20} {t.name:<16} {'-':>8}  not measured: {' '.join(why.split())[:160]}")
+                    p(f"{label:<21} {t.name:<{w}} {'-':>8}  not measured: {' '.join(why.split())[:160]}")
                 continue
             notes = []
             if s["errors"]:
@@ -700,7 +865,7 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
                 notes.append("load core saturated")
             if s["other_pct"] is not None and s["other_pct"] > 10:
                 notes.append("machine busy with other work")
-            p(f"{label:<20} {t.name:<16} {fmt(s['rps']):>8} {fmt(s['p50_us']):>8} {fmt(s['p99_us']):>8} "
+            p(f"{label:<21} {t.name:<{w}} {fmt(s['rps']):>8} {fmt(s['p50_us']):>8} {fmt(s['p99_us']):>8} "
               f"{fmt(s.get('add_p50_us')):>8} {fmt(s.get('add_p99_us')):>8} {fmt(s['cpu_us_per_req'], '.1f'):>10} "
               f"{fmt(s.get('cpu_us_per_chunk'), '.2f'):>12} {fmt(s.get('sys_pct')):>5} {fmt(s['router_core_pct']):>7} "
               f"{fmt(s['load_core_pct']):>6} {fmt(s['other_pct']):>6}  {'; '.join(notes)}")  # fmt: skip
@@ -708,7 +873,7 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
     # ratios
     p("Ratios, Narwhal / peer (same run; < 1 means Narwhal uses less):")
     narwhals = [t.name for t in targets if t.name.startswith("narwhal-")]
-    peers = [t.name for t in targets if t.name in PEERS]
+    peers = [t.name for t in targets if t.base in PEERS]
     any_ratio = False
     for n in narwhals:
         for peer in peers:
@@ -723,15 +888,15 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
                 parts.append(f"{label} {a / b:.2f}" if a is not None and b else f"{label} -")
             if any(not x.endswith(" -") for x in parts):
                 any_ratio = True
-            p(f"  {n:<16} / {peer:<14} " + "   ".join(parts))
+            p(f"  {n:<{w}} / {peer:<14} " + "   ".join(parts))
     if not any_ratio:
         p("  (none: a Narwhal target or every peer is missing)")
-    bases = [n for n in narwhals if n.endswith("-base")]
+    bases = [n for n in narwhals if target_parts(n)[0].endswith("-base")]
     if bases:
         p("")
         p(f"A/B, this tree / --baseline {BASELINE_TREE} (same run; < 1 means this tree uses less):")
         for base in bases:
-            n = base.removesuffix("-base")
+            n = base.replace("-base", "", 1)
             parts = []
             for scen, key, label in (("pd-c1", "cpu_us_per_req", "CPU/req c=1"),
                                      ("pd-c32", "cpu_us_per_req", "CPU/req c=32"),
@@ -741,7 +906,14 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
                 a = summary.get(n, {}).get(scen, {}).get(key)
                 b = summary.get(base, {}).get(scen, {}).get(key)
                 parts.append(f"{label} {a / b:.3f}" if a is not None and b else f"{label} -")
-            p(f"  {n:<16} / {base:<22} " + "   ".join(parts))
+            p(f"  {n:<{w}} / {base:<22} " + "   ".join(parts))
+            for scen in ("pd-c1", "pd-c32"):
+                a = summary.get(n, {}).get(scen, {}).get("cpu_us_per_req")
+                b = summary.get(base, {}).get(scen, {}).get("cpu_us_per_req")
+                if a is not None and b:
+                    p(f"    {n} {scen}: CPU/req {a:.1f} µs vs {b:.1f} µs before = {a / b:.3f}x; target within 10 %: "
+                      f"{'MET' if a / b <= 1.10 else 'NOT MET'}")  # fmt: skip
+    lines.extend(routing_cost_lines(summary, targets))
     # the issue's targets
     p("")
     p("Targets (issue 7), against vllm-router in PD mode:")
@@ -776,10 +948,10 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
                 if vals:
                     per.append(f"{scen} {max(vals) / 1024:.1f}")
             start = f"{t.rss_start / 1024:.1f}" if t.rss_start else "-"
-            p(f"  {t.name:<16} start {start} MiB; {', '.join(per)} MiB; end {t.rss[0] / 1024:.1f} MiB / "
+            p(f"  {t.name:<{w}} start {start} MiB; {', '.join(per)} MiB; end {t.rss[0] / 1024:.1f} MiB / "
               f"peak {t.rss[1] / 1024:.1f} MiB")  # fmt: skip
         elif t.name != "direct":
-            p(f"  {t.name:<16} -  ({t.error or 'not running'})")
+            p(f"  {t.name:<{w}} -  ({t.error or 'not running'})")
     p("")
     p("Latency is wrk's, per request (a stream: to its last byte); +p50/+p99 = target minus direct in the same run.")
     p("CPU = router process utime+stime (all threads, no children) over the load window / requests; "
@@ -793,12 +965,47 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Tar
     return lines
 
 
+def routing_cost_lines(summary: dict[str, dict[str, dict[str, Any]]], targets: list[Target]) -> list[str]:
+    """Each ``@prefix`` Narwhal's CPU per request on the long prompts, against its runtime's least_loaded and vllm-router's cache_aware.
+
+    The targets: at most 1.2x the same runtime's ``least_loaded`` (named
+    ``@least_loaded``, else the plain target, whose default it is) and at
+    most vllm-router's ``cache_aware`` (each ``vllm-router@cache_aware...``
+    measured), in the same run.
+    """
+    scens = [s for s in LONG_PROMPTS if any(s in summary.get(t.name, {}) for t in targets)]
+    prefixes = [t for t in targets if t.base.startswith("narwhal-") and t.policy == "prefix"]
+    if not scens or not prefixes:
+        return []
+    names = {t.name for t in targets}
+    caches = [t.name for t in targets if t.base == "vllm-router" and t.policy.startswith("cache_aware")]
+    out = ["", "Routing cost on long prompts (CPU µs/request, same run; the prompt's tokens ~"
+           f"{(LONG_SHARED + LONG_TAIL) // 4}, uncached = on the engine chosen, from the journal):"]  # fmt: skip
+    for t in prefixes:
+        loaded = f"{t.base}@least_loaded" if f"{t.base}@least_loaded" in names else t.base
+        for scen in scens:
+            cpu = summary.get(t.name, {}).get(scen, {}).get("cpu_us_per_req")
+            if cpu is None:
+                out.append(f"  {t.name} {scen}: not measured")
+                continue
+            unc = summary[t.name][scen].get("uncached_tokens")
+            out.append(f"  {t.name} {scen}: {cpu:.1f} µs/req, uncached {fmt(unc)} tokens/req")
+            for other, limit in [(loaded, 1.2), *((c, 1.0) for c in caches)]:
+                b = summary.get(other, {}).get(scen, {}).get("cpu_us_per_req")
+                if b is None or other not in names:
+                    out.append(f"    vs {other}: not measured")
+                    continue
+                out.append(f"    vs {other} {b:.1f} µs: {cpu / b:.2f}x; target <= {limit:g}x: "
+                           f"{'MET' if cpu / b <= limit else 'NOT MET'}")  # fmt: skip
+    return out
+
+
 # ---------------------------------------------------------------------------- profile
 
 
 def profile(t: Target, peers_bin: Path | None, work: Path, body_file: Path, seconds: float,
-            load_core: int | None) -> list[str]:  # fmt: skip
-    """Two py-spy windows under pd-c32 load: a flame graph (SVG), then raw stacks summarised here."""
+            load_core: int | None, scen: str = "pd-c32") -> list[str]:  # fmt: skip
+    """Two py-spy windows under ``scen``'s load: a flame graph (SVG), then raw stacks summarised here."""
     if t.proc is None or t.error:
         return [f"profile: {t.name} is not running"]
     spy = str(peers_bin / "py-spy") if peers_bin and (peers_bin / "py-spy").exists() else shutil.which("py-spy")
@@ -813,13 +1020,13 @@ def profile(t: Target, peers_bin: Path | None, work: Path, body_file: Path, seco
             stdout=subprocess.DEVNULL, stderr=open(work / "py-spy.log", "ab"),
         )  # fmt: skip
         time.sleep(0.5)
-        run_wrk(t.url, body_file, SCENARIOS["pd-c32"][1], seconds, load_core)
+        run_wrk(t.url, body_file, SCENARIOS[scen][1], seconds, load_core)
         try:
             spy_proc.wait(seconds + 30)
         except subprocess.TimeoutExpired:
             spy_proc.kill()
     raw = outputs["raw"]
-    lines = [f"Profile of {t.name} under pd-c32 (py-spy --native, 250 Hz; "
+    lines = [f"Profile of {t.name} under {scen} (py-spy --native, 250 Hz; "
              f"flame graph: {outputs['flamegraph']}); samples of idle threads waiting on a lock left out"]  # fmt: skip
     if not raw.exists():
         return lines + [f"  (py-spy wrote no profile; see {work / 'py-spy.log'})"]
@@ -879,18 +1086,32 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
         raise SystemExit("router_bench: wrk is not installed (apt-get install wrk)")
     names = [n for n in args.targets.split(",") if n]
     for n in names:
-        if n not in KNOWN_TARGETS:
-            raise SystemExit(f"router_bench: unknown target {n!r} (choose from {', '.join(KNOWN_TARGETS)})")
+        base, policy = target_parts(n)
+        if base not in KNOWN_TARGETS:
+            raise SystemExit(f"router_bench: unknown target {n!r} (choose from {', '.join(KNOWN_TARGETS)}, "
+                             f"a Narwhal or a peer with @POLICY)")  # fmt: skip
+        if policy and (base == "direct" or (base.startswith("narwhal-") and policy not in NARWHAL_POLICIES)):
+            raise SystemExit(f"router_bench: {n!r}: a Narwhal policy is one of {', '.join(NARWHAL_POLICIES)}; "
+                             f"direct has none")  # fmt: skip
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    for scen in scenarios:
+        if scen not in SCENARIOS:
+            raise SystemExit(f"router_bench: unknown scenario {scen!r} (choose from {', '.join(SCENARIOS)})")
     if "direct" not in names:
         names.insert(0, "direct")
     peers_bin, peers_error = None, ""
-    if any(n in PEERS for n in names) or args.profile:
+    if any(target_parts(n)[0] in PEERS for n in names) or args.profile:
         peers_bin, peers_error = ensure_peers(work)
         if peers_bin is None:
             log(peers_error)
     bodies = {}
     body_files = {}
     for scen, (stream, _, max_tokens, _) in SCENARIOS.items():
+        if scen in LONG_PROMPTS:
+            spec, bodies[scen] = long_prompt_spec(scen)
+            body_files[scen] = work / f"body-{scen}.prompts"
+            body_files[scen].write_text(spec)
+            continue
         doc: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.7,
                                "top_p": 0.95, "user": "bench"}  # fmt: skip
         if stream:
@@ -898,7 +1119,8 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
         bodies[scen] = json.dumps(doc).encode()
         body_files[scen] = work / f"body-{scen}.json"
         body_files[scen].write_bytes(bodies[scen])
-    log(f"work directory {work}; body {len(bodies['pd-c1'])} bytes")
+    log(f"work directory {work}; body {len(bodies['pd-c1'])} bytes"
+        + "".join(f", {s} ~{len(bodies[s])} bytes" for s in scenarios if s in LONG_PROMPTS))  # fmt: skip
     engines: dict[str, dict[str, Any]] = {}
     engine_procs: list[Proc] = []
     for role in ("prefill", "decode"):
@@ -909,12 +1131,11 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
     targets = [start_target(n, args.router_core, work, engines, peers_bin, peers_error) for n in names]
     for t in targets:
         wait_ready(t, args.start_timeout)
-        validate(t, engines, args.engine, bodies)
+        validate(t, engines, args.engine, bodies, scenarios)
         log(f"{t.name:<16} {'FAILED: ' + t.error if t.error else 'ready at ' + t.url}")
         if t.error is None and t.proc is not None:
             t.rss_start = rss_kib(t.proc.pid)[0]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    scenarios = [s for s in args.scenarios.split(",") if s]
     engine_pids = [p.pid for p in engine_procs]
     for run in range(args.runs):
         order = [t for t in targets if t.error is None]
@@ -956,7 +1177,7 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
                     log(f"{t.name}: {t.error}")
                     continue
                 results.setdefault(t.name, {}).setdefault(scen, []).append(m)
-                log(f"run {run + 1}/{args.runs} {scen:<7} {t.name:<16} {m['rps']:8.0f} req/s  p50 {m['p50_us']:6d} µs"
+                log(f"run {run + 1}/{args.runs} {scen:<11} {t.name:<16} {m['rps']:8.0f} req/s  p50 {m['p50_us']:6d} µs"
                     f"  p99 {m['p99_us']:6d} µs  CPU {fmt(m['cpu_us_per_req'], '.1f'):>7} µs/req (sys {fmt(m['sys_pct'])}%)"
                     f"  router {fmt(m['router_core_pct'])}%  load {m['load_core_pct']:.0f}%  other {fmt(m['other_pct'])}%"
                     f"  RSS {fmt(m['rss_kib_after'], '.1f', 1 / 1024)} MiB"
@@ -972,8 +1193,8 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
             profile_lines = [f"profile: {args.profile} is not among the targets"]
         else:
             log(f"profiling {chosen.name} with py-spy")
-            profile_lines = profile(chosen, peers_bin, work, body_files["pd-c32"], max(3.0, args.duration),
-                                    args.load_core)  # fmt: skip
+            profile_lines = profile(chosen, peers_bin, work, body_files[args.profile_scenario],
+                                    max(3.0, args.duration), args.load_core, args.profile_scenario)  # fmt: skip
     summary = summarise(results, targets)
     lines = print_table(summary, targets, args.runs, args, results)
     for line in profile_lines:
@@ -1215,7 +1436,7 @@ def slow_streams_mode(args: argparse.Namespace, work: Path) -> int:
     interval_ms = args.token_interval_ms
     tokens = max(2, int(args.stream_seconds * 1000 / interval_ms))
     peers_bin, peers_error = (None, "")
-    if any(x in PEERS for x in names):
+    if any(target_parts(x)[0] in PEERS for x in names):
         peers_bin, peers_error = ensure_peers(work)
     engines: dict[str, dict[str, Any]] = {}
     for role in ("prefill", "decode"):
@@ -1296,14 +1517,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", default=",".join(ALL_TARGETS), help="comma-separated targets")
     parser.add_argument("--baseline", default=None, metavar="DIR",
                         help="source tree (built in place) the narwhal-*-base targets run from")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated table scenarios")
+    parser.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                        help=f"comma-separated table scenarios, of {', '.join(SCENARIOS)}")  # fmt: skip
     parser.add_argument("--engine", choices=("instant", "sim"), default="instant",
                         help="instant: benchmarks/instant_engine.py; sim: python -m narwhal_sim --speed 0")  # fmt: skip
     cores = sorted(os.sched_getaffinity(0))
     parser.add_argument("--router-core", type=int, default=cores[-1] if len(cores) > 1 else None)
     parser.add_argument("--load-core", type=int, default=cores[0] if len(cores) > 1 else None)
     parser.add_argument("--start-timeout", type=float, default=30.0, help="seconds a target may take to start")
-    parser.add_argument("--profile", default=None, metavar="TARGET", help="py-spy a Narwhal target under pd-c32")
+    parser.add_argument("--profile", default=None, metavar="TARGET", help="py-spy a Narwhal target under load")
+    parser.add_argument("--profile-scenario", default="pd-c32", choices=tuple(SCENARIOS),
+                        help="the load --profile runs")  # fmt: skip
     parser.add_argument("--streams", type=int, default=10_000, help="slow-streams: concurrent streams")
     parser.add_argument("--token-interval-ms", type=float, default=1000.0, help="slow-streams: engine pacing")
     parser.add_argument("--paced-ms", type=float, default=0.0,
