@@ -567,9 +567,6 @@ def start_target(name: str, core: int | None, work: Path, engines: dict[str, dic
             extra.setdefault("ingress", {})["busy_poll_us"] = BUSY_POLL_US
         if name.endswith("-traced"):
             extra.setdefault("tracing", {})["endpoint"] = trace_sink()  # type: ignore[assignment]
-        narwhal_config(cfg, port, prefill, decode, work / f"{name}-journal.jsonl", extra)
-
-
         if policy:
             extra.setdefault("routing", {})["policy"] = policy
         t.journal = work / f"{name}-journal.jsonl"
