@@ -92,6 +92,13 @@ class _Group:
             self.proc.kill()
             self.proc.wait(10)
         self._log.close()
+        # A real worker drains when its supervisor dies (it asks the kernel for SIGTERM then); the stand-in
+        # does not, and would outlive the test.
+        for event in self.events("worker_started"):
+            try:
+                os.kill(event["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_one_ready_line_once_both_listen_and_a_drain_exits_0(tmp_path: Path) -> None:
