@@ -27,7 +27,7 @@ from .config import EngineAddress
 __all__ = [
     "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "LegData", "LegFailed",
     "ControlDone", "CONTROL_BODY_LIMIT", "ShutdownRequested", "AuthenticatorChanged", "JournalHealth",
-    "EngineResolved", "EnginesChanged", "Event",
+    "EngineResolved", "EnginesChanged", "KvEventsReceived", "KvStreamChanged", "Event",
     "Transmit", "CloseClient", "StartLeg", "CancelLeg", "FinishLeg",
     "StartControl", "WriteJournal", "Log", "ShutdownComplete", "Command",
     "LegFailure", "LOCAL_ERRNOS", "local_failure",
@@ -224,9 +224,37 @@ class EnginesChanged:
     source: str = "discovery"
 
 
+@attrs.frozen
+class KvEventsReceived:
+    """KV-cache events of one engine, in the order it published them (docs/routing.md, "KV events").
+
+    The runtime's subscriber decodes the stream with
+    :class:`~narwhal_core.kv_events.KvStream` (replaying gaps) and feeds the
+    events of each message that applied, on the event loop.
+    """
+
+    #: The engine's URL (``EngineAddress.url``).
+    url: str
+    #: The events, in order.
+    events: tuple[Any, ...]
+
+
+@attrs.frozen
+class KvStreamChanged:
+    """An engine's KV-event stream came up or went down (docs/routing.md, "KV events")."""
+
+    #: The engine's URL.
+    url: str
+    #: Whether events are arriving (connected, in order) now.
+    live: bool
+    #: Why, as one word for the log: ``connected``, ``disconnected``, ``replay_failed``, ``malformed``.
+    reason: str
+
+
 Event = (
     ClientConnected | ClientData | ClientGone | ClientStalled | LegData | LegFailed | ControlDone
     | ShutdownRequested | AuthenticatorChanged | JournalHealth | EngineResolved | EnginesChanged
+    | KvEventsReceived | KvStreamChanged
 )
 
 # -------------------------------------------------------------- commands out
