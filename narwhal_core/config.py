@@ -52,6 +52,7 @@ from .config_fields import (
     describe,
     doc,
     env_name,
+    float_in,
     header_name,
     journal_path,
     lower,
@@ -64,6 +65,7 @@ from .config_fields import (
     set_derived,
     str_list,
     string,
+    to_float,
 )
 from .config_shape import make_converter, translate
 from .discovery_config import DiscoveryConfig, DiscoveryMode
@@ -545,6 +547,15 @@ class TracingConfig:
         default="narwhal", validator=string(non_empty), metadata=doc("The service.name of the spans.")
     )
     export_timeout_s: float = seconds(10.0, "Time one export to the collector may take.")
+    sample_ratio: float = attrs.field(
+        default=1.0,
+        converter=to_float,
+        validator=float_in(positive=False, maximum=1.0),
+        metadata=doc(
+            "Share of the traces Narwhal starts that are sampled (exported, and flagged sampled to the engines), "
+            "decided by the trace ID; a client's traceparent keeps its own flag."
+        ),
+    )
 
 
 @attrs.frozen(kw_only=True)

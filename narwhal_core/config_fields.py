@@ -99,7 +99,7 @@ def int_in(minimum: int, maximum: int | None = None) -> Validator:
     return check
 
 
-def float_in(*, positive: bool) -> Validator:
+def float_in(*, positive: bool, maximum: float | None = None) -> Validator:
     def check(instance: object, attribute: "attrs.Attribute[Any]", value: object) -> None:
         key = _key(instance, attribute)
         if not isinstance(value, float):
@@ -110,6 +110,8 @@ def float_in(*, positive: bool) -> Validator:
             raise ConfigError(key, f"must be positive, got {value!r}")
         if value < 0:
             raise ConfigError(key, f"must not be negative, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(key, f"must be at most {maximum!r}, got {value!r}")
 
     return check
 

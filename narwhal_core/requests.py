@@ -160,7 +160,7 @@ class Requests:
         trace = None
         start_trace = ctx.config.tracing.endpoint is not None
         if start_trace or request.header(b"traceparent") is not None:
-            trace = read_trace_context(request.headers, rid, start_trace)
+            trace = read_trace_context(request.headers, rid, start_trace, ctx.config.tracing.sample_ratio)
         decision = self._admission(rid, client)
         if isinstance(decision, NarwhalError):
             clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,

@@ -53,6 +53,7 @@ __all__ = [
     "parse_traceparent",
     "read_trace_context",
     "request_span_id",
+    "sampled_by_ratio",
     "started_trace_id",
     "valid_tracestate",
 ]
@@ -68,6 +69,8 @@ _TRACESTATE: Final = b"tracestate"
 _TRACEPARENT_RE: Final = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-|\Z)")
 _ZERO_TRACE: Final = b"0" * 32
 _ZERO_SPAN: Final = b"0" * 16
+#: The low 64 bits of a trace ID, as OpenTelemetry's ratio sampler reads them.
+_TRACE_ID_SPACE: Final = 1 << 64
 #: The flags passed on: sampled (bit 0) and random trace ID (bit 1, level 2); the rest are reserved.
 _KNOWN_FLAGS: Final = 0x03
 #: A list member: ``key=value`` (W3C Trace Context, "tracestate Header Field Values").
@@ -98,6 +101,18 @@ def leg_span_id(backend_id: str) -> str:
 def started_trace_id(rid: str) -> str:
     """The trace ID of a trace Narwhal starts for request ``rid``, 32 lowercase hex digits."""
     return _derived(rid, 16, b"narwhal.trace")
+
+
+def sampled_by_ratio(trace_id: str, ratio: float) -> bool:
+    """Whether a trace Narwhal starts is sampled, at ``tracing.sample_ratio`` (docs/configure.md, ``[tracing]``).
+
+    Decided by the trace ID alone, as OpenTelemetry's ``TraceIdRatioBased``
+    sampler does (``opentelemetry/sdk/trace/sampling.py``, SDK 1.25+): its
+    low 64 bits below ``round(ratio * 2**64)``. The core draws no random
+    number, and the runtime's exporter reaches the same verdict from the
+    journal record's trace ID. A client's trace keeps the client's verdict.
+    """
+    return int(trace_id[16:], 16) < round(ratio * _TRACE_ID_SPACE)
 
 
 def parse_traceparent(value: bytes) -> tuple[str, str, int] | None:
@@ -167,8 +182,11 @@ class TraceContext:
         return ((_TRACEPARENT, parent), (_TRACESTATE, self.state))
 
 
-def read_trace_context(headers: Headers, rid: str, start: bool) -> TraceContext | None:
+def read_trace_context(headers: Headers, rid: str, start: bool, ratio: float = 1.0) -> TraceContext | None:
     """The trace context of request ``rid`` from its ``headers``; ``start``: begin one when the client sent none.
+
+    A trace Narwhal begins is sampled (flags ``01``) or not (``00``, still
+    passed on, so the engines' logs can name it) by :func:`sampled_by_ratio`.
 
     ``None`` (nothing forwarded) when the client sent no valid
     ``traceparent`` and ``start`` is false.
@@ -194,5 +212,7 @@ def read_trace_context(headers: Headers, rid: str, start: bool) -> TraceContext 
             )
     if start:
         # W3C: a missing or invalid traceparent restarts the trace (its tracestate goes with it).
-        return TraceContext(trace_id=started_trace_id(rid), parent_id=None, flags="01", state=None)
+        trace_id = started_trace_id(rid)
+        sampled = "01" if ratio >= 1.0 or sampled_by_ratio(trace_id, ratio) else "00"
+        return TraceContext(trace_id=trace_id, parent_id=None, flags=sampled, state=None)
     return None

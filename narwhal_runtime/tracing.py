@@ -22,8 +22,9 @@ involved, which also makes a span several times cheaper to make.
 
 A trace whose client said "not sampled" (flags ``00``) is not exported: its
 spans carry the client's flags, and the batch processor drops unsampled
-spans, as the engines, sent the same flags, do. Every trace Narwhal starts
-is sampled.
+spans, as the engines, sent the same flags, do. A trace Narwhal starts is
+sampled at ``tracing.sample_ratio``, by its trace ID (the core's
+``sampled_by_ratio``: the engines were sent the same verdict).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from narwhal_core.config import TracingConfig
-from narwhal_core.tracecontext import leg_span_id, request_span_id
+from narwhal_core.tracecontext import leg_span_id, request_span_id, sampled_by_ratio
 
 from .log import log_event
 
@@ -122,6 +123,7 @@ class Tracer:
             export_timeout_millis=config.export_timeout_s * 1000,
         )
         self._timeout = config.export_timeout_s
+        self._ratio = config.sample_ratio
         sdk_log = logging.getLogger("opentelemetry")
         if not any(isinstance(h, _ToProcessLog) for h in sdk_log.handlers):
             sdk_log.addHandler(_ToProcessLog(logging.WARNING))
@@ -185,14 +187,16 @@ class Tracer:
         """The request's span and its legs' spans, from its terminal record (on the span thread only)."""
         trace_id = int(record["trace_id"], 16)
         parent = None
-        flags = TraceFlags(TraceFlags.SAMPLED)  # a trace Narwhal started
+        # A trace Narwhal started: sampled as the core flagged it to the engines (the same verdict).
+        sampled = self._ratio >= 1.0 or sampled_by_ratio(record["trace_id"], self._ratio)
+        flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
         client = record.get("traceparent")
         if client:
             _, _, parent_id, client_flags = client.split("-")
             flags = TraceFlags(int(client_flags, 16))
             parent = SpanContext(trace_id, int(parent_id, 16), is_remote=True, trace_flags=flags)
         if not flags.sampled:
-            return  # the client's trace is not sampled
+            return  # not sampled: by the client, or by tracing.sample_ratio
         request = SpanContext(trace_id, int(request_span_id(record["rid"]), 16), False, flags)
         start = _ns(record["received"])
         for leg in record["legs"]:

@@ -217,6 +217,7 @@ DEFAULTS: dict[str, object] = {
     "tracing.endpoint": None,
     "tracing.service_name": "narwhal",
     "tracing.export_timeout_s": 10.0,
+    "tracing.sample_ratio": 1.0,
 }
 REQUIRED = {"model.name", "engine.decode"}
 
@@ -308,7 +309,7 @@ def test_list_elements_are_type_checked(section: str, name: str) -> None:
 
 @pytest.mark.parametrize(("section", "name"), [(s, a.name) for s, a in all_keys() if a.type is float])
 def test_float_keys_accept_integers(section: str, name: str) -> None:
-    value = 1000 if name != "backoff_base_s" else 1
+    value = 1000 if name not in ("backoff_base_s", "sample_ratio") else 1
     config = config_from_dict(with_values(**{section: {name: value}}), env={})
     stored = getattr(getattr(config, section), name)
     assert stored == float(value) and type(stored) is float
@@ -613,7 +614,8 @@ def test_engine_api_key_env_must_be_a_variable_name(name: str) -> None:
 
 POSITIVE_SECONDS = [
     (s, a.name) for s, a in all_keys()
-    if a.type is float and a.name not in ("backoff_base_s", "backoff_max_s", "grace_s", "metrics_interval_s")
+    if a.type is float
+    and a.name not in ("backoff_base_s", "backoff_max_s", "grace_s", "metrics_interval_s", "sample_ratio")
 ]
 
 
@@ -625,7 +627,8 @@ def test_timeouts_are_positive(section: str, name: str, value: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("section", "name"), [("retry", "backoff_base_s"), ("shutdown", "grace_s"), ("routing", "metrics_interval_s")]
+    ("section", "name"),
+    [("retry", "backoff_base_s"), ("shutdown", "grace_s"), ("routing", "metrics_interval_s"), ("tracing", "sample_ratio")],
 )
 def test_zero_is_allowed_where_it_means_no_wait(section: str, name: str) -> None:
     config = config_from_dict(with_values(**{section: {name: 0}}), env={})

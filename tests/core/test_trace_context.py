@@ -32,6 +32,7 @@ from narwhal_core.tracecontext import (
     parse_traceparent,
     read_trace_context,
     request_span_id,
+    sampled_by_ratio,
     started_trace_id,
     valid_tracestate,
 )
@@ -269,3 +270,44 @@ def test_tracing_endpoint_refuses_anything_else(endpoint: str) -> None:
     with pytest.raises(ConfigError) as info:
         TracingConfig(endpoint=endpoint)
     assert info.value.key == "tracing.endpoint"
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_a_started_trace_is_sampled_by_its_trace_id_at_the_ratio(ratio: float) -> None:
+    config = attrs.evolve(make_config(), tracing=TracingConfig(endpoint="http://127.0.0.1:4318", sample_ratio=ratio))
+    d = Driver(config)
+    flags = []
+    for _ in range(40):
+        prefill, decode, record = _served(d)
+        trace_id = record["trace_id"]
+        flag = "01" if sampled_by_ratio(trace_id, ratio) else "00"
+        for leg in (prefill, decode):
+            assert leg.headers[b"traceparent"] == f"00-{trace_id}-{leg_span_id(leg.bid)}-{flag}".encode()
+        flags.append(flag)
+    if ratio == 0.0:
+        assert set(flags) == {"00"}
+    elif ratio == 1.0:
+        assert set(flags) == {"01"}
+    else:
+        assert 8 <= flags.count("01") <= 32
+
+
+def test_the_ratio_sampler_reads_the_low_64_bits() -> None:
+    assert sampled_by_ratio("f" * 16 + "0" * 16, 0.001)
+    assert not sampled_by_ratio("0" * 16 + "f" * 16, 0.999)
+    assert sampled_by_ratio("0" * 16 + "7" + "f" * 15, 0.5)
+    assert not sampled_by_ratio("0" * 16 + "8" + "0" * 15, 0.5)
+
+
+def test_a_clients_sampled_flag_is_kept_whatever_the_ratio() -> None:
+    config = attrs.evolve(make_config(), tracing=TracingConfig(endpoint="http://127.0.0.1:4318", sample_ratio=0.0))
+    d = Driver(config)
+    prefill, decode, _ = _served(d, (("traceparent", VALID),))
+    assert prefill.headers[b"traceparent"].endswith(b"-01") and decode.headers[b"traceparent"].endswith(b"-01")
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, "half"])
+def test_sample_ratio_out_of_range_is_refused(ratio: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        TracingConfig(sample_ratio=ratio)  # type: ignore[arg-type]
+    assert info.value.key == "tracing.sample_ratio"

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import StatusCode
 
 from narwhal_core.config import TracingConfig
-from narwhal_core.tracecontext import leg_span_id, request_span_id
+from narwhal_core.tracecontext import leg_span_id, request_span_id, sampled_by_ratio, started_trace_id
 from narwhal_runtime.tracing import Tracer
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -135,3 +135,16 @@ def test_an_unreadable_record_is_counted_not_fatal(exported: tuple[Tracer, Memor
     tracer.take([b'{"trace_id":"zz", "rid": 1}\n', _line(_record())])
     tracer.shutdown()
     assert tracer.failed == 1 and len(memory.spans) == 3
+
+
+def test_a_started_trace_is_exported_at_the_sample_ratio() -> None:
+    """Narwhal's own traces at ``sample_ratio``: the same verdict the core flagged to the engines."""
+    memory = Memory()
+    tracer = Tracer(TracingConfig(endpoint="http://127.0.0.1:4318", sample_ratio=0.25), exporter=memory)
+    rids = [f"abc{n:010d}" for n in range(200)]
+    tracer.take([_line(_record(rid=rid, trace_id=started_trace_id(rid))) for rid in rids])
+    tracer.shutdown()
+    exported = {span.context.trace_id for span in memory.spans}
+    expected = {int(started_trace_id(rid), 16) for rid in rids if sampled_by_ratio(started_trace_id(rid), 0.25)}
+    assert exported == expected
+    assert 30 <= len(expected) <= 70  # about a quarter of 200, by the trace IDs' low bits
