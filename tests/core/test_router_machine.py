@@ -68,11 +68,11 @@ from .router_driver import (
     make_config,
 )
 
-#: Examples x steps: 120 000 rule steps. ``test_core_builds`` reruns this
+#: Examples x steps: 90 000 rule steps. ``test_core_builds`` reruns this
 #: machine on the pure sources with fewer examples (``MACHINE_EXAMPLES_ENV``):
 #: the full walk runs once per suite, on the build that is installed.
 MACHINE_EXAMPLES_ENV = "NARWHAL_TEST_MACHINE_EXAMPLES"
-MAX_EXAMPLES = int(os.environ.get(MACHINE_EXAMPLES_ENV, "1200"))
+MAX_EXAMPLES = int(os.environ.get(MACHINE_EXAMPLES_ENV, "900"))
 STEPS = 100
 #: Shrinking a failure stops after this long (the failing case is printed either way).
 SHRINK_SECONDS = 60
