@@ -589,6 +589,15 @@ class RoutingConfig:
     prefill_tokens_per_s: float = seconds(
         8000.0, "Estimated prompt tokens one prefill engine computes per second: the cost model's throughput."
     )
+    miss_cost: float = attrs.field(
+        default=3.0,
+        converter=to_float,
+        validator=float_in(positive=True),
+        metadata=doc(
+            "policy = prefix: how many queued tokens one prompt token the engine must compute counts as "
+            "(1: expected TTFT alone; more keeps prefixes where they are cached)."
+        ),
+    )
     kv_capacity_tokens: int = count(
         2000000,
         "Estimated tokens of KV cache one prefill engine holds: the bound of its prefix index (policy = prefix).",

@@ -177,30 +177,36 @@ class Prefix(LeastLoaded):
     Narwhal keeps a :class:`~narwhal_core.prefix.PrefixIndex` per prefill
     engine of the prompts it sent there, bounded by ``kv_capacity_tokens``
     (least recently used out, as the engine evicts). A prefill engine's
-    expected TTFT for a prompt is (its queued prompt tokens + the prompt's
-    tokens it does not hold) / ``prefill_tokens_per_s``; the throughput is
-    the same for every engine, so the policy compares the sums. A hit saves
-    its blocks once, while every request queued behind it waits: past a
-    point the queue on a hot prefix's engine outweighs the hit, and the
-    prefix spreads to other engines (docs/configure.md, "Routing
-    policies"). Decode legs go by load, as with ``least_loaded``.
+    cost for a prompt is its queued prompt tokens + ``miss_cost`` x the
+    prompt's tokens it does not hold: with ``miss_cost`` 1, its expected
+    TTFT times ``prefill_tokens_per_s`` (the same for every engine). A miss
+    is charged more than its own compute because it costs the fleet again
+    later: the copy it makes displaces other prompts from that engine's
+    cache, and the holder's copy goes unused, so the fleet's caches hold
+    fewer distinct prefixes (benchmarks/README.md, "Weighing a miss").
+    Still, a hit saves its blocks once while every request queued behind it
+    waits: past a point the queue on a hot prefix's engine outweighs the
+    hit, and the prefix spreads to other engines (docs/configure.md,
+    "Routing policies"). Decode legs go by load, as with ``least_loaded``.
     """
 
     name: ClassVar[str] = "prefix"
     keyed: ClassVar[bool] = True
-    __slots__ = ("default_capacity", "capacities", "indexes")
+    __slots__ = ("default_capacity", "capacities", "indexes", "miss_cost")
 
-    def __init__(self, capacity_tokens: int) -> None:
+    def __init__(self, capacity_tokens: int, miss_cost: float = 1.0) -> None:
         #: An engine's index bound, in blocks of the index, until it reports its own (``kv_capacity_tokens``).
         self.default_capacity: Final = tokens_to_blocks(capacity_tokens)
         #: The bounds engines reported (``vllm:cache_config_info``, :mod:`.load`), by URL.
         self.capacities: Final[dict[str, int]] = {}
         #: The index of each prefill engine Narwhal sent a prompt to, by URL.
         self.indexes: Final[dict[str, PrefixIndex]] = {}
+        #: Queued tokens one uncached prompt token counts as (``routing.miss_cost``).
+        self.miss_cost: Final = miss_cost
 
     @classmethod
     def from_config(cls, config: RoutingConfig) -> Policy:
-        return cls(config.kv_capacity_tokens)
+        return cls(config.kv_capacity_tokens, config.miss_cost)
 
     def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
         key = prompt_key(body, route == CHAT)
@@ -216,10 +222,11 @@ class Prefix(LeastLoaded):
     def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
         if phase != PREFILL or plan is None or plan.hashes is None:
             return LeastLoaded.pick(self, phase, candidates, plan)
+        w = self.miss_cost
         best = candidates[0]
-        cost, legs = best.queued_tokens + best.foreign_tokens + self.uncached(best, plan), best.outstanding
+        cost, legs = best.queued_tokens + best.foreign_tokens + w * self.uncached(best, plan), best.outstanding
         for e in candidates:
-            c = e.queued_tokens + e.foreign_tokens + self.uncached(e, plan)
+            c = e.queued_tokens + e.foreign_tokens + w * self.uncached(e, plan)
             if c < cost or (c == cost and e.outstanding < legs):
                 best, cost, legs = e, c, e.outstanding
         return best
@@ -306,7 +313,8 @@ class Routing:
         weighed = [(e, policy.uncached(e, plan), e.queued_tokens + e.foreign_tokens) for e in fleet.candidates(PREFILL)]
         if weighed:
             best = policy.pick(PREFILL, [e for e, _, _ in weighed], plan)
-            weighed.sort(key=lambda c: (c[0] is not best, c[1] + c[2]))
+            w = getattr(policy, "miss_cost", 1.0)
+            weighed.sort(key=lambda c: (c[0] is not best, w * c[1] + c[2]))
             plan.candidates = tuple((e.url, uncached, queued) for e, uncached, queued in weighed[:MAX_CANDIDATES])
         if self.fixed is None:
             plan.pd, plan.reason = self.decide(plan)

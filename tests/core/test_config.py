@@ -206,6 +206,7 @@ DEFAULTS: dict[str, object] = {
     "routing.metrics_interval_s": 1.0,
     "routing.prefill_tokens_per_s": 8000.0,
     "routing.kv_capacity_tokens": 2000000,
+    "routing.miss_cost": 3.0,
     "engine.discovery": "static",
     "discovery.prefill": None,
     "discovery.decode": None,

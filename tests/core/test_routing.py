@@ -270,8 +270,10 @@ def prefix_routing(fleet: Fleet, **config: Any) -> Routing:
     return Routing(RoutingConfig(policy="prefix", **config), fleet)
 
 
-def prefix_fleet(capacity_tokens: int = 2_000_000, max_inflight: int = 100) -> tuple[Fleet, Prefix]:
-    policy = Prefix(capacity_tokens)
+def prefix_fleet(
+    capacity_tokens: int = 2_000_000, max_inflight: int = 100, miss_cost: float = 1.0
+) -> tuple[Fleet, Prefix]:
+    policy = Prefix(capacity_tokens, miss_cost)
     return fleet_of(policy, max_inflight=max_inflight), policy
 
 
@@ -367,6 +369,54 @@ def test_prefix_cost_weighs_queued_tokens_against_cached_ones() -> None:
     assert fleet.choose(PREFILL, plan=routing.plan(chat("q"), CHAT, 0)) is holder
     fleet.leg_started(holder, 2)  # now it costs more
     assert fleet.choose(PREFILL, plan=routing.plan(chat("q"), CHAT, 0)) is not holder
+
+
+@pytest.mark.parametrize("miss_cost", [2.0, 3.0, 5.0])
+def test_a_miss_counts_miss_cost_queued_tokens(miss_cost: float) -> None:
+    """The holder keeps a prompt until its queue outweighs ``miss_cost`` x the tokens it would save."""
+    fleet, policy = prefix_fleet(miss_cost=miss_cost)
+    routing = prefix_routing(fleet)
+    holder, p = admit(fleet, routing, chat("q"))
+    fleet.leg_ended(holder, p.tokens)
+    plan = routing.plan(chat("q"), CHAT, 0)
+    saved = p.tokens - plan.candidates[0][1]
+    assert saved >= 8 * BLOCK_TOKENS
+    limit = int(miss_cost * saved)
+    fleet.leg_started(holder, limit - 1)  # a queue worth less than the weighed hit: still there
+    assert fleet.choose(PREFILL, plan=routing.plan(chat("q"), CHAT, 0)) is holder
+    fleet.leg_started(holder, 2)  # now worth more
+    assert fleet.choose(PREFILL, plan=routing.plan(chat("q"), CHAT, 0)) is not holder
+
+
+@pytest.mark.parametrize(("in_flight", "engines_used"), [(2, 1), (6, 2), (8, 3), (12, 4)])
+def test_a_hotspot_spreads_with_the_default_miss_cost_too(in_flight: int, engines_used: int) -> None:
+    """Weighing a miss 3x moves the point where a hot prefix spreads; it still spreads, more with more load.
+
+    A new copy of the prefix is made only when the queue on the engines
+    holding it outweighs 3x the tokens the copy would save (with
+    ``miss_cost`` 1 two prefills in flight already spread it, and four use
+    every engine): with 2 prefills in flight one engine serves the prefix,
+    with 6 two, with 8 three, with 12 all four, and the engines that do not
+    take it keep their caches for other prompts. The engines that share it
+    share it evenly.
+    """
+    policy = make_policy(RoutingConfig(policy="prefix"))
+    assert isinstance(policy, Prefix) and policy.miss_cost == 3.0
+    fleet = fleet_of(policy, max_inflight=100)
+    routing = prefix_routing(fleet)
+    running: list[tuple[EngineState, int]] = []
+    chosen = []
+    for i in range(60):
+        engine, p = admit(fleet, routing, chat(f"question {i}"))
+        chosen.append(engine.index)
+        running.append((engine, p.tokens))
+        if len(running) >= in_flight:  # that many prefills in flight, the oldest finishing first
+            done, tokens = running.pop(0)
+            fleet.leg_ended(done, tokens)
+    shares = [chosen.count(i) for i in range(4)]
+    assert sum(1 for n in shares if n) == engines_used, shares
+    if engines_used > 1:
+        assert max(shares) <= 1.5 * len(chosen) / engines_used, shares
 
 
 @SETTINGS
