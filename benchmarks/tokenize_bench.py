@@ -90,8 +90,9 @@ def build_bpe(folder: Path, vocab: int, megabytes: float) -> float:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS, initial_alphabet=alphabet,
+                                  show_progress=False)  # fmt: skip
     started = time.perf_counter()
     tok.train_from_iterator(training_text(megabytes), trainer)
     took = time.perf_counter() - started
@@ -238,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row))
         print(json.dumps({"longest_stall_ms": stalls}))
         return 0
-    print(f"byte-level BPE: vocabulary {vocab}, trained on {args.train_mb:g} MB of the standard library in {took:.1f} s; "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")  # fmt: skip
+    print(f"byte-level BPE: vocabulary {vocab}, trained on {args.train_mb:g} MB of the standard library in "
+          f"{took:.1f} s; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")  # fmt: skip
     print("| tokenizer | prompt | request | tokens | median µs | p90 µs | p99 µs | max µs |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

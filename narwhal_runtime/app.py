@@ -129,11 +129,11 @@ def load_prompt_tokenizer(config: Config) -> EngineTokenizer | None:
 
 
 def _router_takes_tokenizer() -> bool:
-    # Router gains its ``tokenizer`` parameter with the "kv" policy (docs/configure.md, "Tokenizer"); until
-    # both are in the same tree, a Router without it is built without the tokenizer.
+    # Router gains its ``tokenizer`` parameter with the "kv" policy (docs/configure.md, "Tokenizer"): a
+    # Router without it is built without the tokenizer. Once both are merged, pass ``tokenizer=`` always.
     try:
         return "tokenizer" in inspect.signature(Router).parameters
-    except (TypeError, ValueError):  # no signature to read: the current Router, which takes it
+    except (TypeError, ValueError):  # a compiled Router whose signature cannot be read: assume the merged one
         return True
 
 

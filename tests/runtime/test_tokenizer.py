@@ -224,7 +224,8 @@ def test_a_batch_or_a_malformed_prompt_is_not_tokenizable(tok: EngineTokenizer, 
 def test_without_a_chat_template_chat_is_refused_completions_are_not(tmp_path: Path) -> None:
     tok = load_tokenizer(str(save_tokenizer(tmp_path, {})))
     assert not tok.has_chat_template
-    assert tok.prompt_token_ids({"prompt": "the sea"}, chat=False) == [1, *tok.encode("the sea", add_special_tokens=False)]
+    words = tok.encode("the sea", add_special_tokens=False)
+    assert tok.prompt_token_ids({"prompt": "the sea"}, chat=False) == [1, *words]
     with pytest.raises(PromptNotTokenizable, match="model.chat_template"):
         tok.prompt_token_ids({"messages": MESSAGES}, chat=True)
 
@@ -265,7 +266,8 @@ def test_check_config_loads_the_tokenizer(tmp_path: Path, tokenizer_dir: Path,
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("narwhal: bad config: model.tokenizer: cannot load tokenizer ") and "no such file" in line
     (tmp_path / "bad.jinja").write_text("{{ }")
-    assert check_config(str(config(tmp_path, tokenizer=str(tokenizer_dir), chat_template=str(tmp_path / "bad.jinja")))) == 2
+    bad = config(tmp_path, tokenizer=str(tokenizer_dir), chat_template=str(tmp_path / "bad.jinja"))
+    assert check_config(str(bad)) == 2
     assert "model.chat_template: the chat template in" in capsys.readouterr().err
 
 
