@@ -9,7 +9,8 @@ and the environment the config names, as ``serve`` would in the same place:
 * the config file, parsed and validated (exit 2 on a bad one);
 * the router built from it, as ``serve`` builds it: the API keys file read
   and parsed when ``auth = "api_keys"``, the engine credential's
-  environment variable present and fit for a header (exit 2);
+  environment variable present and fit for a header, the tokenizer and chat
+  template of ``model.tokenizer`` loaded (exit 2);
 * the journal: its file writable if it exists, else its directory one a
   file can be created in (exit 1, ``cannot open journal ...``).
 

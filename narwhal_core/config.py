@@ -103,7 +103,7 @@ __all__ = [
 AuthMode = Literal["none", "api_keys", "trusted_header"]
 KvRelease = Literal["decode_pull", "abort_endpoint", "decode_abort", "lease"]
 FsyncPolicy = Literal["always", "interval", "never"]
-RoutingPolicy = Literal["least_loaded", "round_robin", "prefix"]
+RoutingPolicy = Literal["least_loaded", "round_robin", "prefix", "kv"]
 RoutingMode = Literal["always", "never", "auto"]
 
 
@@ -168,8 +168,26 @@ class ModelConfig:
         validator=str_list(non_empty),
         metadata=doc("Further names clients may use for the model."),
     )
+    tokenizer: str | None = attrs.field(
+        default=None,
+        validator=optional_string(non_empty),
+        metadata=doc(
+            "The model's Hugging Face tokenizer.json, or a directory holding it: Narwhal computes the token ids "
+            'the engines cache (required by routing.policy = "kv"). Loaded by the runtime at start.'
+        ),
+    )
+    chat_template: str | None = attrs.field(
+        default=None,
+        validator=optional_string(non_empty),
+        metadata=doc(
+            "A Jinja chat template file, as vLLM's --chat-template; unset: chat_template.jinja or the "
+            "chat_template of tokenizer_config.json beside the tokenizer."
+        ),
+    )
 
     def __attrs_post_init__(self) -> None:
+        if self.chat_template is not None and self.tokenizer is None:
+            raise ConfigError("model.chat_template", "needs model.tokenizer (the template renders for that tokenizer)")
         seen = {self.name: "model.name"}
         for i, alias in enumerate(self.aliases):
             if alias in seen:
@@ -647,7 +665,26 @@ class Config:
 
     def __attrs_post_init__(self) -> None:
         self.discovery.check(self.engine.discovery)
+        self._check_kv_policy()
         set_derived(self, "model_names", frozenset((self.model.name, *self.model.aliases)))
+
+    def _check_kv_policy(self) -> None:
+        """``policy = "kv"`` routes by the engines' KV events: it needs their streams and the model's tokenizer."""
+        if self.routing.policy != "kv":
+            return
+        if self.model.tokenizer is None:
+            raise ConfigError(
+                "routing.policy",
+                'policy = "kv" needs model.tokenizer: set it to the model\'s tokenizer.json (or its directory), '
+                "the one the engines load, so Narwhal computes the token ids they cache",
+            )
+        # engine.kv_events is [engine]'s (docs/configure.md); read by name until that field is merged here.
+        if getattr(self.engine, "kv_events", None) is None:
+            raise ConfigError(
+                "routing.policy",
+                'policy = "kv" needs engine.kv_events: set it to the engines\' KV event endpoint, for example '
+                '"tcp://{host}:5557" (vLLM\'s --kv-events-config endpoint)',
+            )
 
 
 #: Section name -> section class, in file order.

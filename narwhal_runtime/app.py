@@ -11,6 +11,7 @@ and ``narwhal_trio`` / ``narwhal_asyncio`` stay mirror images.
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import secrets
 import signal
@@ -18,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from narwhal_build import core_build
 from narwhal_core import (
@@ -35,9 +36,10 @@ from narwhal_core.errors import ConfigError
 from .group_metrics import current_group
 from .log import log_event
 from .metrics import render
+from .tokenizer import EngineTokenizer, TokenizerLoadError, load_tokenizer
 
 __all__ = [
-    "load_config", "load_authenticator", "build_router", "settle_gc", "GC_THRESHOLDS",
+    "load_config", "load_authenticator", "load_prompt_tokenizer", "build_router", "settle_gc", "GC_THRESHOLDS",
     "log_listening", "StartupError", "journal_failure", "listen_failure",
     "startup_failure", "STOPPED_BY_SIGNAL", "Run", "core_build",
 ]
@@ -112,6 +114,29 @@ def load_authenticator(config: Config) -> Authenticator:
     return Authenticator.from_config(config.ingress, keys)
 
 
+def load_prompt_tokenizer(config: Config) -> EngineTokenizer | None:
+    """``model.tokenizer`` and its chat template, loaded; None when unset.
+
+    A tokenizer or template that does not load is a config error at start
+    (``narwhal serve`` and ``--check-config`` exit 2 naming the key).
+    """
+    if config.model.tokenizer is None:
+        return None
+    try:
+        return load_tokenizer(config.model.tokenizer, config.model.chat_template)
+    except TokenizerLoadError as exc:
+        raise ConfigError(exc.key, str(exc)) from None
+
+
+def _router_takes_tokenizer() -> bool:
+    # Router gains its ``tokenizer`` parameter with the "kv" policy (docs/configure.md, "Tokenizer"): a
+    # Router without it is built without the tokenizer. Once both are merged, pass ``tokenizer=`` always.
+    try:
+        return "tokenizer" in inspect.signature(Router).parameters
+    except (TypeError, ValueError):  # a compiled Router whose signature cannot be read: assume the merged one
+        return True
+
+
 def build_router(
     config: Config,
     *,
@@ -126,8 +151,11 @@ def build_router(
     ``loop.time()``); journal timestamps are that clock plus the offset to
     the wall clock measured here.
     """
+    tokenizer = load_prompt_tokenizer(config)
+    extra: dict[str, Any] = {"tokenizer": tokenizer} if tokenizer is not None and _router_takes_tokenizer() else {}
     return Router(
         config,
+        **extra,
         rid_source=RidSource(rid_prefix or secrets.token_hex(5)),
         authenticator=load_authenticator(config),
         engine_api_key=engine_api_key(config, os.environ if env is None else env),

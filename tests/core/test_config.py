@@ -150,6 +150,8 @@ def test_error_line_is_one_line() -> None:
 
 DEFAULTS: dict[str, object] = {
     "model.aliases": (),
+    "model.tokenizer": None,
+    "model.chat_template": None,
     "ingress.listen": "127.0.0.1:8000",
     "ingress.auth": "none",
     "ingress.api_keys_file": None,
@@ -369,6 +371,29 @@ def test_aliases_are_distinct_from_the_name_and_each_other() -> None:
     error = error_of(with_values(model={"aliases": ["a", "b", "a"]}))
     assert str(error) == 'model.aliases[2]: "a" repeats model.aliases[0]'
     assert error_of(with_values(model={"aliases": [""]})).key == "model.aliases[0]"
+
+
+def test_model_tokenizer_and_chat_template() -> None:
+    config = config_from_dict(with_values(model={"tokenizer": "/models/llama", "chat_template": "/t.jinja"}), env={})
+    assert (config.model.tokenizer, config.model.chat_template) == ("/models/llama", "/t.jinja")
+    assert str(error_of(with_values(model={"tokenizer": ""}))) == "model.tokenizer: must not be empty"
+    error = error_of(with_values(model={"chat_template": "/t.jinja"}))
+    assert str(error) == "model.chat_template: needs model.tokenizer (the template renders for that tokenizer)"
+
+
+def test_the_kv_policy_needs_a_tokenizer_and_the_engines_kv_events() -> None:
+    error = error_of(with_values(routing={"policy": "kv"}))
+    assert error.key == "routing.policy"
+    assert str(error).startswith('routing.policy: policy = "kv" needs model.tokenizer: set it to the model\'s '
+                                 "tokenizer.json (or its directory)")  # fmt: skip
+    error = error_of(with_values(routing={"policy": "kv"}, model={"tokenizer": "/models/llama"}))
+    assert error.key == "routing.policy"
+    assert str(error).startswith('routing.policy: policy = "kv" needs engine.kv_events: set it to ')
+    assert '"tcp://{host}:5557"' in str(error)
+    if "kv_events" in attrs.fields_dict(EngineConfig):  # [engine] kv_events, where this tree has it
+        data = with_values(routing={"policy": "kv"}, model={"tokenizer": "/models/llama"},
+                           engine={"kv_events": "tcp://{host}:5557"})  # fmt: skip
+        assert config_from_dict(data, env={}).routing.policy == "kv"
 
 
 def test_model_names() -> None:
@@ -710,7 +735,7 @@ def test_backoff_max_is_at_least_backoff_base() -> None:
         ("ingress", "auth", ["none", "api_keys", "trusted_header"]),
         ("engine", "kv_release", ["decode_pull", "abort_endpoint", "decode_abort", "lease"]),
         ("journal", "fsync", ["always", "interval", "never"]),
-        ("routing", "policy", ["least_loaded", "round_robin", "prefix"]),
+        ("routing", "policy", ["least_loaded", "round_robin", "prefix", "kv"]),
         ("routing", "mode", ["always", "never", "auto"]),
     ],
 )
@@ -726,7 +751,7 @@ def test_routing_table_parses_and_refuses_with_the_key() -> None:
     routing = parse_config(text, env={"NARWHAL_ENGINE_API_KEY": SECRET}).routing
     assert routing == RoutingConfig(policy="prefix", mode="auto", metrics_interval_s=0.0, prefill_tokens_per_s=12000.0)
     assert str(error_of(with_values(routing={"policy": "cache_aware"}))) == (
-        'routing.policy: must be one of "least_loaded", "round_robin", "prefix", got "cache_aware"'
+        'routing.policy: must be one of "least_loaded", "round_robin", "prefix", "kv", got "cache_aware"'
     )
     assert str(error_of(with_values(routing={"mode": "sometimes"}))) == (
         'routing.mode: must be one of "always", "never", "auto", got "sometimes"'
