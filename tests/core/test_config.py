@@ -207,6 +207,8 @@ DEFAULTS: dict[str, object] = {
     "routing.prefill_tokens_per_s": 8000.0,
     "routing.kv_capacity_tokens": 2000000,
     "engine.discovery": "static",
+    "engine.kv_events": None,
+    "engine.kv_events_replay": None,
     "discovery.prefill": None,
     "discovery.decode": None,
     "discovery.record": "A",
