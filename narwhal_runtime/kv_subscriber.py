@@ -206,14 +206,20 @@ class _Engine:
         #: When the replay in flight counts as failed (``None``: none in flight).
         self.deadline: float | None = None
         self.warned: set[str] = set()
-        self.sub = sockets.open(zmq.SUB, source.endpoint)
-        # The monitor first, so that it sees the first connection too.
-        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sockets.watch(self.monitor, self)
-        self.sub.connect(source.endpoint)
-        sockets.watch(self.sub, self)
+        self.sub: Any = None
+        self.monitor: Any = None
         self.replay: Any = None
-        self._open_replay()
+        try:
+            self.sub = sockets.open(zmq.SUB, source.endpoint)
+            # The monitor first, so that it sees the first connection too.
+            self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sockets.watch(self.monitor, self)
+            self.sub.connect(source.endpoint)
+            sockets.watch(self.sub, self)
+            self._open_replay()
+        except zmq.ZMQError:
+            self.close()
+            raise
         log_event("kv_events_subscribed", engine=self.url, endpoint=source.endpoint, replay=source.replay)
 
     def _open_replay(self) -> None:
@@ -231,10 +237,11 @@ class _Engine:
 
     def close(self) -> None:
         sockets = self.sockets
-        try:
-            self.sub.disable_monitor()
-        except zmq.ZMQError:
-            pass
+        if self.monitor is not None:
+            try:
+                self.sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
         for sock in (self.monitor, self.sub, self.replay):
             if sock is not None:
                 sockets.close(sock)
@@ -469,5 +476,8 @@ class KvSubscriber:
                 log_event("kv_events_unsubscribed", engine=url)
         for url, source in wanted.items():
             if url not in engines:
-                engines[url] = _Engine(source, sockets, self.counters, self._replay_timeout, self._clock)
+                try:
+                    engines[url] = _Engine(source, sockets, self.counters, self._replay_timeout, self._clock)
+                except zmq.ZMQError as exc:  # (an endpoint ZMQ refuses: the others go on)
+                    log_event("kv_events_endpoint_invalid", level="warning", engine=url, problem=str(exc))
         self.subscribed = frozenset(engines)

@@ -344,6 +344,19 @@ def test_engines_come_and_go(hand: HandEngine) -> None:
                      ("kv_events_unsubscribed", URL)]
 
 
+def test_an_endpoint_zmq_refuses_leaves_that_engine_out(hand: HandEngine) -> None:
+    fed = Fed()
+    with LogCapture() as log:
+        sub = subscriber([KvSource("http://10.0.0.9:8100", "tcp://127.0.0.1:x", None), hand.source], fed)
+        try:
+            connected(sub, fed, hand)
+            assert sub.subscribed == {URL}
+        finally:
+            assert sub.close()
+    refused = [e for e in log.events() if e["event"] == "kv_events_endpoint_invalid"]
+    assert [e["engine"] for e in refused] == ["http://10.0.0.9:8100"]
+
+
 def test_close_stops_the_thread(hand: HandEngine) -> None:
     fed = Fed()
     sub = subscriber([hand.source], fed)
