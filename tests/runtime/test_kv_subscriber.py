@@ -89,11 +89,14 @@ class Fed:
 class HandEngine:
     """An engine's KV-event sockets driven by the test: an XPUB and, optionally, a replay ROUTER."""
 
-    def __init__(self, *, replay: bool = True) -> None:
+    def __init__(self, *, replay: bool = True, endpoint: str | None = None) -> None:
         ctx = zmq.Context.instance()
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind_to_random_port("tcp://127.0.0.1")
+        if endpoint is None:
+            self.pub.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            self.pub.bind(endpoint)  # (an engine restarted on its port)
         self.endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.router: Any = None
         self.replay_endpoint: str | None = None
@@ -151,6 +154,31 @@ def subscriber(sources: Sequence[KvSource], fed: Fed, **options: Any) -> KvSubsc
     return sub
 
 
+MARK = stored(99)
+
+
+def published_until_seen(publisher: KvEventPublisher, fed: Fed) -> list[Any]:
+    """Publish a marker batch until one arrives (the first may reach the PUB before the subscription does).
+
+    Returns the events received, checked to end with the markers published: every one of them, in order.
+    """
+    count = 0
+
+    def seen() -> bool:
+        nonlocal count
+        if core(MARK) in fed.events():
+            return True
+        publisher.publish([MARK], ts=1.0)
+        count += 1
+        return False
+
+    wait_until(seen, "a marker batch")
+    wait_until(lambda: fed.events().count(core(MARK)) == count, "every marker, replayed if lost")
+    events = fed.events()
+    assert events[-count:] == [core(MARK)] * count
+    return events
+
+
 def connected(sub: KvSubscriber, fed: Fed, engine: HandEngine) -> None:
     wait_until(lambda: engine.subscribers and (True, "connected") in fed.changes(), "the subscription",
                pump=engine.pump)
@@ -169,9 +197,9 @@ def test_batches_arrive_in_order_as_kv_events_received() -> None:
         for batch in sent:
             publisher.publish(batch, ts=1.0)
         expected = [core(e) for batch in sent for e in batch]
-        # (A batch the PUB sent before the subscription reached it comes back by replay, in its place.)
-        wait_until(lambda: len(fed.events()) >= len(expected), "every event")
-        assert fed.events() == expected
+        # (Batches the PUB sent before the subscription reached it come back by replay, in their place.)
+        events = published_until_seen(publisher, fed)
+        assert events[:len(expected)] == expected
         assert fed.threads == {"narwhal-kv-events"}
         assert sub.subscribed == {URL}
     finally:
@@ -189,9 +217,8 @@ def test_a_late_subscriber_gets_the_earlier_batches_by_replay() -> None:
         sub = subscriber([KvSource(URL, publisher.endpoint, publisher.replay_endpoint)], fed)
         wait_until(lambda: fed.changes() == [(True, "connected")], "connected")
         assert fed.events() == []  # (it learns it is late from the next batch)
-        publisher.publish([stored(3)], ts=1.0)
-        wait_until(lambda: len(fed.events()) >= 4, "the four batches")
-        assert fed.events() == [core(stored(n)) for n in range(4)]
+        events = published_until_seen(publisher, fed)
+        assert events[:3] == [core(stored(n)) for n in range(3)]
         assert sub.counters.replays >= 1 and sub.counters.replays_failed == 0
     finally:
         assert sub.close()
@@ -292,25 +319,37 @@ def test_a_malformed_payload_is_logged_once_and_asked_for_again(hand: HandEngine
 
 
 def test_the_publisher_going_away_and_coming_back() -> None:
-    publisher = KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
-    endpoint, replay = publisher.endpoint, publisher.replay_endpoint
+    engine = HandEngine(replay=False)
     fed = Fed()
-    sub = subscriber([KvSource(URL, endpoint, replay)], fed)
+    sub = subscriber([engine.source], fed)
     try:
-        wait_until(lambda: fed.changes() == [(True, "connected")], "connected")
-        publisher.publish([stored(0)], ts=1.0)
-        publisher.publish([stored(1)], ts=1.0)
-        wait_until(lambda: len(fed.events()) >= 2, "the first engine's batches")
-        publisher.close()
+        connected(sub, fed, engine)
+        engine.send(0, encode_batch([stored(0)], 1.0))
+        engine.send(1, encode_batch([stored(1)], 1.0))
+        wait_until(lambda: len(fed.events()) >= 2, "the first engine's batches", pump=engine.pump)
+        engine.close()
         wait_until(lambda: fed.changes()[-1:] == [(False, "disconnected")], "the disconnection")
-        # The engine restarts on the same ports: a new cache, sequence numbers from 0 again.
-        # (The simulator binds for host * and connects otherwise, as vLLM does.)
-        publisher = KvEventPublisher(endpoint.replace("127.0.0.1", "*"), replay_endpoint=replay)
-        wait_until(lambda: fed.changes()[-1:] == [(True, "connected")], "the reconnection")
-        publisher.publish([stored(7)], ts=1.0)
-        wait_until(lambda: core(stored(7)) in fed.events(), "the restarted engine's batch")
+        # The engine restarts on the same port: a new cache, sequence numbers from 0 again.
+        engine = HandEngine(replay=False, endpoint=engine.endpoint)
+        wait_until(lambda: engine.subscribers and fed.changes()[-1:] == [(True, "connected")], "the reconnection",
+                   pump=engine.pump)
+        engine.send(0, encode_batch([stored(7)], 1.0))
+        wait_until(lambda: core(stored(7)) in fed.events(), "the restarted engine's batch", pump=engine.pump)
         assert fed.events() == [core(stored(0)), core(stored(1)), AllBlocksCleared(), core(stored(7))]
         assert fed.changes() == [(True, "connected"), (False, "disconnected"), (True, "connected")]
+    finally:
+        assert sub.close()
+        engine.close()
+
+
+def test_the_simulated_engine_going_away_is_seen() -> None:
+    publisher = KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    fed = Fed()
+    sub = subscriber([KvSource(URL, publisher.endpoint, publisher.replay_endpoint)], fed)
+    try:
+        wait_until(lambda: fed.changes() == [(True, "connected")], "connected")
+        publisher.close()
+        wait_until(lambda: fed.changes() == [(True, "connected"), (False, "disconnected")], "the disconnection")
     finally:
         assert sub.close()
         publisher.close()
@@ -424,41 +463,44 @@ def test_a_template_is_checked_for_every_configured_engine() -> None:
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_the_server_runs_the_subscriber_and_feeds_its_loop(tmp_path: Path, runtime: str) -> None:
-    port = free_port()
+    publisher = KvEventPublisher("tcp://127.0.0.1:0")
+    port = int(publisher.endpoint.rpartition(":")[2])
     engine = f"http://127.0.0.1:{free_port()}"  # (no engine: its probes fail, which does not matter here)
     config = make_config(tmp_path / "journal.jsonl", decode=(engine,),
                          engine={"kv_events": f"tcp://{{host}}:{port}"})
     seen: list[tuple[Any, str]] = []
-    with RouterThread(config, runtime) as router:
-        sub = router.server.kv_subscriber
-        assert sub.alive and sub.subscribed == {engine}
+    try:
+        with RouterThread(config, runtime) as router:
+            sub = router.server.kv_subscriber
+            assert sub.alive and sub.subscribed == {engine}
 
-        def intercept() -> None:
-            # What the router does with the events is the index's (tests/core); here: that they reach its loop.
-            driver = router.server.driver
-            feed = driver.feed
+            def intercept() -> None:
+                # What the router does with the events is the index's (tests/core); here: that they reach its loop.
+                driver = router.server.driver
+                feed = driver.feed
 
-            def feed_or_keep(event: Any, *, now: float) -> bool:
-                if type(event) in (KvEventsReceived, KvStreamChanged):
-                    seen.append((event, threading.current_thread().name))
-                    return bool(driver.pending())
-                return bool(feed(event, now=now))
+                def feed_or_keep(event: Any, *, now: float) -> bool:
+                    if type(event) in (KvEventsReceived, KvStreamChanged):
+                        seen.append((event, threading.current_thread().name))
+                        return bool(driver.pending())
+                    return bool(feed(event, now=now))
 
-            driver.feed = feed_or_keep
+                driver.feed = feed_or_keep
 
-        router.call(intercept)
-        publisher = KvEventPublisher(f"tcp://*:{port}")
-        try:
+            router.call(intercept)
+
             def published() -> bool:
                 publisher.publish([stored(0)], ts=1.0)  # again until one arrives (no replay socket here)
                 return any(type(e) is KvEventsReceived for e, _ in seen)
 
             wait_until(published, "a batch fed on the router's loop")
-        finally:
+            assert [e.events for e, _ in seen if type(e) is KvEventsReceived][0] == (core(stored(0)),)
             publisher.close()
-        assert seen[0][0] == KvStreamChanged(engine, True, "connected")
-        assert {thread for _, thread in seen} == {f"router-{runtime}"}
-        assert [e.events for e, _ in seen if type(e) is KvEventsReceived][0] == (core(stored(0)),)
+            wait_until(lambda: KvStreamChanged(engine, False, "disconnected") in [e for e, _ in seen],
+                       "the disconnection fed on the router's loop")
+            assert {thread for _, thread in seen} == {f"router-{runtime}"}
+    finally:
+        publisher.close()
     assert not sub.alive and sub.subscribed == frozenset()
 
 
