@@ -166,6 +166,8 @@ class Server(ServerBase):
                 sync_task = loop.create_task(self.journal.run_sync_timer())
             if self.discovery is not None:
                 discovery_task = loop.create_task(self.discovery.run(self.feed, asyncio.sleep, asyncio.to_thread))
+            # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
+            self.start_kv_events(loop.call_soon_threadsafe)
             self.driver.drain()
             self._after_drain()
             log_listening(self.config, host, port, RUNTIME, loop_name(loop))
@@ -176,6 +178,7 @@ class Server(ServerBase):
                 self.shutdown()
             await self._drained
         finally:
+            self.stop_kv_events()
             self._busy.stop()
             self._flush()
             self._stop_listening()

@@ -98,6 +98,8 @@ __all__ = [
     "normalize_host",
     "is_loopback_host",
     "is_ip_address",
+    "kv_endpoint",
+    "kv_endpoint_problem",
 ]
 
 AuthMode = Literal["none", "api_keys", "trusted_header"]
@@ -314,6 +316,43 @@ class IngressConfig:
             )
 
 
+# -- KV-event endpoints -------------------------------------------------------------
+
+#: The placeholders an ``engine.kv_events`` template may hold.
+_KV_PLACEHOLDERS: Final = ("{host}", "{port}")
+
+
+def kv_endpoint(template: str, address: EngineAddress) -> str:
+    """An engine's KV-event endpoint: ``template`` with its URL's ``{host}`` (bracketed if IPv6) and ``{port}``.
+
+    (docs/configure.md, ``engine.kv_events``.) Plain replacement, not
+    :meth:`str.format`: a template is an address, never a format language.
+    """
+    return template.replace("{host}", bracketed(address.host)).replace("{port}", str(address.port))
+
+
+def kv_endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` (a template already filled in) is not ``tcp://HOST:PORT``; ``None`` when it is."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme != "tcp":
+        return f"must be tcp://HOST:PORT once {{host}} and {{port}} are filled in, got {describe(endpoint)}"
+    try:
+        split_host_port(rest, min_port=1)
+    except ValueError as exc:
+        return f"{exc}: must be tcp://HOST:PORT once {{host}} and {{port}} are filled in, got {describe(endpoint)}"
+    return None
+
+
+def _kv_template(value: str) -> str | None:
+    # Checked filled in with an example engine; the configured engines are checked in EngineConfig.
+    rest = value
+    for placeholder in _KV_PLACEHOLDERS:
+        rest = rest.replace(placeholder, "")
+    if "{" in rest or "}" in rest:
+        return f"may hold only the placeholders {{host}} and {{port}}, got {describe(value)}"
+    return kv_endpoint_problem(value.replace("{host}", "engine.example").replace("{port}", "1"))
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """``[engine]``: the prefill and decode pools and how legs reach them."""
@@ -382,6 +421,22 @@ class EngineConfig:
         ),
     )
 
+    kv_events: str | None = attrs.field(
+        default=None,
+        validator=optional_string(_kv_template),
+        metadata=doc(
+            "Where each engine publishes its KV-cache events (vLLM's ZMQ PUB), a template: tcp://{host}:5557, "
+            "{host} and {port} from the engine URL; unset: no subscription."
+        ),
+    )
+    kv_events_replay: str | None = attrs.field(
+        default=None,
+        validator=optional_string(_kv_template),
+        metadata=doc(
+            "Each engine's KV-event replay socket (vLLM's ROUTER), a template like kv_events; unset: no replay."
+        ),
+    )
+
     prefill_engines: tuple[EngineAddress, ...] = attrs.field(
         init=False, eq=False, repr=False, metadata=doc("prefill, parsed.")
     )
@@ -427,6 +482,19 @@ class EngineConfig:
         networks = (kv_network(h) for h in self.kv_hosts if normalize_host(h) is None)
         set_derived(self, "kv_networks", tuple(n for n in networks if n is not None))
         set_derived(self, "kv_loopback", any(is_loopback_host(h) for h in hosts))
+        self._check_kv_events(pools["prefill"] + pools["decode"])
+
+    def _check_kv_events(self, engines: tuple[EngineAddress, ...]) -> None:
+        """The KV-event templates, filled in for every configured engine, are ``tcp://HOST:PORT``."""
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ConfigError("engine.kv_events_replay", "needs engine.kv_events (the stream it replays)")
+        for name, template in (("kv_events", self.kv_events), ("kv_events_replay", self.kv_events_replay)):
+            if template is None:
+                continue
+            for address in engines:
+                problem = kv_endpoint_problem(kv_endpoint(template, address))
+                if problem is not None:
+                    raise ConfigError(f"engine.{name}", f"for {address.url}: {problem}")
 
     def kv_host_allowed(self, host: str) -> bool:
         """Whether a prefill answer's ``remote_host`` names a host of this fleet, as configured.

@@ -13,8 +13,8 @@ signals.
 from __future__ import annotations
 
 import socket
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final
 
 from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, Router
 
@@ -23,10 +23,15 @@ from .discovery import make_discovery
 from .driver import BusyPoll, Driver
 from .group_metrics import current_group
 from .journal_file import JournalFile
+from .kv_subscriber import kv_sources, make_kv_subscriber
 from .listening import listening_sockets
 from .log import log_event
 
-__all__ = ["ServerBase", "start_tracer"]
+__all__ = ["ServerBase", "start_tracer", "FLEET_CHANGES"]
+
+#: The router's log lines that say the fleet's membership changed (discovery or the admin API):
+#: the KV-event subscriber follows them.
+FLEET_CHANGES: Final = frozenset({"engine_added", "engine_removed"})
 
 
 def start_tracer(config: Config) -> Any:
@@ -69,6 +74,9 @@ class ServerBase:
         self._busy = BusyPoll(config.ingress.busy_poll_us / 1e6)
         #: ``engine.discovery`` dns or file: the lookups the adapter runs while serving (``None``: static engines).
         self.discovery = make_discovery(config)
+        #: ``engine.kv_events``: the engines' KV-event streams, read by a thread of its own that the adapter
+        #: starts once serving (:meth:`start_kv_events`) and stops at exit (``None``: not configured).
+        self.kv_subscriber = make_kv_subscriber(config, [e.address for e in self.router.fleet.all()])
         #: A worker of a group (``ingress.workers`` > 1) snapshots its metrics after batches.
         self._group = current_group()
 
@@ -90,6 +98,25 @@ class ServerBase:
 
     def _feed_now(self, event: Event) -> None:
         raise NotImplementedError
+
+    def start_kv_events(self, call_soon_threadsafe: Callable[..., object]) -> None:
+        """Start the KV-event subscriber's thread, which hands its events over with ``call_soon_threadsafe``.
+
+        (trio: the trio token's ``run_sync_soon``; asyncio: ``loop.call_soon_threadsafe``.)
+        """
+        if self.kv_subscriber is not None:
+            self.kv_subscriber.start(lambda events: call_soon_threadsafe(self._feed_kv, events))
+
+    def stop_kv_events(self) -> None:
+        """Stop the KV-event subscriber's thread (bounded: it polls its sockets with a short timeout)."""
+        if self.kv_subscriber is not None and not self.kv_subscriber.close():
+            log_event("kv_events_stop_timeout", level="warning",
+                      consequence="the thread is left to end with the process")
+
+    def _feed_kv(self, events: Sequence[Event]) -> None:
+        """The events the subscriber's thread handed over, on the loop."""
+        for event in events:
+            self._feed_now(event)
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         """The adapter's client write (:meth:`narwhal_runtime.driver.Effects.send`)."""
@@ -136,6 +163,9 @@ class ServerBase:
 
     def log(self, event: str, fields: dict[str, Any]) -> None:
         log_event(event, **fields)
+        if event in FLEET_CHANGES and self.kv_subscriber is not None:
+            # An engine joined or was forgotten: subscribe to the fleet as it is now.
+            self.kv_subscriber.set_engines(kv_sources(self.config, [e.address for e in self.router.fleet.all()]))
 
     def write_legs(self) -> None:
         # The driver calls this only after starting legs, so there are engines;

@@ -102,6 +102,8 @@ class Server(ServerBase):
                         self.discovery.run, self._feed_now, trio.sleep,
                         functools.partial(trio.to_thread.run_sync, abandon_on_cancel=True),
                     )
+                # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
+                self.start_kv_events(trio.lowlevel.current_trio_token().run_sync_soon)
                 accepting = await nursery.start(self._accept_loop, listeners)
                 self.driver.drain()
                 self._after_drain()
@@ -111,6 +113,7 @@ class Server(ServerBase):
                 accepting.cancel()
                 nursery.cancel_scope.cancel()
         finally:
+            self.stop_kv_events()
             for listener in listeners:
                 listener.socket.close()
             trio.lowlevel.remove_instrument(end_of_batch)

@@ -210,6 +210,8 @@ DEFAULTS: dict[str, object] = {
     "routing.kv_capacity_tokens": 2000000,
     "routing.miss_cost": 3.0,
     "engine.discovery": "static",
+    "engine.kv_events": None,
+    "engine.kv_events_replay": None,
     "discovery.prefill": None,
     "discovery.decode": None,
     "discovery.record": "A",
