@@ -746,8 +746,7 @@ class Config:
                 'policy = "kv" needs model.tokenizer: set it to the model\'s tokenizer.json (or its directory), '
                 "the one the engines load, so Narwhal computes the token ids they cache",
             )
-        # engine.kv_events is [engine]'s (docs/configure.md); read by name until that field is merged here.
-        if getattr(self.engine, "kv_events", None) is None:
+        if self.engine.kv_events is None:
             raise ConfigError(
                 "routing.policy",
                 'policy = "kv" needs engine.kv_events: set it to the engines\' KV event endpoint, for example '
