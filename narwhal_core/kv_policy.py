@@ -1,0 +1,148 @@
+"""Routing policy ``kv``: the prefix policy's cost model, fed with what the engines say they hold.
+
+(docs/routing.md, "KV events"; docs/configure.md, ``[routing]``.)
+
+:class:`Kv` is :class:`~narwhal_core.routing.Prefix` with a second, precise
+index: a prefill engine's expected time to first token is still (its queued
+prompt tokens + the prompt's tokens it does not hold), but the tokens it
+holds come from its own KV events (:class:`~narwhal_core.kv_index.KvIndex`)
+while its event stream is live. An engine whose stream is not live (never
+heard from, or lost or silent past ``routing.kv_events_stale_s``) is
+weighed from the approximate index exactly as ``prefix`` weighs it; that
+index is fed as under ``prefix`` all along, so it is ready when needed.
+
+The precise index is keyed by token ids, which only a tokenizer gives: the
+core never loads one, the runtime passes a :class:`PromptTokenizer` in
+(``Router(..., tokenizer=...)``). A request the tokenizer cannot render is
+weighed from the approximate index on every engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
+
+from .contract import CHAT
+from .kv_index import KvIndex, token_block_hashes
+from .routing import APPROXIMATE, Clock, Plan, Policy, Prefix, StoppedClock
+
+if TYPE_CHECKING:
+    from .config import RoutingConfig
+    from .contract import Route
+    from .fleet import EngineState
+    from .kv_events import KvEvent
+
+__all__ = ["PromptTokenizer", "KvKey", "Kv", "PRECISE"]
+
+#: The journal's name of the precise index (docs/operate.md, "The journal").
+PRECISE: Final = "kv"
+
+
+class PromptTokenizer(Protocol):
+    """What the router needs of a tokenizer: the token ids the ENGINE computes for a request's prompt.
+
+    Completions: the ``prompt`` (one string, or one list of token ids,
+    returned as is). Chat: the ``messages`` and ``tools`` rendered by the
+    model's chat template, then tokenized. It may raise for a body it
+    cannot render: the request is then weighed without it.
+    """
+
+    def prompt_token_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+        """The prompt's token ids (``chat``: the body came on ``/v1/chat/completions``)."""
+        ...
+
+
+class KvKey(list[int]):
+    """A plan's hashes under ``kv``: the approximate index's (the list itself, as ``prefix`` reads them)...
+
+    ...and, riding along, :attr:`exact`: Narwhal's chained hashes of the
+    prompt's token blocks (:func:`~narwhal_core.kv_index.token_block_hashes`),
+    what the precise index is asked about.
+    """
+
+    __slots__ = ("exact",)
+
+    def __init__(self, approximate: Sequence[int], exact: list[int]) -> None:
+        super().__init__(approximate)
+        self.exact: Final = exact
+
+
+class Kv(Prefix):
+    """``kv``: least expected TTFT, the tokens each prefill engine holds told by its KV events."""
+
+    name: ClassVar[str] = "kv"
+    names_index: ClassVar[bool] = True
+    __slots__ = ("tokenizer", "index", "block_size", "clock")
+
+    def __init__(
+        self, capacity_tokens: int, tokenizer: PromptTokenizer, *, block_size: int = 16, stale_s: float = 30.0,
+        speculative_ttl_s: float = 2.0, clock: Clock | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(capacity_tokens)
+        self.tokenizer: Final = tokenizer
+        #: Tokens per block of the precise index: the engines' ``--block-size``.
+        self.block_size: Final = block_size
+        self.index: Final = KvIndex(
+            block_size, stale_s=stale_s, speculative_ttl_s=speculative_ttl_s,
+            max_blocks=capacity_tokens // block_size,
+        )
+        #: Where the time of the event being handled is read (the router's context, once bound).
+        self.clock: Clock = clock if clock is not None else StoppedClock()
+
+    @classmethod
+    def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
+        if tokenizer is None:
+            raise ValueError('routing.policy = "kv" needs a tokenizer (model.tokenizer)')
+        return cls(
+            config.kv_capacity_tokens, tokenizer, block_size=config.kv_block_size,
+            stale_s=config.kv_events_stale_s, speculative_ttl_s=config.kv_speculative_ttl_s,
+        )
+
+    def bind(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
+        hashes, tokens = Prefix.key(self, body, route)
+        try:
+            ids = self.tokenizer.prompt_token_ids(body, route == CHAT)
+        except Exception:  # the tokenizer is the runtime's: whatever it raises, weigh without it
+            return hashes, tokens
+        return KvKey(hashes, token_block_hashes(ids, self.block_size)), len(ids) or 1
+
+    def uncached(self, engine: EngineState, plan: Plan) -> int:
+        hashes = plan.hashes
+        if type(hashes) is KvKey:
+            matched = self.index.matched_blocks(engine.url, hashes.exact, self.clock.now)
+            if matched is not None:
+                return max(0, plan.tokens - matched * self.block_size)
+        return Prefix.uncached(self, engine, plan)
+
+    def index_name(self, engine: EngineState, plan: Plan) -> str:
+        """Which index weighs ``plan`` on ``engine`` now: :data:`PRECISE` or the approximate one."""
+        if type(plan.hashes) is KvKey and self.index.usable(engine.url, self.clock.now):
+            return PRECISE
+        return APPROXIMATE
+
+    def sent(self, engine: EngineState, plan: Plan) -> None:
+        Prefix.sent(self, engine, plan)
+        hashes = plan.hashes
+        if type(hashes) is KvKey:
+            self.index.sent(engine.url, hashes.exact, self.clock.now)
+
+    def forget(self, engine: EngineState) -> None:
+        Prefix.forget(self, engine)
+        self.index.forget_speculation(engine.url)
+
+    def drop(self, engine: EngineState) -> None:
+        Prefix.drop(self, engine)
+        self.index.drop(engine.url)
+
+    def capacity(self, engine: EngineState, tokens: int) -> None:
+        Prefix.capacity(self, engine, tokens)
+        self.index.resize(engine.url, tokens // self.block_size)
+
+    def kv_events(self, url: str, events: Sequence[KvEvent], now: float) -> str | None:
+        return self.index.apply(url, events, now)
+
+    def kv_stream(self, url: str, live: bool, reason: str, now: float) -> bool:
+        return self.index.stream(url, live, reason, now)
