@@ -57,7 +57,7 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import takewhile
+from itertools import islice, repeat, takewhile
 from typing import Final
 
 import xxhash
@@ -93,16 +93,11 @@ def token_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = 0)
         packed = array(_U32, [t & 0xFFFFFFFF for t in token_ids[: count * block_size]])
     if _SWAP:
         packed.byteswap()
-    view = memoryview(packed).cast("B")
+    data = packed.tobytes()
     step = block_size * 4
     xxh3 = xxhash.xxh3_64_intdigest
-    hashes: list[int] = []
-    append = hashes.append
     value = seed
-    for start in range(0, count * step, step):
-        value = xxh3(view[start : start + step], value)
-        append(value)
-    return hashes
+    return [value := xxh3(data[start : start + step], value) for start in range(0, count * step, step)]
 
 
 class EngineView:
@@ -144,7 +139,7 @@ class EngineView:
 class KvIndex:
     """Every engine's blocks, by URL, from its KV events (see the module docstring)."""
 
-    __slots__ = ("block_size", "stale_s", "speculative_ttl_s", "max_blocks", "engines")
+    __slots__ = ("block_size", "stale_s", "speculative_ttl_s", "max_blocks", "engines", "version")
 
     def __init__(self, block_size: int, *, stale_s: float, speculative_ttl_s: float, max_blocks: int) -> None:
         if block_size < 1 or max_blocks < 0:
@@ -157,6 +152,8 @@ class KvIndex:
         #: Each engine's bound until it reports its capacity (:meth:`resize`).
         self.max_blocks: Final = max_blocks
         self.engines: Final[dict[str, EngineView]] = {}
+        #: Counts the changes to any engine's entries or state: equal counts, equal answers (at one ``now``).
+        self.version = 0
 
     def view(self, url: str) -> EngineView:
         """``url``'s entries, made empty the first time."""
@@ -170,6 +167,7 @@ class KvIndex:
     def apply(self, url: str, events: Iterable[KvEvent], now: float) -> str | None:
         """``url``'s events, in order: its stream is heard from (live). Returns a new problem, once."""
         view = self.view(url)
+        self.version += 1
         view.live = True
         view.stale = False
         view.awaiting_since = None
@@ -241,6 +239,7 @@ class KvIndex:
         then the hole will never be filled, and they are dropped at once.
         """
         view = self.view(url)
+        self.version += 1
         if live:
             changed = view.live is not True
             view.live = True
@@ -275,6 +274,7 @@ class KvIndex:
             return False
         since = view.lost_at if view.live is False else view.awaiting_since
         if since is not None and now - since >= self.stale_s:
+            self.version += 1
             view.stale = True
             view.clear()
             return False
@@ -283,49 +283,52 @@ class KvIndex:
     def matched_blocks(self, url: str, hashes: Sequence[int], now: float) -> int | None:
         """How many LEADING blocks of ``hashes`` (:func:`token_block_hashes`) ``url`` holds; ``None``: not known.
 
-        One pass, stopping at the first block missing; a speculative entry
-        counts until it expires.
+        One pass, stopping at the first block missing (a block counts if
+        held, or speculative and not expired); the loops run in C.
         """
         view = self.engines.get(url)
         if view is None or not self._usable(view, now):
             return None
         held = view.held
         speculative = view.speculative
-        if not speculative:
-            if not hashes or hashes[0] not in held:
-                return 0  # the usual miss, in one lookup
-            return sum(1 for _ in takewhile(held.__contains__, hashes))
+        if not hashes or (hashes[0] not in held and hashes[0] not in speculative):
+            return 0  # the usual miss, in one lookup
+        # Runs of held blocks and of speculative ones, each found in C, until neither goes on.
         count = 0
-        for value in hashes:
-            if value not in held and speculative.get(value, now) <= now:
-                break
-            count += 1
-        return count
+        while True:
+            start = count
+            count += len(list(takewhile(held.__contains__, islice(hashes, count, None))))
+            if speculative:
+                run = list(takewhile(speculative.__contains__, islice(hashes, count, None)))
+                if run and min(map(speculative.__getitem__, run)) <= now:
+                    run = run[: next(i for i, value in enumerate(run) if speculative[value] <= now)]
+                count += len(run)
+            if count == start:
+                return count
 
     def sent(self, url: str, hashes: Sequence[int], now: float) -> None:
         """A prefill of ``hashes`` was sent to ``url``: its events should follow; hold its blocks speculatively."""
         view = self.view(url)
+        self.version += 1
         if view.awaiting_since is None:
             view.awaiting_since = now
         ttl = self.speculative_ttl_s
         if ttl <= 0 or not hashes:
             return
-        speculative, held = view.speculative, view.held
-        _expire(speculative, now)
-        until = now + ttl
-        for value in hashes:
-            if value not in held:
-                speculative.pop(value, None)  # re-inserted last: the dict stays in expiry order
-                speculative[value] = until
+        speculative = view.speculative
+        if speculative and next(iter(speculative.values())) <= now:
+            _expire(speculative, now)
+        speculative.update(zip(hashes, repeat(now + ttl)))  # (in C: a prompt's every block, held or not)
         over = len(speculative) - view.max_blocks
         for value in list(speculative)[:over] if over > 0 else ():
-            del speculative[value]
+            del speculative[value]  # the first inserted
 
     # ------------------------------------------------------------- the fleet
 
     def forget_speculation(self, url: str) -> None:
         """``url`` left rotation: the prefills sent there may never be stored."""
         view = self.engines.get(url)
+        self.version += 1
         if view is not None:
             view.speculative.clear()
             view.awaiting_since = None
@@ -333,10 +336,12 @@ class KvIndex:
     def drop(self, url: str) -> None:
         """``url`` left the fleet: keep nothing of it."""
         self.engines.pop(url, None)
+        self.version += 1
 
     def resize(self, url: str, max_blocks: int) -> None:
         """``url`` reported its capacity: its bound from now on (a smaller one drops the oldest entries)."""
         view = self.view(url)
+        self.version += 1
         view.max_blocks = max(0, max_blocks)
         by_engine, held = view.by_engine, view.held
         over = len(by_engine) - view.max_blocks
@@ -360,7 +365,7 @@ def _release(held: dict[int, int], value: int) -> None:
 
 
 def _expire(speculative: dict[int, float], now: float) -> None:
-    """Drop the speculative entries expired by ``now`` (the oldest come first)."""
-    expired = [value for value, until in takewhile(lambda item: item[1] <= now, speculative.items())]
-    for value in expired:
-        del speculative[value]
+    """Drop the speculative entries expired by ``now`` (a query ignores them anyway: this bounds the memory)."""
+    live = [(value, until) for value, until in speculative.items() if until > now]
+    speculative.clear()
+    speculative.update(live)

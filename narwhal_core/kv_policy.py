@@ -72,7 +72,7 @@ class Kv(Prefix):
 
     name: ClassVar[str] = "kv"
     names_index: ClassVar[bool] = True
-    __slots__ = ("tokenizer", "index", "block_size", "clock")
+    __slots__ = ("tokenizer", "index", "block_size", "clock", "memo", "memo_of")
 
     def __init__(
         self, capacity_tokens: int, tokenizer: PromptTokenizer, *, block_size: int = 16, stale_s: float = 30.0,
@@ -88,6 +88,11 @@ class Kv(Prefix):
         )
         #: Where the time of the event being handled is read (the router's context, once bound).
         self.clock: Clock = clock if clock is not None else StoppedClock()
+        #: The last plan's matched blocks by engine URL, and what they hold for (the plan, ``now``, the
+        #: index's version): a request is weighed, picked at admission and picked again at its leg's
+        #: start, each time over every candidate.
+        self.memo: Final[dict[str, int | None]] = {}
+        self.memo_of: tuple[object, float, int] | None = None
 
     @classmethod
     def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
@@ -112,10 +117,27 @@ class Kv(Prefix):
     def uncached(self, engine: EngineState, plan: Plan) -> int:
         hashes = plan.hashes
         if type(hashes) is KvKey:
-            matched = self.index.matched_blocks(engine.url, hashes.exact, self.clock.now)
+            matched = self.matched_blocks(engine.url, plan, hashes)
             if matched is not None:
                 return max(0, plan.tokens - matched * self.block_size)
         return Prefix.uncached(self, engine, plan)
+
+    def matched_blocks(self, url: str, plan: Plan, hashes: KvKey) -> int | None:
+        """The precise index's answer for ``plan`` on ``url``, asked once per plan, instant and index state."""
+        index = self.index
+        now = self.clock.now
+        memo = self.memo
+        of = (plan, now, index.version)
+        if of != self.memo_of:
+            memo.clear()
+            self.memo_of = of
+        elif url in memo:
+            return memo[url]
+        matched = memo[url] = index.matched_blocks(url, hashes.exact, now)
+        if index.version != of[2]:  # the question itself changed the index (an engine found stale)
+            memo.clear()
+            self.memo_of = (plan, now, index.version)
+        return matched
 
     def index_name(self, engine: EngineState, plan: Plan) -> str:
         """Which index weighs ``plan`` on ``engine`` now: :data:`PRECISE` or the approximate one."""

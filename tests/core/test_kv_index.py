@@ -399,13 +399,10 @@ class IndexMachine(RuleBasedStateMachine):
         model = self.models[url]
         if model.awaiting is None:
             model.awaiting = self.now
-        for value in [v for v, until in model.speculative.items() if until <= self.now]:
-            del model.speculative[value]
-        held = model.held()
+        if model.speculative and next(iter(model.speculative.values())) <= self.now:
+            model.speculative = {v: until for v, until in model.speculative.items() if until > self.now}
         for value in hashes:
-            if value not in held:
-                model.speculative.pop(value, None)
-                model.speculative[value] = self.now + TTL_S
+            model.speculative[value] = self.now + TTL_S  # (a key already there keeps its place)
         while len(model.speculative) > model.max_blocks:
             del model.speculative[next(iter(model.speculative))]
 
