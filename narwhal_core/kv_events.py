@@ -143,10 +143,8 @@ def _event(fields: Any) -> KvEvent | None:
             raise KvEventError("BlockStored.token_ids is not an array of ints")
         if type(size) is not int or size <= 0:
             raise KvEventError("BlockStored.block_size is not a positive int")
-        if len(tokens) != size * len(hashes):
-            raise KvEventError(
-                f"BlockStored has {len(tokens)} tokens for {len(hashes)} blocks of {size}"
-            )
+        # (Tokens that do not fill the blocks -- the placeholders vLLM's offloading connector sends for a
+        # lower tier carry none -- are the index's to judge: it places only blocks it can hash.)
         # fields[5] is lora_id; [6] medium, [7] lora_name, [8] extra_keys, [9] group_idx (later versions).
         return BlockStored(hashes, parent, tuple(tokens), size, _medium(fields, 6), _group(fields, 9))
     if tag == "BlockRemoved":

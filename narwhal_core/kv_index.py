@@ -194,6 +194,9 @@ class KvIndex:
         if event.block_size != self.block_size:
             view.unplaced += len(hashes)
             return f"block_size {event.block_size}, not routing.kv_block_size {self.block_size}"
+        if len(event.token_ids) != event.block_size * len(hashes):
+            view.unplaced += len(hashes)
+            return f"BlockStored with {len(event.token_ids)} tokens for {len(hashes)} blocks of {event.block_size}"
         parent = event.parent_block_hash
         seed = 0
         if parent is not None:

@@ -96,6 +96,11 @@ def test_map_encoded_events_as_vllm_sends_them_since_42892() -> None:
     )
 
 
+def test_tokens_that_do_not_fill_the_blocks_are_the_indexs_to_judge() -> None:
+    # vLLM's offloading connector sends a lower tier's blocks with no tokens.
+    assert one(["BlockStored", [1, 2], None, [], 16, None, "CPU"]) == BlockStored((1, 2), None, (), 16, "CPU")
+
+
 def test_an_unknown_kind_of_event_is_skipped_not_fatal() -> None:
     _, events = decode_batch(pack([["CacheLevelUpdated", 1], {"type": "Other"}, ["AllBlocksCleared"]]))
     assert events == (AllBlocksCleared(),)
@@ -128,7 +133,6 @@ def test_the_simulators_encoding_decodes() -> None:
     (pack([["BlockStored", [1], 2.5, TOKENS, 16]]), "BlockStored.parent_block_hash is not an int or bytes: float"),
     (pack([["BlockStored", [1], None, [1, "a"], 16]]), "BlockStored.token_ids is not an array of ints"),
     (pack([["BlockStored", [1], None, TOKENS, 0]]), "BlockStored.block_size is not a positive int"),
-    (pack([["BlockStored", [1, 2], None, TOKENS, 16]]), "BlockStored has 16 tokens for 2 blocks of 16"),
     (pack([["BlockRemoved"]]), "BlockRemoved has no block_hashes"),
     (pack([{"type": "BlockRemoved"}]), "BlockRemoved.block_hashes is not an array"),
 ])

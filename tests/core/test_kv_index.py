@@ -94,6 +94,10 @@ def test_other_tiers_groups_and_block_sizes_are_not_indexed() -> None:
     problem = index.apply(url, [BlockStored((3,), None, tokens * 2, 8)], 0.0)
     assert problem == "block_size 8, not routing.kv_block_size 4"
     assert index.apply(url, [BlockStored((3,), None, tokens * 2, 8)], 0.0) is None  # said once
+    assert index.apply(URLS[1], [BlockStored((5, 6), None, tokens, BLOCK)], 0.0) == (
+        "BlockStored with 4 tokens for 2 blocks of 4"
+    )
+    assert index.blocks(URLS[1]) == frozenset()
     index.apply(url, [BlockStored((4,), None, tokens, BLOCK)], 0.0)
     index.apply(url, [BlockRemoved((4,), "CPU")], 0.0)  # another tier's copy left: the GPU's stays
     assert index.blocks(url) == frozenset(token_block_hashes(list(tokens), BLOCK))
