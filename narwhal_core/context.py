@@ -104,7 +104,7 @@ class Context:
         self.shortages = 0
         self.shortage_logged = -math.inf
         # A policy that ages what it knows (kv) reads the time of the event being handled here.
-        self.fleet.policy.bind(self)
+        self.fleet.policy.bind(self, self.log)
 
     def wall(self) -> float:
         """The wall-clock time of ``now``, to the microsecond."""

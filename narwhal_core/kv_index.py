@@ -36,12 +36,15 @@ entries than that mean removals were missed, and the oldest stored entries
 go first. Losing an entry only makes an engine look as if it held less
 than it does (a miss, never a wrong hit).
 
-**Trust.** An engine's entries are used only while its stream is live
-(:meth:`KvIndex.usable`); otherwise routing falls back to the approximate
-index. They are dropped on ``AllBlocksCleared``, when the engine leaves the
-fleet (:meth:`KvIndex.drop`), at once when a replay failed (a hole nothing
-will fill), and when the stream has been broken, or silent while prefills
-were sent there, for ``routing.kv_events_stale_s``.
+**Trust.** An engine's entries are used only while its stream can be
+trusted (:meth:`KvIndex.usable`); otherwise routing falls back to the
+approximate index. They are dropped on ``AllBlocksCleared``, when the
+engine leaves the fleet (:meth:`KvIndex.drop`), at once when a replay
+failed (a hole nothing will fill), and when the stream has been lost for
+``routing.kv_events_stale_s``. A stream silent that long while prefills
+were sent there is not trusted either, but its entries are kept: the
+events that come next are in order (the stream shows any gap and replays
+it), so the entries are right again as soon as it speaks.
 
 **Speculation.** A prefill just sent will be stored by the engine within
 moments, before its events arrive: :meth:`KvIndex.sent` can hold its blocks
@@ -104,7 +107,7 @@ class EngineView:
     """One engine's entries and the state of its event stream."""
 
     __slots__ = (
-        "by_engine", "held", "speculative", "max_blocks", "live", "lost_at", "awaiting_since", "stale",
+        "by_engine", "held", "speculative", "max_blocks", "live", "lost_at", "awaiting_since", "stale", "silent",
         "unplaced", "overflowed", "problem",
     )
 
@@ -123,6 +126,8 @@ class EngineView:
         self.awaiting_since: float | None = None
         #: Its entries were dropped as stale: it falls back until its stream is heard from again.
         self.stale = False
+        #: Silent too long while prefills were sent there: it falls back until its next event.
+        self.silent = False
         #: Blocks stored whose chain could not be placed, and entries dropped by the bound, since start.
         self.unplaced = 0
         self.overflowed = 0
@@ -139,7 +144,7 @@ class EngineView:
 class KvIndex:
     """Every engine's blocks, by URL, from its KV events (see the module docstring)."""
 
-    __slots__ = ("block_size", "stale_s", "speculative_ttl_s", "max_blocks", "engines", "version")
+    __slots__ = ("block_size", "stale_s", "speculative_ttl_s", "max_blocks", "engines", "version", "changes")
 
     def __init__(self, block_size: int, *, stale_s: float, speculative_ttl_s: float, max_blocks: int) -> None:
         if block_size < 1 or max_blocks < 0:
@@ -154,6 +159,9 @@ class KvIndex:
         self.engines: Final[dict[str, EngineView]] = {}
         #: Counts the changes to any engine's entries or state: equal counts, equal answers (at one ``now``).
         self.version = 0
+        #: Engines whose trust changed without a word from their stream, for the log, oldest first:
+        #: (URL, ``"lost"`` / ``"silent"``: it fell back; ``"events"``: it is trusted again).
+        self.changes: Final[list[tuple[str, str]]] = []
 
     def view(self, url: str) -> EngineView:
         """``url``'s entries, made empty the first time."""
@@ -168,8 +176,10 @@ class KvIndex:
         """``url``'s events, in order: its stream is heard from (live). Returns a new problem, once."""
         view = self.view(url)
         self.version += 1
+        if view.live is not True or view.silent:
+            self.changes.append((url, "events"))  # trusted again (or for the first time) without a word
         view.live = True
-        view.stale = False
+        view.stale = view.silent = False
         view.awaiting_since = None
         problem = None
         for event in events:
@@ -244,9 +254,9 @@ class KvIndex:
         view = self.view(url)
         self.version += 1
         if live:
-            changed = view.live is not True
+            changed = view.live is not True or view.silent
             view.live = True
-            view.stale = False
+            view.stale = view.silent = False
             view.awaiting_since = None
             return changed
         if reason == REPLAY_FAILED or view.live is None:
@@ -265,21 +275,29 @@ class KvIndex:
         """Whether routing may trust ``url``'s entries now (else: the approximate index).
 
         Not before its stream is first heard from; not once it has been
-        lost, or silent while prefills were sent there, for
-        :attr:`stale_s` — then its entries are dropped, until it is heard
-        from again.
+        lost for :attr:`stale_s` (then its entries are dropped, until it is
+        heard from again); not while it has been silent that long though
+        prefills were sent there (until its next event).
         """
         view = self.engines.get(url)
-        return view is not None and self._usable(view, now)
+        return view is not None and self._usable(url, view, now)
 
-    def _usable(self, view: EngineView, now: float) -> bool:
-        if view.live is None or view.stale:
+    def _usable(self, url: str, view: EngineView, now: float) -> bool:
+        if view.live is None or view.stale or view.silent:
             return False
-        since = view.lost_at if view.live is False else view.awaiting_since
-        if since is not None and now - since >= self.stale_s:
+        if view.live is False:
+            if now - view.lost_at < self.stale_s:
+                return True  # a reconnection's replay may yet fill the gap
             self.version += 1
             view.stale = True
             view.clear()
+            self.changes.append((url, "lost"))
+            return False
+        since = view.awaiting_since
+        if since is not None and now - since >= self.stale_s:
+            self.version += 1
+            view.silent = True
+            self.changes.append((url, "silent"))
             return False
         return True
 
@@ -290,7 +308,7 @@ class KvIndex:
         held, or speculative and not expired); the loops run in C.
         """
         view = self.engines.get(url)
-        if view is None or not self._usable(view, now):
+        if view is None or not self._usable(url, view, now):
             return None
         held = view.held
         speculative = view.speculative

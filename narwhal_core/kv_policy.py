@@ -19,7 +19,7 @@ weighed from the approximate index on every engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from .contract import CHAT
@@ -72,7 +72,7 @@ class Kv(Prefix):
 
     name: ClassVar[str] = "kv"
     names_index: ClassVar[bool] = True
-    __slots__ = ("tokenizer", "index", "block_size", "clock", "memo", "memo_of")
+    __slots__ = ("tokenizer", "index", "block_size", "clock", "log", "memo", "memo_of")
 
     def __init__(
         self, capacity_tokens: int, tokenizer: PromptTokenizer, *, block_size: int = 16, stale_s: float = 30.0,
@@ -88,6 +88,8 @@ class Kv(Prefix):
         )
         #: Where the time of the event being handled is read (the router's context, once bound).
         self.clock: Clock = clock if clock is not None else StoppedClock()
+        #: Where an engine falling back (or trusted again) is logged (the router's, once bound).
+        self.log: Callable[..., None] | None = None
         #: The last plan's matched blocks by engine URL, and what they hold for (the plan, ``now``, the
         #: index's version): a request is weighed, picked at admission and picked again at its leg's
         #: start, each time over every candidate.
@@ -103,8 +105,30 @@ class Kv(Prefix):
             stale_s=config.kv_events_stale_s, speculative_ttl_s=config.kv_speculative_ttl_s,
         )
 
-    def bind(self, clock: Clock) -> None:
+    def bind(self, clock: Clock, log: Callable[..., None] | None = None) -> None:
         self.clock = clock
+        self.log = log
+
+    def report(self) -> None:
+        """Log the engines whose trust changed with no word from their stream (found stale, or speaking again).
+
+        ``kv_events_stale`` (warning): weighed from the approximate index
+        from now on, ``reason`` ``lost`` (the stream lost for
+        ``kv_events_stale_s``: what its events said is dropped) or
+        ``silent`` (no event that long though prefills were sent there);
+        ``kv_events_live`` with ``reason`` ``events``: its events are
+        trusted again.
+        """
+        changes = self.index.changes
+        log = self.log
+        if log is not None:
+            for url, why in changes:
+                if why == "events":
+                    log("kv_events_live", engine=url, reason=why)
+                else:
+                    log("kv_events_stale", level="warning", engine=url, reason=why, index="approximate",
+                        stale_s=self.index.stale_s)
+        changes.clear()
 
     def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
         hashes, tokens = Prefix.key(self, body, route)
@@ -137,13 +161,15 @@ class Kv(Prefix):
         if index.version != of[2]:  # the question itself changed the index (an engine found stale)
             memo.clear()
             self.memo_of = (plan, now, index.version)
+            self.report()
         return matched
 
     def index_name(self, engine: EngineState, plan: Plan) -> str:
         """Which index weighs ``plan`` on ``engine`` now: :data:`PRECISE` or the approximate one."""
-        if type(plan.hashes) is KvKey and self.index.usable(engine.url, self.clock.now):
-            return PRECISE
-        return APPROXIMATE
+        usable = type(plan.hashes) is KvKey and self.index.usable(engine.url, self.clock.now)
+        if self.index.changes:
+            self.report()
+        return PRECISE if usable else APPROXIMATE
 
     def sent(self, engine: EngineState, plan: Plan) -> None:
         Prefix.sent(self, engine, plan)
@@ -164,7 +190,10 @@ class Kv(Prefix):
         self.index.resize(engine.url, tokens // self.block_size)
 
     def kv_events(self, url: str, events: Sequence[KvEvent], now: float) -> str | None:
-        return self.index.apply(url, events, now)
+        problem = self.index.apply(url, events, now)
+        if self.index.changes:
+            self.report()
+        return problem
 
     def kv_stream(self, url: str, live: bool, reason: str, now: float) -> bool:
         return self.index.stream(url, live, reason, now)

@@ -19,7 +19,7 @@ the load instead of one taking it all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
@@ -140,8 +140,8 @@ class Policy:
         """
         return cls()
 
-    def bind(self, clock: Clock) -> None:
-        """The router that owns this policy reads the time of each event from ``clock``."""
+    def bind(self, clock: Clock, log: Callable[..., None] | None = None) -> None:
+        """The router that owns this policy: the time of each event is read from ``clock``; ``log`` writes a line."""
 
     def index_name(self, engine: EngineState, plan: Plan) -> str:
         """Which index weighs ``plan`` on ``engine`` (only when :attr:`names_index`)."""

@@ -129,6 +129,7 @@ def test_a_lost_stream_is_trusted_until_stale_then_dropped_until_heard_again() -
     assert index.matched_blocks(url, hashes, 1.0 + STALE_S - 0.1) == 2  # a replay may yet fill the gap
     assert index.matched_blocks(url, hashes, 1.0 + STALE_S) is None
     assert index.blocks(url) == frozenset()
+    assert index.changes[-1] == (url, "lost")
     assert index.stream(url, True, "connected", 20.0)
     assert index.matched_blocks(url, hashes, 20.0) == 0
 
@@ -142,16 +143,23 @@ def test_a_failed_replay_drops_at_once() -> None:
     assert not index.usable(url, 1.0)
 
 
-def test_silence_while_prefills_are_sent_makes_an_engine_stale() -> None:
+def test_silence_while_prefills_are_sent_falls_back_until_the_next_event() -> None:
     index = KvIndex(BLOCK, stale_s=STALE_S, speculative_ttl_s=0, max_blocks=100)
     url = URLS[0]
     index.apply(url, [BlockStored((1,), None, (1, 2, 3, 4), BLOCK)], 0.0)
+    assert index.changes == [(url, "events")]  # heard from for the first time
+    index.changes.clear()
     assert index.usable(url, 100.0)  # silent, but nothing was sent there: still right
     index.sent(url, [5], 100.0)
     index.apply(url, [], 105.0)  # an event (any) answers
     index.sent(url, [5], 106.0)
     assert index.usable(url, 106.0 + STALE_S - 0.1)
     assert not index.usable(url, 106.0 + STALE_S)
+    assert not index.usable(url, 106.0 + STALE_S + 1)
+    assert index.changes == [(url, "silent")]  # once
+    assert len(index.blocks(url)) == 1  # kept: the next events are in order
+    index.apply(url, [], 200.0)
+    assert index.usable(url, 200.0) and index.changes[-1] == (url, "events")
 
 
 def test_speculative_entries_count_until_they_expire_or_are_confirmed() -> None:
@@ -205,9 +213,10 @@ class Model:
         self.lost_at = 0.0
         self.awaiting: float | None = None
         self.stale = False
+        self.silent = False
 
     def apply(self, events: list[Any]) -> None:
-        self.live, self.stale, self.awaiting = True, False, None
+        self.live, self.stale, self.silent, self.awaiting = True, False, False, None
         for event in events:
             if isinstance(event, BlockStored):
                 base: tuple[int, ...] = ()
@@ -237,12 +246,16 @@ class Model:
         return {token_block_hashes(list(prefix), BLOCK)[-1] for prefix in self.entries.values()}
 
     def usable(self, now: float) -> bool:
-        if self.live is None or self.stale:
+        if self.live is None or self.stale or self.silent:
             return False
-        since = self.lost_at if self.live is False else self.awaiting
-        if since is not None and now - since >= STALE_S:
+        if self.live is False:
+            if now - self.lost_at < STALE_S:
+                return True
             self.stale = True
             self.clear()
+            return False
+        if self.awaiting is not None and now - self.awaiting >= STALE_S:
+            self.silent = True  # entries kept
             return False
         return True
 
@@ -393,7 +406,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.connected[url] = True
         self.index.stream(url, True, "connected", self.now)
         model = self.models[url]
-        model.live, model.stale, model.awaiting = True, False, None
+        model.live, model.stale, model.silent, model.awaiting = True, False, False, None
 
     @rule(url=st.sampled_from(URLS), which=st.integers(0, 11))
     def prefill_sent(self, url: str, which: int) -> None:

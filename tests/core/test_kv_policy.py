@@ -270,6 +270,27 @@ def test_the_router_sends_a_prompt_where_the_events_say_it_is_held_and_journals_
     assert client.last.status == 200
 
 
+def test_a_stream_lost_past_stale_s_falls_back_says_so_and_comes_back_with_its_events() -> None:
+    d = kv_driver(kv_events_stale_s=5.0)
+    holder = PREFILL_URLS[-1]  # the only engine whose events are subscribed to
+    d.feed(KvStreamChanged(holder, True, "connected"))
+    d.feed(KvEventsReceived(holder, (stored(LONG),)))
+    d.feed(KvStreamChanged(holder, False, "disconnected"))
+    d.advance(5.0)
+    d.post(COMPLETIONS, completion_body(LONG))
+    d.serve_until_done()
+    routing = d.terminals()[-1]["routing"]
+    assert routing["index"] == "approximate"
+    assert [c["index"] for c in routing["candidates"] if c["engine"] == holder] == ["approximate"]
+    stale = [log.fields for log in d.logs if log.event == "kv_events_stale"]
+    assert stale == [{"level": "warning", "engine": holder, "reason": "lost", "index": "approximate",
+                      "stale_s": 5.0}]
+    assert d.router.statistics().kv_events_live[holder] is False
+    d.feed(KvEventsReceived(holder, (stored(LONG),)))  # its stream speaks again: trusted again
+    assert d.logs[-1].event == "kv_events_live" and d.logs[-1].fields["reason"] == "events"
+    assert d.router.statistics().kv_events_live[holder] is True
+
+
 def test_a_block_size_other_than_the_configured_one_is_logged_once() -> None:
     d = kv_driver()
     url = PREFILL_URLS[0]
