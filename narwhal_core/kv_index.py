@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import islice, repeat, takewhile
 from typing import Final
@@ -217,6 +217,20 @@ class KvIndex:
             seed = known
         ours = token_block_hashes(event.token_ids, self.block_size, seed)
         by_engine, held, speculative = view.by_engine, view.held, view.speculative
+        if speculative:
+            deque(map(speculative.pop, ours, repeat(None)), 0)  # confirmed: held now (the loop in C)
+        before = len(by_engine), len(held)
+        if by_engine.keys().isdisjoint(hashes) and held.keys().isdisjoint(ours):
+            # The usual event: blocks new on both sides, stored in C.
+            by_engine.update(zip(hashes, ours))
+            held.update(zip(ours, repeat(1)))
+            if len(by_engine) - before[0] == len(held) - before[1] == len(hashes):
+                return self._bound(view)
+            # (A hash twice in one event: undo, and store them one by one.)
+            for theirs in hashes:
+                by_engine.pop(theirs, None)
+            for mine in ours:
+                held.pop(mine, None)
         for theirs, mine in zip(hashes, ours):
             old = by_engine.get(theirs)
             if old is not None:
@@ -226,15 +240,18 @@ class KvIndex:
                 _release(held, old)
             by_engine[theirs] = mine
             held[mine] = held.get(mine, 0) + 1
-            if speculative:
-                speculative.pop(mine, None)
+        return self._bound(view)
+
+    @staticmethod
+    def _bound(view: EngineView) -> None:
+        """Past its bound, the engine's oldest stored entries go."""
+        by_engine, held = view.by_engine, view.held
         over = len(by_engine) - view.max_blocks
         if over > 0:
             view.overflowed += over
             popitem = by_engine.popitem
             for _ in range(over):
                 _release(held, popitem(False)[1])
-        return None
 
     @staticmethod
     def _removed(view: EngineView, hashes: Iterable[int]) -> None:

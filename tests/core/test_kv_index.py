@@ -474,3 +474,12 @@ def test_the_gpu_tier_is_indexed_whether_named_or_not(medium: str | None) -> Non
     index = KvIndex(BLOCK, stale_s=STALE_S, speculative_ttl_s=0, max_blocks=10)
     index.apply(URLS[0], [BlockStored((1,), None, (1, 2, 3, 4), BLOCK, medium)], 0.0)
     assert len(index.blocks(URLS[0])) == 1
+
+
+def test_an_engine_hash_twice_in_one_event_keeps_the_last_block() -> None:
+    index = KvIndex(BLOCK, stale_s=STALE_S, speculative_ttl_s=0, max_blocks=10)
+    tokens = list(range(8))
+    index.apply(URLS[0], [BlockStored((7, 7), None, tuple(tokens), BLOCK)], 0.0)
+    assert index.blocks(URLS[0]) == frozenset(token_block_hashes(tokens, BLOCK)[1:])
+    view = index.engines[URLS[0]]
+    assert sum(view.held.values()) == len(view.by_engine) == 1
