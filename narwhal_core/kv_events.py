@@ -143,10 +143,13 @@ def _event(fields: Any) -> KvEvent | None:
             raise KvEventError("BlockStored.token_ids is not an array of ints")
         if type(size) is not int or size <= 0:
             raise KvEventError("BlockStored.block_size is not a positive int")
-        # (Tokens that do not fill the blocks -- the placeholders vLLM's offloading connector sends for a
-        # lower tier carry none -- are the index's to judge: it places only blocks it can hash.)
         # fields[5] is lora_id; [6] medium, [7] lora_name, [8] extra_keys, [9] group_idx (later versions).
-        return BlockStored(hashes, parent, tuple(tokens), size, _medium(fields, 6), _group(fields, 9))
+        medium = _medium(fields, 6)
+        if len(tokens) != size * len(hashes) and (medium is None or medium == "GPU"):
+            # (A lower tier's blocks may come without their tokens: vLLM's offloading connector sends
+            # placeholders. Nothing routes on those; a GPU block without its tokens is malformed.)
+            raise KvEventError(f"BlockStored has {len(tokens)} tokens for {len(hashes)} blocks of {size}")
+        return BlockStored(hashes, parent, tuple(tokens), size, medium, _group(fields, 9))
     if tag == "BlockRemoved":
         if len(fields) < 2:
             raise KvEventError("BlockRemoved has no block_hashes")
@@ -245,7 +248,7 @@ class KvStream:
         """A message from the replay socket; ``seq == REPLAY_END`` ends the replay."""
         if seq == REPLAY_END:
             self.replaying = False
-            return self._drain()
+            return StreamStep() if self.next_seq is None else self._drain()
         if self.next_seq is None or seq < self.next_seq:
             return StreamStep()
         try:
@@ -255,15 +258,16 @@ class KvStream:
         self.held[seq] = events
         return StreamStep()
 
-    def replay_failed(self) -> StreamStep:
+    def replay_failed(self) -> None:
         """The replay did not answer (no replay socket, a timeout): go on from what is held, gaps and all.
 
-        The batches held while waiting for it apply now, in order, over the hole.
+        The batches held while waiting for it apply at the next
+        ``replayed(REPLAY_END, b"")``, in order, over the hole: the caller
+        ends the replay that will not come.
         """
         self.replaying = False
-        if self.next_seq is None:
-            return StreamStep()
-        return self._drain()
+        if self.held:
+            self.next_seq = min(self.held)
 
     def restart(self) -> None:
         """The subscriber reconnected: the next message asks for what was published meanwhile (a gap)."""

@@ -96,8 +96,8 @@ def test_map_encoded_events_as_vllm_sends_them_since_42892() -> None:
     )
 
 
-def test_tokens_that_do_not_fill_the_blocks_are_the_indexs_to_judge() -> None:
-    # vLLM's offloading connector sends a lower tier's blocks with no tokens.
+def test_a_lower_tiers_blocks_may_come_without_their_tokens() -> None:
+    # vLLM's offloading connector sends placeholders for a lower tier's blocks, with no tokens.
     assert one(["BlockStored", [1, 2], None, [], 16, None, "CPU"]) == BlockStored((1, 2), None, (), 16, "CPU")
 
 
@@ -133,6 +133,8 @@ def test_the_simulators_encoding_decodes() -> None:
     (pack([["BlockStored", [1], 2.5, TOKENS, 16]]), "BlockStored.parent_block_hash is not an int or bytes: float"),
     (pack([["BlockStored", [1], None, [1, "a"], 16]]), "BlockStored.token_ids is not an array of ints"),
     (pack([["BlockStored", [1], None, TOKENS, 0]]), "BlockStored.block_size is not a positive int"),
+    (pack([["BlockStored", [1, 2], None, TOKENS, 16]]), "BlockStored has 16 tokens for 2 blocks of 16"),
+    (pack([["BlockStored", [1], None, TOKENS[:4], 16, None, "GPU"]]), "BlockStored has 4 tokens for 1 blocks of 16"),
     (pack([["BlockRemoved"]]), "BlockRemoved has no block_hashes"),
     (pack([{"type": "BlockRemoved"}]), "BlockRemoved.block_hashes is not an array"),
 ])
@@ -210,10 +212,13 @@ def test_a_replay_that_fails_applies_what_was_held_over_the_hole() -> None:
     stream.message(0, batch(0))
     assert stream.message(2, batch(2)).replay_from == 1
     stream.message(3, batch(3))
-    assert stream.replay_failed().events == removed(2, 3)
+    stream.replay_failed()
     assert not stream.replaying
+    assert stream.replayed(REPLAY_END, b"").events == removed(2, 3)  # the caller ends it
     assert stream.message(4, batch(4)).events == removed(4)
-    assert KvStream().replay_failed().events == ()  # nothing received: nothing to do
+    empty = KvStream()
+    empty.replay_failed()  # nothing received: nothing to do
+    assert empty.replayed(REPLAY_END, b"").events == () and empty.next_seq is None
 
 
 def test_a_sequence_going_back_is_a_restarted_engine() -> None:
