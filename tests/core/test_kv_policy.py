@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import pytest
 
-from narwhal_core.config import Config, RoutingConfig, parse_engine_url
+from narwhal_core.config import Config, EngineConfig, ModelConfig, RoutingConfig, parse_engine_url
 from narwhal_core.contract import CHAT, COMPLETIONS
 from narwhal_core.events import KvEventsReceived, KvStreamChanged
 from narwhal_core.fleet import Fleet
@@ -230,8 +230,12 @@ def test_the_engine_leaving_the_fleet_is_forgotten() -> None:
 
 
 def kv_driver(**routing: Any) -> Driver:
+    # What policy kv needs besides (where the configuration asks for it): the tokenizer's file (the
+    # runtime loads it; here the stand-in is passed in) and the engines' KV-event endpoints.
+    model = {"tokenizer": "tokenizer.json"} if "tokenizer" in attrs.fields_dict(ModelConfig) else {}
+    engine = {"kv_events": "tcp://{host}:5557"} if "kv_events" in attrs.fields_dict(EngineConfig) else {}
     with kv_allowed():
-        config: Config = make_config(routing={"policy": "kv", **routing})
+        config: Config = make_config(routing={"policy": "kv", **routing}, model=model, engine=engine)
     return Driver(config, tokenizer=CharTokenizer())
 
 
