@@ -680,7 +680,7 @@ class RoutingConfig:
         converter=to_float,
         validator=float_in(positive=True),
         metadata=doc(
-            "policy = prefix: how many queued tokens one prompt token the engine must compute counts as "
+            "policy = prefix or kv: how many queued tokens one prompt token the engine must compute counts as "
             "(1: expected TTFT alone; more keeps prefixes where they are cached)."
         ),
     )
@@ -688,6 +688,24 @@ class RoutingConfig:
         2000000,
         "Estimated tokens of KV cache one prefill engine holds: the bound of its prefix index (policy = prefix).",
         minimum=1,
+    )
+    kv_block_size: int = count(
+        16,
+        "Tokens per KV block of the engines (vLLM's --block-size): the block of the index built from their KV "
+        "events (policy = kv).",
+        minimum=1,
+        maximum=4096,
+    )
+    kv_events_stale_s: float = seconds(
+        30.0,
+        "An engine whose KV-event stream has been lost, or silent while prefills were sent to it, this long is "
+        "weighed from the approximate prefix index until its events come back (policy = kv).",
+    )
+    kv_speculative_ttl_s: float = seconds(
+        2.0,
+        "How long the blocks of a prefill just sent count as held on its engine before its KV events confirm "
+        "them (policy = kv; 0 = off).",
+        positive=False,
     )
 
 

@@ -33,6 +33,7 @@ from .stats import Stats
 from .timers import Timers
 
 if TYPE_CHECKING:
+    from .kv_policy import PromptTokenizer
     from .legs import Leg
 
 __all__ = ["Context", "JSON_HEADER", "error_record"]
@@ -51,7 +52,7 @@ class Context:
 
     def __init__(
         self, config: Config, *, codec: CodecLike, rid_source: Callable[[], str], engine_api_key: str | None,
-        wall_offset: float, now: float,
+        wall_offset: float, now: float, tokenizer: PromptTokenizer | None = None,
     ) -> None:  # fmt: skip
         self.config: Final = config
         #: The commands for the adapter, in order (:meth:`Router.next_output` drains them).
@@ -66,7 +67,7 @@ class Context:
             unhealthy_after=config.health.unhealthy_after,
             healthy_after=config.health.healthy_after,
             kv_host_allowed=e.kv_host_allowed,
-            policy=make_policy(config.routing),
+            policy=make_policy(config.routing, tokenizer),
             pd=bool(e.prefill_engines) or config.discovery.may_prefill(e.discovery),
         )
         a = config.admission
@@ -102,6 +103,8 @@ class Context:
         #: Local shortages (out of descriptors...) since the last log line about them, and its time.
         self.shortages = 0
         self.shortage_logged = -math.inf
+        # A policy that ages what it knows (kv) reads the time of the event being handled here.
+        self.fleet.policy.bind(self, self.log)
 
     def wall(self) -> float:
         """The wall-clock time of ``now``, to the microsecond."""

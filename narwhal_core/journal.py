@@ -153,7 +153,7 @@ class ErrorRecord:
 class RoutingRecord:
     """How an admitted request was routed (docs/operate.md, "The journal"; docs/configure.md, ``[routing]``)."""
 
-    #: ``routing.policy``: ``least_loaded``, ``round_robin`` or ``prefix``.
+    #: ``routing.policy``: ``least_loaded``, ``round_robin``, ``prefix`` or ``kv``.
     policy: str
     #: ``pd`` (a prefill leg, then a decode leg) or ``single`` (the whole request on a decode engine).
     mode: str
@@ -165,12 +165,17 @@ class RoutingRecord:
     #: The engine of the request's last decode leg (``None``: it had none).
     decode: str | None
     #: The prefill engines weighed at admission, the chosen one first: ``engine``,
-    #: ``uncached_tokens`` and ``queued_tokens`` each; at most 8; empty when nothing was weighed.
+    #: ``uncached_tokens`` and ``queued_tokens`` each (and with ``kv``: ``matched_tokens`` and
+    #: ``index``); at most 8; empty when nothing was weighed.
     candidates: list[dict[str, Any]] = attrs.Factory(list)
+    #: With ``kv`` only: the index that weighed the chosen engine, ``kv`` or ``approximate``.
+    index: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
-        return routing_json(self.policy, self.mode, self.reason, self.prefill, self.decode, self.candidates)
+        return routing_json(
+            self.policy, self.mode, self.reason, self.prefill, self.decode, self.candidates, index=self.index
+        )
 
 
 @attrs.define(kw_only=True)
@@ -296,13 +301,16 @@ def leg_json(
 
 def routing_json(
     policy: str, mode: str, reason: str, prefill: str | None, decode: str | None,
-    candidates: list[dict[str, Any]],
+    candidates: list[dict[str, Any]], *, index: str | None = None,
 ) -> dict[str, Any]:
-    """A :class:`RoutingRecord` as a JSON object, from its fields in order."""
-    return {
+    """A :class:`RoutingRecord` as a JSON object, from its fields in order (``index`` only when set)."""
+    out = {
         "policy": policy, "mode": mode, "reason": reason,
         "prefill": prefill, "decode": decode, "candidates": candidates,
     }
+    if index is not None:
+        out["index"] = index
+    return out
 
 
 def _progress_json(

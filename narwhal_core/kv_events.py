@@ -8,8 +8,12 @@ vLLM (``vllm/distributed/kv_events.py``: the msgspec structs ``KVEventBatch``,
 message of three frames per batch: the topic, the sequence number (8 bytes,
 big-endian, from 0) and the msgpack payload ``[ts, [event, ...], dp_rank]``
 (docs/routing.md, "KV events"). Later vLLM versions append fields to the
-arrays (``medium``, ``lora_name``, the data-parallel rank); they are read
-when present and ignored otherwise.
+arrays (``medium``, ``lora_name``, ``extra_keys``, ``group_idx``); they are
+read when present and ignored otherwise. Since vLLM dropped ``array_like``
+from its event structs (vllm-project/vllm#42892), each event is a map of its
+fields by name with its tag under ``"type"``; both layouts are read. An event
+of a kind this module does not know (a later vLLM's) is skipped, not fatal
+to its batch.
 
 This module is pure: the runtime's subscriber owns the sockets and feeds the
 frames to a :class:`KvStream`, which decodes them and says when the
@@ -19,6 +23,7 @@ sequence has a gap the replay socket must fill. Nothing here reads a clock.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any, Final
 
 import attrs
@@ -51,6 +56,8 @@ class BlockStored:
     block_size: int
     #: The storage tier (``"GPU"``, ``"CPU"``, ...; ``None`` from vLLM versions that do not send it).
     medium: str | None = None
+    #: The KV-cache group (hybrid models keep one per attention kind; ``None`` if not sent).
+    group_idx: int | None = None
 
 
 @attrs.frozen
@@ -61,6 +68,8 @@ class BlockRemoved:
     block_hashes: tuple[int, ...]
     #: The storage tier they left (``None`` if not sent).
     medium: str | None = None
+    #: The KV-cache group they left (``None`` if not sent).
+    group_idx: int | None = None
 
 
 @attrs.frozen
@@ -91,9 +100,37 @@ def _medium(fields: list[Any], at: int) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _event(fields: Any) -> KvEvent:
+def _group(fields: list[Any], at: int) -> int | None:
+    value = fields[at] if len(fields) > at else None
+    return value if type(value) is int else None
+
+
+# Each event's fields in vLLM's order after its tag (``vllm/distributed/kv_events.py``): the
+# positions of the array layout, and the names of the map layout.
+_FIELDS: Final = MappingProxyType({
+    "BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+        "extra_keys", "group_idx",
+    ),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+})
+
+
+def _positional(fields: dict[Any, Any]) -> list[Any]:
+    """A map-encoded event as the array layout (absent fields are ``None``, as an omitted trailing one)."""
+    tag = fields.get("type")
+    if not isinstance(tag, str):
+        raise KvEventError("an event map has no string 'type'")
+    names = _FIELDS.get(tag, ())
+    return [tag, *(fields.get(name) for name in names)]
+
+
+def _event(fields: Any) -> KvEvent | None:
+    if isinstance(fields, dict):
+        fields = _positional(fields)
     if not isinstance(fields, list) or not fields or not isinstance(fields[0], str):
-        raise KvEventError("an event is not a tagged array")
+        raise KvEventError("an event is not a tagged array or map")
     tag = fields[0]
     if tag == "BlockStored":
         if len(fields) < 5:
@@ -106,19 +143,20 @@ def _event(fields: Any) -> KvEvent:
             raise KvEventError("BlockStored.token_ids is not an array of ints")
         if type(size) is not int or size <= 0:
             raise KvEventError("BlockStored.block_size is not a positive int")
-        if len(tokens) != size * len(hashes):
-            raise KvEventError(
-                f"BlockStored has {len(tokens)} tokens for {len(hashes)} blocks of {size}"
-            )
-        # fields[5] is lora_id; fields[6] medium (later versions); fields[7] lora_name.
-        return BlockStored(hashes, parent, tuple(tokens), size, _medium(fields, 6))
+        # fields[5] is lora_id; [6] medium, [7] lora_name, [8] extra_keys, [9] group_idx (later versions).
+        medium = _medium(fields, 6)
+        if len(tokens) != size * len(hashes) and (medium is None or medium == "GPU"):
+            # (A lower tier's blocks may come without their tokens: vLLM's offloading connector sends
+            # placeholders. Nothing routes on those; a GPU block without its tokens is malformed.)
+            raise KvEventError(f"BlockStored has {len(tokens)} tokens for {len(hashes)} blocks of {size}")
+        return BlockStored(hashes, parent, tuple(tokens), size, medium, _group(fields, 9))
     if tag == "BlockRemoved":
         if len(fields) < 2:
             raise KvEventError("BlockRemoved has no block_hashes")
-        return BlockRemoved(_hashes(fields[1], "BlockRemoved.block_hashes"), _medium(fields, 2))
+        return BlockRemoved(_hashes(fields[1], "BlockRemoved.block_hashes"), _medium(fields, 2), _group(fields, 3))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise KvEventError(f"unknown event {tag[:40]!r}")
+    return None  # a kind of event a later vLLM sends: not ours to read
 
 
 def decode_batch(payload: bytes) -> tuple[float, tuple[KvEvent, ...]]:
@@ -132,7 +170,8 @@ def decode_batch(payload: bytes) -> tuple[float, tuple[KvEvent, ...]]:
     ts = batch[0]
     if not isinstance(ts, int | float):
         raise KvEventError("the batch's ts is not a number")
-    return float(ts), tuple(_event(e) for e in batch[1])
+    events = [_event(e) for e in batch[1]]
+    return float(ts), tuple(e for e in events if e is not None)
 
 
 def decode_seq(frame: bytes) -> int:
@@ -209,7 +248,7 @@ class KvStream:
         """A message from the replay socket; ``seq == REPLAY_END`` ends the replay."""
         if seq == REPLAY_END:
             self.replaying = False
-            return self._drain()
+            return StreamStep() if self.next_seq is None else self._drain()
         if self.next_seq is None or seq < self.next_seq:
             return StreamStep()
         try:
@@ -220,7 +259,12 @@ class KvStream:
         return StreamStep()
 
     def replay_failed(self) -> None:
-        """The replay did not answer (no replay socket, a timeout): go on from what is held, gaps and all."""
+        """The replay did not answer (no replay socket, a timeout): go on from what is held, gaps and all.
+
+        The batches held while waiting for it apply at the next
+        ``replayed(REPLAY_END, b"")``, in order, over the hole: the caller
+        ends the replay that will not come.
+        """
         self.replaying = False
         if self.held:
             self.next_seq = min(self.held)

@@ -25,7 +25,7 @@ engines; the engine choice is :meth:`~narwhal_core.fleet.Fleet.choose`), and
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -48,11 +48,15 @@ from .events import (
     EnginesChanged,
     Event,
     JournalHealth,
+    KvEventsReceived,
+    KvStreamChanged,
     LegData,
     LegFailed,
     ShutdownRequested,
 )
 from .fleet import Health
+from .ids import PREFILL
+from .kv_policy import Kv
 from .http import Codec, CodecLike
 from .kv import LEASE_SHORT, NOTHING_HELD, KvLedger
 from .engine_metrics import EngineLoad
@@ -62,6 +66,9 @@ from .membership import Membership
 from .slots import SlotQueue
 from .lifecycle import Lifecycle
 from .requests import Request, Requests
+
+if TYPE_CHECKING:
+    from .kv_policy import PromptTokenizer
 
 __all__ = ["Router", "RouterStatistics", "LEASE_SHORT", "NOTHING_HELD"]
 
@@ -96,6 +103,9 @@ class RouterStatistics:
     engines_probed: bool = True
     #: What each engine's ``/metrics`` said last, and how many seconds ago (engines with figures only).
     engine_reports: dict[tuple[str, str], tuple[EngineLoad, float]] = attrs.Factory(dict)
+    #: With ``routing.policy = "kv"``: whether each prefill engine is weighed from its KV events now
+    #: (``False``: from the approximate index), by URL (docs/routing.md, "KV events").
+    kv_events_live: dict[str, bool] = attrs.Factory(dict)
 
 
 class Router:
@@ -112,12 +122,14 @@ class Router:
         now: float = 0.0,
         codec: CodecLike | None = None,
         render_metrics: Callable[[Router], bytes] | None = None,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.config: Final = config
         ctx = self._ctx = Context(
             config,
             codec=Codec() if codec is None else codec,  # a codec of its own: its line memory is this router's
             rid_source=rid_source, engine_api_key=engine_api_key, wall_offset=wall_offset, now=now,
+            tokenizer=tokenizer,
         )
         self.fleet: Final = ctx.fleet
         self.admission: Final = ctx.admission
@@ -191,6 +203,10 @@ class Router:
                 ctx.log("journal_ok" if event.ok else "journal_failed", message=event.message)
             ctx.journal_ok = event.ok
             ctx.journal_problem = event.message
+        elif isinstance(event, KvEventsReceived):
+            self._kv_events(event)
+        elif isinstance(event, KvStreamChanged):
+            self._kv_stream(event)
         else:
             raise NarwhalError(f"unknown event {event!r}")
         if self.clients.pump:
@@ -235,7 +251,16 @@ class Router:
             engine_reports={
                 (e.url, e.phase): (e.reported, ctx.now - e.reported_at) for e in self.fleet.all() if e.reported
             },
+            kv_events_live=self._kv_events_live(),
         )
+
+    def _kv_events_live(self) -> dict[str, bool]:
+        """Whether each prefill engine is weighed from its KV events now (empty unless the policy is ``kv``)."""
+        policy = self.fleet.policy
+        if not isinstance(policy, Kv):
+            return {}
+        now = self._ctx.now
+        return {e.url: policy.index.usable(e.url, now) for e in self.fleet.engines[PREFILL]}
 
     def contain_failure(self, event: Event | None, problem: str, trace: str | None = None) -> None:
         """The adapter caught ``problem``, raised by :meth:`receive` on ``event`` (``None``: :meth:`handle_deadline`).
@@ -313,6 +338,28 @@ class Router:
         elif isinstance(event, ControlDone):
             return self.kv.request_of(event.key)
         return None
+
+    def _kv_events(self, event: KvEventsReceived) -> None:
+        """A prefill engine's KV events, in order: the policy's index learns what it holds (``kv`` only)."""
+        ctx = self._ctx
+        if self.fleet.find(PREFILL, event.url) is None:
+            return  # not (or no longer) a prefill engine of this fleet
+        problem = self.fleet.policy.kv_events(event.url, event.events, ctx.now)
+        if problem is not None:
+            ctx.log("kv_events_unusable", level="warning", engine=event.url, problem=problem)
+
+    def _kv_stream(self, event: KvStreamChanged) -> None:
+        """A prefill engine's KV-event stream came up or went down: logged once per change (``kv`` only)."""
+        ctx = self._ctx
+        if self.fleet.find(PREFILL, event.url) is None:
+            return
+        if not self.fleet.policy.kv_stream(event.url, event.live, event.reason, ctx.now):
+            return
+        if event.live:
+            ctx.log("kv_events_live", engine=event.url, reason=event.reason)
+        else:
+            ctx.log("kv_events_lost", level="warning", engine=event.url, reason=event.reason,
+                    fallback_after_s=self.config.routing.kv_events_stale_s)
 
     def _begin_shutdown(self) -> None:
         ctx = self._ctx

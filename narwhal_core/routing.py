@@ -19,9 +19,9 @@ the load instead of one taking it all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from .contract import CHAT
 from .ids import PREFILL, Phase
@@ -32,10 +32,12 @@ if TYPE_CHECKING:
     from .config import RoutingConfig
     from .contract import Route
     from .fleet import EngineState, Fleet
+    from .kv_events import KvEvent
+    from .kv_policy import PromptTokenizer
 
 __all__ = [
-    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "estimate_tokens", "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix",
-    "POLICIES", "make_policy", "Routing",
+    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "APPROXIMATE", "estimate_tokens", "Clock", "StoppedClock",
+    "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix", "POLICIES", "make_policy", "Routing",
 ]
 
 #: Most prefill candidates a journal ``routing`` record lists (docs/operate.md, "The journal").
@@ -43,11 +45,31 @@ MAX_CANDIDATES: Final = 8
 #: A decode engine that reported its KV cache this full is chosen last: new sequences there would be
 #: preempted, or wait for blocks (vLLM's scheduler, ``vllm/v1/core/sched/scheduler.py``).
 KV_NEARLY_FULL: Final = 0.9
+#: The journal's name of the index :class:`Prefix` keeps (docs/operate.md, "The journal").
+APPROXIMATE: Final = "approximate"
 
 
 def estimate_tokens(size: int) -> int:
     """A prompt's tokens estimated from its size in bytes (at least 1)."""
     return size // BYTES_PER_TOKEN or 1
+
+
+class Clock(Protocol):
+    """Where a policy that ages what it knows reads the time: the event being handled's (the router's context)."""
+
+    @property
+    def now(self) -> float:
+        """The time of the event being handled."""
+        ...
+
+
+class StoppedClock:
+    """A clock that reads what it was set to (a policy's until the router binds its own; tests)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
 
 
 class Plan:
@@ -56,7 +78,7 @@ class Plan:
     A plain slotted class made once per request on the hot path; treat it as a value.
     """
 
-    __slots__ = ("pd", "reason", "tokens", "hashes", "candidates")
+    __slots__ = ("pd", "reason", "tokens", "hashes", "candidates", "indexes")
 
     def __init__(
         self, pd: bool, reason: str, tokens: int, hashes: Sequence[int] | None = None,
@@ -72,10 +94,20 @@ class Plan:
         self.hashes = hashes
         #: The prefill engines weighed: (URL, uncached tokens, queued tokens), at most :data:`MAX_CANDIDATES`.
         self.candidates = candidates
+        #: With a policy of two indexes (``kv``): the index that weighed each candidate, in the same order.
+        self.indexes: tuple[str, ...] | None = None
 
     def to_json(self, policy: str, prefill: str | None, decode: str | None) -> dict[str, Any]:
         """The journal's ``routing`` object, with the engines the request's legs last went to."""
         candidates = self.candidates
+        indexes = self.indexes
+        if indexes is not None:
+            tokens = self.tokens
+            return routing_json(policy, "pd" if self.pd else "single", self.reason, prefill, decode, [
+                {"engine": url, "uncached_tokens": uncached, "queued_tokens": queued,
+                 "matched_tokens": tokens - uncached, "index": index}
+                for (url, uncached, queued), index in zip(candidates, indexes)
+            ], index=indexes[0] if indexes else None)
         return routing_json(policy, "pd" if self.pd else "single", self.reason, prefill, decode, [
             {"engine": url, "uncached_tokens": uncached, "queued_tokens": queued}
             for url, uncached, queued in candidates
@@ -95,13 +127,36 @@ class Policy:
     name: ClassVar[str] = ""
     #: Whether it keys prompts (:meth:`key`): admission then hashes each prompt once.
     keyed: ClassVar[bool] = False
+    #: Whether it weighs engines from more than one index (:meth:`index_name`; the journal names it).
+    names_index: ClassVar[bool] = False
 
     __slots__ = ()
 
     @classmethod
-    def from_config(cls, config: RoutingConfig) -> Policy:
-        """A fresh policy of this kind for ``config`` (its state belongs to one router)."""
+    def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
+        """A fresh policy of this kind for ``config`` (its state belongs to one router).
+
+        ``tokenizer``: the runtime's, for a policy keyed by token ids (the others ignore it).
+        """
         return cls()
+
+    def bind(self, clock: Clock, log: Callable[..., None] | None = None) -> None:
+        """The router that owns this policy: the time of each event is read from ``clock``; ``log`` writes a line."""
+
+    def index_name(self, engine: EngineState, plan: Plan) -> str:
+        """Which index weighs ``plan`` on ``engine`` (only when :attr:`names_index`)."""
+        return APPROXIMATE
+
+    def kv_events(self, url: str, events: Sequence[KvEvent], now: float) -> str | None:
+        """KV events of the engine at ``url`` (docs/routing.md, "KV events"); a problem to log once, if any.
+
+        A policy that keeps no index of them ignores them.
+        """
+        return None
+
+    def kv_stream(self, url: str, live: bool, reason: str, now: float) -> bool:
+        """The KV-event stream of the engine at ``url`` came up or went down; whether that changed its state."""
+        return False
 
     def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
         """The engine of ``candidates`` the leg goes to."""
@@ -205,7 +260,7 @@ class Prefix(LeastLoaded):
         self.miss_cost: Final = miss_cost
 
     @classmethod
-    def from_config(cls, config: RoutingConfig) -> Policy:
+    def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
         return cls(config.kv_capacity_tokens, config.miss_cost)
 
     def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
@@ -257,17 +312,24 @@ class Prefix(LeastLoaded):
             index.resize(blocks)
 
 
+# ``kv`` builds on Prefix, defined above: its module imports this one.
+from .kv_policy import Kv  # noqa: E402
+
 #: ``routing.policy`` -> the policy's class.
 POLICIES: Final[Mapping[str, type[Policy]]] = MappingProxyType({
     "least_loaded": LeastLoaded,
     "round_robin": RoundRobin,
     "prefix": Prefix,
+    "kv": Kv,
 })
 
 
-def make_policy(config: RoutingConfig) -> Policy:
-    """The policy ``config`` names, fresh (a policy's state belongs to one router)."""
-    return POLICIES[config.policy].from_config(config)
+def make_policy(config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
+    """The policy ``config`` names, fresh (a policy's state belongs to one router).
+
+    ``tokenizer`` is the runtime's (``Router(..., tokenizer=...)``): ``kv`` needs one.
+    """
+    return POLICIES[config.policy].from_config(config, tokenizer)
 
 
 class Routing:
@@ -316,6 +378,8 @@ class Routing:
             w = getattr(policy, "miss_cost", 1.0)
             weighed.sort(key=lambda c: (c[0] is not best, w * c[1] + c[2]))
             plan.candidates = tuple((e.url, uncached, queued) for e, uncached, queued in weighed[:MAX_CANDIDATES])
+            if policy.names_index:
+                plan.indexes = tuple(policy.index_name(e, plan) for e, _, _ in weighed[:MAX_CANDIDATES])
         if self.fixed is None:
             plan.pd, plan.reason = self.decide(plan)
         return plan
@@ -323,7 +387,9 @@ class Routing:
     def replan(self, plan: Plan, body: dict[str, Any], route: Route) -> Plan:
         """The next prompt of a batch: the request's mode, with this prompt's own hashes and tokens."""
         hashes, tokens = self.policy.key(body, route)
-        return Plan(plan.pd, plan.reason, tokens, hashes, plan.candidates)
+        replanned = Plan(plan.pd, plan.reason, tokens, hashes, plan.candidates)
+        replanned.indexes = plan.indexes
+        return replanned
 
     def decide(self, plan: Plan) -> tuple[bool, str]:
         """``auto``: ``pd`` or ``single``, from the best prefill candidate.

@@ -11,7 +11,6 @@ and ``narwhal_trio`` / ``narwhal_asyncio`` stay mirror images.
 from __future__ import annotations
 
 import gc
-import inspect
 import os
 import secrets
 import signal
@@ -128,15 +127,6 @@ def load_prompt_tokenizer(config: Config) -> EngineTokenizer | None:
         raise ConfigError(exc.key, str(exc)) from None
 
 
-def _router_takes_tokenizer() -> bool:
-    # Router gains its ``tokenizer`` parameter with the "kv" policy (docs/configure.md, "Tokenizer"): a
-    # Router without it is built without the tokenizer. Once both are merged, pass ``tokenizer=`` always.
-    try:
-        return "tokenizer" in inspect.signature(Router).parameters
-    except (TypeError, ValueError):  # a compiled Router whose signature cannot be read: assume the merged one
-        return True
-
-
 def build_router(
     config: Config,
     *,
@@ -152,10 +142,9 @@ def build_router(
     the wall clock measured here.
     """
     tokenizer = load_prompt_tokenizer(config)
-    extra: dict[str, Any] = {"tokenizer": tokenizer} if tokenizer is not None and _router_takes_tokenizer() else {}
     return Router(
         config,
-        **extra,
+        tokenizer=tokenizer,
         rid_source=RidSource(rid_prefix or secrets.token_hex(5)),
         authenticator=load_authenticator(config),
         engine_api_key=engine_api_key(config, os.environ if env is None else env),

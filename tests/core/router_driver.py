@@ -686,6 +686,7 @@ class Driver:
         auto_probe: int | None = 200,
         codec: CodecLike = REFERENCE_CODEC,
         engine_api_key: str | None = None,
+        tokenizer: Any = None,
         **sections: Any,
     ) -> None:
         self.config = config if config is not None else make_config(**sections)
@@ -700,6 +701,7 @@ class Driver:
             engine_api_key=engine_api_key,
             now=now,
             codec=codec,
+            tokenizer=tokenizer,
         )
         self.auto_probe = auto_probe
         #: Every decode engine the router was given: configured, or fed by discovery since (``EnginesChanged``).

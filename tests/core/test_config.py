@@ -209,6 +209,9 @@ DEFAULTS: dict[str, object] = {
     "routing.prefill_tokens_per_s": 8000.0,
     "routing.kv_capacity_tokens": 2000000,
     "routing.miss_cost": 3.0,
+    "routing.kv_block_size": 16,
+    "routing.kv_events_stale_s": 30.0,
+    "routing.kv_speculative_ttl_s": 2.0,
     "engine.discovery": "static",
     "engine.kv_events": None,
     "engine.kv_events_replay": None,
@@ -642,8 +645,9 @@ def test_engine_api_key_env_must_be_a_variable_name(name: str) -> None:
 
 POSITIVE_SECONDS = [
     (s, a.name) for s, a in all_keys()
-    if a.type is float
-    and a.name not in ("backoff_base_s", "backoff_max_s", "grace_s", "metrics_interval_s", "sample_ratio")
+    if a.type is float and a.name not in (
+        "backoff_base_s", "backoff_max_s", "grace_s", "metrics_interval_s", "kv_speculative_ttl_s", "sample_ratio",
+    )
 ]
 
 
@@ -681,6 +685,7 @@ def test_minimums_table_covers_every_integer_key() -> None:
         "retry.max_attempts", "ingress.max_buffered_bytes", "ingress.busy_poll_us",
         "ingress.max_batch_prompts",  # 1..1024: tests/core/test_router_prompts.py
         "discovery.port",  # 1..65535: tests/core/test_dynamic_fleet.py
+        "routing.kv_block_size",  # 1..4096: tests/core/test_kv_policy.py
     } == ints
 
 

@@ -1,0 +1,200 @@
+"""Routing policy ``kv``: the prefix policy's cost model, fed with what the engines say they hold.
+
+(docs/routing.md, "KV events"; docs/configure.md, ``[routing]``.)
+
+:class:`Kv` is :class:`~narwhal_core.routing.Prefix` with a second, precise
+index: a prefill engine's expected time to first token is still (its queued
+prompt tokens + the prompt's tokens it does not hold), but the tokens it
+holds come from its own KV events (:class:`~narwhal_core.kv_index.KvIndex`)
+while its event stream is live. An engine whose stream is not live (never
+heard from, or lost or silent past ``routing.kv_events_stale_s``) is
+weighed from the approximate index exactly as ``prefix`` weighs it; that
+index is fed as under ``prefix`` all along, so it is ready when needed.
+
+The precise index is keyed by token ids, which only a tokenizer gives: the
+core never loads one, the runtime passes a :class:`PromptTokenizer` in
+(``Router(..., tokenizer=...)``). A request the tokenizer cannot render is
+weighed from the approximate index on every engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
+
+from .contract import CHAT
+from .kv_index import KvIndex, token_block_hashes
+from .routing import APPROXIMATE, Clock, Plan, Policy, Prefix, StoppedClock
+
+if TYPE_CHECKING:
+    from .config import RoutingConfig
+    from .contract import Route
+    from .fleet import EngineState
+    from .kv_events import KvEvent
+
+__all__ = ["PromptTokenizer", "KvKey", "Kv", "PRECISE"]
+
+#: The journal's name of the precise index (docs/operate.md, "The journal").
+PRECISE: Final = "kv"
+
+
+class PromptTokenizer(Protocol):
+    """What the router needs of a tokenizer: the token ids the ENGINE computes for a request's prompt.
+
+    Completions: the ``prompt`` (one string, or one list of token ids,
+    returned as is). Chat: the ``messages`` and ``tools`` rendered by the
+    model's chat template, then tokenized. It may raise for a body it
+    cannot render: the request is then weighed without it.
+    """
+
+    def prompt_token_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+        """The prompt's token ids (``chat``: the body came on ``/v1/chat/completions``)."""
+        ...
+
+
+class KvKey(list[int]):
+    """A plan's hashes under ``kv``: the approximate index's (the list itself, as ``prefix`` reads them)...
+
+    ...and, riding along, :attr:`exact`: Narwhal's chained hashes of the
+    prompt's token blocks (:func:`~narwhal_core.kv_index.token_block_hashes`),
+    what the precise index is asked about.
+    """
+
+    __slots__ = ("exact",)
+
+    def __init__(self, approximate: Sequence[int], exact: list[int]) -> None:
+        super().__init__(approximate)
+        self.exact: Final = exact
+
+
+class Kv(Prefix):
+    """``kv``: least expected TTFT, the tokens each prefill engine holds told by its KV events."""
+
+    name: ClassVar[str] = "kv"
+    names_index: ClassVar[bool] = True
+    __slots__ = ("tokenizer", "index", "block_size", "clock", "log", "memo", "memo_of")
+
+    def __init__(
+        self, capacity_tokens: int, tokenizer: PromptTokenizer, *, block_size: int = 16, stale_s: float = 30.0,
+        speculative_ttl_s: float = 2.0, clock: Clock | None = None, miss_cost: float = 1.0,
+    ) -> None:  # fmt: skip
+        super().__init__(capacity_tokens, miss_cost)
+        self.tokenizer: Final = tokenizer
+        #: Tokens per block of the precise index: the engines' ``--block-size``.
+        self.block_size: Final = block_size
+        self.index: Final = KvIndex(
+            block_size, stale_s=stale_s, speculative_ttl_s=speculative_ttl_s,
+            max_blocks=capacity_tokens // block_size,
+        )
+        #: Where the time of the event being handled is read (the router's context, once bound).
+        self.clock: Clock = clock if clock is not None else StoppedClock()
+        #: Where an engine falling back (or trusted again) is logged (the router's, once bound).
+        self.log: Callable[..., None] | None = None
+        #: The last plan's matched blocks by engine URL, and what they hold for (the plan, ``now``, the
+        #: index's version): a request is weighed, picked at admission and picked again at its leg's
+        #: start, each time over every candidate.
+        self.memo: Final[dict[str, int | None]] = {}
+        self.memo_of: tuple[object, float, int] | None = None
+
+    @classmethod
+    def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
+        if tokenizer is None:
+            raise ValueError('routing.policy = "kv" needs a tokenizer (model.tokenizer)')
+        return cls(
+            config.kv_capacity_tokens, tokenizer, block_size=config.kv_block_size,
+            stale_s=config.kv_events_stale_s, speculative_ttl_s=config.kv_speculative_ttl_s,
+            miss_cost=config.miss_cost,
+        )
+
+    def bind(self, clock: Clock, log: Callable[..., None] | None = None) -> None:
+        self.clock = clock
+        self.log = log
+
+    def report(self) -> None:
+        """Log the engines whose trust changed with no word from their stream (found stale, or speaking again).
+
+        ``kv_events_stale`` (warning): weighed from the approximate index
+        from now on, ``reason`` ``lost`` (the stream lost for
+        ``kv_events_stale_s``: what its events said is dropped) or
+        ``silent`` (no event that long though prefills were sent there);
+        ``kv_events_live`` with ``reason`` ``events``: its events are
+        trusted again.
+        """
+        changes = self.index.changes
+        log = self.log
+        if log is not None:
+            for url, why in changes:
+                if why == "events":
+                    log("kv_events_live", engine=url, reason=why)
+                else:
+                    log("kv_events_stale", level="warning", engine=url, reason=why, index="approximate",
+                        stale_s=self.index.stale_s)
+        changes.clear()
+
+    def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
+        hashes, tokens = Prefix.key(self, body, route)
+        try:
+            ids = self.tokenizer.prompt_token_ids(body, route == CHAT)
+        except Exception:  # the tokenizer is the runtime's: whatever it raises, weigh without it
+            return hashes, tokens
+        return KvKey(hashes, token_block_hashes(ids, self.block_size)), len(ids) or 1
+
+    def uncached(self, engine: EngineState, plan: Plan) -> int:
+        hashes = plan.hashes
+        if type(hashes) is KvKey:
+            matched = self.matched_blocks(engine.url, plan, hashes)
+            if matched is not None:
+                return max(0, plan.tokens - matched * self.block_size)
+        return Prefix.uncached(self, engine, plan)
+
+    def matched_blocks(self, url: str, plan: Plan, hashes: KvKey) -> int | None:
+        """The precise index's answer for ``plan`` on ``url``, asked once per plan, instant and index state."""
+        index = self.index
+        now = self.clock.now
+        memo = self.memo
+        of = (plan, now, index.version)
+        if of != self.memo_of:
+            memo.clear()
+            self.memo_of = of
+        elif url in memo:
+            return memo[url]
+        matched = memo[url] = index.matched_blocks(url, hashes.exact, now)
+        if index.version != of[2]:  # the question itself changed the index (an engine found stale)
+            memo.clear()
+            self.memo_of = (plan, now, index.version)
+            self.report()
+        return matched
+
+    def index_name(self, engine: EngineState, plan: Plan) -> str:
+        """Which index weighs ``plan`` on ``engine`` now: :data:`PRECISE` or the approximate one."""
+        usable = type(plan.hashes) is KvKey and self.index.usable(engine.url, self.clock.now)
+        if self.index.changes:
+            self.report()
+        return PRECISE if usable else APPROXIMATE
+
+    def sent(self, engine: EngineState, plan: Plan) -> None:
+        Prefix.sent(self, engine, plan)
+        hashes = plan.hashes
+        if type(hashes) is KvKey:
+            self.index.sent(engine.url, hashes.exact, self.clock.now)
+
+    def forget(self, engine: EngineState) -> None:
+        Prefix.forget(self, engine)
+        self.index.forget_speculation(engine.url)
+
+    def drop(self, engine: EngineState) -> None:
+        Prefix.drop(self, engine)
+        self.index.drop(engine.url)
+
+    def capacity(self, engine: EngineState, tokens: int) -> None:
+        Prefix.capacity(self, engine, tokens)
+        self.index.resize(engine.url, tokens // self.block_size)
+
+    def kv_events(self, url: str, events: Sequence[KvEvent], now: float) -> str | None:
+        problem = self.index.apply(url, events, now)
+        if self.index.changes:
+            self.report()
+        return problem
+
+    def kv_stream(self, url: str, live: bool, reason: str, now: float) -> bool:
+        return self.index.stream(url, live, reason, now)
