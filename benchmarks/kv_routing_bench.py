@@ -46,11 +46,15 @@ with what KV-event routing needs on top:
   events, in the layout vLLM Router reads. It has no replay in PD mode
   (``--kv-event-replay-source`` goes with ``--kv-event-source``, the
   non-PD sources);
-* **KV pressure** (``--pressures``): the engines' KV pool
-  (``--num-gpu-blocks``) per pressure; at the knee rate the window's
-  prompts hold 3.2M tokens of distinct blocks: ``high`` (28,000 blocks, the
-  routing bench's fleet: the prefill pool holds 0.55 of that) and ``low``
-  (100,000 blocks: 2.0x).
+* **KV pressure** (``--pressures``): the prefill pool's KV (``--num-gpu-blocks``
+  x ``--prefill``) as a multiple of the run's working set, the prompt tokens
+  of its distinct trace blocks (512 tokens each): ``high`` 0.25 and ``low``
+  2.0, never fewer blocks per engine than the longest admitted prompt needs
+  (:func:`pool_blocks`). At the knee the 120 s window holds 3.49M tokens of
+  distinct blocks: ``high`` is 13,626 blocks per engine, where one LRU cache of
+  the pool could hit 12 % of the prompt tokens against 31 % without a limit
+  (``routing_bound.py``; ``routing_bench.py``'s 28,000 blocks: 25 %), and
+  ``low`` 109,008 (31 %: nothing is evicted that would hit).
 
 Targets (``--targets``): ``narwhal-kv`` (``routing.policy = "kv"``, with
 ``[model] tokenizer``, ``[engine] kv_events`` and ``kv_events_replay``: a
@@ -220,6 +224,14 @@ class KvFleet(rb.Fleet):
         return sum(r.batches for r in self.relays)
 
 
+def pool_blocks(ratio: float, requests: list[Any], prefill: int) -> int:
+    """KV blocks per engine for a prefill pool holding ``ratio`` x the requests' distinct trace blocks."""
+    distinct = {block for r in requests for block in r.hash_ids}
+    longest = max((r.input_length for r in requests if r.input_length < rb.MAX_MODEL_LEN), default=0)
+    wanted = ratio * len(distinct) * 512 / rb.BLOCK_TOKENS / prefill
+    return max(int(wanted + 0.5), -(-longest // rb.BLOCK_TOKENS) + 64)
+
+
 def register_targets(args: argparse.Namespace, tokenizer: Path) -> None:
     """The KV targets' config (Narwhal) and arguments (vLLM Router), in ``routing_bench``'s tables."""
     port = args.kv_port
@@ -243,8 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kv_routing_bench.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated, from: " + ", ".join(TARGETS))
-    p.add_argument("--pressures", default="high=28000,low=100000",
-                   help="name=KV blocks per engine, comma-separated (the window holds 3.2M tokens of blocks)")
+    p.add_argument("--pressures", default="high=0.25,low=2",
+                   help="name=the prefill pool's KV as a multiple of the run's distinct prompt blocks, comma-separated")
     p.add_argument("--rate", type=float, default=0.5, help="the knee: multiple of the trace window's own rate")
     p.add_argument("--trace", default=rb.TRACE)
     p.add_argument("--trace-offset", type=int, default=3000)
@@ -278,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [t for t in targets if t not in TARGETS]:
         print(f"kv_routing_bench: unknown targets {unknown}; known: {', '.join(TARGETS)}", file=sys.stderr)
         return 2
-    pressures = [(name, int(blocks)) for name, _, blocks in (p.partition("=") for p in args.pressures.split(",") if p)]
+    pressures = [(name, float(x)) for name, _, x in (p.partition("=") for p in args.pressures.split(",") if p)]
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kv_routing_bench-"))
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(work / "tokenizer")
@@ -297,16 +309,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             peers = ensure_peers(work) if any(t.startswith("vllm") for t in targets) else (None, "not asked for")
         window = rb.trace_window(args, work)
-        for pressure, blocks in pressures:
-            args.num_gpu_blocks = blocks
+        requests = rb.workload_requests("trace", window, args.rate, args)
+        for pressure, share in pressures:
+            blocks = args.num_gpu_blocks = pool_blocks(share, requests, args.prefill)
             fleet = KvFleet(args, tokenizer)
             try:
                 fleet.start()
-                log(f"fleet: {args.prefill}P{args.decode}D, {blocks} blocks each ({pressure} KV pressure); {work}")
+                log(f"fleet: {args.prefill}P{args.decode}D, {blocks} blocks each ({pressure} KV pressure: the prefill "
+                    f"pool holds {share:g}x the run's distinct blocks); {work}")  # fmt: skip
                 for name in targets:
                     before = fleet.batches()
                     row = rb.run_one(name, "trace", pressure, args.rate, fleet, window, work, args, peers)
-                    row.update(pressure=pressure, num_gpu_blocks=blocks, kv_batches=fleet.batches() - before)
+                    row.update(pressure=pressure, pool_over_working_set=share, num_gpu_blocks=blocks,
+                               kv_batches=fleet.batches() - before)  # fmt: skip
                     if name == "narwhal-kv" and "refused" in row.get("error", ""):
                         row["error"] = "skipped: this narwhal refuses routing.policy = \"kv\" (" + row["error"] + ")"
                     rows.append(row)
@@ -319,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(0)
         Proc.stop_all()
     return report(rows, args, work, [p for p, _ in pressures])
+
+
+def blocks_of(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(sorted({f"{r['pressure']} {r['num_gpu_blocks']}" for r in rows if "num_gpu_blocks" in r}))
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -366,7 +385,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, work: Path, pre
             f"{machine['loadavg_end'][0]:.1f} at the end, {machine['cpus']} CPUs.\n"
             f"Simulated time (speed {args.speed:g}); the trace from request {args.trace_offset} at {args.rate:g}x its "
             f"rate for {args.duration:g} s; SLO TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_itl_ms:g} ms; "
-            f"the 'rate' column is the KV pressure ({args.pressures} blocks per engine).\n\n"
+            f"the 'rate' column is the KV pressure ({args.pressures}: the prefill pool over the run's distinct "
+            f"blocks; blocks per engine {blocks_of(rows)}).\n\n"
             f"{markdown(rows)}\n\n{verdicts(rows, pressures)}\n")  # fmt: skip
     (work / "kv_routing.md").write_text(text)
     print(text)
