@@ -40,7 +40,7 @@ with what KV-event routing needs on top:
   map tagged by ``"type"`` (``src/kv_index/wire.rs`` in vllm-project/router;
   fed the simulator's arrays it logs ``KV event must be a tagged map`` and
   indexes nothing), the layout of vLLM 0.28 (``KVCacheEvent`` without
-  ``array_like``), while the simulator writes the array layout of earlier
+  ``array_like``: vllm-project/vllm#42892), while the simulator writes the array layout of earlier
   vLLM (``b4e69e0af33f``), which Narwhal reads. The relay also publishes
   every batch re-encoded as maps at ``tcp://<host>:--kv-port+2``: the same
   events, in the layout vLLM Router reads. It has no replay in PD mode
@@ -66,8 +66,12 @@ which the simulator does not serve, then ``/tokenize``) and
 ``vllm-pd-cache_aware`` (its best policy without events in
 ``routing_bench.py``'s runs).
 
-Writes ``kv_routing.json``, ``kv_routing_summary.json``, ``kv_routing.md``
-and ``ttft_cdf_<pressure>.png`` to ``--out``.
+Per Narwhal run it also reads the journal (docs/operate.md): how many
+decisions the ``kv`` index made and how many the approximate fallback, and
+the prompt tokens the chosen engines held by that index, so a ``kv`` row
+that only ever fell back shows it. Writes ``kv_routing.json``,
+``kv_routing_summary.json``, ``kv_routing.md`` and ``ttft_cdf_<pressure>.png``
+to ``--out``.
 """
 
 from __future__ import annotations
@@ -318,10 +322,14 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"fleet: {args.prefill}P{args.decode}D, {blocks} blocks each ({pressure} KV pressure: the prefill "
                     f"pool holds {share:g}x the run's distinct blocks); {work}")  # fmt: skip
                 for name in targets:
-                    before = fleet.batches()
+                    before, journal = fleet.batches(), work / f"{name}.journal.jsonl"
+                    offset = journal.stat().st_size if journal.exists() else 0
                     row = rb.run_one(name, "trace", pressure, args.rate, fleet, window, work, args, peers)
                     row.update(pressure=pressure, pool_over_working_set=share, num_gpu_blocks=blocks,
-                               kv_batches=fleet.batches() - before)  # fmt: skip
+                               kv_batches=fleet.batches() - before,
+                               kv_relay_problems=sum(r.problems for r in fleet.relays))  # fmt: skip
+                    if rb.is_narwhal(name) and journal.exists():
+                        row["journal"] = journal_summary(journal, offset)
                     if name == "narwhal-kv" and "refused" in row.get("error", ""):
                         row["error"] = "skipped: this narwhal refuses routing.policy = \"kv\" (" + row["error"] + ")"
                     rows.append(row)
@@ -334,6 +342,29 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(0)
         Proc.stop_all()
     return report(rows, args, work, [p for p, _ in pressures])
+
+
+def journal_summary(path: Path, offset: int) -> dict[str, Any]:
+    """Which index decided each request of a Narwhal run (its journal from byte ``offset``): ``kv`` (the
+    engines' events) or ``approximate`` (the fallback; docs/operate.md), and the prompt tokens the chosen
+    prefill engine held by that index."""
+    decided: dict[str, int] = {}
+    matched = 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            routing = record.get("routing") if record.get("terminal") else None
+            if not routing:
+                continue
+            index = routing.get("index", "-")
+            decided[index] = decided.get(index, 0) + 1
+            chosen = [c for c in routing.get("candidates", ()) if c.get("engine") == routing.get("prefill")]
+            matched += sum(c.get("matched_tokens") or 0 for c in chosen)
+    return {"decided_by": decided, "matched_tokens": matched}
 
 
 def blocks_of(rows: list[dict[str, Any]]) -> str:
@@ -354,6 +385,9 @@ def verdicts(rows: list[dict[str, Any]], pressures: list[str]) -> str:
         if kv is None:
             out.append("  narwhal-kv not measured: every target about it is still to be measured")
             continue
+        journal = kv.get("journal", {})
+        out.append(f"  narwhal-kv decisions by index: {journal.get('decided_by', '-')}, prompt tokens the chosen "
+                   f"prefill engine held: {journal.get('matched_tokens', '-')}")  # fmt: skip
         p90 = lambda r: r["ttft_ms"]["p90"]  # noqa: E731
         if prefix is not None:
             x = ratio(p90(kv), p90(prefix))
