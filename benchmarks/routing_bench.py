@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,11 @@ NARWHAL_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
     "narwhal-least_loaded-auto": {"routing": {"policy": "least_loaded", "mode": "auto"}},
     "narwhal-prefix-never": {"routing": {"policy": "prefix", "mode": "never"}},
 }
+#: Configurations that depend on the fleet (a tokenizer path, KV event endpoints): name -> sections of the
+#: fleet; the KV-event comparison (``kv_routing_bench.py``) registers its own here.
+NARWHAL_FLEET_CONFIGS: dict[str, Callable[[Fleet], dict[str, dict[str, Any]]]] = {}
+#: Extra ``vllm-router`` arguments for a ``vllm-pd-<policy>`` target that depend on the fleet (KV event sources).
+VLLM_FLEET_ARGS: dict[str, Callable[[Fleet], list[str]]] = {}
 #: vLLM Router's policies for prefill and decode choice in PD mode (``--policy``
 #: sets both). ``kv_aware`` is left out: it needs the engines' KV events.
 VLLM_PD_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "consistent_hash",
@@ -125,13 +131,16 @@ class Fleet:
         self.args = args
         self.engines: list[SimProcess] = []
 
+    def engine_options(self, role: str, index: int) -> dict[str, Any]:
+        """``SimProcess`` keyword arguments of the ``index``-th engine of ``role`` (a subclass adds its own)."""
+        return {"num_gpu_blocks": self.args.num_gpu_blocks, "record_limit": 16, "kv_pull_grace_ms": 0,
+                "max_body_bytes": 8 << 20}  # fmt: skip
+
     def start(self) -> None:
         a = self.args
-        options = {"num_gpu_blocks": a.num_gpu_blocks, "record_limit": 16, "kv_pull_grace_ms": 0,
-                   "max_body_bytes": 8 << 20}  # fmt: skip
         for role, count in (("prefill", a.prefill), ("decode", a.decode)):
             for i in range(count):
-                engine = SimProcess(role, speed=a.speed, lease_s=30.0 / a.speed, seed=i, **options)
+                engine = SimProcess(role, speed=a.speed, lease_s=30.0 / a.speed, seed=i, **self.engine_options(role, i))
                 self.engines.append(engine)
                 engine.start()
         bad = [addr for e in self.engines for addr in listening_addresses(e.pid or 0) if not addr.startswith("127.")]
@@ -195,9 +204,9 @@ def narwhal_config(path: Path, fleet: Fleet, port: int, speed: float, extra: dic
 def target_command(name: str, fleet: Fleet, port: int, work: Path, args: argparse.Namespace,
                    peers_bin: Path | None) -> list[str]:  # fmt: skip
     """The command line of target ``name`` listening on 127.0.0.1:``port``."""
-    if name in NARWHAL_CONFIGS:
+    if is_narwhal(name):
         cfg = work / f"{name}.toml"
-        narwhal_config(cfg, fleet, port, args.speed, NARWHAL_CONFIGS[name])
+        narwhal_config(cfg, fleet, port, args.speed, narwhal_sections(name, fleet))
         return [sys.executable, "-m", "narwhal", "serve", "--config", str(cfg), "--runtime", args.runtime]
     assert peers_bin is not None
     common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
@@ -212,13 +221,22 @@ def target_command(name: str, fleet: Fleet, port: int, work: Path, args: argpars
         cmd += ["--prefill", url]
     for url in fleet.urls("decode"):
         cmd += ["--decode", url]
-    return cmd
+    return cmd + (VLLM_FLEET_ARGS[name](fleet) if name in VLLM_FLEET_ARGS else [])
+
+
+def is_narwhal(name: str) -> bool:
+    return name in NARWHAL_CONFIGS or name in NARWHAL_FLEET_CONFIGS
+
+
+def narwhal_sections(name: str, fleet: Fleet) -> dict[str, dict[str, Any]]:
+    """The extra config sections of Narwhal target ``name`` on ``fleet``."""
+    return NARWHAL_FLEET_CONFIGS[name](fleet) if name in NARWHAL_FLEET_CONFIGS else NARWHAL_CONFIGS[name]
 
 
 def start_target(name: str, fleet: Fleet, work: Path, args: argparse.Namespace,
                  peers: tuple[Path | None, str]) -> tuple[Proc | None, str, str | None]:  # fmt: skip
     """(process, URL, why it could not start or None): it answered one completion and listens on loopback only."""
-    if name not in NARWHAL_CONFIGS and peers[0] is None:
+    if not is_narwhal(name) and peers[0] is None:
         return None, "", peers[1] or "peers not installed"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -257,7 +275,7 @@ def engine_names(fleet: Fleet) -> dict[str, str]:
 def prompt_pool(name: str, fleet: Fleet) -> list[str]:
     """The engines that compute prompts under target ``name``: the prefill pool, or every engine when
     the target may run whole requests on decode engines (the plain pool, a mode other than ``always``)."""
-    mode = NARWHAL_CONFIGS.get(name, {}).get("routing", {}).get("mode", "always")
+    mode = narwhal_sections(name, fleet).get("routing", {}).get("mode", "always") if is_narwhal(name) else "always"
     return fleet.urls() if name == BASELINE or mode != "always" else fleet.urls("prefill")
 
 

@@ -1,0 +1,67 @@
+"""The KV-event routing benchmark's pieces that must be right for its figures to mean anything.
+
+``benchmarks/kv_routing_bench.py`` re-encodes the simulator's events in the
+layout vLLM Router reads (maps tagged by ``"type"``), and builds the tokenizer
+both the engines and Narwhal load: four characters of the trace's text to a
+token, never the unknown token.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import msgpack  # type: ignore[import-untyped]
+import pytest
+
+from narwhal_bench.trace import PromptSynth, TraceRequest
+from narwhal_core.kv_events import decode_batch
+from narwhal_sim.engine import AllBlocksCleared, BlockRemoved, BlockStored
+from narwhal_sim.kv_events import encode_batch
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(_BENCH))
+_spec = importlib.util.spec_from_file_location("kv_routing_bench", _BENCH / "kv_routing_bench.py")
+assert _spec is not None and _spec.loader is not None
+kv_routing_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kv_routing_bench)
+
+
+def test_events_re_encoded_as_tagged_maps_carry_the_same_blocks() -> None:
+    events = [
+        BlockStored(block_hashes=(11, 12), parent_block_hash=None, token_ids=tuple(range(32)), block_size=16),
+        BlockStored(block_hashes=(13,), parent_block_hash=12, token_ids=tuple(range(32, 48)), block_size=16),
+        BlockRemoved(block_hashes=(11,)),
+        AllBlocksCleared(),
+    ]
+    payload = encode_batch(events, ts=12.5)
+    ts, original = decode_batch(payload)
+    batch = msgpack.unpackb(kv_routing_bench.as_maps(payload), raw=False)
+    assert batch[0] == ts == 12.5 and batch[2:] == [0]
+    stored, child, removed, cleared = batch[1]
+    assert [e["type"] for e in batch[1]] == ["BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert stored == {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+                      "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "GPU",
+                      "lora_name": None}  # fmt: skip
+    assert child["parent_block_hash"] == original[1].parent_block_hash == 12
+    assert removed == {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"}
+    assert cleared == {"type": "AllBlocksCleared"}
+
+
+def test_the_tokenizer_cuts_trace_text_four_characters_to_a_token(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    directory = kv_routing_bench.build_tokenizer(tmp_path / "tok")
+    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    synth = PromptSynth()
+    a = TraceRequest(index=0, arrival_s=0.0, input_length=2000, output_length=1, hash_ids=(7, 8, 9, 10))
+    b = TraceRequest(index=1, arrival_s=0.0, input_length=2000, output_length=1, hash_ids=(7, 8, 11, 12))
+    ids_a, ids_b = (tok.encode(synth.prompt(r)).ids for r in (a, b))
+    assert 0 not in ids_a and 0 not in ids_b  # never the unknown token
+    assert 2000 <= len(ids_a) <= 2000 * 1.02  # the trace's count, plus each block head's few extra tokens
+    # the prompts share their first two blocks' text (1,024 trace tokens), and their ids that far and
+    # through the next block head's common "[", "bloc", "k " (then its number differs)
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
+    head = tok.encode(synth.prompt(TraceRequest(index=2, arrival_s=0.0, input_length=1024, output_length=1,
+                                                hash_ids=(7, 8)))).ids  # fmt: skip
+    assert ids_a[: len(head)] == head and shared == len(head) + 3
