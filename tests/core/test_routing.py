@@ -325,19 +325,28 @@ def test_a_fully_cached_prompt_goes_to_the_idle_engine_holding_it(questions: lis
     assert fleet.choose(PREFILL, plan=routing.plan(chat(questions[-1]), CHAT, 0)) is holder
 
 
-def test_a_hotspot_spreads_once_its_queue_outweighs_the_hit() -> None:
-    """One shared prefix, all traffic: its engine takes it while its queue is short, then every engine does."""
-    fleet, policy = prefix_fleet()
+def hotspot(fleet: Fleet, *, requests: int, in_flight: int) -> list[int]:
+    """One shared prefix, all traffic: ``requests`` chat prompts, the oldest finishing once ``in_flight`` run.
+
+    The index of the prefill engine each went to.
+    """
     routing = prefix_routing(fleet)
     running: list[tuple[EngineState, int]] = []
     chosen = []
-    for i in range(40):
+    for i in range(requests):
         engine, p = admit(fleet, routing, chat(f"question {i}"))
         chosen.append(engine.index)
         running.append((engine, p.tokens))
-        if len(running) > 3:  # three prefills in flight at any time, the oldest finishing first
+        if len(running) >= in_flight:
             done, tokens = running.pop(0)
             fleet.leg_ended(done, tokens)
+    return chosen
+
+
+def test_a_hotspot_spreads_once_its_queue_outweighs_the_hit() -> None:
+    """One shared prefix, all traffic: its engine takes it while its queue is short, then every engine does."""
+    fleet, policy = prefix_fleet()
+    chosen = hotspot(fleet, requests=40, in_flight=4)  # three in flight when each is chosen
     # A second request behind the first on the prefix's engine would wait for all of the
     # first's prompt, more than the hit saves: it goes elsewhere, and so the prefix spreads.
     assert chosen[1] != chosen[0], chosen
@@ -402,17 +411,7 @@ def test_a_hotspot_spreads_with_the_default_miss_cost_too(in_flight: int, engine
     """
     policy = make_policy(RoutingConfig(policy="prefix"))
     assert isinstance(policy, Prefix) and policy.miss_cost == 3.0
-    fleet = fleet_of(policy, max_inflight=100)
-    routing = prefix_routing(fleet)
-    running: list[tuple[EngineState, int]] = []
-    chosen = []
-    for i in range(60):
-        engine, p = admit(fleet, routing, chat(f"question {i}"))
-        chosen.append(engine.index)
-        running.append((engine, p.tokens))
-        if len(running) >= in_flight:  # that many prefills in flight, the oldest finishing first
-            done, tokens = running.pop(0)
-            fleet.leg_ended(done, tokens)
+    chosen = hotspot(fleet_of(policy, max_inflight=100), requests=60, in_flight=in_flight)
     shares = [chosen.count(i) for i in range(4)]
     assert sum(1 for n in shares if n) == engines_used, shares
     if engines_used > 1:
