@@ -277,8 +277,8 @@ def conversation(messages: Any, fmt: str) -> list[dict[str, Any]]:
 def _tool_calls(calls: Any) -> list[Any]:
     if not isinstance(calls, list):
         raise ChatError("tool_calls must be an array")
-    calls = copy.deepcopy(calls)
-    for call in calls:
+    copied: list[Any] = copy.deepcopy(calls)  # the request body is left as it came
+    for call in copied:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
             raise ChatError("each tool call needs a function object")
@@ -290,7 +290,7 @@ def _tool_calls(calls: Any) -> list[Any]:
                 function["arguments"] = {}
         elif not isinstance(arguments, (dict, list)):
             function["arguments"] = {}
-    return calls
+    return copied
 
 
 def normalised_tools(tools: Any) -> list[dict[str, Any]] | None:

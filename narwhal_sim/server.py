@@ -184,7 +184,7 @@ class SimConfig:
     kv_events_topic: str = ""
     #: A Hugging Face ``tokenizer.json`` (or its directory): counts and hashes prompts by its ids.
     tokenizer: str | None = None
-    #: A jinja2 chat template file (default: the tokenizer's, else the built-in one).
+    #: A jinja2 chat template file (default: the tokenizer's; none: chat is refused, as vLLM refuses it).
     chat_template: str | None = None
 
     def check(self) -> None:

@@ -110,7 +110,7 @@ def _token_text(value: Any) -> str | None:
 
 
 def _special_tokens(folder: str) -> dict[str, Any]:
-    """The special tokens transformers passes to a template: ``special_tokens_map.json``, then ``tokenizer_config.json``."""
+    """The special tokens a template sees: ``tokenizer_config.json``'s over ``special_tokens_map.json``'s."""
     found: dict[str, Any] = {}
     for source in (_read_json(os.path.join(folder, "special_tokens_map.json")),
                    _read_json(os.path.join(folder, "tokenizer_config.json"))):  # fmt: skip

@@ -37,14 +37,16 @@ CORPUS = [
 STRING_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
     "{% for m in messages %}<{{ m.role }}>"
-    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>"
+    "{% endfor %}"
     "{{ m.content }}</{{ m.role }}>\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}{% if flavour %}{{ flavour }}{% endif %}"
 )
 #: Loops over a message's content parts: vLLM hands it lists of parts ("openai" content format).
 PARTS_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<{{ m.role }}>"
-    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}"
+    "{% endif %}"
     "</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 
@@ -61,7 +63,8 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "argumen
 TOOL_TURNS = [
     {"role": "user", "content": "what is the weather in the city of Tromsø today?"},
     {"role": "assistant", "content": None, "tool_calls": [CALL]},
-    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "cold"}, {"type": "text", "text": "blue"}]},
+    {"role": "tool", "tool_call_id": "c1",
+     "content": [{"type": "text", "text": "cold"}, {"type": "text", "text": "blue"}]},
 ]
 
 STRING_CASES: dict[str, tuple[bool, dict[str, Any]]] = {
