@@ -51,6 +51,7 @@ __all__ = [
     "ChatError",
     "ChatTemplate",
     "NO_TEMPLATE",
+    "UNTRUSTED_TEMPLATE",
     "SPECIAL_TOKEN_NAMES",
     "content_format",
     "conversation",
@@ -62,6 +63,12 @@ __all__ = [
 NO_TEMPLATE: Final = (
     "As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat "
     "template if the tokenizer does not define one."
+)
+
+#: vLLM's answer to a request that brings its own chat template (400; the simulator never trusts one).
+UNTRUSTED_TEMPLATE: Final = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. Refused request "
+    "with untrusted chat template."
 )
 
 #: The special tokens transformers hands every template, when the tokenizer defines them.
@@ -346,8 +353,12 @@ def _requested(body: Mapping[str, Any]) -> dict[str, Any]:
 def render_chat(body: Mapping[str, Any], templates: tuple[ChatTemplate | None, ChatTemplate | None],
                 special_tokens: Mapping[str, Any]) -> str:  # fmt: skip
     """The prompt text of chat request ``body``; ``templates`` is (default, ``tool_use``)."""
-    if body.get("chat_template") is not None:
-        raise ChatError("the simulator renders with its own chat template only", "chat_template")
+    kwargs_given = body.get("chat_template_kwargs")
+    if body.get("chat_template") is not None or (
+        isinstance(kwargs_given, dict) and kwargs_given.get("chat_template") is not None
+    ):
+        # vLLM's default, without --trust-request-chat-template (OpenAIServing._validate_chat_template).
+        raise ChatError(UNTRUSTED_TEMPLATE, None)
     if _flag(body, "continue_final_message", False) and _flag(body, "add_generation_prompt", True):
         # vLLM's request validator (ChatCompletionRequest.check_generation_prompt), before any kwargs.
         raise ChatError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.", None)

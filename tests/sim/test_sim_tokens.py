@@ -194,6 +194,7 @@ def test_what_vllm_refuses_is_a_400(tmp_path: Path) -> None:
             ({"messages": messages, "add_generation_prompt": "yes"}, "add_generation_prompt"),
             ({"messages": messages, "chat_template_kwargs": {"boom": True}}, "messages"),
             ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "type"),
+            ({"messages": messages, "chat_template": "{{ 1 }}"}, None),
         ]:
             for path in ("/v1/chat/completions", "/tokenize"):
                 answer = client.post(sim.url + path, json={**body, "max_tokens": 1})
