@@ -183,6 +183,16 @@ def test_generation_prompt_continuation_kwargs_and_named_templates(tmp_path: Pat
     assert SimTokenizer(str(folder)).render_chat({"messages": messages}) == "2"
 
 
+def test_transformers_environment_loop_controls_generation_documents_and_strftime(tmp_path: Path) -> None:
+    tok = loaded(tmp_path, "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                           "{% if m.role == 'system' %}{% continue %}{% endif %}{% generation %}{{ m.content }}"
+                           "{% endgeneration %}{% endfor %}|{{ documents | tojson(indent=None, sort_keys=True) }}"
+                           "|{{ strftime_now('%Y') | length }}")  # fmt: skip
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "user", "content": "x"}]
+    body = {"messages": messages, "documents": [{"title": "ice", "a": "<b>"}]}
+    assert tok.render_chat(body) == 'u|[{"a": "<b>", "title": "ice"}]|4'
+
+
 def test_what_vllm_refuses_is_a_400(tmp_path: Path) -> None:
     folder = tmp_path / "t"
     with_template(folder, "{% for m in messages %}{{ m.content }}{% endfor %}{{ raise_exception('no') if boom }}")
