@@ -129,7 +129,8 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
                    help="a Hugging Face tokenizer.json (or its directory): count and hash prompts by its ids "
                         "(default: 4 characters per token)")  # fmt: skip
     t.add_argument("--chat-template", metavar="FILE", default=None,
-                   help="jinja2 chat template (default: the tokenizer's tokenizer_config.json, else built in)")
+                   help="jinja2 chat template (default: chat_template.jinja or tokenizer_config.json beside the "
+                        "tokenizer; none: chat is refused, as vLLM refuses it)")
     t.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT", default=None,
                    help="publish vLLM KV events (ZMQ PUB; binds for host * or port 0, else connects)")
     t.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT", default=None,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from narwhal_sim.chat import ChatError
 from narwhal_sim.tokens import CHARS_PER_TOKEN, block_hashes, pseudo_token_ids
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ ROLES = ("prefill", "decode", "mixed")
 class PromptError(ValueError):
     """The prompt cannot be modelled; carries the request field it came from."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
         self.param = param
 
@@ -87,43 +88,59 @@ class Prompt:
         self.digest = hashlib.blake2b(material, digest_size=16).hexdigest()
 
     @classmethod
-    def from_completion(cls, prompt: Any, tokenizer: Tokenizer | None = None) -> Prompt:
-        """The ``prompt`` of ``/v1/completions``: a string, one-string list, or token ids."""
+    def from_completion(cls, prompt: Any, tokenizer: Tokenizer | None = None, *, add_special_tokens: bool = True,
+                        truncate: int = 0) -> Prompt:  # fmt: skip
+        """The ``prompt`` of ``/v1/completions``: a string, one-string list, or token ids.
+
+        A tokenizer encodes text with ``add_special_tokens`` (vLLM's default
+        true for completions); ``truncate`` > 0 keeps the last that many
+        tokens (``truncate_prompt_tokens``; pseudo-token text is not cut).
+        """
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
         if isinstance(prompt, str):
-            return cls.of_text(prompt, tokenizer)
+            return cls.of_text(prompt, tokenizer, add_special_tokens=add_special_tokens, truncate=truncate)
         if isinstance(prompt, list):
             if prompt and all(type(t) is int for t in prompt):
-                return cls(token_ids=prompt)
-            if len(prompt) == 1:
-                only = prompt[0]
-                if isinstance(only, str):
-                    return cls.of_text(only, tokenizer)
-                if isinstance(only, list) and only and all(type(t) is int for t in only):
-                    return cls(token_ids=only)
+                return cls(token_ids=prompt[-truncate:] if truncate else prompt)
             if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
                 raise PromptError("the simulator serves one prompt per request", "prompt")
         raise PromptError("prompt must be a string, a list of token ids or a one-element list", "prompt")
 
     @classmethod
-    def of_text(cls, text: str, tokenizer: Tokenizer | None = None, *, add_special_tokens: bool = True) -> Prompt:
+    def of_text(cls, text: str, tokenizer: Tokenizer | None = None, *, add_special_tokens: bool = True,
+                truncate: int = 0) -> Prompt:  # fmt: skip
         """Text, encoded by ``tokenizer`` when there is one."""
         if tokenizer is None:
             return cls(text=text)
-        return cls(text=text, token_ids=tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens, truncate=truncate)
+        return cls(text=text, token_ids=ids)
 
     @classmethod
     def from_chat(cls, messages: Any, tools: Any = None, tokenizer: Tokenizer | None = None) -> Prompt:
-        """Render chat ``messages`` (and ``tools``) with the chat template, then count it."""
+        """Chat ``messages`` (and ``tools``), with every other field at vLLM's default (:meth:`from_chat_body`)."""
+        return cls.from_chat_body({"messages": messages, "tools": tools}, tokenizer)
+
+    @classmethod
+    def from_chat_body(cls, body: Mapping[str, Any], tokenizer: Tokenizer | None = None, *,
+                       truncate: int = 0) -> Prompt:  # fmt: skip
+        """A chat request's prompt: as vLLM renders and encodes it with a tokenizer, else the built-in rendering.
+
+        With a tokenizer every field vLLM reads counts (``add_generation_prompt``,
+        ``continue_final_message``, ``chat_template_kwargs``, ``documents``,
+        ``add_special_tokens``; :mod:`narwhal_sim.chat`). Without one (pseudo
+        tokens) the prompt is ``<|role|>\ncontent\n`` per message, tools first,
+        ``<|assistant|>\n`` last, whatever those fields say.
+        """
+        messages, tools = body.get("messages"), body.get("tools")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise PromptError("messages must be an array of objects", "messages")
         if tokenizer is not None:
-            flat = [{**m, "content": render_content(m.get("content"))} for m in messages]
             try:
-                text = tokenizer.render_chat(flat, tools)
-            except Exception as exc:  # a template error is the request's fault
-                raise PromptError(f"chat template failed: {exc}", "messages") from None
-            # The template writes any special tokens itself (vLLM encodes chat without adding them).
-            return cls.of_text(text, tokenizer, add_special_tokens=False)
+                text, ids = tokenizer.chat_prompt(body, truncate=truncate)
+            except ChatError as exc:
+                raise PromptError(str(exc), exc.param) from None
+            return cls(text=text, token_ids=ids)
         parts: list[str] = []
         if tools:
             parts.append("<|tools|>\n" + repr(tools) + "\n")
@@ -162,6 +179,7 @@ class Prompt:
 
 
 def render_content(content: Any) -> str:
+    """A message's content as the built-in (pseudo-token) rendering writes it: parts joined with nothing."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):

@@ -210,6 +210,34 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
+def _bool_field(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and type(value) is not bool:
+        raise ApiError(400, f"{name} must be a boolean", param=name)
+    return value
+
+
+def _truncation(body: dict[str, Any], max_model_len: int) -> int:
+    """``truncate_prompt_tokens``: keep the prompt's last N tokens (-1: ``max_model_len``; 0: keep all).
+
+    vLLM truncates a prompt on the left to this many tokens before it runs
+    (``OpenAIServing._normalize_prompt_text_to_input`` and
+    ``_normalize_prompt_tokens_to_input``, ``vllm/entrypoints/openai/serving_engine.py``).
+    """
+    value = _int_field(body, "truncate_prompt_tokens")
+    if value is None:
+        return 0
+    if value < -1:
+        raise ApiError(400, "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
+    if value == -1:
+        return max_model_len
+    if value > max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens value ({value}) is greater than max_model_len "
+                            f"({max_model_len}). Please, select a smaller truncation size.",
+                       param="truncate_prompt_tokens")  # fmt: skip
+    return value
+
+
 def parse_completion(
     body: bytes,
     *,
@@ -250,12 +278,15 @@ def parse_completion(
     if data.get(field) is None:
         raise ApiError(400, f"{field} is required", param=field)
     tool_name = None
+    truncate = _truncation(data, max_model_len)
     try:
         if chat:
-            prompt = Prompt.from_chat(data["messages"], data.get("tools"), tokenizer)
+            prompt = Prompt.from_chat_body(data, tokenizer, truncate=truncate)
             tool_name = _forced_tool(data.get("tools"), data.get("tool_choice"))
         else:
-            prompt = Prompt.from_completion(data["prompt"], tokenizer)
+            add_special_tokens = _bool_field(data, "add_special_tokens")
+            prompt = Prompt.from_completion(data["prompt"], tokenizer, truncate=truncate,
+                                            add_special_tokens=add_special_tokens is not False)  # fmt: skip
     except PromptError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
 

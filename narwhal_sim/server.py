@@ -52,7 +52,6 @@ from narwhal_sim.model import (
     KvLedger,
     Prompt,
     PromptError,
-    render_content,
     generate_tokens,
     owner_key,
 )
@@ -185,7 +184,7 @@ class SimConfig:
     kv_events_topic: str = ""
     #: A Hugging Face ``tokenizer.json`` (or its directory): counts and hashes prompts by its ids.
     tokenizer: str | None = None
-    #: A jinja2 chat template file (default: the tokenizer's, else the built-in one).
+    #: A jinja2 chat template file (default: the tokenizer's; none: chat is refused, as vLLM refuses it).
     chat_template: str | None = None
 
     def check(self) -> None:
@@ -657,26 +656,15 @@ class SimEngine:
             if model is not None and model != self.config.model:
                 raise ApiError(404, f"The model `{model}` does not exist.", param="model")
             flags = {}
-            for name in ("add_special_tokens", "add_generation_prompt", "return_token_strs"):
+            for name in ("add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs"):
                 value = data.get(name)
                 if value is not None and type(value) is not bool:
                     raise ApiError(400, f"{name} must be a boolean", param=name)
                 flags[name] = value
             tokenizer = self.tokenizer
             if "messages" in data:
-                messages = data["messages"]
-                if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                    raise ApiError(400, "messages must be an array of objects", param="messages")
-                if tokenizer is not None:
-                    flat = [{**m, "content": render_content(m.get("content"))} for m in messages]
-                    try:
-                        text = tokenizer.render_chat(flat, data.get("tools"),
-                                                     add_generation_prompt=flags["add_generation_prompt"] is not False)
-                    except Exception as exc:  # a template error is the request's fault
-                        raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
-                    ids = tokenizer.encode(text, add_special_tokens=flags["add_special_tokens"] is True)
-                else:
-                    ids = list(Prompt.from_chat(messages, data.get("tools")).ids())
+                # vLLM's TokenizeChatRequest: rendered and encoded as a chat completion's prompt is.
+                ids = list(Prompt.from_chat_body(data, tokenizer).ids())
             else:
                 prompt = data.get("prompt")
                 if not isinstance(prompt, str):

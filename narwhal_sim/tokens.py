@@ -1,8 +1,8 @@
 """Token ids a router can reproduce: stable block hashes, pseudo token ids, a Hugging Face tokenizer.
 
 Pure functions plus :class:`Tokenizer`, a thin wrapper of the ``tokenizers``
-library with a ``jinja2`` chat template. See docs/simulator.md, "Tokens and
-block hashes".
+library with the chat template, rendered as vLLM renders it
+(:mod:`narwhal_sim.chat`). See docs/simulator.md, "Tokens and block hashes".
 
 * :func:`pseudo_token_ids` — without ``--tokenizer``: one token per 4
   characters (code points) of text, the last one shorter; its id is
@@ -19,8 +19,12 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jinja2
+
+from narwhal_sim.chat import SPECIAL_TOKEN_NAMES, ChatError, ChatTemplate, render_chat
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -78,8 +82,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int, *, parent: int = 0) 
     return out
 
 
-#: The simulator's own chat rendering, as a jinja2 template: ``<|role|>\ncontent\n`` per message,
-#: tools first, ``<|assistant|>\n`` last (docs/simulator.md).
+#: Without a tokenizer (pseudo tokens), chat is rendered this way: ``<|role|>\ncontent\n`` per message, tools
+#: first, ``<|assistant|>\n`` last (docs/simulator.md). With ``--tokenizer`` there is no default: as vLLM,
+#: a tokenizer without a chat template refuses chat requests.
 DEFAULT_CHAT_TEMPLATE = (
     "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -87,12 +92,80 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-class Tokenizer:
-    """A Hugging Face ``tokenizer.json`` and, if found, its chat template.
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
 
-    The template comes from ``chat_template`` (a path to a ``.jinja`` file),
-    else from ``tokenizer_config.json``'s ``chat_template`` next to the
-    tokenizer file, else :data:`DEFAULT_CHAT_TEMPLATE`.
+
+def _token_text(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string or an ``AddedToken`` object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _special_tokens(folder: str) -> dict[str, Any]:
+    """The special tokens a template sees: ``tokenizer_config.json``'s over ``special_tokens_map.json``'s."""
+    found: dict[str, Any] = {}
+    for source in (_read_json(os.path.join(folder, "special_tokens_map.json")),
+                   _read_json(os.path.join(folder, "tokenizer_config.json"))):  # fmt: skip
+        for name in SPECIAL_TOKEN_NAMES:
+            if (text := _token_text(source.get(name))) is not None:
+                found[name] = text
+        added = source.get("additional_special_tokens")
+        if isinstance(added, list):
+            found["additional_special_tokens"] = [t for t in map(_token_text, added) if t is not None]
+    return found
+
+
+def _compile(source: str, where: str) -> ChatTemplate:
+    try:
+        return ChatTemplate(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template in {where} does not compile: {exc.message} (line {exc.lineno})") from None
+
+
+def _templates(file: str, chat_template: str | None) -> tuple[ChatTemplate | None, ChatTemplate | None]:
+    """(default, ``tool_use``) templates, found where vLLM and transformers find them.
+
+    ``--chat-template`` (vLLM's flag), else ``chat_template.jinja`` beside the
+    tokenizer (transformers' file since v4.50), else ``chat_template`` of
+    ``tokenizer_config.json``: one string, or a list of named templates
+    (``default``, ``tool_use``). None at all: chat is refused.
+    """
+    folder = os.path.dirname(file)
+    if chat_template is not None:
+        with open(chat_template, encoding="utf-8") as f:
+            return _compile(f.read(), chat_template), None
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return _compile(f.read(), jinja_file), None
+    config_file = os.path.join(folder, "tokenizer_config.json")
+    value = _read_json(config_file).get("chat_template")
+    if isinstance(value, str):
+        return _compile(value, config_file), None
+    if isinstance(value, list):
+        named = {e.get("name"): e.get("template") for e in value if isinstance(e, dict)}
+        if not all(isinstance(t, str) for t in named.values()):
+            raise ValueError(f"{config_file}: each named chat template needs a string template")
+        default, tool_use = named.get("default"), named.get("tool_use")
+        return (_compile(default, config_file) if default is not None else None,
+                _compile(tool_use, config_file) if tool_use is not None else None)  # fmt: skip
+    return None, None
+
+
+class Tokenizer:
+    """A Hugging Face ``tokenizer.json``, its chat template and special tokens: the ids vLLM computes.
+
+    Chat requests are rendered by :func:`narwhal_sim.chat.render_chat`
+    (vLLM's rendering) and encoded by the ``tokenizers`` library, as vLLM's
+    fast tokenizer encodes them.
     """
 
     def __init__(self, path: str, *, chat_template: str | None = None) -> None:
@@ -104,37 +177,31 @@ class Tokenizer:
         except Exception as exc:  # the library raises its own exception type
             raise ValueError(f"cannot load tokenizer {file}: {exc}") from None
         self.path = file
-        template = None
-        if chat_template is not None:
-            with open(chat_template, encoding="utf-8") as f:
-                template = f.read()
-        else:
-            config_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
-            if os.path.exists(config_file):
-                with open(config_file, encoding="utf-8") as f:
-                    value = json.load(f).get("chat_template")
-                if isinstance(value, str):
-                    template = value
-        self.chat_template_source = template or DEFAULT_CHAT_TEMPLATE
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        self._templates = _templates(file, chat_template)
+        self._special = _special_tokens(os.path.dirname(file))
+        self._specials_added = int(self._tok.num_special_tokens_to_add(False))
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.policies["json.dumps_kwargs"] = {"sort_keys": False}
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(message)
-
-        env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(self.chat_template_source)
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat requests can be rendered (vLLM refuses them without a template)."""
+        return self._templates != (None, None)
 
     @property
     def vocab_size(self) -> int:
         """Ids the tokenizer knows."""
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = True, truncate: int = 0) -> list[int]:
+        """Token ids of ``text``; ``truncate`` > 0 keeps the last that many, the added special tokens among them.
+
+        vLLM truncates on the left and leaves room for the special tokens the
+        post-processor adds (``truncation_side="left"``, ``max_length``).
+        """
+        if not truncate:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        encoding.truncate(max(truncate - (self._specials_added if add_special_tokens else 0), 0), direction="left")
+        return list(self._tok.post_process(encoding, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (``ValueError`` for unknown ids)."""
@@ -144,8 +211,19 @@ class Tokenizer:
                 raise ValueError(f"token id {t} is out of vocabulary (size {size})")
         return str(self._tok.decode(list(token_ids), skip_special_tokens=False))
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None, *, add_generation_prompt: bool = True) -> str:
-        """``messages`` (and ``tools``) rendered by the chat template."""
-        return str(
-            self._template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt)
-        )
+    def render_chat(self, body: Mapping[str, Any]) -> str:
+        """The prompt text vLLM renders for chat request ``body`` (:class:`~narwhal_sim.chat.ChatError` if refused)."""
+        return render_chat(body, self._templates, self._special)
+
+    def chat_prompt(self, body: Mapping[str, Any], *, truncate: int = 0) -> tuple[str, list[int]]:
+        """Chat request ``body``'s text and ids: the text encoded with ``add_special_tokens`` (default false).
+
+        vLLM encodes the rendered chat without adding special tokens unless
+        the request asks (``ChatCompletionRequest.add_special_tokens``): the
+        template writes them.
+        """
+        value = body.get("add_special_tokens")
+        if value is not None and type(value) is not bool:
+            raise ChatError("add_special_tokens must be a boolean", "add_special_tokens")
+        text = self.render_chat(body)
+        return text, self.encode(text, add_special_tokens=value is True, truncate=truncate)
