@@ -228,10 +228,12 @@ def _content(content: Any, fmt: str) -> str | list[dict[str, str]]:
         parts = content
     else:
         raise _bad("a message's content must be a string, an array or null")
-    texts = [t for t in map(_part_text, parts) if t]  # vLLM keeps only non-empty texts
+    texts = [t for t in map(_part_text, parts) if t is not None]
     if fmt == "openai":
+        # Each part a dict, kept even when its text is empty: vLLM's ``_parse_chat_message_content_parts``
+        # keeps every truthy parse result, and a part's dict is truthy whatever its text.
         return [{"type": "text", "text": t} for t in texts]
-    return "\n".join(texts)
+    return "\n".join(t for t in texts if t)  # as plain strings, an empty text is falsy and left out
 
 
 def conversation(messages: Any, fmt: str) -> list[dict[str, Any]]:

@@ -148,7 +148,7 @@ def test_text_parts_are_joined_by_newlines_unless_the_template_loops_over_them(t
     assert string.render_chat({"messages": parts}) == "[a tusk\nthe sea]"
     looping = vllm_like(tmp_path / "o", "{% for m in messages %}{% for p in m.content %}({{ p.text }}){% endfor %}"
                                         "{% endfor %}")  # fmt: skip
-    assert looping.render_chat({"messages": parts}) == "(a tusk)(the sea)"
+    assert looping.render_chat({"messages": parts}) == "(a tusk)(the sea)()"  # an empty part stays a part
     assert looping.render_chat({"messages": [{"role": "user", "content": "ice"}]}) == "(ice)"
 
 

@@ -83,6 +83,9 @@ STRING_CASES: dict[str, tuple[bool, dict[str, Any]]] = {
 PARTS_CASES: dict[str, tuple[bool, dict[str, Any]]] = {
     "chat, content parts kept as a list": (True, {"messages": MESSAGES}),
     "chat, parts without the generation prompt": (True, {"messages": MESSAGES, "add_generation_prompt": False}),
+    "chat, an empty text part stays a part": (True, {"messages": [
+        *MESSAGES[:3], {"role": "user", "content": [*MESSAGES[3]["content"], {"type": "text", "text": ""}, "ice"]},
+    ]}),
 }
 
 
