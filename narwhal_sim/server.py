@@ -16,12 +16,14 @@ never recorded).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import os
 import sys
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Coroutine, Sequence
 from typing import IO, Any
 
@@ -346,6 +348,14 @@ class SimEngine:
         self.tokenizer: Tokenizer | None = (
             Tokenizer(config.tokenizer, chat_template=config.chat_template) if config.tokenizer else None
         )
+        #: With a tokenizer, prompts are rendered and encoded on a thread of their own, not the serving loop
+        #: that steps the engine: vLLM's API server tokenizes in its own process, apart from the engine
+        #: core's step loop (vLLM V1, ``vllm/v1/engine/async_llm.py``: ``AsyncLLM`` runs the input
+        #: processing, the ``EngineCore`` runs in a background process). The ``tokenizers`` library
+        #: releases the GIL in ``encode_batch`` (:meth:`Tokenizer.encode`), so the thread runs beside it.
+        self._tokenizing: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(1, thread_name_prefix="narwhal-sim-tokenize") if self.tokenizer is not None else None
+        )
         self.publisher: KvEventPublisher | None = None
         self.ledger = KvLedger(config.kv_lease_s if config.kv_lease_s is not None else family.hold_s)
         self._flows: dict[str, _Flow] = {}
@@ -443,6 +453,8 @@ class SimEngine:
         await self._http.close()
         if self.publisher is not None:
             self.publisher.close()
+        if self._tokenizing is not None:
+            self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self.client.close()
         for task in list(self._background):
             task.cancel()
@@ -648,8 +660,23 @@ class SimEngine:
         }
         self._answer(conn, request, 200, orjson.dumps({"object": "list", "data": [card]}))
 
-    def _tokenize(self, conn: ServerConnection, request: HttpRequest) -> None:
-        """vLLM's ``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` → ``{count, max_model_len, tokens, token_strs}``."""
+    def _tokenize(self, conn: ServerConnection, request: HttpRequest) -> Coroutine[Any, Any, None] | None:
+        """vLLM's ``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` → ``{count, max_model_len, tokens, token_strs}``.
+
+        With a tokenizer, answered from the tokenizing thread (see ``_tokenizing``).
+        """
+        if self._tokenizing is None:
+            self._answer(conn, request, *self._tokenize_answer(request))
+            return None
+        return self._tokenize_off_loop(conn, request)
+
+    async def _tokenize_off_loop(self, conn: ServerConnection, request: HttpRequest) -> None:
+        loop = asyncio.get_running_loop()
+        status, body = await loop.run_in_executor(self._tokenizing, self._tokenize_answer, request)
+        self._answer(conn, request, status, body)
+
+    def _tokenize_answer(self, request: HttpRequest) -> tuple[int, bytes]:
+        """The ``/tokenize`` answer's status and body."""
         try:
             data = self._json_body(request)
             model = data.get("model")
@@ -674,18 +701,16 @@ class SimEngine:
                 else:
                     ids = list(Prompt(text=prompt).ids()) if prompt else []
         except PromptError as exc:
-            self._answer(conn, request, 400, self._error_body(400, str(exc), param=exc.param))
-            return
+            return 400, self._error_body(400, str(exc), param=exc.param)
         except ApiError as exc:
-            self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
-            return
+            return exc.status, exc.body(flat=self._flat_errors)
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                                   "token_strs": None}  # fmt: skip
         if flags["return_token_strs"]:
             answer["token_strs"] = (
                 [tokenizer.decode([t]) for t in ids] if tokenizer is not None else [pseudo_token_text([t]) for t in ids]
             )
-        self._answer(conn, request, 200, orjson.dumps(answer))
+        return 200, orjson.dumps(answer)
 
     def _detokenize(self, conn: ServerConnection, request: HttpRequest) -> None:
         """vLLM's ``POST /detokenize``: ``{"tokens": [...]}`` → ``{"prompt": text}``."""
@@ -1174,7 +1199,8 @@ class SimEngine:
                 done = True
                 return
             try:
-                job = parse_completion(
+                parse = functools.partial(
+                    parse_completion,
                     request.body,
                     chat=chat,
                     served_model=self.config.model,
@@ -1182,6 +1208,10 @@ class SimEngine:
                     tokenizer=self.tokenizer,
                     require_request_id=self.family.connector >= 2,
                 )
+                if self._tokenizing is None:
+                    job = parse()
+                else:
+                    job = await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse)
                 self._check_role(job)
                 if job.kv is not None and job.kv.mode == "invalid":
                     self._incomplete_params(job.kv)

@@ -197,9 +197,10 @@ class Tokenizer:
         vLLM truncates on the left and leaves room for the special tokens the
         post-processor adds (``truncation_side="left"``, ``max_length``).
         """
+        # encode_batch, not encode: it releases the GIL, so a tokenizing thread runs beside the serving loop.
         if not truncate:
-            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        encoding = self._tok.encode(text, add_special_tokens=False)
+            return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        encoding = self._tok.encode_batch([text], add_special_tokens=False)[0]
         encoding.truncate(max(truncate - (self._specials_added if add_special_tokens else 0), 0), direction="left")
         return list(self._tok.post_process(encoding, add_special_tokens=add_special_tokens).ids)
 
