@@ -6,7 +6,8 @@ socket), one decode engine, and Narwhal with the same tokenizer and
 ``routing.policy = "kv"``. What Narwhal decided is read from its journal
 (``routing.index``, each candidate's ``matched_tokens``); what it knows is
 read from its index (on its loop) and its ``/metrics``; what the engines
-did, from the simulators.
+did, from the simulators. Completions and chat alike: the engines and
+Narwhal render a conversation with the same chat template and tokenizer.
 
 Prompts that make an engine hold something are sent to that engine
 DIRECTLY, not through Narwhal: Narwhal's approximate index never hears of
@@ -291,6 +292,33 @@ def test_a_prefix_goes_where_the_events_say_and_follows_its_eviction(
     assert (candidate(routing, second.url)["matched_tokens"], candidate(routing, second.url)["index"]) == (0, "kv")
     assert candidate(routing, first.url)["matched_tokens"] == PROMPT_TOKENS
     assert router.statistics().kv_events_live == {first.url: True, second.url: True}
+
+
+def test_a_chat_goes_where_its_rendered_prefix_is_held(
+    kv_router: Callable[..., RouterThread], kv_fleet: KvFleet, tok: EngineTokenizer
+) -> None:
+    """Chat messages rendered by the chat template beside the tokenizer, by the engine and by Narwhal alike."""
+    router = kv_router()
+    first, second = kv_fleet.prefill
+    streams_up(router, tok, kv_fleet.prefill)
+    history = [{"role": "system", "content": prompt(3)}, {"role": "user", "content": prompt(4, tokens=40)}]
+    body = {"model": MODEL, "messages": history, "max_tokens": 1}
+    ids = tok.prompt_token_ids(body, chat=True)
+    assert len(ids) > 6 * BLOCK
+    answer = httpx.post(second.url + "/v1/chat/completions", json=body, timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens"] == len(ids)  # the engine's ids are Narwhal's
+    indexed(router, second, token_block_hashes(ids, BLOCK))
+    # The conversation goes on: the next turn's prompt begins with the one the second engine holds.
+    turn = {**body, "messages": [*history, {"role": "assistant", "content": "w1 w2"},
+                                 {"role": "user", "content": "w3"}]}  # fmt: skip
+    answer = httpx.post(router.url + "/v1/chat/completions", json=turn, timeout=10)
+    assert answer.status_code == 200, answer.text
+    record = journal_terminal(router.config.journal.path, answer.headers["x-request-id"])
+    routing = record["routing"]
+    assert routing["prefill"] == second.url and routing["index"] == "kv", routing
+    assert candidate(routing, second.url)["matched_tokens"] == len(ids) // BLOCK * BLOCK
+    assert candidate(routing, first.url)["matched_tokens"] == 0
 
 
 def test_an_engine_whose_events_are_lost_falls_back_and_says_so(
