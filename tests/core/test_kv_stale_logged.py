@@ -1,4 +1,4 @@
-"""An engine falling back from its KV events is logged when it happens, not at its next request (docs/operate.md, "KV events").
+"""An engine falling back from its KV events is logged when it happens (docs/operate.md, "KV events").
 
 Under ``routing.policy = "kv"`` an engine whose stream was lost is weighed
 from the approximate index once ``routing.kv_events_stale_s`` has passed;

@@ -42,6 +42,7 @@ from narwhal_sim.testing import SimError, SimThread
 
 from ..harness import LogCapture, RouterThread, make_config
 from ..helpers import MODEL, completion_records, journal_terminal, poll, save_word_tokenizer
+from .support import ServeProcess, serve_config
 
 #: The prefill engines' addresses, and the decode engine's.
 PREFILL_HOSTS = ("127.0.0.21", "127.0.0.22")
@@ -237,12 +238,16 @@ def streams_up(router: RouterThread, tok: EngineTokenizer, prefills: tuple[SimTh
         poll(seen, interval=0.1, what=f"{engine.url}'s first batch indexed")
 
 
-def metric(router: RouterThread, name: str, **labels: str) -> float | None:
-    text = httpx.get(router.url + "/metrics", timeout=10).text
+def group_metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample of a Prometheus exposition, or ``None``."""
     for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if line.startswith(name + ("{" if labels else " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def metric(router: RouterThread, name: str, **labels: str) -> float | None:
+    return group_metric(httpx.get(router.url + "/metrics", timeout=10).text, name, **labels)
 
 
 # -------------------------------------------------------------------- tests
@@ -350,7 +355,8 @@ def test_an_engine_whose_events_are_lost_falls_back_and_says_so(
 
         # kv_events_stale_s later, with no request and no scrape meanwhile, the fallback is logged.
         (line,) = poll(stale, what="kv_events_stale")
-        assert (line["level"], line["reason"], line["index"], line["stale_s"]) == ("warning", "lost", "approximate", 0.3)
+        assert (line["level"], line["reason"], line["index"], line["stale_s"]) == \
+            ("warning", "lost", "approximate", 0.3)
         poll(lambda: metric(router, "narwhal_engine_kv_events_live", engine=second.url) == 0,
              what="the second engine's gauge at 0")  # fmt: skip
         assert metric(router, "narwhal_engine_kv_events_live", engine=first.url) == 1
@@ -363,6 +369,42 @@ def test_an_engine_whose_events_are_lost_falls_back_and_says_so(
         assert candidate(routing, first.url)["index"] == "kv"
         assert len(stale()) == 1  # (said once)
     assert held(router, second.url) == frozenset()  # what its events said is dropped
+
+
+def test_two_workers_each_follow_the_streams_and_their_metrics_say_so_as_a_group(
+    kv_fleet: KvFleet, tmp_path: Path, runtime: str
+) -> None:
+    """``narwhal serve --workers 2``: each worker subscribes on its own; the group's gauge is their minimum."""
+    first, second = kv_fleet.prefill
+    config = tmp_path / "narwhal.toml"
+    config.write_text(serve_config(
+        tmp_path / "journal.jsonl", prefill=[p.url for p in kv_fleet.prefill], decode=[kv_fleet.decode.url],
+        model={"tokenizer": str(kv_fleet.tokenizer)},
+        engine={"kv_events": f"tcp://{{host}}:{kv_fleet.port}",
+                "kv_events_replay": f"tcp://{{host}}:{kv_fleet.port + 1}"},
+        routing={"policy": "kv", "kv_events_stale_s": 0.3},
+    ))  # fmt: skip
+    process = ServeProcess(config, runtime)
+    process.args += ["--workers", "2"]
+    try:
+        process.start(listening_timeout=30.0)
+
+        def gauges() -> tuple[float | None, ...]:
+            text = httpx.get(process.url + "/metrics", timeout=10).text
+            return tuple(group_metric(text, "narwhal_engine_kv_events_live", engine=p.url) for p in kv_fleet.prefill)
+
+        poll(lambda: group_metric(httpx.get(process.url + "/metrics", timeout=10).text,
+                                  "narwhal_workers_reporting") == 2 and gauges() == (1, 1),
+             timeout=20, what="both workers live on both streams")  # fmt: skip
+        publisher = second.engine.publisher
+        assert publisher is not None
+        publisher.close()
+        poll(lambda: gauges() == (1, 0), timeout=10, what="the second engine's fallback, the first still live")
+        lost = {e.get("worker") for e in process.events()
+                if e.get("event") == "kv_events_lost" and e.get("engine") == second.url}  # fmt: skip
+        assert lost, "a worker logs the stream lost"
+    finally:
+        process.stop()
 
 
 def test_a_group_of_workers_says_live_only_when_every_worker_does() -> None:
