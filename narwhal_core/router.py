@@ -260,7 +260,10 @@ class Router:
         if not isinstance(policy, Kv):
             return {}
         now = self._ctx.now
-        return {e.url: policy.index.usable(e.url, now) for e in self.fleet.engines[PREFILL]}
+        live = {e.url: policy.index.usable(e.url, now) for e in self.fleet.engines[PREFILL]}
+        if policy.index.changes:
+            policy.report()  # (asking found an engine stale: its log line goes out now, not at its next request)
+        return live
 
     def contain_failure(self, event: Event | None, problem: str, trace: str | None = None) -> None:
         """The adapter caught ``problem``, raised by :meth:`receive` on ``event`` (``None``: :meth:`handle_deadline`).
@@ -358,8 +361,18 @@ class Router:
         if event.live:
             ctx.log("kv_events_live", engine=event.url, reason=event.reason)
         else:
+            stale_s = self.config.routing.kv_events_stale_s
             ctx.log("kv_events_lost", level="warning", engine=event.url, reason=event.reason,
-                    fallback_after_s=self.config.routing.kv_events_stale_s)
+                    fallback_after_s=stale_s)
+            # The fallback is found when the engine is next weighed; this finds (and logs) it on time, traffic or not.
+            ctx.timers.arm(ctx.now + stale_s, self._kv_stale_due, event.url)
+
+    def _kv_stale_due(self, url: str) -> None:
+        """A lost stream's grace is over: unless it came back, its engine falls back now (``kv_events_stale``)."""
+        policy = self.fleet.policy
+        if isinstance(policy, Kv) and self.fleet.find(PREFILL, url) is not None:
+            policy.index.usable(url, self._ctx.now)
+            policy.report()
 
     def _begin_shutdown(self) -> None:
         ctx = self._ctx

@@ -7,10 +7,11 @@ its own exposition (:func:`narwhal_runtime.metrics.render`) there as
 :data:`SNAPSHOT_INTERVAL_S` at the end of an event batch, and at once when
 it answers ``/metrics``. The worker a scrape lands on answers with every
 snapshot in the directory (its own fresh one included) added up: counters,
-histograms and most gauges are summed; ``narwhal_ready`` and
-``narwhal_engine_healthy`` take the minimum (1 only when every worker
-says so); ``narwhal_engine_kv_connector`` the maximum. A gauge
-``narwhal_workers_reporting`` counts the snapshots added up.
+histograms and most gauges are summed; ``narwhal_ready``,
+``narwhal_engine_healthy`` and ``narwhal_engine_kv_events_live`` take the
+minimum (1 only when every worker says so); ``narwhal_engine_kv_connector``
+the maximum. A gauge ``narwhal_workers_reporting`` counts the snapshots
+added up.
 
 A sibling's figures are as of its last snapshot: under traffic at most
 :data:`SNAPSHOT_INTERVAL_S` old; an idle worker still ends an event batch
@@ -42,7 +43,7 @@ __all__ = ["GroupMetrics", "join_group", "current_group", "aggregate", "SNAPSHOT
 
 #: Longest time between two snapshots of a busy worker.
 SNAPSHOT_INTERVAL_S = 1.0
-_MINIMUM = frozenset({"narwhal_ready", "narwhal_engine_healthy"})
+_MINIMUM = frozenset({"narwhal_ready", "narwhal_engine_healthy", "narwhal_engine_kv_events_live"})
 _MAXIMUM = frozenset({"narwhal_engine_kv_connector"})
 
 _group: GroupMetrics | None = None

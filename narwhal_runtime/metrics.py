@@ -93,6 +93,15 @@ class _RouterCollector:
         for url, version in sorted(stats.kv_connector.items()):
             connector.add_metric([url], version)
         yield connector
+        kv_live = GaugeMetricFamily(
+            "narwhal_engine_kv_events_live",
+            "1 while a prefill engine is weighed from its own KV events (routing.policy = \"kv\"); 0 while it "
+            "falls back to the approximate prefix index (its stream not heard from yet, lost or silent).",
+            labels=["engine"],
+        )
+        for url, trusted in sorted(live.kv_events_live.items()):
+            kv_live.add_metric([url], int(trusted))
+        yield kv_live
 
 
 def _engine_reports(reports: Mapping[tuple[str, str], tuple[EngineLoad, float]]) -> Iterator[Metric]:

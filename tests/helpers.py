@@ -4,7 +4,8 @@ One home for the small things the pure core tests, the simulator tests and
 the end-to-end, reliability and security suites all need, so that none of
 them keeps its own copy: the model and route names, the prefill leg's
 ``kv_transfer_params``, the OpenAI error envelope check, the request ID
-check, readers of the journal file, bounded polling, and loopback ports.
+check, readers of the journal file, bounded polling, loopback ports, and a
+tokenizer both a router and the simulator can load.
 Nothing here starts a router (that is :mod:`tests.harness`, in a thread, and
 :mod:`tests.serving`, as a process), so importing it costs nothing.
 """
@@ -282,3 +283,36 @@ def busy_port() -> Iterator[int]:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         yield int(busy.getsockname()[1])
+
+
+# ------------------------------------------------------------- tokenizer
+
+#: A chat template for :func:`save_word_tokenizer`: every message as ``<s> role content``, then the prompt.
+WORD_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant{% endif %}"
+)
+
+
+def save_word_tokenizer(folder: Path, words: Iterable[str]) -> Path:
+    """A ``tokenizer.json`` of one id per word of ``words`` (no network, no training), saved in ``folder``.
+
+    Ids 0, 1 and 2 are ``[UNK]``, ``<s>`` and ``</s>`` (special tokens), then
+    the chat roles, then the words in order. Text splits on whitespace and punctuation; a completion's ids
+    start with the BOS ``<s>`` (as Llama's do). ``tokenizer_config.json``
+    beside it holds :data:`WORD_CHAT_TEMPLATE`. Returns ``folder``, for
+    ``model.tokenizer`` and the simulator's ``--tokenizer``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocabulary = {"[UNK]": 0, "<s>": 1, "</s>": 2}
+    for word in ("system", "user", "assistant", *words):
+        vocabulary.setdefault(word, len(vocabulary))
+    tok = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="[UNK]"))
+    tok.add_special_tokens(["[UNK]", "<s>", "</s>"])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": WORD_CHAT_TEMPLATE}))
+    return folder
