@@ -469,11 +469,11 @@ _NEXT_PROMPT: Final = _FIRST_LEG | {S.TOKENIZING}
 TRANSITIONS: Final[Mapping[tuple[State, Input], tuple[Handler, frozenset[State]]]] = MappingProxyType({
     # (TOKENIZING: a large prompt's token ids are computed off the event loop first; docs/routing.md.)
     (S.QUEUED, I.ADMIT): (L.begin, _FIRST_LEG | {S.TOKENIZING} | _END),
-    (S.TOKENIZING, I.TOKENIZED): (L.tokenized, _FIRST_LEG | _END),
     (S.QUEUED, I.QUEUE_TIMEOUT): (L.queue_timeout, _END),
     (S.QUEUED, I.CLIENT_GONE): (L.cancel, _END),
     (S.QUEUED, I.DEADLINE): (L.expire, _END),
     (S.QUEUED, I.ABANDON): (L.abandon, _END),
+    (S.TOKENIZING, I.TOKENIZED): (L.tokenized, _FIRST_LEG | _END),
     (S.PREFILL, I.LEG_OK): (L.prefill_ok, frozenset({S.DECODE, S.DECODE_WAIT}) | _END),
     (S.PREFILL, I.LEG_REFUSED): (L.refused, _END),
     (S.PREFILL, I.LEG_FAILED): (L.retry_or_fail, frozenset({S.PREFILL_WAIT}) | _END),
