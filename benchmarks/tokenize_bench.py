@@ -2,9 +2,11 @@
 
     python benchmarks/tokenize_bench.py [--vocab 32000] [--train-mb 8] [--runs 400] [--cpu 0] [--json]
 
-``routing.policy = "kv"`` tokenizes every prompt on the router's event loop
-before it routes it (docs/configure.md, "Tokenizer"). This measures how long
-that takes per prompt, for a 1 KB and a 48 KB prompt, as a ``/v1/completions``
+``routing.policy = "kv"`` tokenizes every prompt before it routes it
+(docs/configure.md, "Tokenizer"): on the router's event loop up to
+``routing.tokenize_inline_max_bytes``, in a worker thread past it
+(``tokenize_stall.py`` measures the loop's stall either way). This measures
+how long tokenizing takes per prompt, for a 1 KB and a 48 KB prompt, as a ``/v1/completions``
 text prompt and as a ``/v1/chat/completions`` request (messages and tools
 rendered by a chat template, then encoded), through
 ``EngineTokenizer.prompt_token_ids`` as the router calls it; the chat row is

@@ -168,6 +168,8 @@ class Server(ServerBase):
                 discovery_task = loop.create_task(self.discovery.run(self.feed, asyncio.sleep, asyncio.to_thread))
             # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
             self.start_kv_events(loop.call_soon_threadsafe)
+            # routing.policy = "kv": large prompts are tokenized by a thread of their own (docs/routing.md).
+            self.start_tokenizer(loop.call_soon_threadsafe)
             self.driver.drain()
             self._after_drain()
             log_listening(self.config, host, port, RUNTIME, loop_name(loop))
@@ -179,6 +181,7 @@ class Server(ServerBase):
             await self._drained
         finally:
             self.stop_kv_events()
+            self.stop_tokenizer()
             self._busy.stop()
             self._flush()
             self._stop_listening()

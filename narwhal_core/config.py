@@ -453,6 +453,13 @@ class RoutingConfig:
         "them (policy = kv; 0 = off).",
         positive=False,
     )
+    tokenize_inline_max_bytes: int = count(
+        1024,
+        "policy = kv: a prompt larger than this (the request body's bytes; a batch prompt's own text) is "
+        "tokenized in a worker thread, off the event loop, before it is routed; a smaller one on the loop "
+        "(about 0.5 ms a KB).",
+        minimum=0,
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -27,9 +27,9 @@ from .config import EngineAddress
 __all__ = [
     "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "LegData", "LegFailed",
     "ControlDone", "CONTROL_BODY_LIMIT", "ShutdownRequested", "AuthenticatorChanged", "JournalHealth",
-    "EngineResolved", "EnginesChanged", "KvEventsReceived", "KvStreamChanged", "Event",
+    "EngineResolved", "EnginesChanged", "KvEventsReceived", "KvStreamChanged", "PromptTokenized", "Event",
     "Transmit", "CloseClient", "StartLeg", "CancelLeg", "FinishLeg",
-    "StartControl", "WriteJournal", "Log", "ShutdownComplete", "Command",
+    "StartControl", "TokenizePrompt", "WriteJournal", "Log", "ShutdownComplete", "Command",
     "LegFailure", "LOCAL_ERRNOS", "local_failure",
 ]
 
@@ -251,10 +251,26 @@ class KvStreamChanged:
     reason: str
 
 
+@attrs.frozen
+class PromptTokenized:
+    """The answer to a :class:`TokenizePrompt`: the prompt's token ids, or why there are none.
+
+    (docs/routing.md, "Tokenizing off the event loop".) Fed on the event
+    loop; one whose request has ended or moved on meanwhile is ignored.
+    """
+
+    #: The key of the :class:`TokenizePrompt`.
+    key: str
+    #: The token ids the engine computes for the prompt (``None``: the tokenizer raised).
+    token_ids: tuple[int, ...] | None
+    #: What the tokenizer raised, as ``Type: message`` (the request is then weighed from the approximate index).
+    problem: str | None = None
+
+
 Event = (
     ClientConnected | ClientData | ClientGone | ClientStalled | LegData | LegFailed | ControlDone
     | ShutdownRequested | AuthenticatorChanged | JournalHealth | EngineResolved | EnginesChanged
-    | KvEventsReceived | KvStreamChanged
+    | KvEventsReceived | KvStreamChanged | PromptTokenized
 )
 
 # -------------------------------------------------------------- commands out
@@ -347,6 +363,25 @@ class StartControl:
     body_limit: int = CONTROL_BODY_LIMIT
 
 
+@attrs.frozen
+class TokenizePrompt:
+    """Compute a prompt's token ids off the event loop; answer with :class:`PromptTokenized`.
+
+    (docs/routing.md, "Tokenizing off the event loop".) Asked only under
+    ``routing.policy = "kv"``, for a prompt larger than
+    ``routing.tokenize_inline_max_bytes``: call the runtime's tokenizer's
+    ``prompt_token_ids(body, chat)`` (the one passed to the router) in a
+    worker thread, and feed the result back on the event loop.
+    """
+
+    #: The key to answer with: the request's rid and the prompt's number (``rid:0``; a batch's next: ``rid:1``...).
+    key: str
+    #: The request's body, its ``prompt`` the one to tokenize (a copy of the router's: nothing changes it).
+    body: dict[str, Any]
+    #: The body came on ``/v1/chat/completions`` (its messages are rendered by the chat template).
+    chat: bool
+
+
 @attrs.define
 class WriteJournal:
     """Append one record to the journal (one line, flushed)."""
@@ -373,6 +408,6 @@ class ShutdownComplete:
 
 
 Command = (
-    Transmit | CloseClient | StartLeg | CancelLeg | FinishLeg | StartControl
+    Transmit | CloseClient | StartLeg | CancelLeg | FinishLeg | StartControl | TokenizePrompt
     | WriteJournal | Log | ShutdownComplete
 )

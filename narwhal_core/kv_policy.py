@@ -29,6 +29,7 @@ from .routing import APPROXIMATE, Clock, Plan, Policy, Prefix, StoppedClock
 if TYPE_CHECKING:
     from .config import RoutingConfig
     from .contract import Route
+    from .events import PromptTokenized
     from .fleet import EngineState
     from .kv_events import KvEvent
 
@@ -72,6 +73,7 @@ class Kv(Prefix):
 
     name: ClassVar[str] = "kv"
     names_index: ClassVar[bool] = True
+    tokenizes: ClassVar[bool] = True
     __slots__ = ("tokenizer", "index", "block_size", "clock", "log", "memo", "memo_of")
 
     def __init__(
@@ -131,11 +133,20 @@ class Kv(Prefix):
                         stale_s=self.index.stale_s)
         changes.clear()
 
-    def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
+    def key(
+        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None
+    ) -> tuple[Sequence[int], int]:
+        """Both indexes' hashes; the token ids from ``tokenized`` if given (computed off the loop), else asked here."""
         hashes, tokens = Prefix.key(self, body, route)
-        try:
-            ids = self.tokenizer.prompt_token_ids(body, route == CHAT)
-        except Exception:  # the tokenizer is the runtime's: whatever it raises, weigh without it
+        ids: Sequence[int] | None
+        if tokenized is not None:
+            ids = tokenized.token_ids  # None: the tokenizer raised in the worker
+        else:
+            try:
+                ids = self.tokenizer.prompt_token_ids(body, route == CHAT)
+            except Exception:  # the tokenizer is the runtime's: whatever it raises, weigh without it
+                ids = None
+        if ids is None:
             return hashes, tokens
         return KvKey(hashes, token_block_hashes(ids, self.block_size)), len(ids) or 1
 

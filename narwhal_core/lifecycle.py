@@ -15,10 +15,11 @@ a handler that returns a state its row does not allow.
 States::
 
     QUEUED ──ADMIT──▶ PREFILL ──LEG_OK──▶ DECODE ──FIRST_BYTES──▶ STREAMING
-       │                 │  ▲                │  ▲                     │
-       │           LEG_FAILED│WAKE     LEG_FAILED│WAKE               LEG_OK / LEG_FAILED
-       │                 ▼  │                ▼  │                     ▼
-       │             PREFILL_WAIT        DECODE_WAIT               RELEASING ──RELEASED──▶ DONE
+       │    ╲            │  ▲                │  ▲                     │
+       │   ADMIT   LEG_FAILED│WAKE     LEG_FAILED│WAKE               LEG_OK / LEG_FAILED
+       │      ╲          ▼  │                ▼  │                     ▼
+       │  TOKENIZING  PREFILL_WAIT        DECODE_WAIT               RELEASING ──RELEASED──▶ DONE
+       │   (TOKENIZED ──▶ the first leg, as ADMIT)
        └──────────── any of CLIENT_GONE, DEADLINE, ABANDON, QUEUE_TIMEOUT ──▶ RELEASING / DONE
 
 ``RELEASING``: the client has its answer (or is gone) and KV releases are
@@ -33,7 +34,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
+from .contract import CHAT
 from .errors import NarwhalError, TransitionError
+from .events import PromptTokenized, TokenizePrompt
 from .ids import DECODE, PREFILL, Phase
 from .planning import merge_answers
 from .states import Input, InputData, LegAnswer, LegFailure, LegRefusal, State
@@ -201,10 +204,41 @@ class Lifecycle:
     # ------------------------------------------- handlers: each returns the next state
 
     def begin(self, req: Request, _: None) -> State:
-        """ADMIT: the request has its slot; journal its progress and start its first leg."""
+        """ADMIT: the request has its slot; journal its progress and start its first leg.
+
+        A prompt too large to tokenize on the event loop is tokenized first
+        (:meth:`_tokenize`): its plan, progress record and first leg wait for
+        ``TOKENIZED``.
+        """
         req.admitted = True
-        plan = req.plan = self.ctx.routing.plan(req.accepted.body, req.route, req.size)
+        routing = self.ctx.routing
+        if routing.inline_max is not None and routing.tokenize_off_loop(_prompt_bytes(req)):
+            return self._tokenize(req)
+        plan = req.plan = routing.plan(req.accepted.body, req.route, req.size)
         self.requests.journal_admitted(req)
+        return self.start_phase(req, PREFILL if plan.pd else DECODE)
+
+    def _tokenize(self, req: Request) -> State:
+        """Ask the runtime for the current prompt's token ids, off the event loop (docs/routing.md).
+
+        The key names the request and the prompt (a batch's prompts are
+        tokenized one by one), so an answer that comes after the request
+        ended or moved on is told apart and ignored.
+        """
+        key = req.tokenizing = f"{req.rid}:{req.prompt}"
+        self.ctx.out.append(TokenizePrompt(key, dict(req.accepted.body), req.route == CHAT))
+        return State.TOKENIZING
+
+    def tokenized(self, req: Request, event: PromptTokenized) -> State:
+        """TOKENIZED: the prompt's token ids are here (or the tokenizer failed): route by them, start the leg."""
+        req.tokenizing = None
+        routing = self.ctx.routing
+        plan = req.plan
+        if plan is None:  # the first prompt: admission goes on where begin left it
+            plan = req.plan = routing.plan(req.accepted.body, req.route, req.size, event)
+            self.requests.journal_admitted(req)
+        else:  # a batch's next prompt
+            plan = req.plan = routing.replan(plan, req.accepted.body, req.route, event)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
 
     def resume(self, req: Request, _: None) -> State:
@@ -261,7 +295,10 @@ class Lifecycle:
         plan = req.plan
         assert plan is not None
         if plan.hashes is not None:
-            plan = req.plan = self.ctx.routing.replan(plan, req.accepted.body, req.route)
+            routing = self.ctx.routing
+            if routing.inline_max is not None and routing.tokenize_off_loop(_prompt_bytes(req)):
+                return self._tokenize(req)
+            plan = req.plan = routing.replan(plan, req.accepted.body, req.route)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
 
     def refused(self, req: Request, refusal: LegRefusal) -> State:
@@ -381,6 +418,18 @@ class Lifecycle:
         return req.state
 
 
+def _prompt_bytes(req: Request) -> int:
+    """What tokenizing the current prompt costs, in bytes: the body's size; a batch prompt's own text.
+
+    (A token-id prompt of a batch is used as given: nothing to tokenize.)
+    """
+    prompts = req.prompts
+    if prompts is None:
+        return req.size
+    prompt = prompts[req.prompt]
+    return len(prompt.encode("utf-8", "surrogatepass")) if isinstance(prompt, str) else 0
+
+
 def _gave_up(req: Request, failure: LegFailure) -> NarwhalError:
     """The error a request fails with once its legs' retries are exhausted."""
     reason, phase, error = failure.reason, failure.leg.phase, failure.error
@@ -411,16 +460,20 @@ S = State
 I = Input
 L = Lifecycle
 _END: Final = frozenset({S.RELEASING, S.DONE})
-_LIVE: Final = (S.PREFILL, S.PREFILL_WAIT, S.DECODE, S.DECODE_WAIT, S.STREAMING)
-#: Where a batch request goes when one prompt is answered and the next begins.
-_NEXT_PROMPT: Final = frozenset({S.PREFILL, S.PREFILL_WAIT, S.DECODE, S.DECODE_WAIT})
+_LIVE: Final = (S.TOKENIZING, S.PREFILL, S.PREFILL_WAIT, S.DECODE, S.DECODE_WAIT, S.STREAMING)
+#: Where a request goes when its first leg starts (or waits for an engine slot).
+_FIRST_LEG: Final = frozenset({S.PREFILL, S.DECODE, S.PREFILL_WAIT, S.DECODE_WAIT})
+#: Where a batch request goes when one prompt is answered and the next begins (its prompt tokenized first, maybe).
+_NEXT_PROMPT: Final = _FIRST_LEG | {S.TOKENIZING}
 
 TRANSITIONS: Final[Mapping[tuple[State, Input], tuple[Handler, frozenset[State]]]] = MappingProxyType({
-    (S.QUEUED, I.ADMIT): (L.begin, frozenset({S.PREFILL, S.DECODE, S.PREFILL_WAIT, S.DECODE_WAIT}) | _END),
+    # (TOKENIZING: a large prompt's token ids are computed off the event loop first; docs/routing.md.)
+    (S.QUEUED, I.ADMIT): (L.begin, _FIRST_LEG | {S.TOKENIZING} | _END),
     (S.QUEUED, I.QUEUE_TIMEOUT): (L.queue_timeout, _END),
     (S.QUEUED, I.CLIENT_GONE): (L.cancel, _END),
     (S.QUEUED, I.DEADLINE): (L.expire, _END),
     (S.QUEUED, I.ABANDON): (L.abandon, _END),
+    (S.TOKENIZING, I.TOKENIZED): (L.tokenized, _FIRST_LEG | _END),
     (S.PREFILL, I.LEG_OK): (L.prefill_ok, frozenset({S.DECODE, S.DECODE_WAIT}) | _END),
     (S.PREFILL, I.LEG_REFUSED): (L.refused, _END),
     (S.PREFILL, I.LEG_FAILED): (L.retry_or_fail, frozenset({S.PREFILL_WAIT}) | _END),

@@ -22,6 +22,7 @@ cdef class Request:
     cdef public object failed_on, legs, pending_releases, admitted, answered, bytes_sent, first_byte, relay
     cdef public object retry_phase, pulled_cached_tokens, waiting_for_slot, terminal, status, error, usage
     cdef public object timers, plain_decode, prompts, prompt, answers, prompt_base, size, plan, trace
+    cdef public object tokenizing
 
 cdef class Requests:
     cdef public Context ctx

@@ -23,7 +23,7 @@ from .errors import AuthError
 from .context import JSON_HEADER, Context, error_record
 from .contract import AcceptedRequest, Route, check_request
 from .errors import ContractError, NarwhalError
-from .events import ShutdownComplete, WriteJournal
+from .events import PromptTokenized, ShutdownComplete, WriteJournal
 from .fleet import AdmitDecision
 from .http import HttpRequest
 from .ids import DECODE, PREFILL, Phase, sanitize_client_rid
@@ -57,7 +57,7 @@ class Request:
         "failed_on", "leg", "legs", "kv", "pending_releases", "admitted", "answered", "bytes_sent",
         "first_byte", "relay", "retry_phase", "pulled_cached_tokens", "waiting_for_slot", "terminal",
         "status", "error", "usage", "timers", "plain_decode", "prompts", "prompt", "answers", "prompt_base",
-        "size", "plan", "trace",
+        "size", "plan", "trace", "tokenizing",
     )
 
     def __init__(
@@ -113,6 +113,8 @@ class Request:
             accepted.body["prompt"] = self.prompts[0]
         #: The W3C trace its legs carry on (``None``: no traceparent, tracing off; docs/contract.md).
         self.trace = trace
+        #: The key of the :class:`~narwhal_core.events.TokenizePrompt` it waits for (state ``TOKENIZING``).
+        self.tokenizing: str | None = None
 
 
 class Requests:
@@ -215,6 +217,17 @@ class Requests:
             req = self.active[rid]
             self.disarm(req, "queue")
             self.lifecycle.fire(req, Input.ADMIT)
+
+    def tokenized(self, event: PromptTokenized) -> None:
+        """A prompt's token ids came back (docs/routing.md, "Tokenizing off the event loop").
+
+        Ignored when its request has ended (its client left, its deadline
+        passed, shutdown) or is no longer waiting for this prompt's ids.
+        """
+        req = self.active.get(event.key.partition(":")[0])
+        if req is None or req.state is not State.TOKENIZING or req.tokenizing != event.key:
+            return
+        self.lifecycle.fire(req, Input.TOKENIZED, event)
 
     # ----------------------------------------------------------------- timers
 

@@ -52,6 +52,7 @@ from .events import (
     KvStreamChanged,
     LegData,
     LegFailed,
+    PromptTokenized,
     ShutdownRequested,
 )
 from .fleet import Health
@@ -207,6 +208,8 @@ class Router:
             self._kv_events(event)
         elif isinstance(event, KvStreamChanged):
             self._kv_stream(event)
+        elif isinstance(event, PromptTokenized):
+            self.requests.tokenized(event)
         else:
             raise NarwhalError(f"unknown event {event!r}")
         if self.clients.pump:
@@ -340,6 +343,8 @@ class Router:
                     return req
         elif isinstance(event, ControlDone):
             return self.kv.request_of(event.key)
+        elif isinstance(event, PromptTokenized):
+            return active.get(event.key.partition(":")[0])
         return None
 
     def _kv_events(self, event: KvEventsReceived) -> None:

@@ -31,6 +31,7 @@ from .prefix import BYTES_PER_TOKEN, PrefixIndex, block_hashes, blocks_to_tokens
 if TYPE_CHECKING:
     from .config import RoutingConfig
     from .contract import Route
+    from .events import PromptTokenized
     from .fleet import EngineState, Fleet
     from .kv_events import KvEvent
     from .kv_policy import PromptTokenizer
@@ -129,6 +130,9 @@ class Policy:
     keyed: ClassVar[bool] = False
     #: Whether it weighs engines from more than one index (:meth:`index_name`; the journal names it).
     names_index: ClassVar[bool] = False
+    #: Whether its key asks the runtime's tokenizer for the prompt's token ids (``kv``): a large prompt's
+    #: are then computed off the event loop first (docs/routing.md, "Tokenizing off the event loop").
+    tokenizes: ClassVar[bool] = False
 
     __slots__ = ()
 
@@ -162,8 +166,14 @@ class Policy:
         """The engine of ``candidates`` the leg goes to."""
         raise NotImplementedError
 
-    def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
-        """A keyed policy's hashes of the prompt's blocks, and its tokens (only when :attr:`keyed`)."""
+    def key(
+        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None
+    ) -> tuple[Sequence[int], int]:
+        """A keyed policy's hashes of the prompt's blocks, and its tokens (only when :attr:`keyed`).
+
+        ``tokenized``: the prompt's token ids computed off the event loop (a
+        policy that :attr:`tokenizes` uses them instead of calling its tokenizer).
+        """
         raise NotImplementedError
 
     def uncached(self, engine: EngineState, plan: Plan) -> int:
@@ -263,7 +273,9 @@ class Prefix(LeastLoaded):
     def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
         return cls(config.kv_capacity_tokens, config.miss_cost)
 
-    def key(self, body: dict[str, Any], route: Route) -> tuple[Sequence[int], int]:
+    def key(
+        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None
+    ) -> tuple[Sequence[int], int]:
         key = prompt_key(body, route == CHAT)
         return block_hashes(key), len(key) // BYTES_PER_TOKEN or 1
 
@@ -341,7 +353,7 @@ class Routing:
     here, and the journal's record lists them.
     """
 
-    __slots__ = ("config", "fleet", "policy", "name", "fixed", "reason", "weigh")
+    __slots__ = ("config", "fleet", "policy", "name", "fixed", "reason", "weigh", "inline_max")
 
     def __init__(self, config: RoutingConfig, fleet: Fleet) -> None:
         self.config: Final = config
@@ -356,20 +368,30 @@ class Routing:
         self.reason: Final = "configured" if fleet.pd else "no_prefill_engines"
         #: Whether admission weighs the prefill candidates (``auto``, or a policy with a prefix index).
         self.weigh: Final = self.fixed is None or (self.fixed and self.policy.keyed)
+        #: Prompts of more bytes than this are tokenized off the event loop first (``None``: no prompt is
+        #: tokenized; docs/routing.md, "Tokenizing off the event loop").
+        self.inline_max: Final[int | None] = (
+            config.tokenize_inline_max_bytes if self.weigh and self.policy.tokenizes else None
+        )
 
-    def plan(self, body: dict[str, Any], route: Route, size: int) -> Plan:
-        """The plan of a request just admitted (``size``: its body's bytes)."""
+    def tokenize_off_loop(self, size: int) -> bool:
+        """Whether a prompt of ``size`` bytes is tokenized off the event loop before :meth:`plan` (``kv`` only)."""
+        limit = self.inline_max
+        return limit is not None and size > limit
+
+    def plan(self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None = None) -> Plan:
+        """The plan of a request just admitted (``size``: its body's bytes; ``tokenized``: its token ids, if computed)."""
         if not self.weigh:
             return Plan(bool(self.fixed), self.reason, size // BYTES_PER_TOKEN or 1)
-        return self._weighed(body, route, size)
+        return self._weighed(body, route, size, tokenized)
 
-    def _weighed(self, body: dict[str, Any], route: Route, size: int) -> Plan:
+    def _weighed(self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None) -> Plan:
         """Weigh the prefill candidates: the policy's best one, and the mode ``auto`` decides from it."""
         policy = self.policy
         hashes = None
         tokens = estimate_tokens(size)
         if policy.keyed:
-            hashes, tokens = policy.key(body, route)
+            hashes, tokens = policy.key(body, route, tokenized)
         plan = Plan(True, "configured", tokens, hashes)
         fleet = self.fleet
         weighed = [(e, policy.uncached(e, plan), e.queued_tokens + e.foreign_tokens) for e in fleet.candidates(PREFILL)]
@@ -384,9 +406,9 @@ class Routing:
             plan.pd, plan.reason = self.decide(plan)
         return plan
 
-    def replan(self, plan: Plan, body: dict[str, Any], route: Route) -> Plan:
+    def replan(self, plan: Plan, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None) -> Plan:
         """The next prompt of a batch: the request's mode, with this prompt's own hashes and tokens."""
-        hashes, tokens = self.policy.key(body, route)
+        hashes, tokens = self.policy.key(body, route, tokenized)
         replanned = Plan(plan.pd, plan.reason, tokens, hashes, plan.candidates)
         replanned.indexes = plan.indexes
         return replanned

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .errors import NarwhalError
+from .events import PromptTokenized
 
 if TYPE_CHECKING:
     from .legs import Leg
 
-__all__ = ["State", "Input", "LegAnswer", "LegRefusal", "LegFailure", "InputData"]
+__all__ = ["State", "Input", "LegAnswer", "LegRefusal", "LegFailure", "PromptTokenized", "InputData"]
 
 
 class State(enum.Enum):
@@ -28,6 +29,8 @@ class State(enum.Enum):
     __hash__ = object.__hash__
 
     QUEUED = "queued"
+    #: Admitted; its prompt's token ids are computed off the event loop before it is routed.
+    TOKENIZING = "tokenizing"
     PREFILL = "prefill"
     PREFILL_WAIT = "prefill_wait"
     DECODE = "decode"
@@ -46,6 +49,8 @@ class Input(enum.Enum):
 
     #: A global admission slot was granted to a queued request.
     ADMIT = "admit"
+    #: The prompt's token ids came back from the runtime's tokenizer (or why they did not).
+    TOKENIZED = "tokenized"
     #: The current leg's answer is complete and good.
     LEG_OK = "leg_ok"
     #: The engine refused the leg with a 4xx (relayed, never retried).
@@ -93,5 +98,5 @@ class LegFailure:
     error: NarwhalError | None = None
 
 
-#: What an input carries to its handler.
-InputData = LegAnswer | LegRefusal | LegFailure | None
+#: What an input carries to its handler (``TOKENIZED``: the :class:`~narwhal_core.events.PromptTokenized` itself).
+InputData = LegAnswer | LegRefusal | LegFailure | PromptTokenized | None

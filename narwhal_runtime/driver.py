@@ -11,8 +11,8 @@ an :class:`Effects` object that performs the I/O. The driver decides:
 
 * **the order of effects** (docs/design.md): the batch's journal records
   first, in one write, then its process-log lines, then the engine commands
-  (leg starts, finishes, cancels, control requests) and the queued leg
-  requests, then the clients' bytes. So a journal record is in the file
+  (leg starts, finishes, cancels, control requests; prompts to tokenize off
+  the loop) and the queued leg requests, then the clients' bytes. So a journal record is in the file
   before the answer or the leg it describes leaves the process (the
   contract of narwhal_runtime/journal_writer.py);
 * **per-client write coalescing**: all the bytes a client got in a batch
@@ -46,6 +46,7 @@ from narwhal_core import (
     ShutdownComplete,
     StartControl,
     StartLeg,
+    TokenizePrompt,
     Transmit,
     WriteJournal,
 )
@@ -101,6 +102,9 @@ class Effects(Protocol):
     def write_legs(self) -> None:
         """Write the leg requests queued on pooled engine connections."""
 
+    def tokenize(self, cmd: TokenizePrompt) -> None:
+        """Hand a prompt to the tokenizer thread (:mod:`narwhal_runtime.tokenize_worker`); its ids come back as an event."""
+
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         """Send ``data`` (maybe empty) to client ``conn``; then close it (lingering) if ``close``."""
 
@@ -134,7 +138,7 @@ class Driver:
         self.router = router
         self._journal: list[bytes] = []
         self._logs: list[tuple[str, dict[str, Any]]] = []
-        self._engine: list[StartLeg | FinishLeg | CancelLeg | StartControl] = []
+        self._engine: list[StartLeg | FinishLeg | CancelLeg | StartControl | TokenizePrompt] = []
         #: Each client's bytes in this batch, in order; a client closed in it has an entry too.
         self._outboxes: dict[Hashable, list[bytes]] = {}
         #: The clients the router closed in this batch.
@@ -232,7 +236,8 @@ class Driver:
                 transmitted.append(conn)
             elif kind is WriteJournal:
                 self._journal.append(cmd.line)  # type: ignore[union-attr]
-            elif kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl:
+            elif (kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl
+                  or kind is TokenizePrompt):
                 self._engine.append(cmd)  # type: ignore[arg-type]
             elif kind is CloseClient:
                 conn = cmd.conn  # type: ignore[union-attr]
@@ -307,6 +312,8 @@ class Driver:
                         engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
                     elif kind is CancelLeg:
                         engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
+                    elif kind is TokenizePrompt:
+                        out.tokenize(cmd)  # type: ignore[arg-type]
                     else:
                         engines.start_control(cmd)  # type: ignore[arg-type]
                 if started:

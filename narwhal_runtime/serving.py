@@ -16,7 +16,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
-from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, Router
+from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, PromptTokenized, Router, TokenizePrompt
 
 from .app import StartupError, build_router, journal_failure, listen_failure, load_authenticator
 from .discovery import make_discovery
@@ -26,6 +26,7 @@ from .journal_file import JournalFile
 from .kv_subscriber import kv_sources, make_kv_subscriber
 from .listening import listening_sockets
 from .log import log_event
+from .tokenize_worker import make_tokenize_worker
 
 __all__ = ["ServerBase", "start_tracer", "FLEET_CHANGES"]
 
@@ -77,6 +78,9 @@ class ServerBase:
         #: ``engine.kv_events``: the engines' KV-event streams, read by a thread of its own that the adapter
         #: starts once serving (:meth:`start_kv_events`) and stops at exit (``None``: not configured).
         self.kv_subscriber = make_kv_subscriber(config, [e.address for e in self.router.fleet.all()])
+        #: ``routing.policy = "kv"``: the thread that tokenizes large prompts off the loop, started once serving
+        #: (:meth:`start_tokenizer`) and stopped at exit (``None``: the policy tokenizes nothing).
+        self.tokenize_worker = make_tokenize_worker(self.router)
         #: A worker of a group (``ingress.workers`` > 1) snapshots its metrics after batches.
         self._group = current_group()
 
@@ -112,6 +116,24 @@ class ServerBase:
         if self.kv_subscriber is not None and not self.kv_subscriber.close():
             log_event("kv_events_stop_timeout", level="warning",
                       consequence="the thread is left to end with the process")
+
+    def start_tokenizer(self, call_soon_threadsafe: Callable[..., object]) -> None:
+        """Start the tokenizer thread, which hands each answer over with ``call_soon_threadsafe`` (as :meth:`start_kv_events`)."""
+        if self.tokenize_worker is not None:
+            self.tokenize_worker.start(lambda answer: call_soon_threadsafe(self._feed_now, answer))
+
+    def stop_tokenizer(self) -> None:
+        """Stop the tokenizer thread (after the drain: nothing waits for its answers any more)."""
+        if self.tokenize_worker is not None and not self.tokenize_worker.close():
+            log_event("tokenizer_stop_timeout", level="warning",
+                      consequence="the thread is left to end with the process")
+
+    def tokenize(self, cmd: TokenizePrompt) -> None:
+        """The driver's effect for a :class:`TokenizePrompt`: to the thread (:mod:`.tokenize_worker`)."""
+        if self.tokenize_worker is None:  # (the router asks only when its policy tokenizes: never here)
+            self._feed_now(PromptTokenized(cmd.key, None, "no tokenizer thread"))
+            return
+        self.tokenize_worker.submit(cmd)
 
     def _feed_kv(self, events: Sequence[Event]) -> None:
         """The events the subscriber's thread handed over, on the loop."""

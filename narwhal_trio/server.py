@@ -104,6 +104,8 @@ class Server(ServerBase):
                     )
                 # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
                 self.start_kv_events(trio.lowlevel.current_trio_token().run_sync_soon)
+                # routing.policy = "kv": large prompts are tokenized by a thread of their own (docs/routing.md).
+                self.start_tokenizer(trio.lowlevel.current_trio_token().run_sync_soon)
                 accepting = await nursery.start(self._accept_loop, listeners)
                 self.driver.drain()
                 self._after_drain()
@@ -114,6 +116,7 @@ class Server(ServerBase):
                 nursery.cancel_scope.cancel()
         finally:
             self.stop_kv_events()
+            self.stop_tokenizer()
             for listener in listeners:
                 listener.socket.close()
             trio.lowlevel.remove_instrument(end_of_batch)

@@ -15,6 +15,10 @@ part an adapter and the outside world would play, in process and by hand:
 * **the control executor** -- every ``StartControl`` (health probe, KV
   release) waits in :attr:`Driver.controls` until a test completes it;
   probes may be answered automatically (``auto_probe``);
+* **the tokenizer thread** -- every ``TokenizePrompt`` (policy ``kv``, a
+  large prompt) waits in :attr:`Driver.tokenizing` until a test completes it
+  (:meth:`Driver.complete_tokenize`); by default (``auto_tokenize``) it is
+  completed at once with the driver's tokenizer, as a worker thread would;
 * **the clock** -- :attr:`Driver.now`, advanced by hand; :meth:`Driver.advance`
   calls ``handle_deadline`` at every deadline on the way, like an adapter's
   one re-armed timer;
@@ -52,12 +56,14 @@ from narwhal_core import (
     LegData,
     LegFailed,
     Log,
+    PromptTokenized,
     RidSource,
     Router,
     ShutdownComplete,
     ShutdownRequested,
     StartControl,
     StartLeg,
+    TokenizePrompt,
     Transmit,
     WriteJournal,
     parse_backend_id,
@@ -687,6 +693,7 @@ class Driver:
         codec: CodecLike = REFERENCE_CODEC,
         engine_api_key: str | None = None,
         tokenizer: Any = None,
+        auto_tokenize: bool = True,
         **sections: Any,
     ) -> None:
         self.config = config if config is not None else make_config(**sections)
@@ -704,6 +711,11 @@ class Driver:
             tokenizer=tokenizer,
         )
         self.auto_probe = auto_probe
+        self.tokenizer = tokenizer
+        self.auto_tokenize = auto_tokenize
+        #: ``TokenizePrompt`` commands not answered yet, by key (and every one ever asked, in order).
+        self.tokenizing: dict[str, TokenizePrompt] = {}
+        self.tokenize_asked: list[TokenizePrompt] = []
         #: Every decode engine the router was given: configured, or fed by discovery since (``EnginesChanged``).
         self.decode_engines = set(self.config.engine.decode_engines)
         self.step = 0
@@ -809,6 +821,20 @@ class Driver:
             for control in [c for c in self.controls.values() if not c.done and c.kind == "probe"]:
                 if not control.done:  # a nested drain may have answered it
                     self.complete_control(control.cmd.key, status=self.auto_probe)
+        if self.auto_tokenize:
+            for key in list(self.tokenizing):
+                if key in self.tokenizing:  # a nested drain may have answered it
+                    self.complete_tokenize(key)
+
+    def complete_tokenize(self, key: str, ids: Iterable[int] | None = None, *, problem: str | None = None) -> None:
+        """Answer a ``TokenizePrompt``: ``ids`` (default: the driver's tokenizer's), or ``problem``."""
+        cmd = self.tokenizing.pop(key)
+        if ids is None and problem is None:
+            try:
+                ids = self.tokenizer.prompt_token_ids(cmd.body, cmd.chat)
+            except Exception as exc:  # noqa: BLE001 - as the runtime's worker reports it
+                problem = f"{type(exc).__name__}: {exc}"
+        self.feed(PromptTokenized(key, None if problem is not None else tuple(ids or ()), problem))
 
     def _execute(self, cmd: Command, index: int) -> None:
         if isinstance(cmd, Transmit):
@@ -856,6 +882,11 @@ class Driver:
             if cmd.key in self.controls and not self.controls[cmd.key].done:
                 self.problems.append(f"StartControl reuses a pending key {cmd.key}")
             self.controls[cmd.key] = control
+        elif isinstance(cmd, TokenizePrompt):
+            if cmd.key in self.tokenizing:
+                self.problems.append(f"TokenizePrompt reuses a pending key {cmd.key}")
+            self.tokenizing[cmd.key] = cmd
+            self.tokenize_asked.append(cmd)
         elif isinstance(cmd, Log):
             self.logs.append(cmd)
         elif isinstance(cmd, ShutdownComplete):

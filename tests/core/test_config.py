@@ -212,6 +212,7 @@ DEFAULTS: dict[str, object] = {
     "routing.kv_block_size": 16,
     "routing.kv_events_stale_s": 30.0,
     "routing.kv_speculative_ttl_s": 2.0,
+    "routing.tokenize_inline_max_bytes": 1024,
     "engine.discovery": "static",
     "engine.kv_events": None,
     "engine.kv_events_replay": None,
@@ -676,6 +677,7 @@ MINIMUMS = {
     "admission.per_client_max_inflight": 0, "admission.retry_after_s": 0,
     "health.unhealthy_after": 1, "health.healthy_after": 1,
     "routing.disaggregate_min_uncached_tokens": 0, "routing.kv_capacity_tokens": 1,
+    "routing.tokenize_inline_max_bytes": 0,
 }
 
 
