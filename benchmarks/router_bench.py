@@ -22,7 +22,7 @@ What it starts (every listener on 127.0.0.1):
   core's pure Python sources) and ``narwhal-trio-poll`` /
   ``narwhal-asyncio-poll`` (``ingress.busy_poll_us = 200``), ``narwhal-trio-traced`` /
   ``narwhal-asyncio-traced`` (``[tracing] endpoint`` set: spans exported to a sink in
-  this process). The peers come from
+  this process; ``-traced10``: the same at ``tracing.sample_ratio = 0.1``). The peers come from
   PyPI into a separate venv, ``benchmarks/.peers-venv``, created on first use
   (never into the project's dependencies). A target that fails to start,
   to answer, or to do PD is reported as such in the table, and the others go on;
@@ -139,7 +139,9 @@ BASE_TARGETS = ("narwhal-trio-base", "narwhal-asyncio-base")
 #: Also measurable, not run by default: Narwhal with ``[tracing] endpoint`` set, exporting every
 #: request's spans (wrk sends no traceparent: each request gets a trace of Narwhal's own) to a
 #: sink in this process that takes OTLP/HTTP posts and drops them (:func:`trace_sink`).
-TRACED_TARGETS = ("narwhal-trio-traced", "narwhal-asyncio-traced")
+TRACED_TARGETS = ("narwhal-trio-traced", "narwhal-asyncio-traced", "narwhal-trio-traced10", "narwhal-asyncio-traced10")
+#: ``tracing.sample_ratio`` of the ``-traced10`` targets: one trace in ten exported.
+TRACED10_RATIO = 0.1
 KNOWN_TARGETS = ALL_TARGETS + PURE_TARGETS + POLL_TARGETS + BASE_TARGETS + TRACED_TARGETS
 PEERS = ("vllm-router", "sglang-router")
 #: ``--baseline``: where the ``-base`` targets import Narwhal from (set once by ``main``).
@@ -565,8 +567,10 @@ def start_target(name: str, core: int | None, work: Path, engines: dict[str, dic
         extra = {section: dict(keys) for section, keys in (narwhal_extra or {}).items()}
         if base.endswith("-poll"):
             extra.setdefault("ingress", {})["busy_poll_us"] = BUSY_POLL_US
-        if name.endswith("-traced"):
+        if name.endswith(("-traced", "-traced10")):
             extra.setdefault("tracing", {})["endpoint"] = trace_sink()  # type: ignore[assignment]
+        if name.endswith("-traced10"):
+            extra["tracing"]["sample_ratio"] = TRACED10_RATIO  # type: ignore[assignment]
         if policy:
             extra.setdefault("routing", {})["policy"] = policy
         t.journal = work / f"{name}-journal.jsonl"

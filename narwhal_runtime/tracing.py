@@ -53,6 +53,8 @@ __all__ = ["Tracer", "MAX_PENDING"]
 #: A terminal record naming a trace: ``"trace_id":"`` appears in no other line (a quote inside a JSON
 #: string is escaped, and progress records have no trace).
 _MARK = b'"trace_id":"'
+#: A record whose client sent a trace (its sampled flag is the client's, not the ratio's).
+_CLIENT = b'"traceparent":"'
 #: Records waiting for the span thread; past this, new ones are dropped and counted (``dropped``).
 MAX_PENDING = 65536
 #: How often the span thread wakes, and how many records it turns into spans before it lets the
@@ -139,14 +141,26 @@ class Tracer:
     # ----------------------------------------------------- the event loop's side
 
     def take(self, lines: list[bytes]) -> None:
-        """The journal lines of one batch: keep the terminal records that name a trace."""
+        """The journal lines of one batch: keep the terminal records that name a sampled trace.
+
+        A trace Narwhal started (no client ``traceparent`` in the record) and
+        left unsampled by ``tracing.sample_ratio`` is skipped here, from its
+        trace ID's bytes, so the span thread never parses its record.
+        """
         pending = self._pending
+        ratio = self._ratio
         for line in lines:
-            if _MARK in line:
-                if len(pending) < MAX_PENDING:
-                    pending.append(line)
-                else:
-                    self.dropped += 1
+            at = line.find(_MARK)
+            if at < 0:
+                continue
+            if ratio < 1.0 and _CLIENT not in line:
+                start = at + len(_MARK)
+                if not sampled_by_ratio(line[start : start + 32].decode("ascii", "replace"), ratio):
+                    continue
+            if len(pending) < MAX_PENDING:
+                pending.append(line)
+            else:
+                self.dropped += 1
 
     def shutdown(self) -> None:
         """Turn what is pending into spans, send them, stop (blocks: call it from a worker thread); once."""

@@ -148,3 +148,16 @@ def test_a_started_trace_is_exported_at_the_sample_ratio() -> None:
     expected = {int(started_trace_id(rid), 16) for rid in rids if sampled_by_ratio(started_trace_id(rid), 0.25)}
     assert exported == expected
     assert 30 <= len(expected) <= 70  # about a quarter of 200, by the trace IDs' low bits
+
+
+def test_unsampled_started_traces_are_not_even_queued() -> None:
+    """Below ratio 1 the event loop's side drops Narwhal's unsampled traces by their IDs; client traces go on."""
+    memory = Memory()
+    tracer = Tracer(TracingConfig(endpoint="http://127.0.0.1:4318", sample_ratio=0.25), exporter=memory)
+    rids = [f"abc{n:010d}" for n in range(100)]
+    sampled = [rid for rid in rids if sampled_by_ratio(started_trace_id(rid), 0.25)]
+    client = _record(rid="abc9999999999", trace_id="1" * 32, traceparent=f"00-{'1' * 32}-00f067aa0ba902b7-01")
+    tracer.take([_line(_record(rid=rid, trace_id=started_trace_id(rid))) for rid in rids] + [_line(client)])
+    assert len(tracer._pending) == len(sampled) + 1  # the client's sampled trace whatever the ratio
+    tracer.shutdown()
+    assert int("1" * 32, 16) in {span.context.trace_id for span in memory.spans}
