@@ -87,6 +87,12 @@ def _masked(records: list[dict[str, Any]], urls: dict[str, str]) -> list[Any]:
         if key == "rid":
             return rids.setdefault(value, f"rid{len(rids)}")
         if key in ("backend_id", "release_id", "owner") and isinstance(value, str):
+            # A known rid first: a random rid prefix can itself look like a leg (``d`` and digits only).
+            for real, name in rids.items():
+                match = re.search(re.escape(real) + r"-([pd]\d+)(-.*)?$", value)
+                if match:
+                    prefix = "" if value.startswith(real) else "?-"
+                    return f"{prefix}{name}-{match.group(1)}" + ("-<suffix>" if match.group(2) else "")
             match = re.fullmatch(r"(.+?)-([pd]\d+)(-.*)?", value)
             assert match, value
             return f"{rids.get(match.group(1), '?')}-{match.group(2)}" + ("-<suffix>" if match.group(3) else "")
