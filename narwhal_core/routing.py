@@ -128,6 +128,8 @@ class Policy:
     name: ClassVar[str] = ""
     #: Whether it keys prompts (:meth:`key`): admission then hashes each prompt once.
     keyed: ClassVar[bool] = False
+    #: Queued tokens one uncached prompt token counts as, when candidates are weighed (``prefix``: ``routing.miss_cost``).
+    miss_cost: float = 1.0
     #: Whether it weighs engines from more than one index (:meth:`index_name`; the journal names it).
     names_index: ClassVar[bool] = False
     #: Whether its key asks the runtime's tokenizer for the prompt's token ids (``kv``): a large prompt's
@@ -267,7 +269,7 @@ class Prefix(LeastLoaded):
         #: The index of each prefill engine Narwhal sent a prompt to, by URL.
         self.indexes: Final[dict[str, PrefixIndex]] = {}
         #: Queued tokens one uncached prompt token counts as (``routing.miss_cost``).
-        self.miss_cost: Final = miss_cost
+        self.miss_cost = miss_cost
 
     @classmethod
     def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
@@ -397,7 +399,7 @@ class Routing:
         weighed = [(e, policy.uncached(e, plan), e.queued_tokens + e.foreign_tokens) for e in fleet.candidates(PREFILL)]
         if weighed:
             best = policy.pick(PREFILL, [e for e, _, _ in weighed], plan)
-            w = getattr(policy, "miss_cost", 1.0)
+            w = policy.miss_cost
             weighed.sort(key=lambda c: (c[0] is not best, w * c[1] + c[2]))
             plan.candidates = tuple((e.url, uncached, queued) for e, uncached, queued in weighed[:MAX_CANDIDATES])
             if policy.names_index:
