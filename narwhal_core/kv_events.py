@@ -31,9 +31,11 @@ import msgpack  # type: ignore[import-untyped]
 
 __all__ = [
     "BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KvEventError",
-    "decode_batch", "decode_seq", "KvStream", "StreamStep", "REPLAY_END",
+    "decode_batch", "decode_seq", "KvStream", "StreamStep", "REPLAY_END", "RESTARTED",
 ]
 
+#: A :class:`StreamStep`'s problem when the publisher started again (an engine restart): its cache is empty.
+RESTARTED: Final = "sequence restarted"
 #: The sequence number that ends a replay (-1, signed).
 REPLAY_END: Final = -1
 
@@ -222,7 +224,7 @@ class KvStream:
             _, events = decode_batch(payload)
         except KvEventError as exc:
             # A batch that cannot be read is lost: what it said must come from a replay.
-            return self._gap(seq, str(exc))
+            return self._gap(str(exc))
         if self.next_seq is None:
             self.next_seq = 0
             self.held[seq] = events
@@ -237,7 +239,7 @@ class KvStream:
             self.next_seq = 0
             self.held = {seq: events}
             step = self._ask(0, None) if seq > 0 else self._drain()
-            return StreamStep((AllBlocksCleared(), *step.events), step.replay_from, "sequence restarted")
+            return StreamStep((AllBlocksCleared(), *step.events), step.replay_from, RESTARTED)
         if seq > self.next_seq:
             self.held[seq] = events
             return self._ask(self.next_seq, None)
@@ -278,7 +280,7 @@ class KvStream:
         self.replaying = True
         return StreamStep(replay_from=start, problem=problem)
 
-    def _gap(self, seq: int, problem: str) -> StreamStep:
+    def _gap(self, problem: str) -> StreamStep:
         if self.next_seq is None:
             self.next_seq = 0
         if self.replaying:

@@ -56,16 +56,13 @@ Everything is pure: the time is passed in as ``now``.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import islice, repeat, takewhile
 from typing import Final
 
-import xxhash
-
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from .prefix import block_hashes, pack_token_ids
 
 __all__ = ["KvIndex", "EngineView", "token_block_hashes", "INDEXED_MEDIA", "REPLAY_FAILED"]
 
@@ -75,10 +72,6 @@ INDEXED_MEDIA: Final = frozenset({None, "GPU"})
 #: The reason of a lost stream whose hole no replay will fill (:class:`~.events.KvStreamChanged`).
 REPLAY_FAILED: Final = "replay_failed"
 
-_U32: Final = "I" if array("I").itemsize == 4 else "L"
-_SWAP: Final = sys.byteorder == "big"
-
-
 def token_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = 0) -> list[int]:
     """Narwhal's chained hashes of the FULL blocks of ``token_ids`` (a partial last block has none).
 
@@ -86,21 +79,25 @@ def token_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = 0)
     little-endian each, seeded with ``hashes[i - 1]`` (``seed`` for the
     first: 0 for a prompt's first block, the parent's hash for a chain
     that continues one). Ids outside 0..2**32-1 keep their low 32 bits.
+    The same chain as the prefix index's (:func:`~.prefix.block_hashes`
+    over :func:`~.prefix.pack_token_ids`).
     """
     count = len(token_ids) // block_size
     if count == 0:
         return []
-    try:
-        packed = array(_U32, token_ids[: count * block_size])
-    except OverflowError:
-        packed = array(_U32, [t & 0xFFFFFFFF for t in token_ids[: count * block_size]])
-    if _SWAP:
-        packed.byteswap()
-    data = packed.tobytes()
-    step = block_size * 4
-    xxh3 = xxhash.xxh3_64_intdigest
-    value = seed
-    return [value := xxh3(data[start : start + step], value) for start in range(0, count * step, step)]
+    packed = pack_token_ids(token_ids[: count * block_size])
+    if packed is None:
+        raise TypeError("token ids must be integers")
+    return block_hashes(packed, block_size * 4, seed)
+
+
+def _heard(view: EngineView) -> bool:
+    """The engine's stream was heard from: live and trusted again; whether it was not already."""
+    changed = view.live is not True or view.silent
+    view.live = True
+    view.stale = view.silent = False
+    view.awaiting_since = None
+    return changed
 
 
 class EngineView:
@@ -176,11 +173,8 @@ class KvIndex:
         """``url``'s events, in order: its stream is heard from (live). Returns a new problem, once."""
         view = self.view(url)
         self.version += 1
-        if view.live is not True or view.silent:
+        if _heard(view):
             self.changes.append((url, "events"))  # trusted again (or for the first time) without a word
-        view.live = True
-        view.stale = view.silent = False
-        view.awaiting_since = None
         problem = None
         for event in events:
             kind = type(event)
@@ -271,11 +265,7 @@ class KvIndex:
         view = self.view(url)
         self.version += 1
         if live:
-            changed = view.live is not True or view.silent
-            view.live = True
-            view.stale = view.silent = False
-            view.awaiting_since = None
-            return changed
+            return _heard(view)
         if reason == REPLAY_FAILED or view.live is None:
             # A hole nothing will fill, or nothing heard yet: nothing to trust until it is heard from.
             view.clear()
@@ -381,12 +371,7 @@ class KvIndex:
         view = self.view(url)
         self.version += 1
         view.max_blocks = max(0, max_blocks)
-        by_engine, held = view.by_engine, view.held
-        over = len(by_engine) - view.max_blocks
-        if over > 0:
-            view.overflowed += over
-            for _ in range(over):
-                _release(held, by_engine.popitem(False)[1])
+        self._bound(view)
 
     def blocks(self, url: str) -> frozenset[int]:
         """Narwhal's hashes of the blocks ``url`` holds (not speculative ones), for tests and introspection."""

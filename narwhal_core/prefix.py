@@ -172,6 +172,12 @@ def _prompt_bytes(prompt: Any) -> bytes:
 
 
 def _token_ids(ids: list[Any]) -> bytes | None:
+    """A token-id prompt's key: its marker, then the ids packed (``None`` when they are not all integers)."""
+    packed = pack_token_ids(ids)
+    return None if packed is None else _TOKEN_IDS + packed
+
+
+def pack_token_ids(ids: Sequence[Any]) -> bytes | None:
     """``ids`` packed as 32-bit little-endian integers, or ``None`` when they are not all integers."""
     try:
         packed = array(_U32, ids)
@@ -185,7 +191,7 @@ def _token_ids(ids: list[Any]) -> bytes | None:
             return None
     if _SWAP:
         packed.byteswap()
-    return _TOKEN_IDS + packed.tobytes()
+    return packed.tobytes()
 
 
 def _chat_key(body: Mapping[str, Any]) -> bytes:
@@ -319,7 +325,7 @@ def _exact_number(value: Any) -> Any:
     raise TypeError
 
 
-def block_hashes(key: bytes, block_bytes: int = BLOCK_BYTES) -> list[int]:
+def block_hashes(key: bytes, block_bytes: int = BLOCK_BYTES, seed: int = 0) -> list[int]:
     """Chained hashes of the key's FULL blocks: ``hashes[i]`` names ``key[:(i+1)*block_bytes]``.
 
     So equal prefixes give equal leading hashes, and a difference anywhere in
@@ -327,7 +333,7 @@ def block_hashes(key: bytes, block_bytes: int = BLOCK_BYTES) -> list[int]:
     no hash (the engine does not cache a partial block either).
 
     Each block is hashed with XXH3-64 seeded with the previous block's hash
-    (the first with 0): 64 bits, the same in every process and on every
+    (the first with ``seed``, 0 unless a chain continues one): 64 bits, the same in every process and on every
     machine, at C speed (docs/design.md, "The prefix index", has the
     figures). It is not meant to resist a chosen collision, which would only
     make one engine look as if it held a block it does not: the engine's own
@@ -341,7 +347,7 @@ def block_hashes(key: bytes, block_bytes: int = BLOCK_BYTES) -> list[int]:
     hashes: list[int] = []
     append = hashes.append
     xxh3 = xxhash.xxh3_64_intdigest
-    value = 0
+    value = seed
     for start in range(0, len(view) - block_bytes + 1, block_bytes):
         value = xxh3(view[start : start + block_bytes], value)
         append(value)

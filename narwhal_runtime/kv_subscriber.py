@@ -59,7 +59,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from narwhal_core import Config, EngineAddress, Event, KvEventsReceived, KvStreamChanged
 from narwhal_core.config import kv_endpoint, kv_endpoint_problem
-from narwhal_core.kv_events import REPLAY_END, KvEventError, KvStream, StreamStep, decode_seq
+from narwhal_core.kv_events import REPLAY_END, RESTARTED, KvEventError, KvStream, StreamStep, decode_seq
 
 from .log import log_event
 
@@ -80,8 +80,6 @@ READ_BURST: Final = 256
 RCVHWM: Final = 100_000
 #: Longest pause between two reconnection attempts to an engine that went away (ZMQ backs off up to it).
 RECONNECT_MAX_MS: Final = 2_000
-#: The problem :class:`KvStream` reports for a publisher that started its sequence again (an engine restart).
-RESTARTED: Final = "sequence restarted"
 
 #: The adapter's thread-safe hand-over: called on the subscriber's thread with the events of one wake-up.
 Feed = Callable[[Sequence[Event]], object]
