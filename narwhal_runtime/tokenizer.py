@@ -33,7 +33,6 @@ the precise index. A tokenizer or template that does not load raises
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from collections.abc import Mapping
@@ -261,7 +260,7 @@ def conversation(messages: Any, fmt: str) -> list[dict[str, Any]]:
         if isinstance(message.get("task"), str):
             item["task"] = message["task"]
         if role == "developer":
-            item["tools"] = copy.deepcopy(message.get("tools"))
+            item["tools"] = message.get("tools")  # (the template's sandbox cannot change it)
         if item.get("tool_calls") == []:
             del item["tool_calls"]  # an empty list keeps templates on the plain assistant path
         out.append(item)
@@ -272,7 +271,7 @@ def _tool_calls(calls: Any) -> list[Any]:
     """Tool calls with JSON-string arguments parsed to objects (``_postprocess_messages``)."""
     if not isinstance(calls, list):
         raise _bad("tool_calls must be an array")
-    calls = copy.deepcopy(calls)  # never change the request body: it is forwarded as received
+    out = []
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
@@ -280,12 +279,15 @@ def _tool_calls(calls: Any) -> list[Any]:
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
-                function["arguments"] = json.loads(arguments)
+                arguments = json.loads(arguments)
             except ValueError:
-                function["arguments"] = {}
+                arguments = {}
         elif not isinstance(arguments, (dict, list)):
-            function["arguments"] = {}
-    return list(calls)
+            arguments = {}
+        # New dicts where the arguments change: the request body is forwarded as received. The
+        # template renders in an immutable sandbox, so what is shared cannot be changed there.
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 def tool_dicts(tools: Any) -> list[dict[str, Any]] | None:
@@ -307,10 +309,10 @@ def tool_dicts(tools: Any) -> list[dict[str, Any]] | None:
         if tool.get("type", "function") != "function":
             raise _bad("a tool's type must be function")
         dumped_function = {"name": function["name"], "description": function.get("description"),
-                           "parameters": copy.deepcopy(function.get("parameters"))}  # fmt: skip
-        dumped_function.update((k, copy.deepcopy(v)) for k, v in function.items() if k not in dumped_function)
+                           "parameters": function.get("parameters")}  # fmt: skip
+        dumped_function.update((k, v) for k, v in function.items() if k not in dumped_function)
         dumped = {"type": "function", "function": dumped_function}
-        dumped.update((k, copy.deepcopy(v)) for k, v in tool.items() if k not in dumped)
+        dumped.update((k, v) for k, v in tool.items() if k not in dumped)
         out.append(dumped)
     return out
 

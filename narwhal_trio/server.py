@@ -103,9 +103,9 @@ class Server(ServerBase):
                         functools.partial(trio.to_thread.run_sync, abandon_on_cancel=True),
                     )
                 # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
-                self.start_kv_events(trio.lowlevel.current_trio_token().run_sync_soon)
+                self.start_kv_events(self._token.run_sync_soon)
                 # routing.policy = "kv": large prompts are tokenized by a thread of their own (docs/routing.md).
-                self.start_tokenizer(trio.lowlevel.current_trio_token().run_sync_soon)
+                self.start_tokenizer(self._token.run_sync_soon)
                 accepting = await nursery.start(self._accept_loop, listeners)
                 self.driver.drain()
                 self._after_drain()
