@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, PromptTokenized, Router, TokenizePrompt
+from narwhal_core.engine_config import EngineAddress
+from narwhal_core.ids import PREFILL
 
 from .app import StartupError, build_router, journal_failure, listen_failure, load_authenticator
 from .discovery import make_discovery
@@ -75,9 +77,9 @@ class ServerBase:
         self._busy = BusyPoll(config.ingress.busy_poll_us / 1e6)
         #: ``engine.discovery`` dns or file: the lookups the adapter runs while serving (``None``: static engines).
         self.discovery = make_discovery(config)
-        #: ``engine.kv_events``: the engines' KV-event streams, read by a thread of its own that the adapter
-        #: starts once serving (:meth:`start_kv_events`) and stops at exit (``None``: not configured).
-        self.kv_subscriber = make_kv_subscriber(config, [e.address for e in self.router.fleet.all()])
+        #: ``engine.kv_events``: the prefill engines' KV-event streams, read by a thread of its own that the
+        #: adapter starts once serving (:meth:`start_kv_events`) and stops at exit (``None``: not configured).
+        self.kv_subscriber = make_kv_subscriber(config, self._kv_engines())
         #: ``routing.policy = "kv"``: the thread that tokenizes large prompts off the loop, started once serving
         #: (:meth:`start_tokenizer`) and stopped at exit (``None``: the policy tokenizes nothing).
         self.tokenize_worker = make_tokenize_worker(self.router)
@@ -135,6 +137,16 @@ class ServerBase:
             return
         self.tokenize_worker.submit(cmd)
 
+    def _kv_engines(self) -> list[EngineAddress]:
+        """The engines whose KV events are read: those taking prefill legs.
+
+        Only a prefill leg is placed by what an engine holds; decode legs
+        (and ``single`` requests) go by load (docs/routing.md), so a decode
+        engine's stream would cost a socket, its decoding and its hashing
+        per request for nothing.
+        """
+        return [e.address for e in self.router.fleet.engines[PREFILL]]
+
     def _feed_kv(self, events: Sequence[Event]) -> None:
         """The events the subscriber's thread handed over, on the loop."""
         for event in events:
@@ -187,7 +199,7 @@ class ServerBase:
         log_event(event, **fields)
         if event in FLEET_CHANGES and self.kv_subscriber is not None:
             # An engine joined or was forgotten: subscribe to the fleet as it is now.
-            self.kv_subscriber.set_engines(kv_sources(self.config, [e.address for e in self.router.fleet.all()]))
+            self.kv_subscriber.set_engines(kv_sources(self.config, self._kv_engines()))
 
     def write_legs(self) -> None:
         # The driver calls this only after starting legs, so there are engines;

@@ -339,6 +339,10 @@ def test_an_engine_whose_events_are_lost_falls_back_and_says_so(
         assert metric(router, "narwhal_engine_kv_events_live", engine=first.url) == 1
         assert metric(router, "narwhal_engine_kv_events_live", engine=second.url) == 1
         assert metric(router, "narwhal_engine_kv_events_live", engine=kv_fleet.decode.url) is None  # (prefill only)
+        # Only the prefill engines' streams are read: decode legs go by load (docs/operate.md, "KV events").
+        assert router.server.kv_subscriber.subscribed == {first.url, second.url}
+        subscribed = {e["engine"] for e in log.events() if e["event"] == "kv_events_subscribed"}
+        assert subscribed == {first.url, second.url}
 
         publisher = second.engine.publisher
         assert publisher is not None

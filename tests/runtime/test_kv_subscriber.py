@@ -466,7 +466,7 @@ def test_the_server_runs_the_subscriber_and_feeds_its_loop(tmp_path: Path, runti
     publisher = KvEventPublisher("tcp://127.0.0.1:0")
     port = int(publisher.endpoint.rpartition(":")[2])
     engine = f"http://127.0.0.1:{free_port()}"  # (no engine: its probes fail, which does not matter here)
-    config = make_config(tmp_path / "journal.jsonl", decode=(engine,),
+    config = make_config(tmp_path / "journal.jsonl", prefill=(engine,), decode=(f"http://127.0.0.1:{free_port()}",),
                          engine={"kv_events": f"tcp://{{host}}:{port}"})
     seen: list[tuple[Any, str]] = []
     try:
@@ -506,15 +506,16 @@ def test_the_server_runs_the_subscriber_and_feeds_its_loop(tmp_path: Path, runti
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_the_subscriber_follows_the_engines_discovery_finds(tmp_path: Path, runtime: str) -> None:
-    first, second = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    first, second, decode = (f"http://127.0.0.1:{free_port()}" for _ in range(3))
     engines = tmp_path / "engines.toml"
-    engines.write_text(f'decode = ["{first}"]\n')
+    # Only prefill engines' streams are read (decode legs go by load): the decode engine is never subscribed.
+    engines.write_text(f'prefill = ["{first}"]\ndecode = ["{decode}"]\n')
     config = make_config(tmp_path / "journal.jsonl",
                          engine={"discovery": "file", "kv_events": "tcp://{host}:{port}"},
                          discovery={"file": str(engines), "interval_s": 0.05})
     with RouterThread(config, runtime) as router:
         sub = router.server.kv_subscriber
         wait_until(lambda: sub.subscribed == {first}, "the first engine subscribed")
-        engines.write_text(f'decode = ["{second}"]\n')
+        engines.write_text(f'prefill = ["{second}"]\ndecode = ["{decode}"]\n')
         wait_until(lambda: sub.subscribed == {second}, "the second engine alone")
     assert not sub.alive
