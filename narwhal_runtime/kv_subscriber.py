@@ -22,12 +22,14 @@ descriptors are edge-triggered signals that must be re-checked
 loop would take a different, delicate integration per runtime (zmq.asyncio
 on asyncio, a hand-written ``wait_readable`` loop on trio). Instead one
 thread (``narwhal-kv-events``) owns every socket of every engine and waits
-on a ``zmq.Poller`` with a short timeout (:data:`POLL_S`); it hands what it
+on a ``zmq.Poller``: for as long as it takes while no replay is in flight,
+for at most :data:`POLL_S` while one is (to fail it on time); it hands what it
 decoded to the loop through the adapter's thread-safe ``feed`` (trio: the
 trio token's ``run_sync_soon``; asyncio: ``loop.call_soon_threadsafe``),
 once per wake-up, so both runtimes run the same code. The loop side only
-queues commands (:meth:`KvSubscriber.set_engines`, :meth:`KvSubscriber.close`),
-which the thread picks up within one poll timeout.
+queues commands (:meth:`KvSubscriber.set_engines`, :meth:`KvSubscriber.close`)
+and wakes the thread with a byte on a socket pair the poller watches, so
+an idle thread costs nothing.
 
 What the router hears (:mod:`narwhal_core.events`):
 
@@ -48,6 +50,7 @@ operator chose none, as vLLM's default does, and the stream goes on.
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -68,7 +71,7 @@ __all__ = [
     "POLL_S", "REPLAY_TIMEOUT_S", "CLOSE_TIMEOUT_S",
 ]
 
-#: Longest the thread waits on its sockets before it looks at its commands and replay deadlines.
+#: Longest the thread waits on its sockets while a replay is in flight (its deadline is checked after each wait).
 POLL_S: Final = 0.05
 #: Longest a replay may stay silent (before its first answer, or between two) before it counts as failed.
 REPLAY_TIMEOUT_S: Final = 2.0
@@ -144,6 +147,8 @@ class KvCounters:
     gaps: int = 0
     #: Frames or payloads that could not be read.
     malformed: int = 0
+    #: Times the thread's poll returned (a message, a command, a replay deadline to check).
+    wakeups: int = 0
 
 
 class _Sockets:
@@ -385,6 +390,10 @@ class KvSubscriber:
         self._clock = clock
         #: Commands for the thread: a new set of engines, or ``None`` to stop.
         self._commands: queue.SimpleQueue[tuple[KvSource, ...] | None] = queue.SimpleQueue()
+        #: A byte written to ``_wake_out`` wakes the thread's poll to read the commands (``_wake_in``).
+        self._wake_in, self._wake_out = socket.socketpair()
+        self._wake_in.setblocking(False)
+        self._wake_out.setblocking(False)
         self._thread: threading.Thread | None = None
         self.counters = KvCounters()
         #: The URLs the thread subscribes to now (replaced, never mutated, by the thread).
@@ -408,22 +417,38 @@ class KvSubscriber:
         if self._thread is None:
             self._sources = sources
         else:
-            self._commands.put(sources)
+            self._command(sources)
+
+    def _command(self, command: tuple[KvSource, ...] | None) -> None:
+        self._commands.put(command)
+        try:
+            self._wake_out.send(b"\0")
+        except OSError:
+            pass  # (a full pair: the thread has wake-ups pending already)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
         """Stop the thread and close its sockets; whether it ended within ``timeout`` seconds."""
         thread = self._thread
         if thread is None:
+            self._close_wake()
             return True
-        self._commands.put(None)
+        self._command(None)
         thread.join(timeout)
-        return not thread.is_alive()
+        if thread.is_alive():
+            return False
+        self._close_wake()
+        return True
+
+    def _close_wake(self) -> None:
+        self._wake_in.close()
+        self._wake_out.close()
 
     # ---------------------------------------------------------- the thread
 
     def _run(self, feed: Feed) -> None:
         sockets = _Sockets()
         engines: dict[str, _Engine] = {}
+        sockets.poller.register(self._wake_in, zmq.POLLIN)
         try:
             self._apply(self._sources, engines, sockets)
             while True:
@@ -433,7 +458,11 @@ class KvSubscriber:
                 if wanted is not None:
                     self._apply(wanted, engines, sockets)
                 out: list[Event] = []
-                ready = dict(sockets.poller.poll(self._poll_ms))
+                replaying = any(engine.deadline is not None for engine in engines.values())
+                ready = dict(sockets.poller.poll(self._poll_ms if replaying else None))
+                self.counters.wakeups += 1
+                if ready.pop(self._wake_in, None):
+                    self._drain_wake()
                 # Connection changes first: a reconnect's restart comes before the new connection's messages.
                 for sock in sorted(ready, key=lambda s: not _is_monitor(sockets, s)):
                     engine = sockets.owner.get(sock)
@@ -452,6 +481,13 @@ class KvSubscriber:
                 engine.close()
             self.subscribed = frozenset()
             sockets.ctx.destroy(linger=0)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_in.recv(4096):
+                pass
+        except OSError:
+            pass  # (BlockingIOError: drained)
 
     def _take_commands(self) -> tuple[bool, tuple[KvSource, ...] | None]:
         """Whether to stop, and the latest set of engines asked for (``None``: no change)."""

@@ -461,6 +461,22 @@ def test_a_template_is_checked_for_every_configured_engine() -> None:
 # ---------------------------------------------------------- in the server
 
 
+def test_an_idle_subscriber_sleeps_until_a_command_wakes_it() -> None:
+    # No replay in flight, nothing published: the thread waits without a timeout (no polling), and a
+    # command (a new set of engines) wakes it at once.
+    first, second = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    sub = subscriber([KvSource(first, f"tcp://127.0.0.1:{free_port()}")], Fed())
+    try:
+        wait_until(lambda: sub.subscribed == {first}, "the first engine subscribed")
+        before = sub.counters.wakeups
+        time.sleep(0.3)  # six polls' worth of the old 50 ms timeout
+        assert sub.counters.wakeups == before
+        sub.set_engines([KvSource(second, f"tcp://127.0.0.1:{free_port()}")])
+        wait_until(lambda: sub.subscribed == {second}, "the second engine alone")  # (never, unwoken)
+    finally:
+        assert sub.close()
+
+
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_the_server_runs_the_subscriber_and_feeds_its_loop(tmp_path: Path, runtime: str) -> None:
     publisher = KvEventPublisher("tcp://127.0.0.1:0")
