@@ -66,6 +66,16 @@ which the simulator does not serve, then ``/tokenize``) and
 ``vllm-pd-cache_aware`` (its best policy without events in
 ``routing_bench.py``'s runs).
 
+**Two workers** (``--targets narwhal-kv-w2,narwhal-prefix-w2``, not run by
+default): the same two Narwhal configurations as two worker processes
+(``ingress.workers = 2``, docs/operate.md, "Workers"). Each worker has its
+own router: with ``prefix`` its index holds only the prompts that worker
+sent, about half of what each engine caches, while with ``kv`` every worker
+reads every prefill engine's events and knows all of it. It is the case
+KV events exist for (several router processes or replicas in front of one
+fleet); the issue's targets are for one process and are judged on the
+default targets. Router CPU counts the supervisor and its workers.
+
 Per Narwhal run it also reads the journal (docs/operate.md): how many
 decisions the ``kv`` index made and how many the approximate fallback, and
 the prompt tokens the chosen engines held by that index, so a ``kv`` row
@@ -96,6 +106,9 @@ from router_bench import Proc, ensure_peers, log  # noqa: E402
 from routing_report import _n, markdown, plot  # noqa: E402
 
 TARGETS = ("narwhal-kv", "narwhal-prefix", "vllm-pd-kv_aware", "vllm-pd-cache_aware")
+#: Asked for by name only (``--targets``): Narwhal as two worker processes (``ingress.workers = 2``), each
+#: with its own router and index, each seeing about half of the requests (module doc, "Two workers").
+WORKER_TARGETS = ("narwhal-kv-w2", "narwhal-prefix-w2")
 #: The issue's targets: kv's TTFT p90 over prefix's at high pressure, its largest loss at low pressure,
 #: and against vLLM Router's kv_aware (TTFT p90 ratio, goodput ratio).
 KV_OVER_PREFIX_HIGH = 1 / 1.5
@@ -244,6 +257,9 @@ def register_targets(args: argparse.Namespace, tokenizer: Path) -> None:
         "engine": {"kv_events": f"tcp://{{host}}:{port}", "kv_events_replay": f"tcp://{{host}}:{port + 1}"},
         "routing": {"policy": "kv", "mode": "always"},
     }
+    two = {"ingress": {"workers": 2}}
+    rb.NARWHAL_FLEET_CONFIGS["narwhal-kv-w2"] = lambda fleet: {**rb.NARWHAL_FLEET_CONFIGS["narwhal-kv"](fleet), **two}
+    rb.NARWHAL_FLEET_CONFIGS["narwhal-prefix-w2"] = lambda fleet: {**rb.NARWHAL_CONFIGS["narwhal-prefix"], **two}
     rb.VLLM_FLEET_ARGS["vllm-pd-kv_aware"] = lambda fleet: [
         arg
         for e in fleet.engines
@@ -258,7 +274,8 @@ def register_targets(args: argparse.Namespace, tokenizer: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kv_routing_bench.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated, from: " + ", ".join(TARGETS))
+    p.add_argument("--targets", default=",".join(TARGETS),
+                   help="comma-separated, from: " + ", ".join(TARGETS + WORKER_TARGETS))
     p.add_argument("--pressures", default="high=0.25,low=2",
                    help="name=the prefill pool's KV as a multiple of the run's distinct prompt blocks, comma-separated")
     p.add_argument("--rate", type=float, default=0.5, help="the knee: multiple of the trace window's own rate")
@@ -291,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.loadavg_start = os.getloadavg()
     targets = [t for t in args.targets.split(",") if t]
-    if unknown := [t for t in targets if t not in TARGETS]:
-        print(f"kv_routing_bench: unknown targets {unknown}; known: {', '.join(TARGETS)}", file=sys.stderr)
+    if unknown := [t for t in targets if t not in TARGETS + WORKER_TARGETS]:
+        print(f"kv_routing_bench: unknown targets {unknown}; known: {', '.join(TARGETS + WORKER_TARGETS)}",
+              file=sys.stderr)
         return 2
     pressures = [(name, float(x)) for name, _, x in (p.partition("=") for p in args.pressures.split(",") if p)]
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kv_routing_bench-"))
@@ -323,13 +341,19 @@ def main(argv: list[str] | None = None) -> int:
                     f"pool holds {share:g}x the run's distinct blocks); {work}")  # fmt: skip
                 for name in targets:
                     before, journal = fleet.batches(), work / f"{name}.journal.jsonl"
-                    offset = journal.stat().st_size if journal.exists() else 0
+                    if name in WORKER_TARGETS:
+                        # One journal per worker (docs/operate.md, "Workers"): .w0, .w1 before the suffix.
+                        journals = [journal.with_suffix(f".w{k}.jsonl") for k in (0, 1)]
+                    else:
+                        journals = [journal]
+                    offsets = [j.stat().st_size if j.exists() else 0 for j in journals]
                     row = rb.run_one(name, "trace", pressure, args.rate, fleet, window, work, args, peers)
                     row.update(pressure=pressure, pool_over_working_set=share, num_gpu_blocks=blocks,
                                kv_batches=fleet.batches() - before,
                                kv_relay_problems=sum(r.problems for r in fleet.relays))  # fmt: skip
-                    if rb.is_narwhal(name) and journal.exists():
-                        row["journal"] = journal_summary(journal, offset)
+                    found = [journal_summary(j, o) for j, o in zip(journals, offsets) if j.exists()]
+                    if rb.is_narwhal(name) and found:
+                        row["journal"] = merged(found)
                     if name == "narwhal-kv" and "refused" in row.get("error", ""):
                         row["error"] = "skipped: this narwhal refuses routing.policy = \"kv\" (" + row["error"] + ")"
                     rows.append(row)
@@ -367,6 +391,17 @@ def journal_summary(path: Path, offset: int) -> dict[str, Any]:
     return {"decided_by": decided, "matched_tokens": matched}
 
 
+def merged(summaries: Any) -> dict[str, Any]:
+    """Journal summaries (:func:`journal_summary`) of several workers, added up."""
+    decided: dict[str, int] = {}
+    matched = 0
+    for summary in summaries:
+        for index, n in summary["decided_by"].items():
+            decided[index] = decided.get(index, 0) + n
+        matched += summary["matched_tokens"]
+    return {"decided_by": decided, "matched_tokens": matched}
+
+
 def blocks_of(rows: list[dict[str, Any]]) -> str:
     return ", ".join(sorted({f"{r['pressure']} {r['num_gpu_blocks']}" for r in rows if "num_gpu_blocks" in r}))
 
@@ -394,6 +429,12 @@ def verdicts(rows: list[dict[str, Any]], pressures: list[str]) -> str:
             bound = KV_OVER_PREFIX_HIGH if pressure == "high" else KV_LOSS_LOW
             out.append(f"  TTFT p90 kv / prefix {_n(p90(kv))} / {_n(p90(prefix))} ms = {_n(x, '.2f')}x "
                        f"(target <= {bound:.2f}x): {'MET' if x is not None and x <= bound else 'NOT MET'}")
+        kv2, prefix2 = got.get("narwhal-kv-w2"), got.get("narwhal-prefix-w2")
+        if kv2 is not None and prefix2 is not None:
+            out.append(f"  two workers: TTFT p90 kv / prefix {_n(p90(kv2))} / {_n(p90(prefix2))} ms = "
+                       f"{_n(ratio(p90(kv2), p90(prefix2)), '.2f')}x, goodput {kv2['goodput']:.3f} / "
+                       f"{prefix2['goodput']:.3f} = {_n(ratio(kv2['goodput'], prefix2['goodput']), '.2f')}x "
+                       "(not one of the issue's targets, which are for one router process)")
         if vkv is not None:
             x, g = ratio(p90(kv), p90(vkv)), ratio(kv["goodput"], vkv["goodput"])
             p90_met = x is not None and x <= KV_OVER_VLLM_P90

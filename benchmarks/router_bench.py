@@ -269,6 +269,23 @@ def cpu_seconds(pid: int) -> float:
     return sum(cpu_split(pid))
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and of its live children (``narwhal serve --workers N``: the workers)."""
+    total = cpu_seconds(pid)
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            try:
+                total += tree_cpu_seconds(child)
+            except OSError:
+                pass  # (it ended meanwhile)
+    return total
+
+
 def cpu_split(pid: int) -> tuple[float, float]:
     """utime and stime of a process (all its threads, children excluded), in seconds."""
     with open(f"/proc/{pid}/stat") as f:

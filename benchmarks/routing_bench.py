@@ -70,7 +70,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-from router_bench import Proc, cpu_seconds, ensure_peers, free_port, http, listening_addresses, log  # noqa: E402
+from router_bench import Proc, ensure_peers, free_port, http, listening_addresses, log, tree_cpu_seconds  # noqa: E402
 from routing_bound import prefix_bound, share_of_mean  # noqa: E402
 from routing_report import markdown, plot, verdict  # noqa: E402
 
@@ -327,7 +327,7 @@ def run_one(name: str, workload: str, rate_name: str, rate: float, fleet: Fleet,
             row["error"] = error
             log(f"{tag}: {error}")
             return row
-        cpu_start = cpu_seconds(proc.pid) if proc is not None else 0.0
+        cpu_start = tree_cpu_seconds(proc.pid) if proc is not None else 0.0
         out = work / f"{tag}.jsonl"
         slo = ["--slo-ttft-ms", repr(args.slo_ttft_ms / args.speed), "--slo-itl-ms", repr(args.slo_itl_ms / args.speed)]
         cmd = [sys.executable, "-m", "narwhal", "bench", *workload_args(workload, window, rate, args),
@@ -343,7 +343,7 @@ def run_one(name: str, workload: str, rate_name: str, rate: float, fleet: Fleet,
             return row
         stats = fleet.stats()
         if proc is not None and proc.alive():
-            row["router_cpu_s"] = round(cpu_seconds(proc.pid) - cpu_start, 2)
+            row["router_cpu_s"] = round(tree_cpu_seconds(proc.pid) - cpu_start, 2)
         row.update(figures(name, out, stats, fleet, workload_requests(workload, window, rate, args), args))
         if proc is not None and not proc.alive():
             row["error"] = f"exited during the run: {proc.tail(2)}"

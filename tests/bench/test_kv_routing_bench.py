@@ -65,3 +65,43 @@ def test_the_tokenizer_cuts_trace_text_four_characters_to_a_token(tmp_path: Path
     head = tok.encode(synth.prompt(TraceRequest(index=2, arrival_s=0.0, input_length=1024, output_length=1,
                                                 hash_ids=(7, 8)))).ids  # fmt: skip
     assert ids_a[: len(head)] == head and shared == len(head) + 3
+
+
+def test_the_two_worker_targets_are_the_one_process_ones_with_two_workers(tmp_path: Path) -> None:
+    import argparse
+
+    import routing_bench
+
+    kv_routing_bench.register_targets(argparse.Namespace(kv_port=5557), tmp_path / "tok")
+    configs = routing_bench.NARWHAL_FLEET_CONFIGS
+    assert configs["narwhal-kv-w2"](None) == {**configs["narwhal-kv"](None), "ingress": {"workers": 2}}
+    assert configs["narwhal-prefix-w2"](None) == {**routing_bench.NARWHAL_CONFIGS["narwhal-prefix"],
+                                                  "ingress": {"workers": 2}}  # fmt: skip
+    assert configs["narwhal-kv"](None)["routing"]["policy"] == "kv"
+
+
+def test_the_workers_journals_are_added_up() -> None:
+    w0 = {"decided_by": {"kv": 3, "approximate": 1}, "matched_tokens": 100}
+    w1 = {"decided_by": {"kv": 2}, "matched_tokens": 50}
+    assert kv_routing_bench.merged([w0, w1]) == {"decided_by": {"kv": 5, "approximate": 1}, "matched_tokens": 150}
+
+
+def test_router_cpu_counts_the_workers_of_a_supervisor() -> None:
+    # A parent that starts a child burning CPU: the tree's CPU is the parent's plus the child's.
+    import subprocess
+    import time
+
+    import router_bench
+
+    code = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'while True: pass']); "
+            "sys.stdin.read(); c.kill()")  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while router_bench.tree_cpu_seconds(parent.pid) - router_bench.cpu_seconds(parent.pid) < 0.2:
+            assert time.monotonic() < deadline, "the child's CPU never showed in the tree's"
+            time.sleep(0.02)
+    finally:
+        assert parent.stdin is not None
+        parent.stdin.close()
+        parent.wait(10)
