@@ -75,24 +75,31 @@ def test_a_shutdown_asked_before_serving_begins_once_it_serves(runtime: str, tmp
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
-def test_background_tasks_and_sources_without_a_socket_feed_at_once(runtime: str, tmp_path: Path) -> None:
+def test_discovery_runs_while_serving_and_feeds_through_feed_now(runtime: str, tmp_path: Path) -> None:
     # Discovery feeds through _feed_now, as the KV events, the tokenizer and SIGHUP do: no wait
-    # behind a slow client, no busy-poll window (only a socket's event opens one).
+    # behind a slow client, no busy-poll window (only an event from a socket opens one).
+    url = f"http://127.0.0.1:{_closed_port()}"
     engines = tmp_path / "engines.toml"
-    engines.write_text(f'prefill = ["http://127.0.0.1:{_closed_port()}"]\ndecode = []\n')
+    engines.write_text(f'prefill = []\ndecode = ["{url}"]\n')
     config = make_config(tmp_path / "journal.jsonl", engine={"discovery": "file"}, ingress={"busy_poll_us": 1000},
                          discovery={"file": str(engines), "interval_s": 0.05})
     config = attrs.evolve(config, journal=attrs.evolve(config.journal, fsync="interval"))
-    seen: dict[str, Any] = {}
+    heard: list[Any] = []
 
     def before(server: Any) -> None:
-        tasks = server.background()
-        seen["tasks"] = [getattr(t, "func", t) for t in tasks]
-        seen["fed_by"] = tasks[1].args[0]
-        seen["feed_now"] = server._feed_now
-        seen["feed_is_polled"] = server.feed == server._feed_and_poll
-        server.shutdown()
+        assert server.feed == server._feed_and_poll  # busy polling: a socket's event opens the window
+        feed_now = server._feed_now
+
+        def watching(event: Any) -> None:
+            feed_now(event)
+            if type(event).__name__ == "EnginesChanged":
+                heard.append((event.phase, [a.url for a in event.engines]))
+                if event.engines:
+                    server.shutdown()  # the test's end: the discovered engine reached the router
+
+        server._feed_now = watching
 
     server = _serve(runtime, config, before=before)
-    assert seen["tasks"] == [server.journal.run_sync_timer, server.discovery.run]
-    assert seen["fed_by"] == seen["feed_now"] and seen["feed_is_polled"]
+    assert ("decode", [url]) in heard, heard
+    tasks = [getattr(task, "func", task) for task in server.background()]
+    assert tasks == [server.journal.run_sync_timer, server.discovery.run]
