@@ -72,8 +72,11 @@ class ServerBase:
                  sleep: Callable[[float], Awaitable[object]],
                  in_thread: Callable[[Callable[[], None]], Awaitable[object]],
                  lookup_in_thread: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None) -> None:
-        """``sleep`` and ``in_thread`` are the runtime's; ``lookup_in_thread`` runs a discovery lookup
-        (default: ``in_thread``; trio abandons a lookup still running at shutdown, see :meth:`background`)."""
+        """``sleep`` and ``in_thread`` (a function in a worker thread) are the runtime's.
+
+        ``lookup_in_thread`` runs a discovery lookup (by default ``in_thread``;
+        trio's abandons a lookup still running at shutdown: :meth:`background`).
+        """
         self.config = config
         self.router = router or build_router(config, now=now)
         self.driver = Driver(self.router)
@@ -104,7 +107,7 @@ class ServerBase:
         #: :meth:`shutdown` was asked for before serving began (a signal while starting).
         self._shutdown_asked = False
         if self._busy.seconds:
-            # Only then does an event cost more: the adapter's feed, wrapped to open the window.
+            # Only then does an event cost more: the adapter's feed, wrapped so that each opens the window.
             self._feed_unpolled = self.feed
             self.feed = self._feed_and_poll  # type: ignore[method-assign]
 
