@@ -11,14 +11,14 @@ resumes the legs linked to a client).
 from __future__ import annotations
 
 import asyncio
-import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
 from narwhal_core import Event, LegData, LegFailed, StartControl, StartLeg, local_failure
 from narwhal_core.events import LegFailure
-from narwhal_runtime.control import ControlExchange, ControlRefused, connect_first
+from narwhal_runtime.control import ControlConnection, ControlTimedOut, connect_first, resolve, run_control
 from narwhal_runtime.legs import EngineLegs
 from narwhal_runtime.pool import PooledConnection
 
@@ -116,9 +116,9 @@ class Engines(EngineLegs[_LegConnection]):
             conn.transport.write(data)
 
     def start_control(self, cmd: StartControl) -> None:
-        """Run a control request in its own task."""
+        """Run a control request in its own task (:func:`~narwhal_runtime.control.run_control`)."""
         if not self._closed:
-            self._spawn(self._run_control(cmd))
+            self._spawn(run_control(cmd, self))
 
     async def aclose(self) -> None:
         """Stop connecting and control requests (each reports its cancellation); close every connection."""
@@ -196,41 +196,30 @@ class Engines(EngineLegs[_LegConnection]):
         # Its journal line was flushed with the iteration that started the leg.
         transport.write(cmd.data)
 
-    # control requests
+    # control requests: asyncio's primitives (narwhal_runtime.control.ControlIO)
 
-    async def _run_control(self, cmd: StartControl) -> None:
-        exchange = ControlExchange(cmd)
-        deadline = asyncio.timeout(cmd.timeout)
-        loop = self._loop
+    CONTROL_BROKEN: tuple[type[BaseException], ...] = ()
+
+    async def control_getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
+        return await self._loop.getaddrinfo(host, port, type=type)
+
+    @asynccontextmanager
+    async def control_deadline(self, seconds: float) -> AsyncIterator[None]:
+        deadline = asyncio.timeout(seconds)
         try:
             async with deadline:
-                data = exchange.request()
-                infos = await _addresses(loop, cmd.engine.host, cmd.engine.port)
-                if cmd.resolve:
-                    # Resolved at every probe: the addresses may name the KV side channel.
-                    self._feed(exchange.resolved(infos))
-                sock = await connect_first(infos, loop.sock_connect)
-                try:
-                    exchange.connected()
-                    done = await exchange.converse(
-                        data, partial(loop.sock_sendall, sock), partial(loop.sock_recv, sock, READ_SIZE)
-                    )
-                finally:
-                    sock.close()
-        except TimeoutError as exc:  # before OSError, of which it is a subclass
-            done = exchange.timed_out() if deadline.expired() else exchange.failed(exc)
-        except (OSError, ControlRefused) as exc:
-            done = exchange.failed(exc)
-        except BaseException:
-            self._feed(exchange.cancelled())
+                yield
+        except TimeoutError:  # the deadline's, or a socket's own (a failure)
+            if deadline.expired():
+                raise ControlTimedOut from None
             raise
-        self._feed(done)
 
+    async def control_connect(self, host: str, port: int, infos: Sequence[Any] | None) -> ControlConnection:
+        loop = self._loop
+        if infos is None:
+            infos = await resolve(host, port, self.control_getaddrinfo)
+        sock = await connect_first(infos, loop.sock_connect)
+        return partial(loop.sock_sendall, sock), partial(loop.sock_recv, sock, READ_SIZE), sock.close
 
-async def _addresses(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[Any]:
-    """``getaddrinfo`` for ``host``: at once for an IP address, else in the loop's resolver thread."""
-    try:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
-    except socket.gaierror:
-        return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-
+    async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
+        self._feed(event)

@@ -16,11 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from narwhal_core import (
-    ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested,
+    ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router,
 )
-from narwhal_runtime.app import Run, log_listening
+from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
-from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
 
 from .engines import Engines
@@ -135,6 +134,7 @@ class Server(ServerBase):
     """One router serving on asyncio. Run :meth:`serve` on the running loop."""
 
     engines: Engines | None
+    runtime = RUNTIME
 
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
         super().__init__(config, router, now=clock(), sleep=asyncio.sleep, in_thread=asyncio.to_thread)
@@ -148,63 +148,35 @@ class Server(ServerBase):
         self._drained: asyncio.Future[None] | None = None
         self._listener: Listener | None = None
         self._stopping = False
-        if self._busy.seconds:
-            self.feed = self._feed_and_poll  # type: ignore[method-assign]  # only then does an event cost more
 
     async def serve(self, *, started: Callable[[tuple[str, int]], object] | None = None) -> None:
-        """Listen, serve until a shutdown drains, then close the journal; ``started`` gets ``(host, port)``."""
+        """Listen, serve until a shutdown drains, then close the journal (the start and the end: :class:`ServerBase`).
+
+        ``started`` gets the bound ``(host, port)``.
+        """
         loop = self._loop = asyncio.get_running_loop()
         self._drained = loop.create_future()
         listener = Listener(loop, self._listen(), lambda: _Client(self), limit=self.config.ingress.max_connections)
-        host, port = self.address  # type: ignore[misc]
-        sync_task: asyncio.Task[None] | None = None
-        discovery_task: asyncio.Task[None] | None = None
+        tasks: list[asyncio.Task[None]] = []
         try:
             self._listener = listener
             self.engines = Engines(loop, self.feed, pool_size=self.config.engine.pool_connections_per_engine)
-            if self.config.journal.fsync == "interval":
-                sync_task = loop.create_task(self.journal.run_sync_timer())
-            if self.discovery is not None:
-                discovery_task = loop.create_task(self.discovery.run(self.feed, asyncio.sleep, asyncio.to_thread))
-            # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
-            self.start_kv_events(loop.call_soon_threadsafe)
-            # routing.policy = "kv": large prompts are tokenized by a thread of their own (docs/routing.md).
-            self.start_tokenizer(loop.call_soon_threadsafe)
-            self.driver.drain()
-            self._after_drain()
-            log_listening(self.config, host, port, RUNTIME, loop_name(loop))
+            tasks = [loop.create_task(task()) for task in self.background()]
+            self.started(loop.call_soon_threadsafe, loop_name(loop))
             if started is not None:
-                started((host, port))
-            if self._stopping:  # a signal came while starting
-                self._stopping = False
-                self.shutdown()
+                started(self.address)  # type: ignore[arg-type]
             await self._drained
         finally:
-            self.stop_kv_events()
-            self.stop_tokenizer()
-            self._busy.stop()
+            self.stopping()
             self._flush()
             self._stop_listening()
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            for task in (sync_task, discovery_task):
-                if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-            if self.engines is not None:
-                await self.engines.aclose()
-            await self._close_clients()
-            await self.journal.aclose()
-            await self.close_tracer()
-            log_event("stopped", runtime=RUNTIME)
-
-    def shutdown(self) -> None:
-        """Begin a graceful drain (docs/operate.md: new requests get 503 ``shutting_down``); again: cut it short."""
-        if self.engines is None:
-            self._stopping = True  # serve() shuts down as soon as it listens
-            return
-        self.feed(ShutdownRequested())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.closed()
 
     def _stop_listening(self) -> None:
         self._stopping = True
@@ -268,10 +240,9 @@ class Server(ServerBase):
         self.driver.fire_timer(now=clock())
         self._after_drain()
 
-    def _feed_and_poll(self, event: Event) -> None:
-        if self._busy.event_fed(clock()) and self._loop is not None:
+    def _start_polling(self) -> None:
+        if self._loop is not None:
             self._loop.call_soon(self._poll)
-        Server.feed(self, event)
 
     def _poll(self) -> None:
         # While a callback is queued, the loop's next wait for I/O returns at once.

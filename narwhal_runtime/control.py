@@ -12,7 +12,10 @@ close``), and the answer is parsed back by it, up to
 few dozen bytes, a decode release's is read for its verdict, an engine's
 ``/metrics`` is asked for with a larger limit.
 
-An adapter runs one :class:`ControlExchange` per ``StartControl``::
+:func:`run_control` runs one :class:`ControlExchange` per ``StartControl``,
+the same on both runtimes, with the primitives the adapter lends it
+(:class:`ControlIO`: its deadline, ``getaddrinfo``, connect, send, receive
+and feed)::
 
     exchange = ControlExchange(cmd)
     data = exchange.request()            # before connecting: may refuse
@@ -24,7 +27,7 @@ An adapter runs one :class:`ControlExchange` per ``StartControl``::
 (:meth:`ControlExchange.converse` writes, then reads until the outcome is
 known, feeding :meth:`~ControlExchange.receive_data`; after a ``decode_abort``
 request, ``hang_up``, it reads nothing: :meth:`~ControlExchange.sent`.) An
-adapter that connects by address uses :func:`connect_first`.
+adapter that connects by address uses :func:`resolve` and :func:`connect_first`.
 
 The request carries the engine credential where the router put it; no
 error text made here holds a request header, so the credential reaches
@@ -35,16 +38,20 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Final
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Final, Protocol
 
-from narwhal_core import ControlDone, StartControl, local_failure
+from narwhal_core import ControlDone, Event, StartControl, local_failure
 from narwhal_core.errors import LocalProtocolError, RemoteProtocolError
 from narwhal_core.events import EngineResolved
 from narwhal_core.http import NEED_DATA, BodyData, EngineConnection, ResponseEnd, ResponseHead
 
 from .engine_probe import addresses_of, describe_failure, shorten
 
-__all__ = ["ControlExchange", "ControlRefused", "CONTROL_HEADERS", "connect_first"]
+__all__ = [
+    "ControlExchange", "ControlRefused", "ControlTimedOut", "ControlIO", "CONTROL_HEADERS",
+    "run_control", "resolve", "connect_first",
+]
 
 #: Added to every control request (``decode_abort``'s raw request aside):
 #: the answer's bytes are read as they come (a KV release's body is parsed,
@@ -58,6 +65,89 @@ class ControlRefused(Exception):
     Its message names no header value: the refused one may be the engine
     credential.
     """
+
+
+class ControlTimedOut(Exception):
+    """``StartControl.timeout`` ran out: raised by the adapter's :meth:`ControlIO.control_deadline`.
+
+    (Not the runtime's own: trio's is ``TooSlowError``; asyncio's is a
+    ``TimeoutError``, which a socket's own timeout raises too, and that one
+    is a failure of the connection, not of the deadline.)
+    """
+
+
+#: ``send_all(data)``, ``receive_some()`` (``b""``: the engine closed) and ``close()`` of one connection.
+ControlConnection = tuple[
+    Callable[[bytes], Awaitable[object]], Callable[[], Awaitable[bytes]], Callable[[], object]
+]
+
+
+class ControlIO(Protocol):
+    """What a runtime lends :func:`run_control` (each adapter's ``Engines``)."""
+
+    #: The runtime's own exceptions, beside ``OSError``, that say a connection broke (trio's streams).
+    CONTROL_BROKEN: tuple[type[BaseException], ...]
+
+    def control_deadline(self, seconds: float) -> AbstractAsyncContextManager[object]:
+        """A deadline ``seconds`` from now around the whole exchange; raises :class:`ControlTimedOut`."""
+        ...
+
+    async def control_getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
+        """The runtime's ``getaddrinfo`` (in its resolver thread)."""
+        ...
+
+    async def control_connect(self, host: str, port: int, infos: Sequence[Any] | None) -> ControlConnection:
+        """A new connection to the engine (``infos``: the addresses if already resolved)."""
+        ...
+
+    async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
+        """Feed the router (``cancelled``: while the runtime cancels the request; it must still be heard)."""
+        ...
+
+
+async def run_control(cmd: StartControl, io: ControlIO) -> None:
+    """Run one control request on ``io`` and feed what came of it (``EngineResolved`` first, if it resolves).
+
+    The request is encoded before connecting (a header the codec refuses
+    costs no connection); the whole exchange runs under ``cmd.timeout``.
+    Its outcome, the same on both runtimes: the answer; a socket error or
+    the codec's refusal as a failure naming why; the deadline as
+    ``timeout`` (``connect timeout`` before the connection opened); a
+    cancellation (shutdown) as ``cancelled``, fed before it goes on.
+    """
+    exchange = ControlExchange(cmd)
+    host, port = cmd.engine.host, cmd.engine.port
+    failures: tuple[type[BaseException], ...] = (OSError, ControlRefused, *io.CONTROL_BROKEN)
+    try:
+        async with io.control_deadline(cmd.timeout):
+            data = exchange.request()
+            infos = None
+            if cmd.resolve:
+                # Resolved at every probe: the addresses may name the KV side channel.
+                infos = await resolve(host, port, io.control_getaddrinfo)
+                await io.control_feed(exchange.resolved(infos))
+            send_all, receive_some, close = await io.control_connect(host, port, infos)
+            try:
+                exchange.connected()
+                done = await exchange.converse(data, send_all, receive_some)
+            finally:
+                close()
+    except ControlTimedOut:
+        done = exchange.timed_out()
+    except failures as exc:
+        done = exchange.failed(exc)
+    except BaseException:
+        await io.control_feed(exchange.cancelled(), cancelled=True)
+        raise
+    await io.control_feed(done)
+
+
+async def resolve(host: str, port: int, getaddrinfo: Callable[..., Awaitable[Sequence[Any]]]) -> Sequence[Any]:
+    """``getaddrinfo`` for ``host`` (stream sockets): at once for an IP address, else by the runtime's resolver."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        return await getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
 class ControlExchange:

@@ -5,22 +5,33 @@ driver, opens the journal (:mod:`.journal_file`; a failure is a start-up
 error), performs the effects that are the same on both runtimes (the
 journal write, process-log lines, the queued leg requests) and turns SIGHUP
 into the router's new authenticator. It binds the listening sockets
-(:mod:`.listening`) and performs a batch with its failure contained. What
-is left in each adapter is its loop: accept, read, write, connect, sleep,
-signals.
+(:mod:`.listening`) and performs a batch with its failure contained.
+
+It also holds the start and the end of serving, the same on both runtimes:
+the tasks to run while serving (:meth:`ServerBase.background`), what
+happens once the loop serves (:meth:`ServerBase.started`) and, in order,
+what stops at the end (:meth:`ServerBase.stopping`, then
+:meth:`ServerBase.closed`); the busy-poll rule (each event fed opens the
+window); and which events go through ``_feed_now``. What is left in each
+adapter is its loop: accept, read, write, connect, sleep, signals, and the
+spawning and cancelling of its tasks.
 """
 
 from __future__ import annotations
 
+import functools
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Final
 
-from narwhal_core import AuthenticatorChanged, Config, ConfigError, Event, PromptTokenized, Router, TokenizePrompt
+from narwhal_core import (
+    AuthenticatorChanged, Config, ConfigError, Event, PromptTokenized, Router, ShutdownRequested, TokenizePrompt,
+)
 from narwhal_core.engine_config import EngineAddress
 from narwhal_core.ids import PREFILL
 
-from .app import StartupError, build_router, journal_failure, listen_failure, load_authenticator
+from .app import StartupError, build_router, journal_failure, listen_failure, load_authenticator, log_listening
 from .discovery import make_discovery
 from .driver import BusyPoll, Driver
 from .group_metrics import current_group
@@ -56,10 +67,18 @@ class ServerBase:
 
     #: Set by the adapter once serving (its engine connections).
     engines: Any
+    #: The runtime's name in the ``listening`` and ``stopped`` log lines (``"trio"``, ``"asyncio"``).
+    runtime: str
 
     def __init__(self, config: Config, router: Router | None, *, now: float,
                  sleep: Callable[[float], Awaitable[object]],
-                 in_thread: Callable[[Callable[[], None]], Awaitable[object]]) -> None:
+                 in_thread: Callable[[Callable[[], None]], Awaitable[object]],
+                 lookup_in_thread: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None) -> None:
+        """``sleep`` and ``in_thread`` (a function in a worker thread) are the runtime's.
+
+        ``lookup_in_thread`` runs a discovery lookup (by default ``in_thread``;
+        trio's abandons a lookup still running at shutdown: :meth:`background`).
+        """
         self.config = config
         self.router = router or build_router(config, now=now)
         self.driver = Driver(self.router)
@@ -71,6 +90,8 @@ class ServerBase:
         #: Spans out of the terminal records ([tracing] endpoint; docs/operate.md, "Tracing").
         self.tracer = start_tracer(config)
         self._in_thread = in_thread
+        self._sleep = sleep
+        self._lookup_in_thread = lookup_in_thread or in_thread
         self.engines = None
         #: The address the server listens on, once started.
         self.address: tuple[str, int] | None = None
@@ -85,6 +106,98 @@ class ServerBase:
         self.tokenize_worker = make_tokenize_worker(self.router)
         #: A worker of a group (``ingress.workers`` > 1) snapshots its metrics after batches.
         self._group = current_group()
+        #: :meth:`shutdown` was asked for before serving began (a signal while starting).
+        self._shutdown_asked = False
+        if self._busy.seconds:
+            # Only then does an event cost more: the adapter's feed, wrapped so that each opens the window.
+            self._feed_unpolled = self.feed
+            self.feed = self._feed_and_poll  # type: ignore[method-assign]
+
+    # ------------------------------------------------- the start and the end
+
+    def background(self) -> list[Callable[[], Coroutine[Any, Any, None]]]:
+        """The tasks to run while serving, until cancelled at the end: the journal's fsync timer, discovery.
+
+        Discovery feeds through ``_feed_now``, as every source that is not a
+        socket does (the KV-event subscriber, the tokenizer thread, SIGHUP,
+        :meth:`shutdown`): it never waits behind a slow client, and opens no
+        busy-poll window. (A lookup in its thread is abandoned at shutdown
+        on trio: the resolver's own timeout ends it.)
+        """
+        tasks: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        if self.config.journal.fsync == "interval":
+            tasks.append(self.journal.run_sync_timer)
+        if self.discovery is not None:
+            tasks.append(functools.partial(self.discovery.run, self._feed_now, self._sleep, self._lookup_in_thread))
+        return tasks
+
+    def started(self, call_soon_threadsafe: Callable[..., object], loop: str) -> None:
+        """The loop serves (engines set, :meth:`background` running): start the threads, drain, say so.
+
+        ``call_soon_threadsafe`` is how the KV-event subscriber's and the
+        tokenizer's threads hand over to the loop (trio: the trio token's
+        ``run_sync_soon``; asyncio: ``loop.call_soon_threadsafe``); ``loop``
+        names the event loop in the ``listening`` line. The first drain
+        takes what the router queued on its own (the first health probes).
+        A :meth:`shutdown` asked for while starting begins now.
+        """
+        # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
+        self.start_kv_events(call_soon_threadsafe)
+        # routing.policy = "kv": large prompts are tokenized by a thread of their own (docs/routing.md).
+        self.start_tokenizer(call_soon_threadsafe)
+        self.driver.drain()
+        self._after_drain()
+        host, port = self.address  # type: ignore[misc]
+        log_listening(self.config, host, port, self.runtime, loop)
+        if self._shutdown_asked:
+            self._shutdown_asked = False
+            self.shutdown()
+
+    def stopping(self) -> None:
+        """Serving ends: stop the threads that feed the loop, and busy polling (before the last flush)."""
+        self.stop_kv_events()
+        self.stop_tokenizer()
+        self._busy.stop()
+
+    async def closed(self) -> None:
+        """After the last flush: close the engine connections, then the clients, the journal, the tracer."""
+        if self.engines is not None:
+            await self.engines.aclose()
+        await self._close_clients()
+        await self.journal.aclose()
+        await self.close_tracer()
+        log_event("stopped", runtime=self.runtime)
+
+    async def _close_clients(self) -> None:
+        """The adapter's last word to the client connections still open (trio: none, its tasks are cancelled)."""
+
+    def shutdown(self) -> None:
+        """Begin a graceful drain (docs/operate.md: new requests get 503 ``shutting_down``); again: cut it short.
+
+        Asked for before serving began, it begins once it does (:meth:`started`).
+        """
+        if self.engines is None:
+            self._shutdown_asked = True
+            return
+        self._feed_now(ShutdownRequested())
+
+    def _after_drain(self) -> None:
+        """The adapter's reaction to a drain of the driver: re-arm the timer, end the drain, flush."""
+        raise NotImplementedError
+
+    def feed(self, event: Event) -> Any:
+        """The adapter's feed of one event from a socket (trio: a coroutine, it may wait for a slow client)."""
+        raise NotImplementedError
+
+    def _feed_and_poll(self, event: Event) -> Any:
+        """:meth:`feed` while busy polling (``ingress.busy_poll_us``): each event opens the window."""
+        if self._busy.event_fed(time.monotonic()):
+            self._start_polling()
+        return self._feed_unpolled(event)
+
+    def _start_polling(self) -> None:
+        """The adapter's poller: keep the loop runnable while :meth:`BusyPoll.keep_polling` says so."""
+        raise NotImplementedError
 
     @property
     def busy_polls(self) -> int:
@@ -103,6 +216,7 @@ class ServerBase:
         self._feed_now(AuthenticatorChanged(authenticator))
 
     def _feed_now(self, event: Event) -> None:
+        """The adapter's feed for events from no socket: at once, never waiting, opening no busy-poll window."""
         raise NotImplementedError
 
     def start_kv_events(self, call_soon_threadsafe: Callable[..., object]) -> None:

@@ -14,13 +14,16 @@ a socket another task may wait on goes through
 from __future__ import annotations
 
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
 
 import trio
 
 from narwhal_core import Event, StartControl, StartLeg, local_failure
 from narwhal_core.events import LegFailure
-from narwhal_runtime.control import ControlExchange, ControlRefused
+from narwhal_runtime.control import ControlConnection, ControlTimedOut, run_control
 from narwhal_runtime.legs import EngineLegs
 from narwhal_runtime.pool import PooledConnection
 
@@ -116,8 +119,8 @@ class Engines(EngineLegs[_Connection]):
             self._close(conn)  # a kept one's task reads on
 
     def start_control(self, cmd: StartControl) -> None:
-        """Run a control request in its own task."""
-        self._nursery.start_soon(self._run_control, cmd)
+        """Run a control request in its own task (:func:`~narwhal_runtime.control.run_control`)."""
+        self._nursery.start_soon(run_control, cmd, self)
 
     async def aclose(self) -> None:
         """Close every connection (their tasks report the legs they carried)."""
@@ -211,29 +214,29 @@ class Engines(EngineLegs[_Connection]):
             self._pool.forget(conn)
             close_socket(sock)
 
-    # control requests
+    # control requests: trio's primitives (narwhal_runtime.control.ControlIO)
 
-    async def _run_control(self, cmd: StartControl) -> None:
-        exchange = ControlExchange(cmd)
+    CONTROL_BROKEN: tuple[type[BaseException], ...] = (trio.BrokenResourceError,)
+
+    async def control_getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
+        return await trio.socket.getaddrinfo(host, port, type=type)
+
+    @asynccontextmanager
+    async def control_deadline(self, seconds: float) -> AsyncIterator[None]:
         try:
-            with trio.fail_after(cmd.timeout):
-                data = exchange.request()
-                if cmd.resolve:
-                    # Resolved at every probe: the addresses may name the KV side channel.
-                    infos = await trio.socket.getaddrinfo(cmd.engine.host, cmd.engine.port, type=socket.SOCK_STREAM)
-                    await self._feed(exchange.resolved(infos))
-                stream = await trio.open_tcp_stream(cmd.engine.host, cmd.engine.port)
-                exchange.connected()
-                try:
-                    done = await exchange.converse(data, stream.send_all, lambda: stream.receive_some(READ_SIZE))
-                finally:
-                    stream.socket.close()
+            with trio.fail_after(seconds):
+                yield
         except trio.TooSlowError:
-            done = exchange.timed_out()
-        except (OSError, trio.BrokenResourceError, ControlRefused) as exc:
-            done = exchange.failed(exc)
-        except BaseException:
+            raise ControlTimedOut from None
+
+    async def control_connect(self, host: str, port: int, infos: Sequence[Any] | None) -> ControlConnection:
+        # (trio's own connect resolves the name again, and tries each address as it does.)
+        stream = await trio.open_tcp_stream(host, port)
+        return stream.send_all, partial(stream.receive_some, READ_SIZE), stream.socket.close
+
+    async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
+        if cancelled:
             with trio.CancelScope(shield=True):
-                await self._feed(exchange.cancelled())
-            raise
-        await self._feed(done)
+                await self._feed(event)
+        else:
+            await self._feed(event)

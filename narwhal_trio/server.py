@@ -14,7 +14,6 @@ for it. Sockets are plain non-blocking ones (see :mod:`.engines`).
 from __future__ import annotations
 
 import functools
-
 import socket
 import time
 from collections.abc import Callable
@@ -23,9 +22,9 @@ from typing import Any
 import trio
 
 from narwhal_core import (
-    ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router, ShutdownRequested,
+    ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router,
 )
-from narwhal_runtime.app import Run, log_listening
+from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.listening import ACCEPT_RETRY_S
 from narwhal_runtime.log import log_event
@@ -60,9 +59,11 @@ class Server(ServerBase):
     """One router serving on trio. Use :meth:`serve` inside a nursery (``nursery.start``)."""
 
     engines: Engines | None
+    runtime = RUNTIME
 
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
-        super().__init__(config, router, now=trio.current_time(), sleep=trio.sleep, in_thread=trio.to_thread.run_sync)
+        super().__init__(config, router, now=trio.current_time(), sleep=trio.sleep, in_thread=trio.to_thread.run_sync,
+                         lookup_in_thread=functools.partial(trio.to_thread.run_sync, abandon_on_cancel=True))
         self._clients: dict[int, _Client] = {}
         self._next_handle = 0
         #: Writer tasks running (clients whose socket could not take every byte at once).
@@ -74,16 +75,13 @@ class Server(ServerBase):
         self._drained = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._poll_wakeup = trio.Event()
-        if self._busy.seconds:
-            self.feed = self._feed_and_poll  # type: ignore[method-assign]  # only then does an event cost more
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen, serve until a shutdown drains, then close the journal.
+        """Listen, serve until a shutdown drains, then close the journal (the start and the end: :class:`ServerBase`).
 
         ``task_status.started`` receives the bound ``(host, port)``.
         """
         listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in self._listen()]
-        host, port = self.address  # type: ignore[misc]
         self._token = trio.lowlevel.current_trio_token()
         end_of_batch = _EndOfBatch(self._end_of_batch)
         trio.lowlevel.add_instrument(end_of_batch)
@@ -94,43 +92,22 @@ class Server(ServerBase):
                 nursery.start_soon(self._timer_loop)
                 if self._busy.seconds:
                     nursery.start_soon(self._busy_poll_loop)
-                if self.config.journal.fsync == "interval":
-                    nursery.start_soon(self.journal.run_sync_timer)
-                if self.discovery is not None:
-                    # (A lookup in its thread is abandoned at shutdown: the resolver's own timeout ends it.)
-                    nursery.start_soon(
-                        self.discovery.run, self._feed_now, trio.sleep,
-                        functools.partial(trio.to_thread.run_sync, abandon_on_cancel=True),
-                    )
-                # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
-                self.start_kv_events(self._token.run_sync_soon)
-                # routing.policy = "kv": large prompts are tokenized by a thread of their own (docs/routing.md).
-                self.start_tokenizer(self._token.run_sync_soon)
+                for task in self.background():
+                    nursery.start_soon(task)
+                self.started(self._token.run_sync_soon, "trio")
                 accepting = await nursery.start(self._accept_loop, listeners)
-                self.driver.drain()
-                self._after_drain()
-                log_listening(self.config, host, port, RUNTIME, "trio")
-                task_status.started((host, port))
+                task_status.started(self.address)
                 await self._drained.wait()
                 accepting.cancel()
                 nursery.cancel_scope.cancel()
         finally:
-            self.stop_kv_events()
-            self.stop_tokenizer()
+            self.stopping()
             for listener in listeners:
                 listener.socket.close()
             trio.lowlevel.remove_instrument(end_of_batch)
             self._flush()  # what the last drain produced
             with trio.CancelScope(shield=True):
-                if self.engines is not None:
-                    await self.engines.aclose()
-                await self.journal.aclose()
-                await self.close_tracer()
-            log_event("stopped", runtime=RUNTIME)
-
-    def shutdown(self) -> None:
-        """Begin a graceful drain (docs/operate.md: new requests get 503 ``shutting_down``); again: cut it short."""
-        self._feed_now(ShutdownRequested())
+                await self.closed()
 
     async def _accept_loop(self, listeners: list[trio.SocketListener], task_status: Any) -> None:
         limit = trio.Semaphore(self.config.ingress.max_connections)
@@ -199,10 +176,8 @@ class Server(ServerBase):
         if driver.shutdown_complete:
             self._drained.set()
 
-    async def _feed_and_poll(self, event: Event) -> None:
-        if self._busy.event_fed(time.monotonic()):
-            self._poll_wakeup.set()
-        await Server.feed(self, event)
+    def _start_polling(self) -> None:
+        self._poll_wakeup.set()
 
     async def _busy_poll_loop(self) -> None:
         # Runnable (a checkpoint per batch) while the window is open, then parked.

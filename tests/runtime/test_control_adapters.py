@@ -231,3 +231,51 @@ def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
         raise AssertionError("connected")
 
     assert asyncio.run(main()) == "connection refused"
+
+
+def run_until_shutdown(runtime: str, cmd: StartControl, reached: threading.Event) -> list[Event]:
+    """The events a control request feeds when the runtime shuts down once the engine has its request."""
+    events: list[Event] = []
+    if runtime == "trio":
+        from narwhal_trio.engines import Engines as TrioEngines
+
+        async def feed(event: Event) -> None:
+            await trio.sleep(0)  # a checkpoint: only a shielded feed gets through a cancelled scope
+            events.append(event)
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                TrioEngines(nursery, feed, pool_size=1).start_control(cmd)
+                await trio.to_thread.run_sync(reached.wait, 5)
+                nursery.cancel_scope.cancel()  # the server's nursery, at shutdown
+
+        trio.run(main)
+    else:
+        from narwhal_asyncio.engines import Engines as AsyncioEngines
+
+        async def amain() -> None:
+            engines = AsyncioEngines(asyncio.get_running_loop(), events.append, pool_size=1)
+            engines.start_control(cmd)
+            await asyncio.to_thread(reached.wait, 5)
+            await engines.aclose()
+
+        asyncio.run(amain())
+    return events
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_request_stopped_by_shutdown_is_fed_as_cancelled(runtime: str, engine_factory: Any) -> None:
+    reached, release = threading.Event(), threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        read_request(conn)
+        reached.set()
+        release.wait(5)
+
+    engine = engine_factory(serve)
+    try:
+        events = run_until_shutdown(runtime, command("127.0.0.1", engine.port, timeout=5.0), reached)
+    finally:
+        release.set()
+    assert reached.is_set()
+    assert events == [ControlDone("probe-1", None, "cancelled")]

@@ -1,0 +1,105 @@
+"""The start and the end of serving, written once for both adapters (narwhal_runtime/serving.py, ``ServerBase``).
+
+Each test runs a real ``Server`` of each runtime on loopback: the rules
+checked here are the shared ones, so both must show them alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from narwhal_core import Config
+
+from ..harness import LogCapture, make_config
+
+RUNTIMES = ("trio", "asyncio")
+
+
+def _closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return int(s.getsockname()[1])
+
+
+def _config(tmp_path: Path, **sections: Any) -> Config:
+    # Engines nobody listens on: their probes fail at once, nothing else is asked of them.
+    port = _closed_port()
+    return make_config(tmp_path / "journal.jsonl", prefill=(f"http://127.0.0.1:{port}",),
+                       decode=(f"http://127.0.0.1:{port}",), **sections)
+
+
+def _serve(runtime: str, config: Config, before: Any = None, timeout: float = 10.0) -> Any:
+    """Build a ``Server``, call ``before(server)``, serve until the drain ends; the server."""
+    if runtime == "trio":
+        from narwhal_trio.server import Server as TrioServer
+
+        async def main() -> Any:
+            server = TrioServer(config)
+            if before is not None:
+                before(server)
+            with trio.fail_after(timeout):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(server.serve)
+            return server
+
+        return trio.run(main)
+
+    from narwhal_asyncio.server import Server as AsyncioServer
+
+    async def amain() -> Any:
+        server = AsyncioServer(config)
+        if before is not None:
+            before(server)
+        await asyncio.wait_for(server.serve(), timeout)
+        return server
+
+    return asyncio.run(amain())
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_shutdown_asked_before_serving_begins_once_it_serves(runtime: str, tmp_path: Path) -> None:
+    # A signal while starting: the drain begins once the server listens, and serve() returns.
+    with LogCapture() as log:
+        _serve(runtime, _config(tmp_path), before=lambda server: server.shutdown())
+    events = [e["event"] for e in log.events()]
+    assert "flush_error" not in events and "internal_error" not in events, events
+    assert events.index("listening") < events.index("stopped"), events
+    assert events[-1] == "stopped"
+    assert [e["runtime"] for e in log.events() if e["event"] in ("listening", "stopped")] == [runtime, runtime]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_discovery_runs_while_serving_and_feeds_through_feed_now(runtime: str, tmp_path: Path) -> None:
+    # Discovery feeds through _feed_now, as the KV events, the tokenizer and SIGHUP do: no wait
+    # behind a slow client, no busy-poll window (only an event from a socket opens one).
+    url = f"http://127.0.0.1:{_closed_port()}"
+    engines = tmp_path / "engines.toml"
+    engines.write_text(f'prefill = []\ndecode = ["{url}"]\n')
+    config = make_config(tmp_path / "journal.jsonl", engine={"discovery": "file"}, ingress={"busy_poll_us": 1000},
+                         discovery={"file": str(engines), "interval_s": 0.05})
+    config = attrs.evolve(config, journal=attrs.evolve(config.journal, fsync="interval"))
+    heard: list[Any] = []
+
+    def before(server: Any) -> None:
+        assert server.feed == server._feed_and_poll  # busy polling: a socket's event opens the window
+        feed_now = server._feed_now
+
+        def watching(event: Any) -> None:
+            feed_now(event)
+            if type(event).__name__ == "EnginesChanged":
+                heard.append((event.phase, [a.url for a in event.engines]))
+                if event.engines:
+                    server.shutdown()  # the test's end: the discovered engine reached the router
+
+        server._feed_now = watching
+
+    server = _serve(runtime, config, before=before)
+    assert ("decode", [url]) in heard, heard
+    tasks = [getattr(task, "func", task) for task in server.background()]
+    assert tasks == [server.journal.run_sync_timer, server.discovery.run]
