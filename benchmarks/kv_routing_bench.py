@@ -417,24 +417,25 @@ def verdicts(rows: list[dict[str, Any]], pressures: list[str]) -> str:
         got = {r["target"]: r for r in rows if r["pressure"] == pressure and "error" not in r}
         kv, prefix, vkv = got.get("narwhal-kv"), got.get("narwhal-prefix"), got.get("vllm-pd-kv_aware")
         out.append(f"{pressure} KV pressure:")
+        p90 = lambda r: r["ttft_ms"]["p90"]  # noqa: E731
+        kv2, prefix2 = got.get("narwhal-kv-w2"), got.get("narwhal-prefix-w2")
+        if kv2 is not None and prefix2 is not None:
+            out.append(f"  two workers: TTFT p90 kv / prefix {_n(p90(kv2))} / {_n(p90(prefix2))} ms = "
+                       f"{_n(ratio(p90(kv2), p90(prefix2)), '.2f')}x, goodput {kv2['goodput']:.3f} / "
+                       f"{prefix2['goodput']:.3f} = {_n(ratio(kv2['goodput'], prefix2['goodput']), '.2f')}x, "
+                       f"hit / bound {_n(kv2.get('hit_over_bound'), '.2f')} / {_n(prefix2.get('hit_over_bound'), '.2f')} "
+                       "(not one of the issue's targets, which are for one router process)")
         if kv is None:
             out.append("  narwhal-kv not measured: every target about it is still to be measured")
             continue
         journal = kv.get("journal", {})
         out.append(f"  narwhal-kv decisions by index: {journal.get('decided_by', '-')}, prompt tokens the chosen "
                    f"prefill engine held: {journal.get('matched_tokens', '-')}")  # fmt: skip
-        p90 = lambda r: r["ttft_ms"]["p90"]  # noqa: E731
         if prefix is not None:
             x = ratio(p90(kv), p90(prefix))
             bound = KV_OVER_PREFIX_HIGH if pressure == "high" else KV_LOSS_LOW
             out.append(f"  TTFT p90 kv / prefix {_n(p90(kv))} / {_n(p90(prefix))} ms = {_n(x, '.2f')}x "
                        f"(target <= {bound:.2f}x): {'MET' if x is not None and x <= bound else 'NOT MET'}")
-        kv2, prefix2 = got.get("narwhal-kv-w2"), got.get("narwhal-prefix-w2")
-        if kv2 is not None and prefix2 is not None:
-            out.append(f"  two workers: TTFT p90 kv / prefix {_n(p90(kv2))} / {_n(p90(prefix2))} ms = "
-                       f"{_n(ratio(p90(kv2), p90(prefix2)), '.2f')}x, goodput {kv2['goodput']:.3f} / "
-                       f"{prefix2['goodput']:.3f} = {_n(ratio(kv2['goodput'], prefix2['goodput']), '.2f')}x "
-                       "(not one of the issue's targets, which are for one router process)")
         if vkv is not None:
             x, g = ratio(p90(kv), p90(vkv)), ratio(kv["goodput"], vkv["goodput"])
             p90_met = x is not None and x <= KV_OVER_VLLM_P90

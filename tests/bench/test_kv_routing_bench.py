@@ -105,3 +105,14 @@ def test_router_cpu_counts_the_workers_of_a_supervisor() -> None:
         assert parent.stdin is not None
         parent.stdin.close()
         parent.wait(10)
+
+
+def test_the_two_worker_rows_get_their_own_verdict_line() -> None:
+    def row(target: str, p90: float, goodput: float, hits: float) -> dict[str, object]:
+        return {"target": target, "pressure": "high", "ttft_ms": {"p90": p90}, "goodput": goodput,
+                "hit_over_bound": hits}  # fmt: skip
+
+    text = kv_routing_bench.verdicts([row("narwhal-kv-w2", 900.0, 1.1, 0.8),
+                                      row("narwhal-prefix-w2", 1000.0, 1.0, 0.5)], ["high"])  # fmt: skip
+    assert "two workers: TTFT p90 kv / prefix 900 / 1000 ms = 0.90x, goodput 1.100 / 1.000 = 1.10x" in text
+    assert "hit / bound 0.80 / 0.50" in text
