@@ -228,7 +228,7 @@ class ServerBase:
             self.kv_subscriber.start(lambda events: call_soon_threadsafe(self._feed_kv, events))
 
     def stop_kv_events(self) -> None:
-        """Stop the KV-event subscriber's thread (bounded: the close wakes its poll, :data:`~.kv_subscriber.CLOSE_TIMEOUT_S`)."""
+        """Stop the KV-event subscriber's thread (bounded: the close wakes its poll; see ``CLOSE_TIMEOUT_S``)."""
         if self.kv_subscriber is not None and not self.kv_subscriber.close():
             log_event("kv_events_stop_timeout", level="warning",
                       consequence="the thread is left to end with the process")
