@@ -15,6 +15,20 @@ The precise index is keyed by token ids, which only a tokenizer gives: the
 core never loads one, the runtime passes a :class:`PromptTokenizer` in
 (``Router(..., tokenizer=...)``). A request the tokenizer cannot render is
 weighed from the approximate index on every engine.
+
+**Tokenizing only what can hit.** Tokenizing a large prompt as the engine
+does costs about a microsecond a token (tens of milliseconds for a long
+one, benchmarks/README.md), and most prompts share no block with anything
+an engine holds. A tokenizer that can encode a prompt's head
+(:meth:`PromptTokenizer.head_token_ids`) is asked first, on the loop, for
+the first :data:`HEAD_CHARS_PER_BLOCK` x ``block_size`` characters: when no
+candidate whose events are trusted holds the head's first block, the
+precise index's answer is 0 on every one of them whatever the rest of the
+prompt is, so the request is weighed at once without the whole prompt's ids
+(the head's blocks are what a speculative entry then holds). Only when
+some engine holds that block is the whole prompt tokenized (off the loop).
+The head's last block is not used: the tokens near the cut may differ from
+the whole prompt's.
 """
 
 from __future__ import annotations
@@ -33,10 +47,13 @@ if TYPE_CHECKING:
     from .fleet import EngineState
     from .kv_events import KvEvent
 
-__all__ = ["PromptTokenizer", "KvKey", "Kv", "PRECISE"]
+__all__ = ["PromptTokenizer", "KvKey", "Kv", "PRECISE", "HEAD_CHARS_PER_BLOCK"]
 
 #: The journal's name of the precise index (docs/operate.md, "The journal").
 PRECISE: Final = "kv"
+#: Characters of a prompt's head tokenized per token of a block, to see whether any engine holds its first
+#: block (module docstring): 64 x 16 = 1,024 characters, some 250 tokens of English: many blocks.
+HEAD_CHARS_PER_BLOCK: Final = 64
 
 
 class PromptTokenizer(Protocol):
@@ -51,6 +68,10 @@ class PromptTokenizer(Protocol):
     def prompt_token_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
         """The prompt's token ids (``chat``: the body came on ``/v1/chat/completions``)."""
         ...
+
+    # Optional (a tokenizer without it has every large prompt tokenized whole):
+    # def head_token_ids(self, body: dict[str, Any], chat: bool, chars: int) -> list[int] | None:
+    #     """The ids of the prompt's text cut after ``chars`` characters (``None``: no head, e.g. truncation)."""
 
 
 class KvKey(list[int]):
@@ -74,7 +95,7 @@ class Kv(Prefix):
     name: ClassVar[str] = "kv"
     names_index: ClassVar[bool] = True
     tokenizes: ClassVar[bool] = True
-    __slots__ = ("tokenizer", "index", "block_size", "clock", "log", "memo", "memo_of")
+    __slots__ = ("tokenizer", "head_ids", "index", "block_size", "clock", "log", "memo", "memo_of", "probed")
 
     def __init__(
         self, capacity_tokens: int, tokenizer: PromptTokenizer, *, block_size: int = 16, stale_s: float = 30.0,
@@ -82,6 +103,12 @@ class Kv(Prefix):
     ) -> None:  # fmt: skip
         super().__init__(capacity_tokens, miss_cost)
         self.tokenizer: Final = tokenizer
+        #: The tokenizer's ``head_token_ids``, if it has one (module docstring).
+        self.head_ids: Final[Callable[[dict[str, Any], bool, int], list[int] | None] | None] = getattr(
+            tokenizer, "head_token_ids", None
+        )
+        #: The body :meth:`worth_tokenizing` last found held nowhere, and its head's blocks (for :meth:`key`).
+        self.probed: tuple[dict[str, Any], list[int]] | None = None
         #: Tokens per block of the precise index: the engines' ``--block-size``.
         self.block_size: Final = block_size
         self.index: Final = KvIndex(
@@ -133,11 +160,46 @@ class Kv(Prefix):
                         stale_s=self.index.stale_s)
         changes.clear()
 
+    def worth_tokenizing(self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]) -> bool:
+        """Whether some candidate whose events are trusted holds the first block of the prompt's head.
+
+        (Module docstring, "Tokenizing only what can hit".) No: :meth:`key`
+        then takes the head's blocks instead of the whole prompt's ids.
+        """
+        self.probed = None
+        head_ids = self.head_ids
+        if head_ids is None:
+            return True
+        size = self.block_size
+        try:
+            ids = head_ids(body, route == CHAT, HEAD_CHARS_PER_BLOCK * size)
+        except Exception:  # the whole prompt's tokenizing says the same, and the request is weighed without ids
+            return True
+        if ids is None:
+            return True
+        exact = token_block_hashes(ids[: len(ids) - size], size)  # (not the last block: tokens near the cut)
+        if not exact:
+            return True  # a head too short to tell
+        first, index, now = exact[:1], self.index, self.clock.now
+        held = any(index.matched_blocks(e.url, first, now) for e in candidates)
+        if index.changes:
+            self.report()
+        if not held:
+            self.probed = (body, exact)
+        return held
+
     def key(
         self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None
     ) -> tuple[Sequence[int], int]:
-        """Both indexes' hashes; the token ids from ``tokenized`` if given (computed off the loop), else asked here."""
+        """Both indexes' hashes; the token ids from ``tokenized`` if given (computed off the loop), else asked here.
+
+        A prompt :meth:`worth_tokenizing` just found held nowhere keeps its
+        head's blocks and the approximate token count.
+        """
         hashes, tokens = Prefix.key(self, body, route)
+        probed, self.probed = self.probed, None
+        if tokenized is None and probed is not None and probed[0] is body:
+            return KvKey(hashes, probed[1]), tokens
         ids: Sequence[int] | None
         if tokenized is not None:
             ids = tokenized.token_ids  # None: the tokenizer raised in the worker

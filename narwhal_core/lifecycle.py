@@ -212,7 +212,8 @@ class Lifecycle:
         """
         req.admitted = True
         routing = self.ctx.routing
-        if routing.inline_max is not None and routing.tokenize_off_loop(_prompt_bytes(req)):
+        if routing.inline_max is not None and routing.tokenize_off_loop(req.accepted.body, req.route,
+                                                                        _prompt_bytes(req)):  # fmt: skip
             return self._tokenize(req)
         plan = req.plan = routing.plan(req.accepted.body, req.route, req.size)
         self.requests.journal_admitted(req)
@@ -296,7 +297,8 @@ class Lifecycle:
         assert plan is not None
         if plan.hashes is not None:
             routing = self.ctx.routing
-            if routing.inline_max is not None and routing.tokenize_off_loop(_prompt_bytes(req)):
+            if routing.inline_max is not None and routing.tokenize_off_loop(req.accepted.body, req.route,
+                                                                            _prompt_bytes(req)):  # fmt: skip
                 return self._tokenize(req)
             plan = req.plan = routing.replan(plan, req.accepted.body, req.route)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)

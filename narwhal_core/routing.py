@@ -164,6 +164,14 @@ class Policy:
         """The KV-event stream of the engine at ``url`` came up or went down; whether that changed its state."""
         return False
 
+    def worth_tokenizing(self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]) -> bool:
+        """Whether a large prompt's token ids are worth computing, off the loop, before it is weighed (``kv``).
+
+        Only asked of a policy that :attr:`tokenizes`; ``candidates``: the
+        prefill engines it would be weighed on.
+        """
+        return True
+
     def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
         """The engine of ``candidates`` the leg goes to."""
         raise NotImplementedError
@@ -376,10 +384,16 @@ class Routing:
             config.tokenize_inline_max_bytes if self.weigh and self.policy.tokenizes else None
         )
 
-    def tokenize_off_loop(self, size: int) -> bool:
-        """Whether a prompt of ``size`` bytes is tokenized off the event loop before :meth:`plan` (``kv`` only)."""
+    def tokenize_off_loop(self, body: dict[str, Any], route: Route, size: int) -> bool:
+        """Whether a prompt of ``size`` bytes is tokenized off the event loop before :meth:`plan` (``kv`` only).
+
+        Larger than ``routing.tokenize_inline_max_bytes``, and worth it:
+        the policy may find, from the prompt's head, that no engine holds
+        its first block (docs/routing.md, "Tokenizing only what can hit").
+        """
         limit = self.inline_max
-        return limit is not None and size > limit
+        return (limit is not None and size > limit
+                and self.policy.worth_tokenizing(body, route, self.fleet.candidates(PREFILL)))
 
     def plan(self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None = None) -> Plan:
         """The plan of a request just admitted (``size``: its body's bytes; ``tokenized``: its token ids, if computed)."""

@@ -368,19 +368,34 @@ class EngineTokenizer:
             raise _bad("the body must be a JSON object")
         return self.chat_ids(body) if chat else self.completion_ids(body)
 
+    def head_token_ids(self, body: dict[str, Any], chat: bool, chars: int) -> list[int] | None:
+        """The ids the engine's prompt starts with: its text cut after ``chars`` characters, encoded.
+
+        For the router's look at a large prompt's head before tokenizing it
+        whole (``narwhal_core.kv_policy``, "Tokenizing only what can hit"),
+        which uses only the blocks well before the cut. ``None`` when the
+        engine's first tokens are not the text's (``truncate_prompt_tokens``
+        keeps the last ones). Raises as :meth:`prompt_token_ids` does.
+        """
+        if not isinstance(body, dict):
+            raise _bad("the body must be a JSON object")
+        if self._truncation(body):
+            return None
+        if chat:
+            return self.encode(self.render_chat(body)[:chars],
+                               add_special_tokens=_flag(body, "add_special_tokens", False))  # fmt: skip
+        prompt = _completion_prompt(body)
+        if isinstance(prompt, list):
+            return list(prompt[:chars])  # token ids: their head is itself
+        return self.encode(prompt[:chars], add_special_tokens=_flag(body, "add_special_tokens", True))
+
     def completion_ids(self, body: Mapping[str, Any]) -> list[int]:
         """``/v1/completions``: text encoded with ``add_special_tokens`` (default true), token ids as given."""
-        if body.get("prompt_embeds") is not None:
-            raise _bad("prompt_embeds: the engine's tokens are not in the request")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt
+        prompt = _completion_prompt(body)
         truncate = self._truncation(body)
         if isinstance(prompt, str):
             return self.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True), truncate=truncate)
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return list(prompt[-truncate:] if truncate else prompt)
-        raise _bad("prompt must be one string or one list of token ids")
+        return list(prompt[-truncate:] if truncate else prompt)
 
     def chat_ids(self, body: Mapping[str, Any]) -> list[int]:
         """``/v1/chat/completions``: the rendered template, encoded with ``add_special_tokens`` (default false)."""
@@ -460,6 +475,20 @@ class EngineTokenizer:
         room = truncate - (self._specials_added if add_special_tokens else 0)
         encoding.truncate(max(room, 0), direction="left")
         return list(self._tok.post_process(encoding, add_special_tokens=add_special_tokens).ids)
+
+
+def _completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
+    """A completion's one prompt: a string, or a list of token ids (a batch of one unwrapped)."""
+    if body.get("prompt_embeds") is not None:
+        raise _bad("prompt_embeds: the engine's tokens are not in the request")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    raise _bad("prompt must be one string or one list of token ids")
 
 
 def _continue_final(text: str, messages: list[dict[str, Any]]) -> str:

@@ -25,7 +25,7 @@ from narwhal_core.fleet import Fleet
 from narwhal_core.ids import PREFILL
 from narwhal_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from narwhal_core.kv_index import token_block_hashes
-from narwhal_core.kv_policy import Kv, KvKey
+from narwhal_core.kv_policy import HEAD_CHARS_PER_BLOCK, Kv, KvKey
 from narwhal_core.routing import POLICIES, Plan, Prefix, Routing, StoppedClock, make_policy
 
 from .router_driver import PREFILL_URLS, Driver, completion_body, make_config
@@ -52,6 +52,20 @@ class CharTokenizer:
         if isinstance(prompt, list):
             return list(prompt)
         return [ord(c) for c in prompt]
+
+
+class HeadTokenizer(CharTokenizer):
+    """:class:`CharTokenizer` that can also encode a prompt's head (``head_token_ids``), counting each kind of call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = 0
+
+    def head_token_ids(self, body: dict[str, Any], chat: bool, chars: int) -> list[int] | None:
+        self.heads += 1
+        if body.get("truncate_prompt_tokens"):
+            return None
+        return self.prompt_token_ids(body, chat)[:chars]
 
 
 class BrokenTokenizer:
@@ -313,3 +327,67 @@ def test_other_policies_ignore_kv_events(policy: str) -> None:
     d.feed(KvStreamChanged(url, False, "disconnected"))
     assert not [e for e in d.log_events() if e.startswith("kv_events")]
     assert d.router.statistics().kv_events_live == {}
+
+
+def head_fleet(tokenizer: Any = None, *, streams: bool = True) -> tuple[Fleet, Kv, Routing, Any]:
+    config = kv_routing_config(tokenize_inline_max_bytes=100)
+    tok = tokenizer if tokenizer is not None else HeadTokenizer()
+    policy = make_policy(config, tok)
+    assert isinstance(policy, Kv)
+    policy.bind(StoppedClock())
+    fleet = Fleet(PREFILLS, DECODES, max_inflight_per_engine=100, unhealthy_after=1, healthy_after=1, policy=policy)
+    for e in PREFILLS if streams else ():
+        policy.kv_stream(e.url, True, "connected", 0.0)
+    return fleet, policy, Routing(config, fleet), tok
+
+
+def test_a_large_prompt_whose_first_block_no_engine_holds_is_weighed_from_its_head_alone() -> None:
+    fleet, policy, routing, tok = head_fleet()
+    body = completion_body(LONG)
+    assert not routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+    assert tok.heads == 1 and tok.calls == 1  # the head only (CharTokenizer's call inside head_token_ids)
+    plan = routing.plan(body, COMPLETIONS, len(LONG))
+    assert tok.calls == 1  # the whole prompt was never tokenized
+    assert isinstance(plan.hashes, KvKey)
+    head = [ord(c) for c in LONG[: HEAD_CHARS_PER_BLOCK * BLOCK]]
+    # The head's blocks but its last (the tokens near the cut): what a speculative entry holds.
+    assert plan.hashes.exact == token_block_hashes(head[: len(head) - BLOCK], BLOCK)
+    assert list(plan.hashes) == Prefix.key(policy, body, COMPLETIONS)[0]
+    assert all(uncached == plan.tokens for _, uncached, _ in plan.candidates)
+    assert plan.indexes is not None and set(plan.indexes) == {"kv"}
+
+
+def test_a_large_prompt_whose_first_block_an_engine_holds_is_tokenized_whole_off_the_loop() -> None:
+    fleet, policy, routing, tok = head_fleet()
+    holder = PREFILLS[1].url
+    policy.kv_events(holder, [stored(LONG[: 2 * BLOCK])], 0.0)  # only its first two blocks
+    body = completion_body(LONG)
+    assert routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+    assert tok.heads == 1
+    # A speculative entry counts too: a prompt just sent there.
+    fleet2, policy2, routing2, tok2 = head_fleet()
+    url, _ = admit(fleet2, routing2, completion_body(LONG))  # weighed from its head, which is held nowhere
+    assert tok2.calls == 1 and routing2.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+
+
+@pytest.mark.parametrize("case", ["no head", "head raises", "truncated", "small", "streams down"])
+def test_a_head_that_cannot_tell_has_the_prompt_tokenized_whole_and_no_trusted_stream_none(case: str) -> None:
+    class Raising(HeadTokenizer):
+        def head_token_ids(self, body: dict[str, Any], chat: bool, chars: int) -> list[int] | None:
+            raise RuntimeError("no template")
+
+    tok = {"no head": CharTokenizer(), "head raises": Raising()}.get(case)
+    fleet, policy, routing, _ = head_fleet(tok)
+    body = completion_body(LONG)
+    if case == "truncated":
+        body["truncate_prompt_tokens"] = 100
+    if case == "small":  # under tokenize_inline_max_bytes: tokenized whole, on the loop, no head asked
+        assert not routing.tokenize_off_loop(body, COMPLETIONS, 100)
+        assert routing.plan(body, COMPLETIONS, 100).tokens == len(LONG)
+        return
+    if case == "streams down":  # no engine's events heard from: the approximate index weighs every engine
+        fleet, policy, routing, _ = head_fleet(streams=False)
+        assert not routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+        assert routing.plan(body, COMPLETIONS, len(LONG)).indexes == ("approximate",) * len(PREFILLS)
+        return
+    assert routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))

@@ -2,7 +2,10 @@
 
 Real sockets: simulated engines with ``--tokenizer`` and a KV-event
 endpoint, Narwhal with ``routing.policy = "kv"`` and the same tokenizer.
-The worker thread's tokenizer is wrapped in a gate the test holds shut: while
+A large prompt whose first block no engine holds is routed without being
+tokenized whole (docs/routing.md, "Tokenizing only what can hit"); once the
+engine's events say it holds that block, the same prompt goes to the worker
+thread, whose tokenizer is wrapped in a gate the test holds shut: while
 the 48 KB prompt is inside it, the router's loop must go on serving
 (``/health``, a small completion tokenized inline), and the large request
 must start no leg; once the gate opens it is answered, routed by the ids the
@@ -12,6 +15,7 @@ thread computed (the engine's own count of the prompt's tokens).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,9 +68,18 @@ def test_a_large_prompt_is_tokenized_while_the_loop_serves(
             ThreadPoolExecutor(1) as pool:  # fmt: skip
         worker = router.server.tokenize_worker
         assert worker is not None and worker.alive
+        policy = router.server.router.fleet.policy
+        url = router.url + "/v1/completions"
+        # No engine holds it yet: routed at once from its head, never tokenized whole. Sent again until the
+        # engine's events (the first may be published before the subscription reaches it) say it is held.
+        deadline = time.monotonic() + 15
+        while not router.call(lambda: bool(policy.index.blocks(prefill.url))):
+            assert time.monotonic() < deadline, "the engine's KV events never reached the index"
+            first = http.post(url, json={"model": MODEL, "prompt": BIG, "max_tokens": 2})
+            assert first.status_code == 200, first.text
+            assert worker.done == 0
         gated = GatedTokenizer(worker.tokenizer)
         router.call(lambda: setattr(worker, "tokenizer", gated))
-        url = router.url + "/v1/completions"
         big = pool.submit(http.post, url, json={"model": MODEL, "prompt": BIG, "max_tokens": 2})
         assert gated.entered.wait(10), "the large prompt never reached the tokenizer thread"
         # The loop goes on while the thread tokenizes: the large request waits, with no leg.

@@ -279,3 +279,25 @@ def test_the_runtime_loads_the_configured_tokenizer(tokenizer_dir: Path) -> None
     with pytest.raises(ConfigError) as info:
         load_prompt_tokenizer(config_from_dict({**data, "model": {"name": "m", "tokenizer": "/nonexistent"}}, env={}))
     assert info.value.key == "model.tokenizer"
+
+
+def test_a_prompts_head_is_the_start_of_its_ids(tok: EngineTokenizer) -> None:
+    # What the router's look at a large prompt's head relies on (narwhal_core/kv_policy.py, "Tokenizing only
+    # what can hit"): the head's ids, but for the last few near the cut, are the whole prompt's first ones.
+    text = "the narwhal lives in the arctic sea " * 40
+    cases: list[tuple[dict[str, Any], bool]] = [
+        ({"prompt": text}, False),
+        ({"prompt": text, "add_special_tokens": False}, False),
+        ({"messages": MESSAGES + [{"role": "user", "content": text}], "tools": TOOLS}, True),
+    ]
+    for body, chat in cases:
+        whole = tok.prompt_token_ids(body, chat)
+        head = tok.head_token_ids(body, chat, 200)
+        assert head is not None and 16 < len(head) < len(whole)
+        assert head[:-2] == whole[: len(head) - 2]
+    ids = tok.prompt_token_ids({"prompt": text}, chat=False)
+    assert tok.head_token_ids({"prompt": ids}, False, 50) == ids[:50]  # token ids: their own head
+    # The engine keeps a truncated prompt's LAST tokens: its head says nothing.
+    assert tok.head_token_ids({"prompt": text, "truncate_prompt_tokens": 10}, False, 200) is None
+    with pytest.raises(PromptNotTokenizable):
+        tok.head_token_ids({"prompt": 7}, False, 200)
