@@ -16,10 +16,10 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
-from narwhal_core import Event, LegData, LegFailed, StartControl, StartLeg, local_failure
+from narwhal_core import Event, LegData, LegFailed, StartControl, StartLeg
 from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlConnection, ControlTimedOut, connect_first, resolve, run_control
-from narwhal_runtime.legs import EngineLegs
+from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
 
 __all__ = ["Engines"]
@@ -177,14 +177,12 @@ class Engines(EngineLegs[_LegConnection]):
 
     async def _connect(self, conn: _LegConnection, cmd: StartLeg) -> None:
         key = cmd.leg
+        deadline = asyncio.timeout(cmd.connect_timeout)
         try:
-            async with asyncio.timeout(cmd.connect_timeout):
+            async with deadline:
                 transport, _ = await self._loop.create_connection(lambda: conn, cmd.engine.host, cmd.engine.port)
-        except TimeoutError:  # before OSError, of which it is a subclass
-            self._fail(conn, "connect_timeout")
-            return
-        except OSError as exc:
-            self._fail(conn, "local_error" if local_failure(exc) else "connect_failed")
+        except OSError as exc:  # TimeoutError too: the deadline's, or the kernel's ETIMEDOUT
+            self._fail(conn, connect_failure(exc, deadline_expired=deadline.expired()))
             return
         except BaseException:
             self._fail(conn, "dropped")  # shutdown (a CancelLeg detached the leg first)

@@ -1,9 +1,10 @@
 """Listening sockets on asyncio, accepted by hand.
 
-A shortage of descriptors costs one log line, not the loop; and with every
-connection slot (``ingress.max_connections``) held, the sockets are not
-watched, so further connections wait in the kernel's listen backlog, as
-they do on trio.
+A failed accept is handled by the rule both runtimes share
+(:func:`~narwhal_runtime.listening.accept_error`): a shortage of descriptors
+costs one log line and a pause, not the loop; and with every connection
+slot (``ingress.max_connections``) held, the sockets are not watched, so
+further connections wait in the kernel's listen backlog, as they do on trio.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from narwhal_runtime.listening import ACCEPT_RETRY_S, accept_shortage
-from narwhal_runtime.log import log_event
+from narwhal_runtime.listening import accept_error
 
 __all__ = ["Listener"]
 
@@ -29,9 +29,10 @@ class Listener:
     ``EMFILE`` by logging a traceback and scheduling a retry for each of its
     ``backlog`` iterations per wake-up: with a large backlog, a router out
     of file descriptors spends all its time there and stops serving the
-    connections it has. Here a shortage logs one line, stops watching the
-    sockets for :data:`ACCEPT_RETRY_S` and goes on serving (uvloop gets the
-    same code).
+    connections it has. Here a failure of the router's logs one line, stops
+    watching the sockets for
+    :data:`~narwhal_runtime.listening.ACCEPT_RETRY_S` and goes on serving
+    (uvloop gets the same code).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sockets: list[socket.socket],
@@ -78,13 +79,13 @@ class Listener:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except ConnectionAbortedError:
-                continue
             except OSError as exc:
-                log_event("accept_failed", error=str(exc))
-                if accept_shortage(exc) and self._retry is None:
+                pause = accept_error(exc)
+                if not pause:
+                    continue  # that connection's own failure: on to the next
+                if self._retry is None:
                     self._unwatch()
-                    self._retry = self._loop.call_later(ACCEPT_RETRY_S, self._watch)
+                    self._retry = self._loop.call_later(pause, self._watch)
                 return
             self.open += 1
             conn.setblocking(False)

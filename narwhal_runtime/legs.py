@@ -11,18 +11,37 @@ the pool or is closed, as :class:`~narwhal_runtime.pool.Pool` decides.
 An adapter subclasses :class:`EngineLegs` and says how to open
 (:meth:`~EngineLegs._open`), and what to do with a connection whose leg
 was cancelled (:meth:`~EngineLegs._cancelled`) or finished
-(:meth:`~EngineLegs._finished`).
+(:meth:`~EngineLegs._finished`), and names a connect that failed with
+:func:`connect_failure`, so both runtimes report it alike.
 """
 
 from __future__ import annotations
 
 from typing import Any, Generic
 
-from narwhal_core import StartLeg
+from narwhal_core import StartLeg, local_failure
+from narwhal_core.events import LegFailure
 
 from .pool import C, Pool
 
-__all__ = ["EngineLegs"]
+__all__ = ["EngineLegs", "connect_failure"]
+
+
+def connect_failure(exc: BaseException, *, deadline_expired: bool) -> LegFailure:
+    """Why a leg's new connection could not be opened: the one rule of both adapters (docs/design.md).
+
+    ``connect_timeout`` means the router's own deadline (the leg's
+    ``connect_timeout``, ``engine.connect_timeout_s``) expired, and only
+    that. Any ``OSError`` is the engine's ``connect_failed`` -- the kernel's
+    own ``ETIMEDOUT`` too (its SYNs went unanswered), which asyncio raises
+    as a ``TimeoutError`` and trio wraps in the error of its last attempt --
+    unless Narwhal itself was short of descriptors, memory or ports
+    (:func:`~narwhal_core.local_failure`): ``local_error``, no verdict on
+    the engine. Called on the failure branch only.
+    """
+    if deadline_expired:
+        return "connect_timeout"
+    return "local_error" if local_failure(exc) else "connect_failed"
 
 
 class EngineLegs(Generic[C]):

@@ -12,6 +12,9 @@ choice) by binding the addresses itself with ``SO_REUSEPORT`` *without
 listening* (:func:`reserve_port`) and holds them until it exits: a socket
 that does not listen gets no connections, yet keeps the port for the
 group, also across a worker's restart (docs/operate.md, "Workers").
+
+When ``accept`` fails, both adapters ask :func:`accept_error` what to do:
+one rule (docs/operate.md, "Ingress requirements", "Connections").
 """
 
 from __future__ import annotations
@@ -19,14 +22,30 @@ from __future__ import annotations
 import errno
 import socket
 
-__all__ = ["listening_sockets", "reserve_port", "accept_shortage", "BACKLOG", "ACCEPT_RETRY_S"]
+from .log import log_event
+
+__all__ = ["listening_sockets", "reserve_port", "accept_error", "BACKLOG", "ACCEPT_RETRY_S"]
 
 #: Listen backlog (the kernel caps it at ``somaxconn``).
 BACKLOG = 0xFFFF
-#: After an accept failed for want of descriptors or memory: seconds before
-#: the next try. Meanwhile the connections already accepted are served.
+#: After an accept failed for a reason of the router's (:func:`accept_error`):
+#: seconds before the next try. Meanwhile the connections already accepted are served.
 ACCEPT_RETRY_S = 0.1
-_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+#: ``accept`` errors that are one pending connection's own fate, not the
+#: listening socket's: reset or aborted before it was taken, refused by a
+#: firewall rule (``EPERM``), or a network error pending on it, which Linux
+#: passes on from ``accept`` (accept(2), "Error handling": retry as for
+#: ``EAGAIN``). The same list trio's ``SocketListener`` retries silently.
+CONNECTION_ERRNOS: frozenset[int] = frozenset(
+    getattr(errno, name) for name in (
+        "ECONNABORTED", "ECONNRESET", "EPERM", "EPROTO", "ETIMEDOUT", "ENETDOWN", "ENETUNREACH",
+        "EHOSTDOWN", "EHOSTUNREACH", "ENONET", "ENOPROTOOPT", "EOPNOTSUPP", "ENOSR",
+        "ESOCKTNOSUPPORT", "EPROTONOSUPPORT",
+    ) if hasattr(errno, name)
+)
+#: ``accept`` errors that say the router is short of descriptors or memory.
+SHORTAGE_ERRNOS: frozenset[int] = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 def listening_sockets(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
@@ -75,6 +94,20 @@ def _bound(host: str, port: int, *, reuse_port: bool, listen: bool) -> list[sock
     return sockets
 
 
-def accept_shortage(exc: OSError) -> bool:
-    """``accept`` failed for want of descriptors or memory: stop accepting for :data:`ACCEPT_RETRY_S`."""
-    return exc.errno in _SHORTAGE
+def accept_error(exc: OSError) -> float:
+    """``accept`` raised ``exc`` (not ``EAGAIN``): seconds to stop accepting from that socket, ``0.0`` for none.
+
+    A connection's own failure (:data:`CONNECTION_ERRNOS`) costs nothing: it
+    is dropped without a word and the next one is accepted at once; the
+    client saw its connection fail and no slot was taken. Anything else is
+    the router's: one ``accept_failed`` log line, then a pause of
+    :data:`ACCEPT_RETRY_S` -- a shortage (:data:`SHORTAGE_ERRNOS`) lasts
+    until connections close, and an unexpected error may come back at every
+    try, where going on at once would spin and flood the log. Both adapters
+    call this on the failure branch only; the connections already accepted
+    are served meanwhile, and new ones wait in the listen backlog.
+    """
+    if exc.errno in CONNECTION_ERRNOS:
+        return 0.0
+    log_event("accept_failed", error=str(exc), shortage=exc.errno in SHORTAGE_ERRNOS)
+    return ACCEPT_RETRY_S

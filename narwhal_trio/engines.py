@@ -21,10 +21,10 @@ from typing import Any
 
 import trio
 
-from narwhal_core import Event, StartControl, StartLeg, local_failure
+from narwhal_core import Event, StartControl, StartLeg
 from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlConnection, ControlTimedOut, run_control
-from narwhal_runtime.legs import EngineLegs
+from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
 
 __all__ = ["Engines", "plain_socket", "close_socket", "send_all", "receive"]
@@ -152,11 +152,8 @@ class Engines(EngineLegs[_Connection]):
                     conn.scope = scope
                     with trio.fail_after(cmd.connect_timeout):
                         stream = await trio.open_tcp_stream(cmd.engine.host, cmd.engine.port)
-            except trio.TooSlowError:
-                await self._fail(conn, "connect_timeout")
-                return
-            except OSError as exc:
-                await self._fail(conn, "local_error" if local_failure(exc) else "connect_failed")
+            except (trio.TooSlowError, OSError) as exc:
+                await self._fail(conn, connect_failure(exc, deadline_expired=isinstance(exc, trio.TooSlowError)))
                 return
             conn.scope = None
             if scope.cancelled_caught:

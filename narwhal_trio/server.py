@@ -26,11 +26,10 @@ from narwhal_core import (
 )
 from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
-from narwhal_runtime.listening import ACCEPT_RETRY_S
-from narwhal_runtime.log import log_event
 from narwhal_runtime.serving import ServerBase
 
-from .engines import Engines, close_socket, plain_socket, receive, send_all
+from .engines import Engines, close_socket, receive, send_all
+from .listener import Listener
 
 __all__ = ["Server", "run", "RUNTIME"]
 
@@ -81,7 +80,7 @@ class Server(ServerBase):
 
         ``task_status.started`` receives the bound ``(host, port)``.
         """
-        listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in self._listen()]
+        listener = Listener(self._listen(), limit=self.config.ingress.max_connections)
         self._token = trio.lowlevel.current_trio_token()
         end_of_batch = _EndOfBatch(self._end_of_batch)
         trio.lowlevel.add_instrument(end_of_batch)
@@ -95,44 +94,18 @@ class Server(ServerBase):
                 for task in self.background():
                     nursery.start_soon(task)
                 self.started(self._token.run_sync_soon, "trio")
-                accepting = await nursery.start(self._accept_loop, listeners)
+                accepting = await nursery.start(listener.serve, self._start_client)
                 task_status.started(self.address)
                 await self._drained.wait()
                 accepting.cancel()
                 nursery.cancel_scope.cancel()
         finally:
             self.stopping()
-            for listener in listeners:
-                listener.socket.close()
+            listener.close()
             trio.lowlevel.remove_instrument(end_of_batch)
             self._flush()  # what the last drain produced
             with trio.CancelScope(shield=True):
                 await self.closed()
-
-    async def _accept_loop(self, listeners: list[trio.SocketListener], task_status: Any) -> None:
-        limit = trio.Semaphore(self.config.ingress.max_connections)
-        async with trio.open_nursery() as accepting:
-            for listener in listeners:
-                accepting.start_soon(self._accept, listener, limit)
-            task_status.started(accepting.cancel_scope)
-        for listener in listeners:
-            listener.socket.close()
-
-    async def _accept(self, listener: trio.SocketListener, limit: trio.Semaphore) -> None:
-        assert self._nursery is not None
-        while True:
-            await limit.acquire()
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # EMFILE and friends: back off, keep serving
-                limit.release()
-                log_event("accept_failed", error=str(exc))
-                await trio.sleep(ACCEPT_RETRY_S)
-                continue
-            except BaseException:
-                limit.release()
-                raise
-            self._nursery.start_soon(self._client_task, stream, limit)
 
     # ----------------------------------------------------------- the driver
 
@@ -292,10 +265,13 @@ class Server(ServerBase):
 
     # -------------------------------------------------------------- clients
 
-    async def _client_task(self, stream: trio.SocketStream, limit: trio.Semaphore) -> None:
+    def _start_client(self, sock: socket.socket, limit: trio.Semaphore) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._client_task, sock, limit)
+
+    async def _client_task(self, sock: socket.socket, limit: trio.Semaphore) -> None:
         handle = self._next_handle
         self._next_handle += 1
-        sock = plain_socket(stream)
         client = self._clients[handle] = _Client(handle, sock)
 
         def release() -> None:

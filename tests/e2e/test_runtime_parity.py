@@ -7,7 +7,10 @@ while its commands are drained) ends only its request, identically, and the
 process goes on serving; a request's journal record is written before its
 client sees the end of the answer; and a connection over
 ``ingress.max_connections`` waits, unanswered, until a slot frees
-(the listen backlog on both: neither accepts while every slot is held).
+(the listen backlog on both: neither accepts while every slot is held); and
+a failed accept is handled by one rule (narwhal_runtime/listening.py,
+``accept_error``): a connection's own failure is dropped silently and the
+next accepted at once, any other failure logs one line and pauses.
 
 One scenario — valid, invalid, streaming, unknown model, a decode engine that
 fails every leg (so the router retries elsewhere), a client that leaves
@@ -19,9 +22,12 @@ role and position) and the engines' KV owner keys.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,7 @@ import httpx
 import pytest
 
 from narwhal_core import ClientData, RidSource, Router
+from narwhal_runtime import listening
 from narwhal_runtime.app import load_authenticator
 from narwhal_runtime.metrics import render
 from narwhal_sim.testing import SimThread
@@ -297,3 +304,77 @@ def test_a_connection_over_the_limit_waits_for_a_slot(runtime: str, tmp_path: Pa
             first.close()  # frees the slot
             second.settimeout(10)
             assert second.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+# ------------------------------------------------------------ accept failures
+
+
+class _AcceptFaults:
+    """``accept`` on the router's listening port fails with the scripted errnos first; each try is noted.
+
+    A connection's own failures (a reset, a firewall's ``EPERM``) and the
+    other errors cannot be caused on loopback at will, so they are raised
+    from ``socket.accept`` itself, as the kernel would, while the connection
+    stays in the listen backlog for the next try.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.port: int | None = None
+        self.script: list[int] = []
+        #: (monotonic time, errno name or "accepted") per try that did not find the backlog empty.
+        self.tries: list[tuple[float, str]] = []
+        real_accept = socket.socket.accept
+
+        def accept(sock: socket.socket) -> Any:
+            if self.port is None or sock.getsockname()[1] != self.port:
+                return real_accept(sock)
+            if self.script:
+                code = self.script.pop(0)
+                self.tries.append((time.monotonic(), errno.errorcode[code]))
+                raise OSError(code, os.strerror(code))
+            accepted = real_accept(sock)  # BlockingIOError: nothing waiting, not noted
+            self.tries.append((time.monotonic(), "accepted"))
+            return accepted
+
+        monkeypatch.setattr(socket.socket, "accept", accept)
+
+
+def _accept_run(runtime: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                script: list[int]) -> tuple[list[tuple[float, str]], list[dict[str, Any]]]:
+    """Connect once while ``accept`` fails as ``script`` says; return the tries and the ``accept_failed`` lines."""
+    faults = _AcceptFaults(monkeypatch)
+    with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode, \
+            LogCapture() as log, \
+            RouterThread(make_config(tmp_path / f"journal-{runtime}.jsonl", prefill=(prefill.url,),
+                                     decode=(decode.url,)), runtime) as router:  # fmt: skip
+        faults.script = list(script)
+        faults.port = router.address[1]
+        with socket.create_connection(router.address, timeout=10) as client:
+            client.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert client.recv(65536).startswith(b"HTTP/1.1 200")  # served once accepted
+        faults.port = None
+    return faults.tries, [e for e in log.events() if e["event"] == "accept_failed"]
+
+
+@pytest.mark.parametrize("runtime", harness.RUNTIMES)
+def test_a_connections_own_accept_failure_is_dropped_silently(runtime: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # Any pause would outlast the client's 10 s wait: the next connection must be accepted at once.
+    monkeypatch.setattr(listening, "ACCEPT_RETRY_S", 60.0)
+    script = [errno.ECONNABORTED, errno.EPERM, errno.EPROTO, errno.ECONNRESET, errno.EHOSTUNREACH]
+    tries, logged = _accept_run(runtime, tmp_path, monkeypatch, script)
+    assert [name for _, name in tries] == [errno.errorcode[code] for code in script] + ["accepted"]
+    assert logged == []
+
+
+@pytest.mark.parametrize("runtime", harness.RUNTIMES)
+def test_any_other_accept_failure_logs_one_line_and_pauses(runtime: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    pause = 0.3
+    monkeypatch.setattr(listening, "ACCEPT_RETRY_S", pause)
+    tries, logged = _accept_run(runtime, tmp_path, monkeypatch, [errno.EMFILE, errno.EINVAL])
+    assert [name for _, name in tries] == ["EMFILE", "EINVAL", "accepted"]
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(tries, tries[1:])]
+    assert all(gap >= pause - 0.01 for gap in gaps), gaps  # a shortage, and an error nobody expected
+    assert [(e["shortage"], e["level"]) for e in logged] == [(True, "error"), (False, "error")], logged
+    assert os.strerror(errno.EMFILE) in logged[0]["error"] and os.strerror(errno.EINVAL) in logged[1]["error"]

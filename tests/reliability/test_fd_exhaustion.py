@@ -7,7 +7,10 @@ socket (``EMFILE``). That is the router's own shortage, not the engines':
 the request ends 503 ``router_resources_exhausted`` (with ``Retry-After``)
 and a terminal record whose legs say ``local_error``; no engine leaves
 rotation (``/ready`` stays 200, no ``engine_down`` line), and once the idle
-connections go the next request is served at once.
+connections go the next request is served at once. Accepting the fillers it
+has no descriptor for fails too: one ``accept_failed`` line marked a
+shortage per pause of ``ACCEPT_RETRY_S``, the same on both runtimes
+(docs/operate.md, "Ingress requirements").
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import json
 import os
 import socket
 from typing import Any
+
+from narwhal_runtime.listening import ACCEPT_RETRY_S
 
 from ..helpers import COMPLETIONS, MODEL, poll, read_journal
 from .support import ServeProcess, write_config
@@ -87,3 +92,9 @@ def test_out_of_file_descriptors_fails_the_request_not_the_engines(runtime, sims
     assert record["terminal"] == "failed" and record["status"] == 503
     assert record["error"]["code"] == "router_resources_exhausted"
     assert [leg["outcome"] for leg in record["legs"]] == ["local_error", "local_error"]
+
+    # The fillers beyond the limit waited in the backlog while accepting them failed for want of descriptors.
+    failed = [e for e in server.events() if e.get("event") == "accept_failed"]
+    assert failed and all(e["shortage"] is True and "Too many open files" in e["error"] for e in failed), failed
+    gaps = [later["ts"] - earlier["ts"] for earlier, later in zip(failed, failed[1:])]
+    assert all(gap >= ACCEPT_RETRY_S * 0.9 for gap in gaps), gaps  # one line, then a pause

@@ -1,0 +1,161 @@
+"""A leg whose connection cannot be opened fails for the same reason on both runtimes.
+
+One rule (:func:`narwhal_runtime.legs.connect_failure`, docs/design.md):
+``connect_timeout`` only when the leg's own deadline expired; any socket
+error -- the kernel's ``ETIMEDOUT`` included -- is ``connect_failed``, or
+``local_error`` when Narwhal itself is short of descriptors, memory or
+ports. The function is tested alone, then each adapter's ``Engines`` opens
+a leg against real loopback sockets: a refusal, a listener whose full queue
+drops the SYN (the deadline expires), and errors the kernel's ``connect``
+returns (``ETIMEDOUT``, ``EADDRNOTAVAIL``), raised from ``socket.connect``
+for one port, since a real ``ETIMEDOUT`` takes the kernel minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+
+from narwhal_core import Event, LegFailed, StartLeg
+from narwhal_core.config import parse_engine_url
+from narwhal_runtime.legs import connect_failure
+
+RUNTIMES = ("trio", "asyncio")
+
+
+def _oserror(code: int) -> OSError:
+    return OSError(code, os.strerror(code))
+
+
+@pytest.mark.parametrize(("exc", "deadline_expired", "reason"), [
+    (TimeoutError(), True, "connect_timeout"),  # the router's own deadline
+    (trio.TooSlowError(), True, "connect_timeout"),
+    (_oserror(errno.ETIMEDOUT), False, "connect_failed"),  # the kernel's: a TimeoutError, yet the engine's
+    (_oserror(errno.ECONNREFUSED), False, "connect_failed"),
+    (_oserror(errno.EHOSTUNREACH), False, "connect_failed"),
+    (_oserror(errno.EMFILE), False, "local_error"),
+    (_oserror(errno.EADDRNOTAVAIL), False, "local_error"),
+    # trio's open_tcp_stream: an OSError without errno, caused by a group of each attempt's.
+    (OSError("all attempts failed"), False, "connect_failed"),
+])
+def test_one_rule_names_a_failed_connect(exc: BaseException, deadline_expired: bool, reason: str) -> None:
+    assert isinstance(_oserror(errno.ETIMEDOUT), TimeoutError)  # why asyncio once said connect_timeout
+    assert connect_failure(exc, deadline_expired=deadline_expired) == reason
+
+
+def test_a_local_shortage_is_found_inside_trios_wrapping() -> None:
+    wrapped = OSError("all attempts to connect to 127.0.0.1:1 failed")
+    wrapped.__cause__ = ExceptionGroup("attempts", [_oserror(errno.EMFILE)])
+    assert connect_failure(wrapped, deadline_expired=False) == "local_error"
+    wrapped.__cause__ = ExceptionGroup("attempts", [_oserror(errno.ETIMEDOUT)])
+    assert connect_failure(wrapped, deadline_expired=False) == "connect_failed"
+
+
+# ------------------------------------------------------- on both adapters
+
+
+def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0) -> list[Event]:
+    """The events one leg to ``127.0.0.1:port`` feeds on ``runtime``, until its ``LegFailed``."""
+    address = parse_engine_url(f"http://127.0.0.1:{port}", key="engine.decode")
+    cmd = StartLeg("leg-1", address, b"GET / HTTP/1.1\r\nhost: e\r\n\r\n", None, connect_timeout)
+    events: list[Event] = []
+    if runtime == "trio":
+        from narwhal_trio.engines import Engines as TrioEngines
+
+        async def main() -> None:
+            failed = trio.Event()
+
+            async def feed(event: Event) -> None:
+                events.append(event)
+                if isinstance(event, LegFailed):
+                    failed.set()
+
+            async with trio.open_nursery() as nursery:
+                engines = TrioEngines(nursery, feed, pool_size=1)
+                engines.start_leg(cmd)
+                with trio.fail_after(10):
+                    await failed.wait()
+                await engines.aclose()
+
+        trio.run(main)
+    else:
+        from narwhal_asyncio.engines import Engines as AsyncioEngines
+
+        async def amain() -> None:
+            failed = asyncio.Event()
+
+            def feed(event: Event) -> None:
+                events.append(event)
+                if isinstance(event, LegFailed):
+                    failed.set()
+
+            engines = AsyncioEngines(asyncio.get_running_loop(), feed, pool_size=1)
+            engines.start_leg(cmd)
+            await asyncio.wait_for(failed.wait(), 10)
+            await engines.aclose()
+
+        asyncio.run(amain())
+    return events
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def kernel_says(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``kernel_says(code)``: the port of an address whose ``connect`` fails with ``code`` (and the tries)."""
+    tries: list[int] = []
+    real_connect = socket.socket.connect
+
+    def make(code: int) -> tuple[int, list[int]]:
+        port = free_port()
+
+        def connect(sock: socket.socket, address: Any) -> None:
+            if isinstance(address, tuple) and address[1] == port:
+                tries.append(port)
+                raise _oserror(code)
+            real_connect(sock, address)
+
+        monkeypatch.setattr(socket.socket, "connect", connect)
+        return port, tries
+
+    yield make
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_kernels_etimedout_is_a_failed_connect_not_a_timeout(runtime: str, kernel_says: Any) -> None:
+    port, tries = kernel_says(errno.ETIMEDOUT)
+    assert open_leg(runtime, port) == [LegFailed("leg-1", "connect_failed")]
+    assert tries == [port]  # the kernel's answer was the one seen
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_out_of_local_ports_is_a_local_error(runtime: str, kernel_says: Any) -> None:
+    port, tries = kernel_says(errno.EADDRNOTAVAIL)
+    assert open_leg(runtime, port) == [LegFailed("leg-1", "local_error")]
+    assert tries == [port]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_refusal_is_a_failed_connect(runtime: str) -> None:
+    assert open_leg(runtime, free_port()) == [LegFailed("leg-1", "connect_failed")]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_legs_own_deadline_is_a_connect_timeout(runtime: str) -> None:
+    # A listener whose queue is full drops the next SYN: the connect hangs until the deadline.
+    with socket.socket() as listener, socket.socket() as filler:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        filler.connect(listener.getsockname())
+        assert open_leg(runtime, listener.getsockname()[1], connect_timeout=0.2) == [
+            LegFailed("leg-1", "connect_timeout")]
