@@ -38,8 +38,9 @@ PURE_ENV = "NARWHAL_PURE_PYTHON"
 #: (``benchmarks/README.md``, "Which modules are compiled"). The others always
 #: run from their sources.
 COMPILED = (
-    "answers", "clients", "context", "http.engine", "http.grammar", "http.request_head", "http.request_reader",
-    "http.server", "kv", "legs", "lifecycle", "planning", "relay", "requests", "router", "slots", "timers", "wire",
+    "answers", "clients", "context", "contract", "fleet", "http.codec", "http.engine", "http.grammar",
+    "http.request_head", "http.request_reader", "http.server", "ids", "journal", "kv", "legs", "lifecycle",
+    "planning", "relay", "requests", "router", "slots", "timers", "wire",
 )
 
 _CORE = "narwhal_core"

@@ -44,15 +44,21 @@ __all__ = [
     "normalise_usage",
 ]
 
+
+def _prefill_kv_request() -> dict[str, Any]:
+    """A new copy of :data:`PREFILL_KV_REQUEST` (a dict display: far cheaper per leg than copying the proxy)."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
 #: What the prefill leg asks of the engine: compute KV for a remote decode.
-PREFILL_KV_REQUEST: Final[Mapping[str, Any]] = MappingProxyType({
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-})
+PREFILL_KV_REQUEST: Final[Mapping[str, Any]] = MappingProxyType(_prefill_kv_request())
 
 _DROPPED_FOR_PREFILL: Final = frozenset({"min_completion_tokens", "stream_options"})
 _INTERNAL_ANSWER_FIELDS: Final = ("kv_transfer_params",)
@@ -83,7 +89,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     ``max_tokens`` and ``stream`` are appended when absent.
     """
     out = _one_token_body(body, _DROPPED_FOR_PREFILL, keep_min_tokens=True)
-    out["kv_transfer_params"] = dict(PREFILL_KV_REQUEST)
+    out["kv_transfer_params"] = _prefill_kv_request()
     return out
 
 

@@ -26,7 +26,7 @@ from .. import corebuild
 ROOT = Path(__file__).resolve().parents[2]
 
 #: The core's behavioural tests of the compiled modules (the static ones -- purity, mypy -- read sources, the
-#: same for both builds; the tests of modules never compiled -- ids, auth, config, errors -- would run the
+#: same for both builds; the tests of modules never compiled -- auth, config, errors -- would run the
 #: same code twice: :data:`PURE_ONLY_TESTS`, checked below).
 CORE_TESTS = (
     "tests/core/test_router_scenarios.py",
@@ -34,10 +34,10 @@ CORE_TESTS = (
     "tests/core/test_http.py",
     "tests/core/test_contract_properties.py",
     "tests/core/test_planning_properties.py",
+    "tests/core/test_ids.py",
 )
 #: Core tests that import no compiled module: their code is the same in both builds.
 PURE_ONLY_TESTS = (
-    "tests/core/test_ids.py",
     "tests/core/test_auth.py",
     "tests/core/test_config.py",
     "tests/core/test_local_failure.py",
