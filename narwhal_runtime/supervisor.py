@@ -20,6 +20,10 @@ no adapter; it
 * forwards SIGHUP (key reload) and SIGTERM/SIGINT (drain; a second cuts the
   drains short, exit status 128 + its number), waits for every worker and
   exits: 0 after a clean drain, else the first failing worker's status.
+  Each stop is forwarded as the other stop signal than the one before it
+  (SIGTERM, then SIGINT, ...): a worker counts both alike, and two pending
+  signals of one kind are one for the kernel, so a second SIGTERM forwarded
+  before a busy worker ran its handler for the first would be lost.
 
 Worker threads only read pipes and wait for exits; every decision is taken
 on the main thread, from one queue (signal handlers put to it: a
@@ -92,7 +96,8 @@ class Supervisor:
         self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._workers = [_Worker(k) for k in range(workers)]
         self._stops = 0
-        self._stop_signal = 0
+        #: The stop signals forwarded so far, in order (:meth:`_stop_signal_to_forward`).
+        self._forwarded_stops: list[int] = []
         self._status = 0
         self._failure: int | None = None
         self._ready = False
@@ -169,12 +174,19 @@ class Supervisor:
             log_event("signal", signal=name, forwarded=self._forward(signum))
             return
         self._stops += 1
-        self._stop_signal = signum
         if self._stops == 2:
             self._status = STOPPED_BY_SIGNAL + signum
         for worker in self._workers:
             worker.restart_at = None  # a stopping group restarts nobody
-        log_event("signal", signal=name, forwarded=self._forward(signum))
+        log_event("signal", signal=name, forwarded=self._forward(self._stop_signal_to_forward(signum)))
+
+    def _stop_signal_to_forward(self, signum: int) -> int:
+        """``signum``, or the other stop signal if the last one forwarded was ``signum`` (module docstring)."""
+        forwarded = self._forwarded_stops
+        if forwarded and forwarded[-1] == signum:
+            signum = signal.SIGINT if signum == signal.SIGTERM else signal.SIGTERM
+        forwarded.append(signum)
+        return signum
 
     def _forward(self, signum: int) -> int:
         sent = 0
@@ -248,15 +260,15 @@ class Supervisor:
                   worker=worker.index, pid=pid, status=status, uptime_s=round(uptime, 3))
         if self._stops:
             # A worker still starting when the signal came had no handler yet and nothing to drain.
-            killed_starting = not worker.listening and status == STOPPED_BY_SIGNAL + self._stop_signal
+            killed_starting = not worker.listening and status - STOPPED_BY_SIGNAL in self._forwarded_stops
             if status != 0 and not killed_starting and self._failure is None and self._status == 0:
                 self._failure = status
             return
         if not self._ready and not worker.listening:
             # A worker that cannot start (journal, port, config): the others would fail alike.
             self._failure = status or 1
-            self._stops, self._stop_signal = 1, signal.SIGTERM
-            self._forward(signal.SIGTERM)
+            self._stops = 1
+            self._forward(self._stop_signal_to_forward(signal.SIGTERM))
             for other in self._workers:
                 other.restart_at = None
             return
