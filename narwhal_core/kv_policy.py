@@ -21,14 +21,15 @@ does costs about a microsecond a token (tens of milliseconds for a long
 one, benchmarks/README.md), and most prompts share no block with anything
 an engine holds. A tokenizer that can encode a prompt's head
 (:meth:`PromptTokenizer.head_token_ids`) is asked first, on the loop, for
-the first :data:`HEAD_CHARS_PER_BLOCK` x ``block_size`` characters: when no
-candidate whose events are trusted holds the head's first block, the
-precise index's answer is 0 on every one of them whatever the rest of the
-prompt is, so the request is weighed at once without the whole prompt's ids
-(the head's blocks are what a speculative entry then holds). Only when
-some engine holds that block is the whole prompt tokenized (off the loop).
-The head's last block is not used: the tokens near the cut may differ from
-the whole prompt's.
+the first :data:`HEAD_CHARS_PER_BLOCK` x ``block_size`` characters. The
+precise index counts an engine's leading blocks up to the first one it
+lacks: when every candidate whose events are trusted lacks one of the
+head's blocks, each one's answer is known from the head alone, whatever
+the rest of the prompt is, so the request is weighed at once without the
+whole prompt's ids (the head's blocks are what a speculative entry then
+holds). Only when some engine holds the whole head is the whole prompt
+tokenized (off the loop). The head's last block is not used: the tokens
+near the cut may differ from the whole prompt's.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class Kv(Prefix):
         changes.clear()
 
     def worth_tokenizing(self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]) -> bool:
-        """Whether some candidate whose events are trusted holds the first block of the prompt's head.
+        """Whether some candidate whose events are trusted holds every block of the prompt's head.
 
         (Module docstring, "Tokenizing only what can hit".) No: :meth:`key`
         then takes the head's blocks instead of the whole prompt's ids.
@@ -180,8 +181,8 @@ class Kv(Prefix):
         exact = token_block_hashes(ids[: len(ids) - size], size)  # (not the last block: tokens near the cut)
         if not exact:
             return True  # a head too short to tell
-        first, index, now = exact[:1], self.index, self.clock.now
-        held = any(index.matched_blocks(e.url, first, now) for e in candidates)
+        index, now, whole = self.index, self.clock.now, len(exact)
+        held = any(index.matched_blocks(e.url, exact, now) == whole for e in candidates)
         if index.changes:
             self.report()
         if not held:

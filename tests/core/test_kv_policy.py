@@ -357,10 +357,9 @@ def test_a_large_prompt_whose_first_block_no_engine_holds_is_weighed_from_its_he
     assert plan.indexes is not None and set(plan.indexes) == {"kv"}
 
 
-def test_a_large_prompt_whose_first_block_an_engine_holds_is_tokenized_whole_off_the_loop() -> None:
+def test_a_large_prompt_whose_head_an_engine_holds_whole_is_tokenized_whole_off_the_loop() -> None:
     fleet, policy, routing, tok = head_fleet()
-    holder = PREFILLS[1].url
-    policy.kv_events(holder, [stored(LONG[: 2 * BLOCK])], 0.0)  # only its first two blocks
+    policy.kv_events(PREFILLS[1].url, [stored(LONG)], 0.0)  # every block of it
     body = completion_body(LONG)
     assert routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
     assert tok.heads == 1
@@ -368,6 +367,21 @@ def test_a_large_prompt_whose_first_block_an_engine_holds_is_tokenized_whole_off
     fleet2, policy2, routing2, tok2 = head_fleet()
     url, _ = admit(fleet2, routing2, completion_body(LONG))  # weighed from its head, which is held nowhere
     assert tok2.calls == 1 and routing2.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+
+
+def test_a_prefix_shorter_than_the_head_is_weighed_from_the_head_alone() -> None:
+    # The holder lacks the head's third block: what it holds of the whole prompt is its first two, known
+    # without tokenizing the rest.
+    fleet, policy, routing, tok = head_fleet()
+    holder = PREFILLS[2].url
+    policy.kv_events(holder, [stored(LONG[: 2 * BLOCK])], 0.0)
+    body = completion_body(LONG)
+    assert not routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+    url, plan = admit(fleet, routing, body)
+    assert tok.calls == 1  # the head's, never the whole prompt's
+    assert url == holder
+    assert plan.candidates[0] == (holder, plan.tokens - 2 * BLOCK, 0)
+    assert plan.to_json("kv", holder, None)["candidates"][0]["matched_tokens"] == 2 * BLOCK
 
 
 @pytest.mark.parametrize("case", ["no head", "head raises", "truncated", "small", "streams down"])

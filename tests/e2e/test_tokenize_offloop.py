@@ -2,9 +2,9 @@
 
 Real sockets: simulated engines with ``--tokenizer`` and a KV-event
 endpoint, Narwhal with ``routing.policy = "kv"`` and the same tokenizer.
-A large prompt whose first block no engine holds is routed without being
+A large prompt whose head no engine holds is routed without being
 tokenized whole (docs/routing.md, "Tokenizing only what can hit"); once the
-engine's events say it holds that block, the same prompt goes to the worker
+engine's events say it holds it, the same prompt goes to the worker
 thread, whose tokenizer is wrapped in a gate the test holds shut: while
 the 48 KB prompt is inside it, the router's loop must go on serving
 (``/health``, a small completion tokenized inline), and the large request
