@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .journal_cli import POLL_SECONDS, CaughtUp, Event, Problem, Record, follow_events, read_events
+from .journal_read import POLL_SECONDS, CaughtUp, Event, Problem, Record, follow_events, read_events
 
 __all__ = ["journal_files", "read_merged", "follow_merged"]
 

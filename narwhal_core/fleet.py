@@ -21,7 +21,7 @@ from .config import EngineAddress, is_ip_address, is_loopback_host, normalize_ho
 from .engine_metrics import EngineLoad
 from .events import ControlDone, StartControl
 from .ids import DECODE, PREFILL, Phase
-from .routing import LeastLoaded, Plan, Policy
+from .policies import LeastLoaded, Plan, Policy
 
 if TYPE_CHECKING:
     from .context import Context

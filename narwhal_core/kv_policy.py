@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from .contract import CHAT
 from .kv_index import KvIndex, token_block_hashes
-from .routing import APPROXIMATE, Clock, Plan, Policy, Prefix, StoppedClock
+from .policies import APPROXIMATE, Clock, Plan, Policy, Prefix, StoppedClock
 
 if TYPE_CHECKING:
     from .config import RoutingConfig

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .slots import SlotQueue
     from .lifecycle import Lifecycle
     from .relay import SseRelay
-    from .routing import Plan
+    from .policies import Plan
     from .timers import Timer
 
 __all__ = ["Request", "Requests"]
