@@ -1,4 +1,8 @@
-"""The packages' import graph (docs/design.md, "Packages"): no cycle, and each layer imports only those below it.
+"""The code's shape (docs/design.md, "Sizes and layers"): sizes within bounds, no import cycle, layers in order.
+
+Sizes: no core module over 600 lines, no class over 400, no function or
+method of the product over 60, except the few named in :data:`LONG_ON_PURPOSE`
+(parsers and rule sequences that read best in one piece).
 
 The graph is the one ``benchmarks/code_shape.py`` prints (the architecture's
 before/after tables): every ``import`` and ``from ... import`` at any depth
@@ -22,6 +26,19 @@ _spec.loader.exec_module(code_shape)
 
 PACKAGES = (*code_shape.PRODUCT, *code_shape.ALSO)
 ADAPTERS = code_shape.ADAPTERS
+MAX_CORE_MODULE = 600
+MAX_CLASS = 400
+MAX_FUNCTION = 60
+#: Functions longer than MAX_FUNCTION on purpose, and why (docs/design.md, "Sizes and layers").
+LONG_ON_PURPOSE = {
+    "narwhal_core.contract.check_request": "the request rules in docs/contract.md's order, one after another",
+    "narwhal_core.planning.check_prefill_answer": "the prefill answer's checks in order, each with its error",
+    "narwhal_core.auth.parse_api_keys": "a parser: the API keys file's tables, each field checked with its own message",
+    "narwhal_core.http.engine.EngineConnection._read_chunked": "a parser: a chunked body's state machine",
+    "narwhal_core.http.request_head.read_clean_head": "a parser: the fast reading of a clean request head",
+    "narwhal_core.http.request_head.decide_head": "a parser: any request head accepted or refused with its status",
+    "narwhal_core.http.engine.encode_request": "an encoder: a leg's request in one pass, h11's rules on names and values",
+}
 
 
 def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
@@ -63,3 +80,20 @@ def test_the_graph_finds_a_cycle_through_a_lazy_import_and_skips_type_checking(t
     assert graph["pkg.b"] == {"pkg.c"}
     assert graph["pkg.d"] == {"pkg.e"}
     assert code_shape.cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"], ["pkg.d", "pkg.e"]]
+
+
+def test_modules_classes_and_functions_stay_within_their_sizes() -> None:
+    too_long = []
+    seen = set()
+    for name, path in code_shape.modules(REPO, code_shape.PRODUCT):
+        if name.startswith("narwhal_core") and code_shape.line_count(path) > MAX_CORE_MODULE:
+            too_long.append(("module", name, code_shape.line_count(path)))
+        for lines, kind, where in code_shape.definitions(name, path):
+            if kind == "class" and lines > MAX_CLASS:
+                too_long.append((kind, where, lines))
+            elif kind == "def" and lines > MAX_FUNCTION:
+                seen.add(where)
+                if where not in LONG_ON_PURPOSE:
+                    too_long.append((kind, where, lines))
+    assert too_long == []
+    assert seen == set(LONG_ON_PURPOSE)  # an exception that is no longer needed leaves the list
