@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .events import PromptTokenized
     from .fleet import EngineState, Fleet
     from .kv_events import KvEvent
-    from .kv_policy import PromptTokenizer
+    from .kv_policy import HeadProbe, PromptTokenizer
 
 __all__ = [
     "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "APPROXIMATE", "estimate_tokens", "Clock", "StoppedClock",
@@ -164,25 +164,29 @@ class Policy:
         """The KV-event stream of the engine at ``url`` came up or went down; whether that changed its state."""
         return False
 
-    def worth_tokenizing(self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]) -> bool:
-        """Whether a large prompt's token ids are worth computing, off the loop, before it is weighed (``kv``).
+    def probe_head(
+        self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]
+    ) -> HeadProbe | None:
+        """What a large prompt's head settles, for its plan (``kv``); ``None``: tokenize it whole, off the loop, first.
 
         Only asked of a policy that :attr:`tokenizes`; ``candidates``: the
         prefill engines it would be weighed on.
         """
-        return True
+        return None
 
     def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
         """The engine of ``candidates`` the leg goes to."""
         raise NotImplementedError
 
     def key(
-        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None
-    ) -> tuple[Sequence[int], int]:
+        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None,
+        probe: HeadProbe | None = None,
+    ) -> tuple[Sequence[int], int]:  # fmt: skip
         """A keyed policy's hashes of the prompt's blocks, and its tokens (only when :attr:`keyed`).
 
         ``tokenized``: the prompt's token ids computed off the event loop (a
-        policy that :attr:`tokenizes` uses them instead of calling its tokenizer).
+        policy that :attr:`tokenizes` uses them instead of calling its
+        tokenizer); ``probe``: what :meth:`probe_head` found of this prompt.
         """
         raise NotImplementedError
 
@@ -284,8 +288,9 @@ class Prefix(LeastLoaded):
         return cls(config.kv_capacity_tokens, config.miss_cost)
 
     def key(
-        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None
-    ) -> tuple[Sequence[int], int]:
+        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None,
+        probe: HeadProbe | None = None,
+    ) -> tuple[Sequence[int], int]:  # fmt: skip
         key = prompt_key(body, route == CHAT)
         return block_hashes(key), len(key) // BYTES_PER_TOKEN or 1
 
@@ -384,30 +389,39 @@ class Routing:
             config.tokenize_inline_max_bytes if self.weigh and self.policy.tokenizes else None
         )
 
-    def tokenize_off_loop(self, body: dict[str, Any], route: Route, size: int) -> bool:
-        """Whether a prompt of ``size`` bytes is tokenized off the event loop before :meth:`plan` (``kv`` only).
+    def probe_head(self, body: dict[str, Any], route: Route) -> HeadProbe | None:
+        """A prompt larger than :attr:`inline_max`: what its head settles, or ``None``: tokenize it whole off the loop.
 
-        Larger than ``routing.tokenize_inline_max_bytes``, and worth it:
-        the policy may find, from the prompt's head, that no engine holds
-        its first block (docs/routing.md, "Tokenizing only what can hit").
+        (docs/routing.md, "Tokenizing only what can hit".) The probe found
+        is the caller's to pass to :meth:`plan` or :meth:`replan` of the
+        same prompt, at once (``probe=``): the request is then weighed from
+        its head, without the whole prompt's ids.
         """
-        limit = self.inline_max
-        return (limit is not None and size > limit
-                and self.policy.worth_tokenizing(body, route, self.fleet.candidates(PREFILL)))
+        return self.policy.probe_head(body, route, self.fleet.candidates(PREFILL))
 
-    def plan(self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None = None) -> Plan:
-        """The plan of a request just admitted (``size``: its body's bytes; ``tokenized``: its token ids, if computed)."""
+    def plan(
+        self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None = None,
+        probe: HeadProbe | None = None,
+    ) -> Plan:  # fmt: skip
+        """The plan of a request just admitted.
+
+        ``size``: its body's bytes; ``tokenized``: its token ids, if
+        computed; ``probe``: what :meth:`probe_head` found of its prompt.
+        """
         if not self.weigh:
             return Plan(bool(self.fixed), self.reason, size // BYTES_PER_TOKEN or 1)
-        return self._weighed(body, route, size, tokenized)
+        return self._weighed(body, route, size, tokenized, probe)
 
-    def _weighed(self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None) -> Plan:
+    def _weighed(
+        self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None,
+        probe: HeadProbe | None,
+    ) -> Plan:  # fmt: skip
         """Weigh the prefill candidates: the policy's best one, and the mode ``auto`` decides from it."""
         policy = self.policy
         hashes = None
         tokens = estimate_tokens(size)
         if policy.keyed:
-            hashes, tokens = policy.key(body, route, tokenized)
+            hashes, tokens = policy.key(body, route, tokenized, probe)
         plan = Plan(True, "configured", tokens, hashes)
         fleet = self.fleet
         weighed = [(e, policy.uncached(e, plan), e.queued_tokens + e.foreign_tokens) for e in fleet.candidates(PREFILL)]
@@ -422,9 +436,12 @@ class Routing:
             plan.pd, plan.reason = self.decide(plan)
         return plan
 
-    def replan(self, plan: Plan, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None) -> Plan:
+    def replan(
+        self, plan: Plan, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None,
+        probe: HeadProbe | None = None,
+    ) -> Plan:  # fmt: skip
         """The next prompt of a batch: the request's mode, with this prompt's own hashes and tokens."""
-        hashes, tokens = self.policy.key(body, route, tokenized)
+        hashes, tokens = self.policy.key(body, route, tokenized, probe)
         replanned = Plan(plan.pd, plan.reason, tokens, hashes, plan.candidates)
         replanned.indexes = plan.indexes
         return replanned
