@@ -30,12 +30,20 @@ whole prompt's ids (the head's blocks are what a speculative entry then
 holds). Only when some engine holds the whole head is the whole prompt
 tokenized (off the loop). The head's last block is not used: the tokens
 near the cut may differ from the whole prompt's.
+
+What the head look found is a value, :class:`HeadProbe`, that the caller
+hands to the plan of the same prompt (``Routing.plan(..., probe=...)``):
+the head's blocks, and each candidate's answer from the precise index,
+which the weighing then reads instead of asking the index again. The
+policy keeps nothing of one request for the next call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
+
+import attrs
 
 from .contract import CHAT
 from .kv_index import KvIndex, token_block_hashes
@@ -48,7 +56,7 @@ if TYPE_CHECKING:
     from .fleet import EngineState
     from .kv_events import KvEvent
 
-__all__ = ["PromptTokenizer", "KvKey", "Kv", "PRECISE", "HEAD_CHARS_PER_BLOCK"]
+__all__ = ["PromptTokenizer", "HeadProbe", "KvKey", "Kv", "PRECISE", "HEAD_CHARS_PER_BLOCK"]
 
 #: The journal's name of the precise index (docs/operate.md, "The journal").
 PRECISE: Final = "kv"
@@ -75,19 +83,47 @@ class PromptTokenizer(Protocol):
     #     """The ids of the prompt's text cut after ``chars`` characters (``None``: no head, e.g. truncation)."""
 
 
+@attrs.frozen
+class HeadProbe:
+    """What a large prompt's head told :meth:`Kv.probe_head`, when it settles how the prompt is weighed.
+
+    (Module docstring, "Tokenizing only what can hit".) Every candidate
+    whose events are trusted lacks one of the head's blocks, so the head's
+    blocks stand for the whole prompt's. The caller passes it to the plan
+    of the same prompt (``Routing.plan``/``replan``, ``probe=``), at the
+    same instant: the answers are those of the index at :attr:`now` and
+    :attr:`version`, and a plan made later asks the index again.
+    """
+
+    #: Narwhal's chained hashes of the head's blocks, but its last (the tokens near the cut).
+    hashes: tuple[int, ...]
+    #: Each candidate asked, by URL, and how many leading blocks of :attr:`hashes` the precise index says it
+    #: holds (``None``: its events are not trusted: weighed from the approximate index).
+    matched: tuple[tuple[str, int | None], ...]
+    #: The instant the index was asked at, and its :attr:`~narwhal_core.kv_index.KvIndex.version` after.
+    now: float
+    version: int
+
+
 class KvKey(list[int]):
     """A plan's hashes under ``kv``: the approximate index's (the list itself, as ``prefix`` reads them)...
 
     ...and, riding along, :attr:`exact`: Narwhal's chained hashes of the
     prompt's token blocks (:func:`~narwhal_core.kv_index.token_block_hashes`),
-    what the precise index is asked about.
+    what the precise index is asked about; and that index's answers so far
+    (:meth:`Kv.matched_blocks`): a request is weighed, picked at admission
+    and picked again at its leg's start, each time over every candidate.
     """
 
-    __slots__ = ("exact",)
+    __slots__ = ("exact", "matched", "asked")
 
-    def __init__(self, approximate: Sequence[int], exact: list[int]) -> None:
+    def __init__(self, approximate: Sequence[int], exact: list[int], probe: HeadProbe | None = None) -> None:
         super().__init__(approximate)
         self.exact: Final = exact
+        #: The precise index's answers by engine URL (the head look's, if the key is its head's)...
+        self.matched: Final[dict[str, int | None]] = {} if probe is None else dict(probe.matched)
+        #: ...and the instant and index version they hold for (``None``: none yet).
+        self.asked: tuple[float, int] | None = None if probe is None else (probe.now, probe.version)
 
 
 class Kv(Prefix):
@@ -96,7 +132,7 @@ class Kv(Prefix):
     name: ClassVar[str] = "kv"
     names_index: ClassVar[bool] = True
     tokenizes: ClassVar[bool] = True
-    __slots__ = ("tokenizer", "head_ids", "index", "block_size", "clock", "log", "memo", "memo_of", "probed")
+    __slots__ = ("tokenizer", "head_ids", "index", "block_size", "clock", "log")
 
     def __init__(
         self, capacity_tokens: int, tokenizer: PromptTokenizer, *, block_size: int = 16, stale_s: float = 30.0,
@@ -108,8 +144,6 @@ class Kv(Prefix):
         self.head_ids: Final[Callable[[dict[str, Any], bool, int], list[int] | None] | None] = getattr(
             tokenizer, "head_token_ids", None
         )
-        #: The body :meth:`worth_tokenizing` last found held nowhere, and its head's blocks (for :meth:`key`).
-        self.probed: tuple[dict[str, Any], list[int]] | None = None
         #: Tokens per block of the precise index: the engines' ``--block-size``.
         self.block_size: Final = block_size
         self.index: Final = KvIndex(
@@ -120,11 +154,6 @@ class Kv(Prefix):
         self.clock: Clock = clock if clock is not None else StoppedClock()
         #: Where an engine falling back (or trusted again) is logged (the router's, once bound).
         self.log: Callable[..., None] | None = None
-        #: The last plan's matched blocks by engine URL, and what they hold for (the plan, ``now``, the
-        #: index's version): a request is weighed, picked at admission and picked again at its leg's
-        #: start, each time over every candidate.
-        self.memo: Final[dict[str, int | None]] = {}
-        self.memo_of: tuple[object, float, int] | None = None
 
     @classmethod
     def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
@@ -161,46 +190,56 @@ class Kv(Prefix):
                         stale_s=self.index.stale_s)
         changes.clear()
 
-    def worth_tokenizing(self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]) -> bool:
-        """Whether some candidate whose events are trusted holds every block of the prompt's head.
+    def probe_head(
+        self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]
+    ) -> HeadProbe | None:
+        """What the prompt's head settles: every trusted candidate lacks one of its blocks; ``None``: tokenize it whole.
 
-        (Module docstring, "Tokenizing only what can hit".) No: :meth:`key`
-        then takes the head's blocks instead of the whole prompt's ids.
+        (Module docstring, "Tokenizing only what can hit".) ``None`` too
+        when the head cannot tell: no ``head_token_ids``, the tokenizer
+        raised or gave no head, a head shorter than two blocks.
         """
-        self.probed = None
         head_ids = self.head_ids
         if head_ids is None:
-            return True
+            return None
         size = self.block_size
         try:
             ids = head_ids(body, route == CHAT, HEAD_CHARS_PER_BLOCK * size)
         except Exception:  # the whole prompt's tokenizing says the same, and the request is weighed without ids
-            return True
+            return None
         if ids is None:
-            return True
+            return None
         exact = token_block_hashes(ids[: len(ids) - size], size)  # (not the last block: tokens near the cut)
         if not exact:
-            return True  # a head too short to tell
+            return None  # a head too short to tell
         index, now, whole = self.index, self.clock.now, len(exact)
-        held = any(index.matched_blocks(e.url, exact, now) == whole for e in candidates)
+        matched: list[tuple[str, int | None]] = []
+        held = False
+        for e in candidates:
+            blocks = index.matched_blocks(e.url, exact, now)
+            if blocks == whole:
+                held = True
+                break
+            matched.append((e.url, blocks))
         if index.changes:
             self.report()
-        if not held:
-            self.probed = (body, exact)
-        return held
+        if held:
+            return None
+        return HeadProbe(tuple(exact), tuple(matched), now, index.version)
 
     def key(
-        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None
-    ) -> tuple[Sequence[int], int]:
+        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None,
+        probe: HeadProbe | None = None,
+    ) -> tuple[Sequence[int], int]:  # fmt: skip
         """Both indexes' hashes; the token ids from ``tokenized`` if given (computed off the loop), else asked here.
 
-        A prompt :meth:`worth_tokenizing` just found held nowhere keeps its
-        head's blocks and the approximate token count.
+        A prompt whose ``probe`` (:meth:`probe_head`) settled it keeps its
+        head's blocks, with the answers the index gave for them, and the
+        approximate token count.
         """
         hashes, tokens = Prefix.key(self, body, route)
-        probed, self.probed = self.probed, None
-        if tokenized is None and probed is not None and probed[0] is body:
-            return KvKey(hashes, probed[1]), tokens
+        if tokenized is None and probe is not None:
+            return KvKey(hashes, list(probe.hashes), probe), tokens
         ids: Sequence[int] | None
         if tokenized is not None:
             ids = tokenized.token_ids  # None: the tokenizer raised in the worker
@@ -216,26 +255,30 @@ class Kv(Prefix):
     def uncached(self, engine: EngineState, plan: Plan) -> int:
         hashes = plan.hashes
         if type(hashes) is KvKey:
-            matched = self.matched_blocks(engine.url, plan, hashes)
+            matched = self.matched_blocks(engine.url, hashes)
             if matched is not None:
                 return max(0, plan.tokens - matched * self.block_size)
         return Prefix.uncached(self, engine, plan)
 
-    def matched_blocks(self, url: str, plan: Plan, hashes: KvKey) -> int | None:
-        """The precise index's answer for ``plan`` on ``url``, asked once per plan, instant and index state."""
+    def matched_blocks(self, url: str, hashes: KvKey) -> int | None:
+        """The precise index's answer for ``hashes`` on ``url``, asked once per key, instant and index state.
+
+        The answers are kept on the key (:attr:`KvKey.matched`), so the
+        policy holds nothing of one request between calls.
+        """
         index = self.index
         now = self.clock.now
-        memo = self.memo
-        of = (plan, now, index.version)
-        if of != self.memo_of:
+        memo = hashes.matched
+        asked = (now, index.version)
+        if asked != hashes.asked:
             memo.clear()
-            self.memo_of = of
+            hashes.asked = asked
         elif url in memo:
             return memo[url]
         matched = memo[url] = index.matched_blocks(url, hashes.exact, now)
-        if index.version != of[2]:  # the question itself changed the index (an engine found stale)
+        if index.version != asked[1]:  # the question itself changed the index (an engine found stale)
             memo.clear()
-            self.memo_of = (plan, now, index.version)
+            hashes.asked = (now, index.version)
             self.report()
         return matched
 

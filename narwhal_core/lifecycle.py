@@ -206,16 +206,20 @@ class Lifecycle:
     def begin(self, req: Request, _: None) -> State:
         """ADMIT: the request has its slot; journal its progress and start its first leg.
 
-        A prompt too large to tokenize on the event loop is tokenized first
-        (:meth:`_tokenize`): its plan, progress record and first leg wait for
-        ``TOKENIZED``.
+        A prompt too large to tokenize on the event loop is weighed from its
+        head when that settles it (the head look's probe goes to the plan),
+        else tokenized first (:meth:`_tokenize`): its plan, progress record
+        and first leg wait for ``TOKENIZED``.
         """
         req.admitted = True
         routing = self.ctx.routing
-        if routing.inline_max is not None and routing.tokenize_off_loop(req.accepted.body, req.route,
-                                                                        _prompt_bytes(req)):  # fmt: skip
-            return self._tokenize(req)
-        plan = req.plan = routing.plan(req.accepted.body, req.route, req.size)
+        probe = None
+        limit = routing.inline_max
+        if limit is not None and _prompt_bytes(req) > limit:
+            probe = routing.probe_head(req.accepted.body, req.route)
+            if probe is None:
+                return self._tokenize(req)
+        plan = req.plan = routing.plan(req.accepted.body, req.route, req.size, probe=probe)
         self.requests.journal_admitted(req)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
 
@@ -297,10 +301,13 @@ class Lifecycle:
         assert plan is not None
         if plan.hashes is not None:
             routing = self.ctx.routing
-            if routing.inline_max is not None and routing.tokenize_off_loop(req.accepted.body, req.route,
-                                                                            _prompt_bytes(req)):  # fmt: skip
-                return self._tokenize(req)
-            plan = req.plan = routing.replan(plan, req.accepted.body, req.route)
+            probe = None
+            limit = routing.inline_max
+            if limit is not None and _prompt_bytes(req) > limit:
+                probe = routing.probe_head(req.accepted.body, req.route)
+                if probe is None:
+                    return self._tokenize(req)
+            plan = req.plan = routing.replan(plan, req.accepted.body, req.route, probe=probe)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
 
     def refused(self, req: Request, refusal: LegRefusal) -> State:

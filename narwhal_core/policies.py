@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .events import PromptTokenized
     from .fleet import EngineState
     from .kv_events import KvEvent
-    from .kv_policy import PromptTokenizer
+    from .kv_policy import HeadProbe, PromptTokenizer
 
 __all__ = [
     "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "APPROXIMATE", "estimate_tokens", "Clock", "StoppedClock",
@@ -154,25 +154,29 @@ class Policy:
         """The KV-event stream of the engine at ``url`` came up or went down; whether that changed its state."""
         return False
 
-    def worth_tokenizing(self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]) -> bool:
-        """Whether a large prompt's token ids are worth computing, off the loop, before it is weighed (``kv``).
+    def probe_head(
+        self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]
+    ) -> HeadProbe | None:
+        """What a large prompt's head settles, for its plan (``kv``); ``None``: tokenize it whole, off the loop, first.
 
         Only asked of a policy that :attr:`tokenizes`; ``candidates``: the
         prefill engines it would be weighed on.
         """
-        return True
+        return None
 
     def pick(self, phase: Phase, candidates: Sequence[EngineState], plan: Plan | None) -> EngineState:
         """The engine of ``candidates`` the leg goes to."""
         raise NotImplementedError
 
     def key(
-        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None
-    ) -> tuple[Sequence[int], int]:
+        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None,
+        probe: HeadProbe | None = None,
+    ) -> tuple[Sequence[int], int]:  # fmt: skip
         """A keyed policy's hashes of the prompt's blocks, and its tokens (only when :attr:`keyed`).
 
         ``tokenized``: the prompt's token ids computed off the event loop (a
-        policy that :attr:`tokenizes` uses them instead of calling its tokenizer).
+        policy that :attr:`tokenizes` uses them instead of calling its
+        tokenizer); ``probe``: what :meth:`probe_head` found of this prompt.
         """
         raise NotImplementedError
 
@@ -274,8 +278,9 @@ class Prefix(LeastLoaded):
         return cls(config.kv_capacity_tokens, config.miss_cost)
 
     def key(
-        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None
-    ) -> tuple[Sequence[int], int]:
+        self, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None,
+        probe: HeadProbe | None = None,
+    ) -> tuple[Sequence[int], int]:  # fmt: skip
         key = prompt_key(body, route == CHAT)
         return block_hashes(key), len(key) // BYTES_PER_TOKEN or 1
 

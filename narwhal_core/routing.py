@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .contract import Route
     from .events import PromptTokenized
     from .fleet import Fleet
-    from .kv_policy import PromptTokenizer
+    from .kv_policy import HeadProbe, PromptTokenizer
 
 __all__ = [
     "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "APPROXIMATE", "estimate_tokens", "Clock", "StoppedClock",
@@ -89,30 +89,39 @@ class Routing:
             config.tokenize_inline_max_bytes if self.weigh and self.policy.tokenizes else None
         )
 
-    def tokenize_off_loop(self, body: dict[str, Any], route: Route, size: int) -> bool:
-        """Whether a prompt of ``size`` bytes is tokenized off the event loop before :meth:`plan` (``kv`` only).
+    def probe_head(self, body: dict[str, Any], route: Route) -> HeadProbe | None:
+        """A prompt larger than :attr:`inline_max`: what its head settles, or ``None``: tokenize it whole off the loop.
 
-        Larger than ``routing.tokenize_inline_max_bytes``, and worth it:
-        the policy may find, from the prompt's head, that no engine holds
-        its first block (docs/routing.md, "Tokenizing only what can hit").
+        (docs/routing.md, "Tokenizing only what can hit".) The probe found
+        is the caller's to pass to :meth:`plan` or :meth:`replan` of the
+        same prompt, at once (``probe=``): the request is then weighed from
+        its head, without the whole prompt's ids.
         """
-        limit = self.inline_max
-        return (limit is not None and size > limit
-                and self.policy.worth_tokenizing(body, route, self.fleet.candidates(PREFILL)))
+        return self.policy.probe_head(body, route, self.fleet.candidates(PREFILL))
 
-    def plan(self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None = None) -> Plan:
-        """The plan of a request just admitted (``size``: its body's bytes; ``tokenized``: its token ids, if computed)."""
+    def plan(
+        self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None = None,
+        probe: HeadProbe | None = None,
+    ) -> Plan:  # fmt: skip
+        """The plan of a request just admitted.
+
+        ``size``: its body's bytes; ``tokenized``: its token ids, if
+        computed; ``probe``: what :meth:`probe_head` found of its prompt.
+        """
         if not self.weigh:
             return Plan(bool(self.fixed), self.reason, size // BYTES_PER_TOKEN or 1)
-        return self._weighed(body, route, size, tokenized)
+        return self._weighed(body, route, size, tokenized, probe)
 
-    def _weighed(self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None) -> Plan:
+    def _weighed(
+        self, body: dict[str, Any], route: Route, size: int, tokenized: PromptTokenized | None,
+        probe: HeadProbe | None,
+    ) -> Plan:  # fmt: skip
         """Weigh the prefill candidates: the policy's best one, and the mode ``auto`` decides from it."""
         policy = self.policy
         hashes = None
         tokens = estimate_tokens(size)
         if policy.keyed:
-            hashes, tokens = policy.key(body, route, tokenized)
+            hashes, tokens = policy.key(body, route, tokenized, probe)
         plan = Plan(True, "configured", tokens, hashes)
         fleet = self.fleet
         weighed = [(e, policy.uncached(e, plan), e.queued_tokens + e.foreign_tokens) for e in fleet.candidates(PREFILL)]
@@ -127,9 +136,12 @@ class Routing:
             plan.pd, plan.reason = self.decide(plan)
         return plan
 
-    def replan(self, plan: Plan, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None) -> Plan:
+    def replan(
+        self, plan: Plan, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None,
+        probe: HeadProbe | None = None,
+    ) -> Plan:  # fmt: skip
         """The next prompt of a batch: the request's mode, with this prompt's own hashes and tokens."""
-        hashes, tokens = self.policy.key(body, route, tokenized)
+        hashes, tokens = self.policy.key(body, route, tokenized, probe)
         replanned = Plan(plan.pd, plan.reason, tokens, hashes, plan.candidates)
         replanned.indexes = plan.indexes
         return replanned

@@ -11,7 +11,7 @@ under the other policies.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,8 +24,8 @@ from narwhal_core.events import KvEventsReceived, KvStreamChanged
 from narwhal_core.fleet import Fleet
 from narwhal_core.ids import PREFILL
 from narwhal_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from narwhal_core.kv_index import token_block_hashes
-from narwhal_core.kv_policy import HEAD_CHARS_PER_BLOCK, Kv, KvKey
+from narwhal_core.kv_index import KvIndex, token_block_hashes
+from narwhal_core.kv_policy import HEAD_CHARS_PER_BLOCK, HeadProbe, Kv, KvKey
 from narwhal_core.routing import POLICIES, Plan, Prefix, Routing, StoppedClock, make_policy
 
 from .router_driver import PREFILL_URLS, Driver, completion_body, make_config
@@ -102,9 +102,12 @@ def stored(text: str, first_hash: int = 1000, blocks: int | None = None) -> Bloc
     return BlockStored(tuple(range(first_hash, first_hash + count)), None, tokens, BLOCK, "GPU")
 
 
-def admit(fleet: Fleet, routing: Routing, body: dict[str, Any]) -> tuple[str, Plan]:
-    """Admission and the prefill leg, as the lifecycle and Legs.start do; the leg ends at once."""
-    plan = routing.plan(body, COMPLETIONS, 0)
+def admit(fleet: Fleet, routing: Routing, body: dict[str, Any], probe: HeadProbe | None = None) -> tuple[str, Plan]:
+    """Admission and the prefill leg, as the lifecycle and Legs.start do; the leg ends at once.
+
+    ``probe``: what the head look found (:meth:`Routing.probe_head`), passed to the plan as the lifecycle does.
+    """
+    plan = routing.plan(body, COMPLETIONS, 0, probe=probe)
     engine = fleet.choose(PREFILL, plan=plan)
     assert engine is not None
     fleet.leg_started(engine, plan.tokens)
@@ -344,9 +347,10 @@ def head_fleet(tokenizer: Any = None, *, streams: bool = True) -> tuple[Fleet, K
 def test_a_large_prompt_whose_first_block_no_engine_holds_is_weighed_from_its_head_alone() -> None:
     fleet, policy, routing, tok = head_fleet()
     body = completion_body(LONG)
-    assert not routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+    probe = routing.probe_head(body, COMPLETIONS)
+    assert probe is not None
     assert tok.heads == 1 and tok.calls == 1  # the head only (CharTokenizer's call inside head_token_ids)
-    plan = routing.plan(body, COMPLETIONS, len(LONG))
+    plan = routing.plan(body, COMPLETIONS, len(LONG), probe=probe)
     assert tok.calls == 1  # the whole prompt was never tokenized
     assert isinstance(plan.hashes, KvKey)
     head = [ord(c) for c in LONG[: HEAD_CHARS_PER_BLOCK * BLOCK]]
@@ -361,12 +365,12 @@ def test_a_large_prompt_whose_head_an_engine_holds_whole_is_tokenized_whole_off_
     fleet, policy, routing, tok = head_fleet()
     policy.kv_events(PREFILLS[1].url, [stored(LONG)], 0.0)  # every block of it
     body = completion_body(LONG)
-    assert routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+    assert routing.probe_head(body, COMPLETIONS) is None
     assert tok.heads == 1
     # A speculative entry counts too: a prompt just sent there.
     fleet2, policy2, routing2, tok2 = head_fleet()
     url, _ = admit(fleet2, routing2, completion_body(LONG))  # weighed from its head, which is held nowhere
-    assert tok2.calls == 1 and routing2.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+    assert tok2.calls == 1 and routing2.probe_head(body, COMPLETIONS) is None
 
 
 def test_a_prefix_shorter_than_the_head_is_weighed_from_the_head_alone() -> None:
@@ -376,8 +380,9 @@ def test_a_prefix_shorter_than_the_head_is_weighed_from_the_head_alone() -> None
     holder = PREFILLS[2].url
     policy.kv_events(holder, [stored(LONG[: 2 * BLOCK])], 0.0)
     body = completion_body(LONG)
-    assert not routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
-    url, plan = admit(fleet, routing, body)
+    probe = routing.probe_head(body, COMPLETIONS)
+    assert probe is not None
+    url, plan = admit(fleet, routing, body, probe)
     assert tok.calls == 1  # the head's, never the whole prompt's
     assert url == holder
     assert plan.candidates[0] == (holder, plan.tokens - 2 * BLOCK, 0)
@@ -391,17 +396,91 @@ def test_a_head_that_cannot_tell_has_the_prompt_tokenized_whole_and_no_trusted_s
             raise RuntimeError("no template")
 
     tok = {"no head": CharTokenizer(), "head raises": Raising()}.get(case)
-    fleet, policy, routing, _ = head_fleet(tok)
+    fleet, policy, routing, used = head_fleet(tok)
     body = completion_body(LONG)
     if case == "truncated":
         body["truncate_prompt_tokens"] = 100
-    if case == "small":  # under tokenize_inline_max_bytes: tokenized whole, on the loop, no head asked
-        assert not routing.tokenize_off_loop(body, COMPLETIONS, 100)
+    if case == "small":  # under tokenize_inline_max_bytes: tokenized whole, on the loop, no head asked (the
+        # lifecycle asks for a head only above it: tests/core/test_tokenize_offloop.py::test_the_bound_decides)
+        assert routing.inline_max == 100
         assert routing.plan(body, COMPLETIONS, 100).tokens == len(LONG)
+        assert used.heads == 0
         return
     if case == "streams down":  # no engine's events heard from: the approximate index weighs every engine
         fleet, policy, routing, _ = head_fleet(streams=False)
-        assert not routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
-        assert routing.plan(body, COMPLETIONS, len(LONG)).indexes == ("approximate",) * len(PREFILLS)
+        probe = routing.probe_head(body, COMPLETIONS)
+        assert probe is not None
+        assert routing.plan(body, COMPLETIONS, len(LONG), probe=probe).indexes == ("approximate",) * len(PREFILLS)
         return
-    assert routing.tokenize_off_loop(body, COMPLETIONS, len(LONG))
+    assert routing.probe_head(body, COMPLETIONS) is None
+
+
+#: A second large prompt, sharing no block with :data:`LONG`.
+OTHER = "".join(f"Row {i}: a narwhal dives a mile deep. " for i in range(160))
+
+
+def head_hashes(text: str) -> list[int]:
+    """The blocks a head look of ``text`` keys on: its head's but the last (CharTokenizer: a token a character)."""
+    head = [ord(c) for c in text[: HEAD_CHARS_PER_BLOCK * BLOCK]]
+    return token_block_hashes(head[: len(head) - BLOCK], BLOCK)
+
+
+def test_interleaved_head_looks_each_plan_from_their_own_head() -> None:
+    # Two large prompts looked at, then planned, in turn: each plan is made from what its own head look
+    # found (its head's blocks, its holder), handed over explicitly, never from whichever look came last.
+    fleet, policy, routing, tok = head_fleet()
+    holder_a, holder_b = PREFILLS[2].url, PREFILLS[0].url
+    policy.kv_events(holder_a, [stored(LONG[: 2 * BLOCK])], 0.0)
+    policy.kv_events(holder_b, [stored(OTHER[: 3 * BLOCK], first_hash=5000)], 0.0)
+    a, b = completion_body(LONG), completion_body(OTHER)
+    probe_a, probe_b = routing.probe_head(a, COMPLETIONS), routing.probe_head(b, COMPLETIONS)
+    assert probe_a is not None and probe_b is not None
+    plan_a = routing.plan(a, COMPLETIONS, len(LONG), probe=probe_a)
+    plan_b = routing.plan(b, COMPLETIONS, len(OTHER), probe=probe_b)
+    assert tok.heads == 2 and tok.calls == 2  # the two heads; neither prompt tokenized whole
+    assert isinstance(plan_a.hashes, KvKey) and isinstance(plan_b.hashes, KvKey)
+    assert plan_a.hashes.exact == head_hashes(LONG) and plan_b.hashes.exact == head_hashes(OTHER)
+    assert plan_a.candidates[0] == (holder_a, plan_a.tokens - 2 * BLOCK, 0)
+    assert plan_b.candidates[0] == (holder_b, plan_b.tokens - 3 * BLOCK, 0)
+    assert not hasattr(policy, "probed")  # the policy keeps nothing of a request between the two calls
+
+
+def counting_index(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count the precise index's queries, by engine URL (a wrapper around ``KvIndex.matched_blocks``)."""
+    asked: dict[str, int] = {}
+    real = KvIndex.matched_blocks
+
+    def counted(self: KvIndex, url: str, hashes: Sequence[int], now: float) -> int | None:
+        asked[url] = asked.get(url, 0) + 1
+        return real(self, url, hashes, now)
+
+    monkeypatch.setattr(KvIndex, "matched_blocks", counted)
+    return asked
+
+
+def test_the_index_is_asked_once_per_candidate_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet, policy, routing, _ = head_fleet()
+    holder = PREFILLS[2].url
+    policy.kv_events(holder, [stored(LONG[: 2 * BLOCK])], 0.0)
+    asked = counting_index(monkeypatch)
+    # A large prompt weighed from its head: the head look's answers are the weighing's and the pick's.
+    body = completion_body(LONG)
+    probe = routing.probe_head(body, COMPLETIONS)
+    assert probe is not None and dict(probe.matched) == {e.url: 2 if e.url == holder else 0 for e in PREFILLS}
+    url, plan = admit(fleet, routing, body, probe)  # weighed, picked at admission, picked again at the leg's start
+    assert url == holder and plan.candidates[0] == (holder, plan.tokens - 2 * BLOCK, 0)
+    assert asked == dict.fromkeys((e.url for e in PREFILLS), 1)
+    # A prompt tokenized whole (no probe): asked once per candidate too, for its weighing and both picks.
+    asked.clear()
+    url, _ = admit(fleet, routing, completion_body(OTHER))
+    assert asked == dict.fromkeys((e.url for e in PREFILLS), 1)
+    # A probe is the index's answer at its instant: a plan made later asks again.
+    asked.clear()
+    clock = policy.clock
+    assert isinstance(clock, StoppedClock)
+    third = completion_body("".join(f"Note {i}: a tusk senses the sea. " for i in range(160)))  # sent nowhere
+    probe = routing.probe_head(third, COMPLETIONS)
+    assert probe is not None and asked == dict.fromkeys((e.url for e in PREFILLS), 1)
+    clock.now = 0.5
+    routing.plan(third, COMPLETIONS, len(third["prompt"]), probe=probe)
+    assert asked == dict.fromkeys((e.url for e in PREFILLS), 2)

@@ -22,7 +22,7 @@ from narwhal_core.lifecycle import TRANSITIONS
 from narwhal_core.states import Input, State
 
 from .router_driver import CHAT, COMPLETIONS, PREFILL_URLS, Driver, chat_body, completion_body, make_config
-from .test_kv_policy import BLOCK, LONG, CharTokenizer, kv_allowed, stored
+from .test_kv_policy import BLOCK, LONG, OTHER, CharTokenizer, HeadTokenizer, kv_allowed, stored
 
 #: A prompt well under the default bound (1024 bytes) with its body.
 SHORT = "The narwhal's tusk is a tooth."
@@ -231,6 +231,31 @@ def test_batch_prompts_are_tokenized_one_by_one_off_the_loop_when_large() -> Non
     d.serve_until_done()
     assert client.last.status == 200 and len(client.last.json()["choices"]) == 3
     assert [leg["prompt"] for leg in d.terminal(rid)["legs"] if leg["phase"] == "prefill"] == [0, 1, 2]
+    d.check_invariants(final=True)
+
+
+def test_a_head_look_goes_to_its_own_prompt_plan_at_admission_and_for_a_batch_next_prompt() -> None:
+    # (docs/routing.md, "Tokenizing only what can hit".) Two large prompts of one batch, each held nowhere
+    # whole: each is weighed from what its own head look found, with no TokenizePrompt and no whole-prompt ids.
+    tokenizer = HeadTokenizer()
+    d = offloop_driver(tokenizer=tokenizer)
+    first_holder, second_holder = PREFILL_URLS
+    for url in PREFILL_URLS:
+        d.feed(KvStreamChanged(url, True, "connected"))
+    d.feed(KvEventsReceived(first_holder, (stored(LONG[: 2 * BLOCK]),)))
+    d.feed(KvEventsReceived(second_holder, (stored(OTHER[: 3 * BLOCK], first_hash=5000),)))
+    client = d.post(COMPLETIONS, completion_body([LONG, OTHER]))
+    prefill = d.leg("prefill")
+    assert prefill.engine.url == first_holder
+    rid = prefill.rid
+    d.serve(prefill.bid)
+    d.serve(d.leg("decode").bid)
+    assert d.leg("prefill").engine.url == second_holder
+    d.serve_until_done()
+    assert client.last.status == 200 and len(client.last.json()["choices"]) == 2
+    assert not d.tokenize_asked and tokenizer.heads == tokenizer.calls == 2  # the heads only
+    routing = d.terminal(rid)["routing"]
+    assert routing["index"] == "kv" and routing["prefill"] == second_holder
     d.check_invariants(final=True)
 
 
