@@ -21,6 +21,7 @@ from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlConnection, ControlTimedOut, connect_first, resolve, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
+from narwhal_runtime.socket_options import set_up_engine
 
 __all__ = ["Engines"]
 
@@ -190,6 +191,9 @@ class Engines(EngineLegs[_LegConnection]):
         if conn.leg != key or conn.closed:
             transport.abort()  # cancelled just as the connection opened, or already lost (reported)
             return
+        sock = transport.get_extra_info("socket")  # (uvloop: None once its handle is gone)
+        if sock is not None:
+            set_up_engine(sock)  # over what the transport set
         self._link(conn, cmd)
         # Its journal line was flushed with the iteration that started the leg.
         transport.write(cmd.data)
@@ -217,6 +221,7 @@ class Engines(EngineLegs[_LegConnection]):
         if infos is None:
             infos = await resolve(host, port, self.control_getaddrinfo)
         sock = await connect_first(infos, loop.sock_connect)
+        set_up_engine(sock)
         return partial(loop.sock_sendall, sock), partial(loop.sock_recv, sock, READ_SIZE), sock.close
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:

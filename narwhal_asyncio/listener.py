@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from narwhal_runtime.listening import accept_error
+from narwhal_runtime.socket_options import set_up_client
 
 __all__ = ["Listener"]
 
@@ -88,7 +89,7 @@ class Listener:
                     self._retry = self._loop.call_later(pause, self._watch)
                 return
             self.open += 1
-            conn.setblocking(False)
+            set_up_client(conn)  # the rule both runtimes share (the transport sets TCP_NODELAY again)
             task = self._loop.create_task(self._start(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

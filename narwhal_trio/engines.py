@@ -26,6 +26,7 @@ from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlConnection, ControlTimedOut, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
+from narwhal_runtime.socket_options import set_up_engine
 
 __all__ = ["Engines", "plain_socket", "close_socket", "send_all", "receive"]
 
@@ -159,6 +160,7 @@ class Engines(EngineLegs[_Connection]):
             if scope.cancelled_caught:
                 return  # CancelLeg while connecting: the router knows
             conn.sock = sock = plain_socket(stream)
+            set_up_engine(sock)  # over what trio's SocketStream set
             if conn.closed:  # cancelled just as the connection opened
                 close_socket(sock)
                 return
@@ -229,6 +231,7 @@ class Engines(EngineLegs[_Connection]):
     async def control_connect(self, host: str, port: int, infos: Sequence[Any] | None) -> ControlConnection:
         # (trio's own connect resolves the name again, and tries each address as it does.)
         stream = await trio.open_tcp_stream(host, port)
+        set_up_engine(stream.socket)
         return stream.send_all, partial(stream.receive_some, READ_SIZE), stream.socket.close
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:

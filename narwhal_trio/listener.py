@@ -5,7 +5,8 @@ the rest to its caller, so what a failed accept means would be trio's; here
 both runtimes follow one rule (:func:`~narwhal_runtime.listening.accept_error`).
 Each connection takes a slot (``ingress.max_connections``) before it is
 accepted; with every slot held, further connections wait in the kernel's
-listen backlog, as they do on asyncio.
+listen backlog, as they do on asyncio. Each accepted socket is set up by
+the rule both runtimes share (:func:`~narwhal_runtime.socket_options.set_up_client`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import trio
 
 from narwhal_runtime.listening import accept_error
+from narwhal_runtime.socket_options import set_up_client
 
 from .engines import close_socket
 
@@ -74,19 +76,5 @@ class Listener:
                 if pause:
                     self._resumes = trio.current_time() + pause
                 continue
-            _set_up(sock)
+            set_up_client(sock)
             start_client(sock, slots)
-
-
-def _set_up(sock: socket.socket) -> None:
-    """Set an accepted client socket up as trio's ``SocketStream`` would.
-
-    Non-blocking, no Nagle delay, and at most 16 KiB unsent in the kernel
-    (``TCP_NOTSENT_LOWAT``), so that a client that does not read shows soon.
-    """
-    sock.setblocking(False)
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, 2**14)
-    except OSError:
-        pass  # already gone: its first read says so

@@ -4,7 +4,8 @@ One home for the small things the pure core tests, the simulator tests and
 the end-to-end, reliability and security suites all need, so that none of
 them keeps its own copy: the model and route names, the prefill leg's
 ``kv_transfer_params``, the OpenAI error envelope check, the request ID
-check, readers of the journal file, bounded polling, loopback ports, and a
+check, readers of the journal file, bounded polling, loopback ports, the
+process's TCP sockets and their options, and a
 tokenizer both a router and the simulator can load.
 Nothing here starts a router (that is :mod:`tests.harness`, in a thread, and
 :mod:`tests.serving`, as a process), so importing it costs nothing.
@@ -17,6 +18,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -283,6 +285,39 @@ def busy_port() -> Iterator[int]:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         yield int(busy.getsockname()[1])
+
+
+def tcp_options_in_process() -> list[tuple[tuple[str, int], tuple[str, int], int, int]]:
+    """Every connected TCP socket this process holds: ``(local, peer, TCP_NODELAY, TCP_NOTSENT_LOWAT)``.
+
+    Read from a duplicate of each descriptor (``/proc/self/fd``), so a test
+    sees what the kernel holds for a router running in a thread of this
+    process, on either runtime, without reaching into the adapter.
+    """
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not stat.S_ISSOCK(os.stat(int(name)).st_mode):
+                continue
+            fd = os.dup(int(name))
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)  # not an internet socket, or gone
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                local, peer = sock.getsockname()[:2], sock.getpeername()[:2]
+                nodelay = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                lowat = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+            except OSError:
+                continue  # a listening socket (no peer), or one that closed meanwhile
+            found.append((local, peer, nodelay, lowat))
+    return found
 
 
 # ------------------------------------------------------------- tokenizer

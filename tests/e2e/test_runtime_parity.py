@@ -10,7 +10,10 @@ client sees the end of the answer; and a connection over
 (the listen backlog on both: neither accepts while every slot is held); and
 a failed accept is handled by one rule (narwhal_runtime/listening.py,
 ``accept_error``): a connection's own failure is dropped silently and the
-next accepted at once, any other failure logs one line and pauses.
+next accepted at once, any other failure logs one line and pauses; and the
+router's side of a client connection and of a leg's engine connection
+carries the same socket options on trio, asyncio and uvloop
+(narwhal_runtime/socket_options.py), read back from the kernel.
 
 One scenario — valid, invalid, streaming, unknown model, a decode engine that
 fails every leg (so the router retries elsewhere), a client that leaves
@@ -38,11 +41,11 @@ from narwhal_core import ClientData, RidSource, Router
 from narwhal_runtime import listening
 from narwhal_runtime.app import load_authenticator
 from narwhal_runtime.metrics import render
-from narwhal_sim.testing import SimThread
+from narwhal_sim.testing import SimProcess, SimThread
 
 from .. import harness
 from ..harness import LogCapture, RouterThread, make_config
-from ..helpers import read_journal, wait_for_terminals
+from ..helpers import MODEL, poll, read_journal, tcp_options_in_process, wait_for_terminals
 
 _TIMES = {"ts", "received", "started", "duration_ms", "ttft_ms"}
 
@@ -378,3 +381,42 @@ def test_any_other_accept_failure_logs_one_line_and_pauses(runtime: str, tmp_pat
     assert all(gap >= pause - 0.01 for gap in gaps), gaps  # a shortage, and an error nobody expected
     assert [(e["shortage"], e["level"]) for e in logged] == [(True, "error"), (False, "error")], logged
     assert os.strerror(errno.EMFILE) in logged[0]["error"] and os.strerror(errno.EINVAL) in logged[1]["error"]
+
+
+# ------------------------------------------------------------ socket options
+
+#: ``(TCP_NODELAY, TCP_NOTSENT_LOWAT)`` the router's side of each kind of
+#: connection carries on every runtime (narwhal_runtime/socket_options.py).
+CLIENT_SOCKET = (1, 2**14)
+ENGINE_SOCKET = (1, 0)
+
+
+@pytest.mark.parametrize("runtime, uvloop", [("trio", False), ("asyncio", False), ("asyncio", True)])
+def test_client_and_engine_sockets_carry_the_same_options_on_every_runtime(runtime: str, uvloop: bool,
+                                                                          tmp_path: Path) -> None:
+    if uvloop:
+        pytest.importorskip("uvloop")
+    body = json.dumps({"model": MODEL, "prompt": "The narwhal is", "max_tokens": 2}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    # The decode engine in its own process: its KV pulls from the prefill engine
+    # are connections to an engine port too, and must not be taken for the router's.
+    with SimThread(role="prefill", speed=0) as prefill, SimProcess(role="decode", speed=0) as decode, \
+            RouterThread(make_config(tmp_path / "journal.jsonl", prefill=(prefill.url,), decode=(decode.url,),
+                                     health={"probe_interval_s": 600.0}), runtime, uvloop=uvloop) as router, \
+            socket.create_connection(router.address, timeout=10) as client:  # fmt: skip
+        client.sendall(request)
+        assert client.recv(65536).startswith(b"HTTP/1.1 200")  # the connection stays open (keep-alive)
+        engines = {prefill.port, decode.port}
+
+        def found() -> tuple[list[Any], list[Any]] | None:
+            sockets = tcp_options_in_process()
+            accepted = [options for _, peer, *options in sockets if peer == client.getsockname()[:2]]
+            legs = [options for _, peer, *options in sockets if peer[1] in engines]  # the pooled leg connections
+            return (accepted, legs) if accepted and len(legs) >= 2 else None
+
+        accepted, legs = poll(found, timeout=5, what="the router's client and leg sockets")
+        if uvloop:
+            assert router.call(lambda: type(router.server._loop).__module__).startswith("uvloop")
+    assert [tuple(options) for options in accepted] == [CLIENT_SOCKET]
+    assert {tuple(options) for options in legs} == {ENGINE_SOCKET}

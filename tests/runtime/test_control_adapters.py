@@ -2,7 +2,8 @@
 
 Against real loopback sockets: an answer, a refusal (also on a name with
 several addresses), a silent engine, an engine that hangs up, and a
-``decode_abort`` release that writes its raw request and hangs up.
+``decode_abort`` release that writes its raw request and hangs up; and
+the options of the connection's socket.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import trio
 from narwhal_core import ControlDone, Event, StartControl
 from narwhal_core.config import parse_engine_url
 from narwhal_core.events import EngineResolved
+
+from ..helpers import tcp_options_in_process
 
 RUNTIMES = ("trio", "asyncio")
 
@@ -279,3 +282,20 @@ def test_a_request_stopped_by_shutdown_is_fed_as_cancelled(runtime: str, engine_
         release.set()
     assert reached.is_set()
     assert events == [ControlDone("probe-1", None, "cancelled")]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_control_connection_carries_the_engine_socket_options(runtime: str, engine_factory: Any) -> None:
+    # (TCP_NODELAY, TCP_NOTSENT_LOWAT) of the router's side, read while it waits for the answer:
+    # the same as a leg's connection (narwhal_runtime/socket_options.py), on both runtimes.
+    seen: list[tuple[int, int]] = []
+
+    def serve(conn: socket.socket) -> None:
+        read_request(conn)
+        router_side = conn.getpeername()[:2]
+        seen.extend((nodelay, lowat) for local, _, nodelay, lowat in tcp_options_in_process() if local == router_side)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+
+    engine = engine_factory(serve)
+    assert run_control(runtime, command("127.0.0.1", engine.port)) == [ControlDone("probe-1", 200, None, False, b"")]
+    assert seen == [(1, 0)]
