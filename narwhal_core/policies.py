@@ -69,7 +69,7 @@ class Plan:
     A plain slotted class made once per request on the hot path; treat it as a value.
     """
 
-    __slots__ = ("pd", "reason", "tokens", "hashes", "candidates", "indexes")
+    __slots__ = ("pd", "reason", "tokens", "hashes", "candidates", "indexes", "weighed_tokens")
 
     def __init__(
         self, pd: bool, reason: str, tokens: int, hashes: Sequence[int] | None = None,
@@ -87,13 +87,16 @@ class Plan:
         self.candidates = candidates
         #: With a policy of two indexes (``kv``): the index that weighed each candidate, in the same order.
         self.indexes: tuple[str, ...] | None = None
+        #: The tokens of the prompt the candidates were weighed for: this one's, or a batch's first
+        #: (:meth:`~narwhal_core.routing.Routing.replan` keeps the admission's weighing).
+        self.weighed_tokens = tokens
 
     def to_json(self, policy: str, prefill: str | None, decode: str | None) -> dict[str, Any]:
         """The journal's ``routing`` object, with the engines the request's legs last went to."""
         candidates = self.candidates
         indexes = self.indexes
         if indexes is not None:
-            tokens = self.tokens
+            tokens = self.weighed_tokens  # (a batch's later prompt has tokens of its own, not weighed)
             return routing_json(policy, "pd" if self.pd else "single", self.reason, prefill, decode, [
                 {"engine": url, "uncached_tokens": uncached, "queued_tokens": queued,
                  "matched_tokens": tokens - uncached, "index": index}

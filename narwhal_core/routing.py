@@ -140,10 +140,16 @@ class Routing:
         self, plan: Plan, body: dict[str, Any], route: Route, tokenized: PromptTokenized | None = None,
         probe: HeadProbe | None = None,
     ) -> Plan:  # fmt: skip
-        """The next prompt of a batch: the request's mode, with this prompt's own hashes and tokens."""
+        """The next prompt of a batch: the request's mode, with this prompt's own hashes and tokens.
+
+        The candidates stay those weighed at admission, with the tokens of
+        the prompt they were weighed for (the journal's ``routing`` record
+        describes the admission: docs/operate.md, "The journal").
+        """
         hashes, tokens = self.policy.key(body, route, tokenized, probe)
         replanned = Plan(plan.pd, plan.reason, tokens, hashes, plan.candidates)
         replanned.indexes = plan.indexes
+        replanned.weighed_tokens = plan.weighed_tokens
         return replanned
 
     def decide(self, plan: Plan) -> tuple[bool, str]:

@@ -256,6 +256,11 @@ def test_a_head_look_goes_to_its_own_prompt_plan_at_admission_and_for_a_batch_ne
     assert not d.tokenize_asked and tokenizer.heads == tokenizer.calls == 2  # the heads only
     routing = d.terminal(rid)["routing"]
     assert routing["index"] == "kv" and routing["prefill"] == second_holder
+    # The record's candidates are the admission's, weighed for the first prompt: its matched tokens are
+    # that prompt's (the first holder's two blocks), not the later prompt's tokens minus them.
+    best = routing["candidates"][0]
+    assert best["engine"] == first_holder and best["matched_tokens"] == 2 * BLOCK
+    assert all(c["matched_tokens"] >= 0 for c in routing["candidates"])
     d.check_invariants(final=True)
 
 
