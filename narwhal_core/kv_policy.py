@@ -315,3 +315,13 @@ class Kv(Prefix):
 
     def kv_stream(self, url: str, live: bool, reason: str, now: float) -> bool:
         return self.index.stream(url, live, reason, now)
+
+    def kv_live(self, urls: Sequence[str], now: float) -> dict[str, bool]:
+        live = {url: self.index.usable(url, now) for url in urls}
+        if self.index.changes:
+            self.report()  # (asking found an engine stale: its log line goes out now, not at its next request)
+        return live
+
+    def kv_stale_due(self, url: str, now: float) -> None:
+        self.index.usable(url, now)
+        self.report()

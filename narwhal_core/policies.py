@@ -157,6 +157,16 @@ class Policy:
         """The KV-event stream of the engine at ``url`` came up or went down; whether that changed its state."""
         return False
 
+    def kv_live(self, urls: Sequence[str], now: float) -> dict[str, bool]:
+        """Whether each engine of ``urls`` is weighed from its KV events at ``now`` (empty: no policy of events).
+
+        Asking may find an engine's stream stale, which the policy logs then.
+        """
+        return {}
+
+    def kv_stale_due(self, url: str, now: float) -> None:
+        """A lost stream's grace (``routing.kv_events_stale_s``) is over at ``now``: find whether it fell back."""
+
     def probe_head(
         self, body: dict[str, Any], route: Route, candidates: Sequence[EngineState]
     ) -> HeadProbe | None:

@@ -57,7 +57,6 @@ from .events import (
 )
 from .fleet import Health
 from .ids import PREFILL
-from .kv_policy import Kv
 from .http import Codec, CodecLike
 from .kv import LEASE_SHORT, NOTHING_HELD, KvLedger
 from .engine_metrics import EngineLoad
@@ -259,14 +258,7 @@ class Router:
 
     def _kv_events_live(self) -> dict[str, bool]:
         """Whether each prefill engine is weighed from its KV events now (empty unless the policy is ``kv``)."""
-        policy = self.fleet.policy
-        if not isinstance(policy, Kv):
-            return {}
-        now = self._ctx.now
-        live = {e.url: policy.index.usable(e.url, now) for e in self.fleet.engines[PREFILL]}
-        if policy.index.changes:
-            policy.report()  # (asking found an engine stale: its log line goes out now, not at its next request)
-        return live
+        return self.fleet.policy.kv_live([e.url for e in self.fleet.engines[PREFILL]], self._ctx.now)
 
     def contain_failure(self, event: Event | None, problem: str, trace: str | None = None) -> None:
         """The adapter caught ``problem``, raised by :meth:`receive` on ``event`` (``None``: :meth:`handle_deadline`).
@@ -374,10 +366,8 @@ class Router:
 
     def _kv_stale_due(self, url: str) -> None:
         """A lost stream's grace is over: unless it came back, its engine falls back now (``kv_events_stale``)."""
-        policy = self.fleet.policy
-        if isinstance(policy, Kv) and self.fleet.find(PREFILL, url) is not None:
-            policy.index.usable(url, self._ctx.now)
-            policy.report()
+        if self.fleet.find(PREFILL, url) is not None:
+            self.fleet.policy.kv_stale_due(url, self._ctx.now)
 
     def _begin_shutdown(self) -> None:
         ctx = self._ctx
