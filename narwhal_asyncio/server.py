@@ -3,9 +3,12 @@
 A transport's ``data_received`` feeds the driver synchronously; one
 ``call_soon`` callback per loop iteration performs the batch, before the
 loop waits for I/O again. No task runs per request (tasks only open engine
-connections and run control requests). Backpressure: while a client's
-transport stops taking bytes (``pause_writing``), neither that client nor
-any engine leg relaying to it is read. uvloop runs the loop when installed.
+connections and run control requests). Backpressure and the send timeout
+follow narwhal_runtime/slow_clients.py: while a client's transport holds
+more than ``HIGH_WATER`` (``pause_writing``, until it is empty), neither
+that client nor any engine leg relaying to it is read; while it holds any,
+a :class:`~narwhal_runtime.slow_clients.SendWatch` looks whether the client
+takes them. uvloop runs the loop when installed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from narwhal_core import (
 from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.serving import ServerBase
+from narwhal_runtime.slow_clients import LOOKS, SendWatch
 
 from .engines import Engines
 from .listener import Listener
@@ -56,7 +60,7 @@ class _Client(asyncio.Protocol):
     """One client connection; it is its own handle in the router's events and commands."""
 
     __slots__ = (
-        "server", "transport", "closed", "lost", "write_paused", "relays", "stall", "linger", "discarded",
+        "server", "transport", "closed", "lost", "write_paused", "relays", "watch", "next_look", "linger", "discarded",
     )
 
     def __init__(self, server: Server) -> None:
@@ -68,8 +72,9 @@ class _Client(asyncio.Protocol):
         self.write_paused = False
         #: Engine leg connections relaying to this client (paused with it).
         self.relays: set[Any] = set()
-        #: Fires when the client has left our bytes unread for ``send_timeout_s``.
-        self.stall: asyncio.TimerHandle | None = None
+        #: While the transport holds unsent bytes: whether the client takes them, and the next look.
+        self.watch: SendWatch | None = None
+        self.next_look: asyncio.TimerHandle | None = None
         #: Closes the socket at the end of the lingering close (see :data:`LINGER_S`).
         self.linger: asyncio.TimerHandle | None = None
         #: Bytes read and dropped since Narwhal closed its side.
@@ -96,6 +101,8 @@ class _Client(asyncio.Protocol):
         self.lost = True
         if self.linger is not None:
             self.linger.cancel()
+        if self.next_look is not None:
+            self.next_look.cancel()
         self.server._client_lost(self)
 
     def pause_writing(self) -> None:
@@ -104,22 +111,32 @@ class _Client(asyncio.Protocol):
         for leg in self.relays:
             leg.pause()
         self._tell_stalled(True)
-        if self.stall is None:
-            # A client that never reads must not hold its connection (or its legs) forever.
-            self.stall = asyncio.get_running_loop().call_later(
-                self.server.config.ingress.send_timeout_s, _abort_unless_lost, self
-            )
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        if self.stall is not None:
-            self.stall.cancel()
-            self.stall = None
         if not self.closed:
             self.transport.resume_reading()
         for leg in self.relays:
             leg.resume()
         self._tell_stalled(False)
+
+    def watch_sends(self, written: int) -> None:
+        """A write of ``written`` bytes: watch the unsent ones until the client takes them (the send timeout)."""
+        if self.watch is not None:
+            self.watch.wrote(written)
+        elif unsent := self.transport.get_write_buffer_size():
+            self.watch = SendWatch(unsent)
+            self.next_look = asyncio.get_running_loop().call_later(self.server._look_every, self._look)
+
+    def _look(self) -> None:
+        assert self.watch is not None
+        verdict = self.watch.look(self.transport.get_write_buffer_size())
+        if verdict == "again":
+            self.next_look = asyncio.get_running_loop().call_later(self.server._look_every, self._look)
+            return
+        self.watch = self.next_look = None
+        if verdict == "drop" and not self.lost:
+            self.transport.abort()  # it took none of our bytes for send_timeout_s
 
     def _tell_stalled(self, stalled: bool) -> None:
         # The legs relaying to this client wait for it (and those started
@@ -148,6 +165,8 @@ class Server(ServerBase):
         self._drained: asyncio.Future[None] | None = None
         self._listener: Listener | None = None
         self._stopping = False
+        #: Seconds between two looks at a client's unsent bytes (narwhal_runtime/slow_clients.py).
+        self._look_every = config.ingress.send_timeout_s / LOOKS
 
     async def serve(self, *, started: Callable[[tuple[str, int]], object] | None = None) -> None:
         """Listen, serve until a shutdown drains, then close the journal (the start and the end: :class:`ServerBase`).
@@ -278,6 +297,8 @@ class Server(ServerBase):
                 client.transport.write(data)
             except RuntimeError:
                 pass  # uvloop: the socket just failed; connection_lost tells the router
+            else:
+                client.watch_sends(len(data))
         if close:
             client.closed = True
             self._close(client)
@@ -295,10 +316,7 @@ class Server(ServerBase):
             self._release(client)  # the router is done with it: its connection slot is free
             self._lingering.add(client)
         else:
-            transport.close()  # after the bytes written before it
-        if transport.get_write_buffer_size() and client.stall is None:
-            # A client that never reads must not hold its socket forever.
-            client.stall = self._loop.call_later(self.config.ingress.send_timeout_s, _abort_unless_lost, client)
+            transport.close()  # after the bytes written before it (the send timeout still watches them)
 
     # -------------------------------------------------------------- clients
 
@@ -309,7 +327,7 @@ class Server(ServerBase):
             client.closed = True  # the router never hears of it
             client.transport.abort()
             return
-        client.transport.set_write_buffer_limits(high=HIGH_WATER)
+        client.transport.set_write_buffer_limits(high=HIGH_WATER, low=0)  # held until all is sent
         self.feed(ClientConnected(client, str(peer[0]), int(peer[1])))
 
     def _release(self, client: _Client) -> None:
@@ -341,11 +359,6 @@ class Server(ServerBase):
 
     def _closing(self, client: _Client) -> bool:
         return client.closed or self.driver.closing(client)
-
-
-def _abort_unless_lost(client: _Client) -> None:
-    if not client.lost:
-        client.transport.abort()
 
 
 def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:

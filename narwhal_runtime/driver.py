@@ -56,11 +56,12 @@ __all__ = [
     "HIGH_WATER", "LINGER_S", "LINGER_BYTES",
 ]
 
-# Client-socket policy both runtimes follow.
+# Client-socket policy both runtimes follow (for a client that does not
+# take its bytes: narwhal_runtime/slow_clients.py).
 
-#: Bytes queued for one client beyond which what feeds it (an engine leg
-#: relaying a stream) waits: trio's feeding task waits for the writer,
-#: asyncio stops reading the legs.
+#: Bytes unsent to one client beyond which what feeds it (an engine leg
+#: relaying a stream) waits until all are sent: trio's feeding task waits
+#: for the writer, asyncio stops reading the legs.
 HIGH_WATER = 1 << 20
 #: After Narwhal closes a connection (an error answer, ``connection: close``):
 #: how long, and for how many bytes, it goes on reading and discarding what

@@ -8,7 +8,9 @@ once from each feed: writing just before the loop sleeps would make the
 engine's answer find the process asleep more often (benchmarks/README.md).
 A client socket that cannot take all its bytes at once is finished by a
 writer task; a task feeding a client more than ``HIGH_WATER`` behind waits
-for it. Sockets are plain non-blocking ones (see :mod:`.engines`).
+for it to finish, and the writer drops a client that takes none of its
+bytes for ``send_timeout_s`` (narwhal_runtime/slow_clients.py). Sockets
+are plain non-blocking ones (see :mod:`.engines`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.serving import ServerBase
 
-from .engines import Engines, close_socket, receive, send_all
+from .engines import Engines, close_socket, receive
 from .listener import Listener
 
 __all__ = ["Server", "run", "RUNTIME"]
@@ -226,17 +228,24 @@ class Server(ServerBase):
     async def _writer(self, client: _Client) -> None:
         """Finish sending to a client whose socket could not take every byte at once."""
         sock = client.sock
+        timeout = self.config.ingress.send_timeout_s
         try:
-            while client.out and not client.closed:
-                out = client.out
-                data = out[0] if len(out) == 1 else b"".join(out)
-                client.out = []
-                client.buffered = 0
-                with trio.move_on_after(self.config.ingress.send_timeout_s):
-                    await send_all(sock, data)
-                    continue
-                # Our bytes lay unread for send_timeout_s: drop the client, so it cannot hold a slot forever.
-                raise trio.BrokenResourceError("send timeout")
+            # The send timeout (narwhal_runtime/slow_clients.py): each byte the socket takes moves it on.
+            with trio.CancelScope(deadline=trio.current_time() + timeout) as taking:
+                while client.out and not client.closed:
+                    out = client.out
+                    view = memoryview(out[0] if len(out) == 1 else b"".join(out))
+                    client.out = []
+                    client.buffered = 0
+                    while view:
+                        try:
+                            view = view[sock.send(view):]
+                        except BlockingIOError:
+                            await trio.lowlevel.wait_writable(sock)
+                            continue
+                        taking.deadline = trio.current_time() + timeout
+            if taking.cancelled_caught:
+                raise trio.BrokenResourceError("send timeout")  # drop it: it cannot hold a slot forever
             if client.close_after and not client.closed:
                 self._close_client(client)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):

@@ -1,0 +1,35 @@
+"""The send timeout's watch for runtimes that only see a client's unsent bytes when they look (narwhal_runtime/slow_clients.py)."""
+
+from __future__ import annotations
+
+from narwhal_runtime.slow_clients import LOOKS, SendWatch
+
+
+def test_a_client_that_takes_nothing_is_dropped_at_the_last_look_of_the_timeout() -> None:
+    watch = SendWatch(1000)
+    assert [watch.look(1000) for _ in range(LOOKS)] == ["again"] * (LOOKS - 1) + ["drop"]
+
+
+def test_bytes_written_meanwhile_do_not_hide_that_none_was_taken() -> None:
+    watch = SendWatch(1000)
+    for _ in range(LOOKS - 1):
+        watch.wrote(500)  # the buffer grows by what was written, no more and no less
+        assert watch.look(watch.unsent + 500) == "again"
+    watch.wrote(500)
+    assert watch.look(watch.unsent + 500) == "drop"
+
+
+def test_any_byte_taken_starts_the_timeout_again() -> None:
+    watch = SendWatch(1000)
+    for _ in range(LOOKS - 1):
+        assert watch.look(1000) == "again"
+    watch.wrote(500)
+    assert watch.look(1499) == "again"  # one byte of the 1,500 was taken
+    assert [watch.look(1499) for _ in range(LOOKS)] == ["again"] * (LOOKS - 1) + ["drop"]
+
+
+def test_the_watch_ends_once_nothing_is_left_however_long_it_took() -> None:
+    watch = SendWatch(1000)
+    for _ in range(LOOKS - 1):
+        assert watch.look(1000) == "again"
+    assert watch.look(0) == "done"
