@@ -13,7 +13,10 @@ a failed accept is handled by one rule (narwhal_runtime/listening.py,
 next accepted at once, any other failure logs one line and pauses; and the
 router's side of a client connection and of a leg's engine connection
 carries the same socket options on trio, asyncio and uvloop
-(narwhal_runtime/socket_options.py), read back from the kernel.
+(narwhal_runtime/socket_options.py), read back from the kernel; and a
+client that takes none of its bytes for ``ingress.send_timeout_s`` is
+dropped, however few they are, while one that reads slowly but reads is
+not (narwhal_runtime/slow_clients.py), on trio, asyncio and uvloop.
 
 One scenario — valid, invalid, streaming, unknown model, a decode engine that
 fails every leg (so the router retries elsewhere), a client that leaves
@@ -420,3 +423,96 @@ def test_client_and_engine_sockets_carry_the_same_options_on_every_runtime(runti
             assert router.call(lambda: type(router.server._loop).__module__).startswith("uvloop")
     assert [tuple(options) for options in accepted] == [CLIENT_SOCKET]
     assert {tuple(options) for options in legs} == {ENGINE_SOCKET}
+
+
+# ------------------------------------------------------------ the send timeout
+
+#: ``ingress.send_timeout_s`` of the slow-client runs: short, so the test is.
+SEND_TIMEOUT_S = 0.4
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("runtime, uvloop", [("trio", False), ("asyncio", False), ("asyncio", True)])
+def test_a_client_that_takes_none_of_its_bytes_is_dropped_after_the_send_timeout(
+    runtime: str, uvloop: bool, stream: bool, tmp_path: Path
+) -> None:
+    """One rule on every runtime (narwhal_runtime/slow_clients.py): a client that takes none of the bytes
+    Narwhal has for it for ``send_timeout_s`` is dropped, however few they are (here a few hundred KiB,
+    well under ``HIGH_WATER``): mid-stream (its request ends ``cancelled``) or once its whole answer is
+    written, on a keep-alive connection."""
+    if uvloop:
+        pytest.importorskip("uvloop")
+    journal = tmp_path / "journal.jsonl"
+    # Streamed: ~240 bytes per token, the decode engine still generating long after the drop (~3 s
+    # nominal at speed 8). Whole: ~130 KB at once. Either way far more than the kernel buffers hold.
+    tokens, speed = (4000, 8.0) if stream else (30000, 0.0)
+    body = json.dumps({"model": MODEL, "prompt": "Never read", "max_tokens": tokens, "ignore_eos": True,
+                       "stream": stream}).encode()
+    with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=speed) as decode, \
+            RouterThread(make_config(journal, prefill=(prefill.url,), decode=(decode.url,),
+                                     ingress={"send_timeout_s": SEND_TIMEOUT_S},
+                                     health={"probe_interval_s": 600.0}), runtime, uvloop=uvloop) as router, \
+            socket.socket() as client:  # fmt: skip
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        client.connect(router.address)
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        sent = time.monotonic()
+        poll(lambda: router.statistics().connections == 1, timeout=5.0, interval=0.005, what="the client seen")
+        # The client reads nothing: once the kernel holds what it can, the rest waits in the router.
+        poll(lambda: router.statistics().connections == 0, timeout=5.0, interval=0.005, what="the client dropped")
+        assert time.monotonic() - sent >= SEND_TIMEOUT_S
+        [record] = [r for r in wait_for_terminals(journal, 1) if r["terminal"] is not None]
+        if stream:
+            # Dropped while its engine still generated: what the journal says.
+            assert (record["terminal"], record["status"], record["error"]["code"]) == (
+                "cancelled", 499, "client_disconnected"), record
+        else:
+            assert (record["terminal"], record["status"]) == ("completed", 200), record
+        # The client's side ends too, its answer cut short.
+        client.settimeout(5.0)
+        received = bytearray()
+        try:
+            while data := client.recv(65536):
+                received += data
+        except ConnectionResetError:
+            pass
+        head, _, rest = bytes(received).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+        if stream:
+            assert not rest.endswith(b"\r\n0\r\n\r\n")
+        else:
+            length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+            assert len(rest) < length
+
+
+@pytest.mark.parametrize("runtime, uvloop", [("trio", False), ("asyncio", False), ("asyncio", True)])
+def test_a_client_that_reads_slowly_but_reads_is_not_dropped(runtime: str, uvloop: bool, tmp_path: Path) -> None:
+    """The other half of the rule: a client that takes some of its bytes within each ``send_timeout_s``
+    keeps its connection, however long its whole answer takes to read (here about three times that)."""
+    if uvloop:
+        pytest.importorskip("uvloop")
+    body = json.dumps({"model": MODEL, "prompt": "Read slowly", "max_tokens": 14000, "ignore_eos": True}).encode()
+    with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode, \
+            RouterThread(make_config(tmp_path / "journal.jsonl", prefill=(prefill.url,), decode=(decode.url,),
+                                     ingress={"send_timeout_s": SEND_TIMEOUT_S},
+                                     health={"probe_interval_s": 600.0}), runtime, uvloop=uvloop) as router, \
+            socket.socket() as client:  # fmt: skip
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(router.address)
+        client.settimeout(5.0)
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        received = bytearray()
+        started = time.monotonic()
+        while True:
+            head, _, rest = bytes(received).partition(b"\r\n\r\n")
+            found = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+            if found and len(rest) >= int(found.group(1)):
+                break
+            data = client.recv(2048)  # 2 KiB every 50 ms: about 40 KB/s
+            assert data, f"dropped after {len(received)} bytes"
+            received += data
+            time.sleep(0.05)
+        assert time.monotonic() - started > 2 * SEND_TIMEOUT_S  # longer than one timeout, in all
+        assert head.startswith(b"HTTP/1.1 200") and router.statistics().connections == 1
