@@ -3,12 +3,8 @@
 A transport's ``data_received`` feeds the driver synchronously; one
 ``call_soon`` callback per loop iteration performs the batch, before the
 loop waits for I/O again. No task runs per request (tasks only open engine
-connections and run control requests). Backpressure and the send timeout
-follow narwhal_runtime/slow_clients.py: while a client's transport holds
-more than ``HIGH_WATER`` (``pause_writing``, until it is empty), neither
-that client nor any engine leg relaying to it is read; while it holds any,
-a :class:`~narwhal_runtime.slow_clients.SendWatch` looks whether the client
-takes them. uvloop runs the loop when installed.
+connections and run control requests). Slow clients: see
+narwhal_runtime/slow_clients.py. uvloop runs the loop when installed.
 """
 
 from __future__ import annotations
@@ -121,7 +117,7 @@ class _Client(asyncio.Protocol):
         self._tell_stalled(False)
 
     def watch_sends(self, written: int) -> None:
-        """A write of ``written`` bytes: watch the unsent ones until the client takes them (the send timeout)."""
+        """A write of ``written`` bytes left some unsent: watch them until the client takes them (the send timeout)."""
         if self.watch is not None:
             self.watch.wrote(written)
         elif unsent := self.transport.get_write_buffer_size():
@@ -298,7 +294,8 @@ class Server(ServerBase):
             except RuntimeError:
                 pass  # uvloop: the socket just failed; connection_lost tells the router
             else:
-                client.watch_sends(len(data))
+                if client.watch is not None or client.transport.get_write_buffer_size():
+                    client.watch_sends(len(data))  # bytes left unsent: the send timeout watches them
         if close:
             client.closed = True
             self._close(client)

@@ -1,4 +1,4 @@
-"""The send timeout's watch for runtimes that only see a client's unsent bytes when they look (narwhal_runtime/slow_clients.py)."""
+"""The send timeout's watch, for runtimes that see a client's unsent bytes only when they look (slow_clients.py)."""
 
 from __future__ import annotations
 
