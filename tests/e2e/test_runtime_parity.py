@@ -489,13 +489,14 @@ def test_a_client_that_takes_none_of_its_bytes_is_dropped_after_the_send_timeout
 @pytest.mark.parametrize("runtime, uvloop", [("trio", False), ("asyncio", False), ("asyncio", True)])
 def test_a_client_that_reads_slowly_but_reads_is_not_dropped(runtime: str, uvloop: bool, tmp_path: Path) -> None:
     """The other half of the rule: a client that takes some of its bytes within each ``send_timeout_s``
-    keeps its connection, however long its whole answer takes to read (here about three times that)."""
+    keeps its connection, however long its whole answer takes to read (here about twice that)."""
     if uvloop:
         pytest.importorskip("uvloop")
+    timeout = 0.6  # a little longer: the reading thread may be held up a while on a loaded machine
     body = json.dumps({"model": MODEL, "prompt": "Read slowly", "max_tokens": 14000, "ignore_eos": True}).encode()
     with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode, \
             RouterThread(make_config(tmp_path / "journal.jsonl", prefill=(prefill.url,), decode=(decode.url,),
-                                     ingress={"send_timeout_s": SEND_TIMEOUT_S},
+                                     ingress={"send_timeout_s": timeout},
                                      health={"probe_interval_s": 600.0}), runtime, uvloop=uvloop) as router, \
             socket.socket() as client:  # fmt: skip
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -514,5 +515,5 @@ def test_a_client_that_reads_slowly_but_reads_is_not_dropped(runtime: str, uvloo
             assert data, f"dropped after {len(received)} bytes"
             received += data
             time.sleep(0.05)
-        assert time.monotonic() - started > 2 * SEND_TIMEOUT_S  # longer than one timeout, in all
+        assert time.monotonic() - started > 2 * timeout  # longer than one timeout, in all
         assert head.startswith(b"HTTP/1.1 200") and router.statistics().connections == 1
