@@ -21,7 +21,9 @@ an :class:`Effects` object that performs the I/O. The driver decides:
 * **error containment**: an exception raised by the router while it handles
   an event, a timer or while its commands are drained ends what the event
   concerned (500 ``internal_error``, its journal record) and never reaches
-  the adapter (:func:`contain`);
+  the adapter (:func:`contain`); one raised by an effect ends the flush
+  (what is left waits for the next) and is handed to
+  :meth:`Effects.flush_failed`, never raised to the adapter's loop;
 * **journal health**: a journal write that starts or stops failing is fed
   back to the router (``/ready``), within the same flush;
 * **the timer**: only a deadline earlier than the armed one re-arms it;
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 from narwhal_core import (
@@ -89,8 +91,11 @@ class EngineCommands(Protocol):
 class Effects(Protocol):
     """The I/O an adapter performs for :meth:`Driver.flush`, called in this order."""
 
-    def write_journal(self, lines: list[bytes]) -> tuple[bool, str | None]:
-        """Append the records (one write); whether the journal is healthy, and its error if not."""
+    def write_journal(self, lines: list[bytes]) -> bool:
+        """Append the records (one write); whether the journal is healthy."""
+
+    def journal_error(self) -> str | None:
+        """Why the journal is not healthy (asked when :meth:`write_journal`'s answer changes)."""
 
     def log(self, event: str, fields: dict[str, Any]) -> None:
         """Write one process-log line."""
@@ -107,6 +112,9 @@ class Effects(Protocol):
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         """Send ``data`` (maybe empty) to client ``conn``; then close it (lingering) if ``close``."""
+
+    def flush_failed(self, exc: Exception) -> None:
+        """An effect raised ``exc``: the flush stopped there (logged as ``flush_error``; the server goes on)."""
 
 
 def contain(router: Router, event: Event | None, exc: Exception) -> list[tuple[str, dict[str, Any]]]:
@@ -157,6 +165,14 @@ class Driver:
         #: Drains so far, and at the end of the last scheduler batch (:meth:`batch_ended`).
         self.drains = 0
         self._drains_at_batch_end = 0
+        #: :meth:`pending`, kept up to date by each drain and flush: an adapter
+        #: that asks once per scheduler batch reads it without a call.
+        self.unflushed = False
+        #: Called with the router after each flush (a worker of a group
+        #: snapshots its metrics: narwhal_runtime/group_metrics.py), if set.
+        self.after_flush: Callable[[Router], object] | None = None
+        #: A :meth:`flush` runs.
+        self.flushing = False
 
     # ------------------------------------------------------------ the router
 
@@ -180,7 +196,8 @@ class Driver:
         if deadline is not None and deadline < self.armed:
             self.armed = deadline
             self.rearm = True
-        return bool(self._journal or self._outboxes or self._engine or self._logs)
+        self.unflushed = pending = bool(self._journal or self._outboxes or self._engine or self._logs)
+        return pending
 
     def fire_timer(self, *, now: float) -> None:
         """The armed deadline is due: let the router handle it, gather its commands."""
@@ -213,6 +230,7 @@ class Driver:
                 "level": "error", "rid": None, "problem": f"{type(again).__name__}: {again}", "during": "drain"}))
 
     def _deadline(self) -> None:
+        self.unflushed = self.pending()
         self.drains += 1
         deadline = self.router.get_deadline()
         if deadline is not None and deadline < self.armed:
@@ -282,57 +300,76 @@ class Driver:
         nothing is left, keeping the order for what was added. A change of
         the journal's health is fed at ``now``, by default the time of the
         last event fed (the batch's; reading the clock per flush would cost
-        more than it tells).
+        more than it tells). An effect that raises ends the flush there:
+        what is left waits for the next one, and the exception goes to
+        :meth:`Effects.flush_failed` (a failed write must not stop the server).
+
+        A flush asked for while one runs (an effect fed an event, and its
+        adapter flushes at once after each) returns at once: the running
+        one performs what was added, in order.
         """
+        if self.flushing:
+            return
+        self.flushing = True
         if now is None:
             now = self._now
-        while True:
-            if self._journal:
-                lines, self._journal = self._journal, []
-                ok, error = out.write_journal(lines)
-                if ok != self._journal_ok:
-                    self._journal_ok = ok
-                    self.feed(JournalHealth(ok, error), now=now)
-                    continue  # the health change's own records go first
-            if self._logs:
-                logs, self._logs = self._logs, []
-                for event, fields in logs:
-                    out.log(event, fields)
-            if self._engine:
-                commands, self._engine = self._engine, []
-                engines = out.engines
-                assert engines is not None  # the router starts nothing before the adapter serves
-                started = False
-                for cmd in commands:
-                    kind = type(cmd)
-                    if kind is StartLeg:
-                        engines.start_leg(cmd)  # type: ignore[arg-type]
-                        started = True
-                    elif kind is FinishLeg:
-                        engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
-                    elif kind is CancelLeg:
-                        engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
-                    elif kind is TokenizePrompt:
-                        out.tokenize(cmd)  # type: ignore[arg-type]
+        try:
+            while True:
+                if self._journal:
+                    lines, self._journal = self._journal, []
+                    ok = out.write_journal(lines)
+                    if ok != self._journal_ok:
+                        self._journal_ok = ok
+                        self.feed(JournalHealth(ok, out.journal_error()), now=now)
+                        continue  # the health change's own records go first
+                if self._logs:
+                    logs, self._logs = self._logs, []
+                    for event, fields in logs:
+                        out.log(event, fields)
+                if self._engine:
+                    commands, self._engine = self._engine, []
+                    engines = out.engines
+                    assert engines is not None  # the router starts nothing before the adapter serves
+                    started = False
+                    for cmd in commands:
+                        kind = type(cmd)
+                        if kind is StartLeg:
+                            engines.start_leg(cmd)  # type: ignore[arg-type]
+                            started = True
+                        elif kind is FinishLeg:
+                            engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
+                        elif kind is CancelLeg:
+                            engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
+                        elif kind is TokenizePrompt:
+                            out.tokenize(cmd)  # type: ignore[arg-type]
+                        else:
+                            engines.start_control(cmd)  # type: ignore[arg-type]
+                    if started:
+                        # Only a leg started here can have queued a request on a pooled connection.
+                        out.write_legs()
+                outboxes = self._outboxes
+                if outboxes:
+                    self._outboxes = {}
+                    closes = self._closes
+                    send = out.send
+                    if closes:
+                        self._closes = set()
+                        for conn, parts in outboxes.items():
+                            send(conn, parts[0] if len(parts) == 1 else b"".join(parts), conn in closes)
                     else:
-                        engines.start_control(cmd)  # type: ignore[arg-type]
-                if started:
-                    # Only a leg started here can have queued a request on a pooled connection.
-                    out.write_legs()
-            outboxes = self._outboxes
-            if outboxes:
-                self._outboxes = {}
-                closes = self._closes
-                send = out.send
-                if closes:
-                    self._closes = set()
-                    for conn, parts in outboxes.items():
-                        send(conn, parts[0] if len(parts) == 1 else b"".join(parts), conn in closes)
-                else:
-                    for conn, parts in outboxes.items():
-                        send(conn, parts[0] if len(parts) == 1 else b"".join(parts), False)
-            if not (self._journal or self._outboxes or self._engine or self._logs):
-                return
+                        for conn, parts in outboxes.items():
+                            send(conn, parts[0] if len(parts) == 1 else b"".join(parts), False)
+                if not (self._journal or self._outboxes or self._engine or self._logs):
+                    break
+        except Exception as exc:  # noqa: BLE001 - a failed effect must not stop the server (nor trio's instrument)
+            self.unflushed = self.pending()  # what is left waits for the next flush
+            out.flush_failed(exc)
+        else:
+            self.unflushed = False
+        finally:
+            self.flushing = False
+        if self.after_flush is not None:
+            self.after_flush(self.router)
 
 
 class BusyPoll:
