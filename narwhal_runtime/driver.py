@@ -139,6 +139,12 @@ def contain(router: Router, event: Event | None, exc: Exception) -> list[tuple[s
     return []
 
 
+#: What :meth:`Driver.fire_timer` feeds: the armed deadline is due (a failure is contained as a timer's).
+_DEADLINE: Any = object()
+#: What :meth:`Driver.drain` feeds: nothing, only take what the router queued on its own.
+_QUEUED: Any = object()
+
+
 class Driver:
     """Feeds a :class:`~narwhal_core.Router` and gathers what it asks for into ordered batches."""
 
@@ -180,20 +186,62 @@ class Driver:
         """Hand the router one event and gather its commands; nothing it raises escapes.
 
         Returns :meth:`pending` (the caller schedules a flush on it, and
-        asking again would cost a call per event).
+        asking again would cost a call per event). The one loop taking the
+        router's commands is here, not in a method of its own: this runs
+        once per event, the hottest path of the driver, and a call costs.
         """
         self.transmitted.clear()
         self._now = now
         router = self.router
-        try:
-            router.receive(event, now=now)
-            self._take_commands()
-        except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
-            self._contain(event, exc)
-        # _deadline(), inlined: this runs once per event, the hottest path here.
+        next_output = router.next_output
+        outboxes = self._outboxes
+        transmitted = self.transmitted
+        contained = False
+        while True:
+            try:
+                if not contained:  # (once contained: only take what the containment queued)
+                    if event is _DEADLINE:
+                        router.handle_deadline(now=now)
+                    elif event is not _QUEUED:
+                        router.receive(event, now=now)
+                while (cmd := next_output()) is not None:
+                    kind = type(cmd)
+                    if kind is Transmit:
+                        conn = cmd.conn  # type: ignore[union-attr]
+                        parts = outboxes.get(conn)
+                        if parts is None:
+                            outboxes[conn] = [cmd.data]  # type: ignore[union-attr]
+                        elif not (self._closes and conn in self._closes):  # nothing after the close
+                            parts.append(cmd.data)  # type: ignore[union-attr]
+                        transmitted.append(conn)
+                    elif kind is WriteJournal:
+                        self._journal.append(cmd.line)  # type: ignore[union-attr]
+                    elif (kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl
+                          or kind is TokenizePrompt):
+                        self._engine.append(cmd)  # type: ignore[arg-type]
+                    elif kind is CloseClient:
+                        conn = cmd.conn  # type: ignore[union-attr]
+                        if conn not in outboxes:
+                            outboxes[conn] = []
+                        self._closes.add(conn)
+                    elif kind is Log:
+                        self._logs.append((cmd.event, cmd.fields))  # type: ignore[union-attr]
+                    elif kind is ShutdownComplete:
+                        self.shutdown_complete = True
+                break
+            except Exception as exc:  # noqa: BLE001 - one bad event (or timer) must not stop the server
+                if contained:  # the router is broken beyond one request
+                    self._logs.append(("internal_error", {
+                        "level": "error", "rid": None, "problem": f"{type(exc).__name__}: {exc}", "during": "drain"}))
+                    break
+                # Raised by receive, handle_deadline or next_output (then the commands not yet
+                # taken stay queued): end what the event was about, then take what is queued, once more.
+                contained = True
+                self._logs += contain(router, None if event is _DEADLINE or event is _QUEUED else event, exc)
         self.drains += 1
         deadline = router.get_deadline()
         if deadline is not None and deadline < self.armed:
+            # Only an earlier deadline re-arms; a later one waits for this one to fire.
             self.armed = deadline
             self.rearm = True
         self.unflushed = pending = bool(self._journal or self._outboxes or self._engine or self._logs)
@@ -202,70 +250,11 @@ class Driver:
     def fire_timer(self, *, now: float) -> None:
         """The armed deadline is due: let the router handle it, gather its commands."""
         self.armed = math.inf
-        self._now = now
-        try:
-            self.router.handle_deadline(now=now)
-            self._take_commands()
-        except Exception as exc:  # noqa: BLE001 - one bad timer must not stop the server
-            self._contain(None, exc)
-        self._deadline()
+        self.feed(_DEADLINE, now=now)
 
     def drain(self) -> None:
         """Gather what the router queued on its own (at start: the first health probes)."""
-        try:
-            self._take_commands()
-        except Exception as exc:  # noqa: BLE001
-            self._contain(None, exc)
-        self._deadline()
-
-    def _contain(self, event: Event | None, exc: Exception) -> None:
-        # Raised by receive, handle_deadline or next_output (then the commands
-        # not yet taken stay queued): end what the event was about, then take
-        # what is queued, once more.
-        self._logs += contain(self.router, event, exc)
-        try:
-            self._take_commands()
-        except Exception as again:  # noqa: BLE001 - the router is broken beyond one request
-            self._logs.append(("internal_error", {
-                "level": "error", "rid": None, "problem": f"{type(again).__name__}: {again}", "during": "drain"}))
-
-    def _deadline(self) -> None:
-        self.unflushed = self.pending()
-        self.drains += 1
-        deadline = self.router.get_deadline()
-        if deadline is not None and deadline < self.armed:
-            # Only an earlier deadline re-arms; a later one waits for this one to fire.
-            self.armed = deadline
-            self.rearm = True
-
-    def _take_commands(self) -> None:
-        next_output = self.router.next_output
-        outboxes = self._outboxes
-        transmitted = self.transmitted
-        while (cmd := next_output()) is not None:
-            kind = type(cmd)
-            if kind is Transmit:
-                conn = cmd.conn  # type: ignore[union-attr]
-                parts = outboxes.get(conn)
-                if parts is None:
-                    outboxes[conn] = [cmd.data]  # type: ignore[union-attr]
-                elif not (self._closes and conn in self._closes):  # nothing after the close
-                    parts.append(cmd.data)  # type: ignore[union-attr]
-                transmitted.append(conn)
-            elif kind is WriteJournal:
-                self._journal.append(cmd.line)  # type: ignore[union-attr]
-            elif (kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl
-                  or kind is TokenizePrompt):
-                self._engine.append(cmd)  # type: ignore[arg-type]
-            elif kind is CloseClient:
-                conn = cmd.conn  # type: ignore[union-attr]
-                if conn not in outboxes:
-                    outboxes[conn] = []
-                self._closes.add(conn)
-            elif kind is Log:
-                self._logs.append((cmd.event, cmd.fields))  # type: ignore[union-attr]
-            elif kind is ShutdownComplete:
-                self.shutdown_complete = True
+        self.feed(_QUEUED, now=self._now)
 
     def batch_ended(self) -> bool:
         """The scheduler's batch is over: was the load light (one drain in it, or none)?
