@@ -189,10 +189,8 @@ class Server(ServerBase):
     # -------------------------------------------------- effects (the I/O)
 
     def _flush(self) -> None:
-        driver = self.driver
-        driver.flush(self)  # (at once if a flush runs: that one performs what was added)
-        if driver.rearm or driver.shutdown_complete:  # (an effect fed the driver)
-            self._notice()
+        self.driver.flush(self)  # (at once if a flush runs: that one performs what was added)
+        self._notice()  # an effect may have fed the driver
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         client = self._clients.get(conn)
@@ -329,8 +327,7 @@ class _EndOfBatch(trio.abc.Instrument):
     """Calls ``flush(timeout)`` once per scheduler batch, before the run loop waits for I/O."""
 
     def __init__(self, flush: Callable[[float], None]) -> None:
-        # The hook is ``flush`` itself, not a method calling it: trio looks it
-        # up on the instance, and this runs once per scheduler batch.
+        # The hook is ``flush`` itself (trio looks it up on the instance): no call more per batch.
         self.before_io_wait = flush  # type: ignore[method-assign]
 
 
