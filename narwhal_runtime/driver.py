@@ -21,7 +21,9 @@ an :class:`Effects` object that performs the I/O. The driver decides:
 * **error containment**: an exception raised by the router while it handles
   an event, a timer or while its commands are drained ends what the event
   concerned (500 ``internal_error``, its journal record) and never reaches
-  the adapter (:func:`contain`);
+  the adapter (:func:`contain`); one raised by an effect ends the flush
+  (what is left waits for the next) and is handed to
+  :meth:`Effects.flush_failed`, never raised to the adapter's loop;
 * **journal health**: a journal write that starts or stops failing is fed
   back to the router (``/ready``), within the same flush;
 * **the timer**: only a deadline earlier than the armed one re-arms it;
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 from narwhal_core import (
@@ -90,8 +92,11 @@ class EngineCommands(Protocol):
 class Effects(Protocol):
     """The I/O an adapter performs for :meth:`Driver.flush`, called in this order."""
 
-    def write_journal(self, lines: list[bytes]) -> tuple[bool, str | None]:
-        """Append the records (one write); whether the journal is healthy, and its error if not."""
+    def write_journal(self, lines: list[bytes]) -> bool:
+        """Append the records (one write); whether the journal is healthy."""
+
+    def journal_error(self) -> str | None:
+        """Why the journal is not healthy (asked when :meth:`write_journal`'s answer changes)."""
 
     def log(self, event: str, fields: dict[str, Any]) -> None:
         """Write one process-log line."""
@@ -108,6 +113,9 @@ class Effects(Protocol):
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         """Send ``data`` (maybe empty) to client ``conn``; then close it (lingering) if ``close``."""
+
+    def flush_failed(self, exc: Exception) -> None:
+        """An effect raised ``exc``: the flush stopped there (logged as ``flush_error``; the server goes on)."""
 
 
 def contain(router: Router, event: Event | None, exc: Exception) -> list[tuple[str, dict[str, Any]]]:
@@ -130,6 +138,12 @@ def contain(router: Router, event: Event | None, exc: Exception) -> list[tuple[s
             "containment": f"{type(again).__name__}: {again}",
         })]
     return []
+
+
+#: What :meth:`Driver.fire_timer` feeds: the armed deadline is due (a failure is contained as a timer's).
+_DEADLINE: Any = object()
+#: What :meth:`Driver.drain` feeds: nothing, only take what the router queued on its own.
+_QUEUED: Any = object()
 
 
 class Driver:
@@ -158,6 +172,14 @@ class Driver:
         #: Drains so far, and at the end of the last scheduler batch (:meth:`batch_ended`).
         self.drains = 0
         self._drains_at_batch_end = 0
+        #: :meth:`pending`, kept up to date by each drain and flush: an adapter
+        #: that asks once per scheduler batch reads it without a call.
+        self.unflushed = False
+        #: Called with the router after each flush (a worker of a group
+        #: snapshots its metrics: narwhal_runtime/group_metrics.py), if set.
+        self.after_flush: Callable[[Router], object] | None = None
+        #: A :meth:`flush` runs.
+        self.flushing = False
 
     # ------------------------------------------------------------ the router
 
@@ -165,90 +187,75 @@ class Driver:
         """Hand the router one event and gather its commands; nothing it raises escapes.
 
         Returns :meth:`pending` (the caller schedules a flush on it, and
-        asking again would cost a call per event).
+        asking again would cost a call per event). The one loop taking the
+        router's commands is here, not in a method of its own: this runs
+        once per event, the hottest path of the driver, and a call costs.
         """
         self.transmitted.clear()
         self._now = now
         router = self.router
-        try:
-            router.receive(event, now=now)
-            self._take_commands()
-        except Exception as exc:  # noqa: BLE001 - one bad event must not stop the server
-            self._contain(event, exc)
-        # _deadline(), inlined: this runs once per event, the hottest path here.
+        next_output = router.next_output
+        outboxes = self._outboxes
+        transmitted = self.transmitted
+        contained = False
+        while True:
+            try:
+                if not contained:  # (once contained: only take what the containment queued)
+                    if event is _DEADLINE:
+                        router.handle_deadline(now=now)
+                    elif event is not _QUEUED:
+                        router.receive(event, now=now)
+                while (cmd := next_output()) is not None:
+                    kind = type(cmd)
+                    if kind is Transmit:
+                        conn = cmd.conn  # type: ignore[union-attr]
+                        parts = outboxes.get(conn)
+                        if parts is None:
+                            outboxes[conn] = [cmd.data]  # type: ignore[union-attr]
+                        elif not (self._closes and conn in self._closes):  # nothing after the close
+                            parts.append(cmd.data)  # type: ignore[union-attr]
+                        transmitted.append(conn)
+                    elif kind is WriteJournal:
+                        self._journal.append(cmd.line)  # type: ignore[union-attr]
+                    elif (kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl
+                          or kind is TokenizePrompt):
+                        self._engine.append(cmd)  # type: ignore[arg-type]
+                    elif kind is CloseClient:
+                        conn = cmd.conn  # type: ignore[union-attr]
+                        if conn not in outboxes:
+                            outboxes[conn] = []
+                        self._closes.add(conn)
+                    elif kind is Log:
+                        self._logs.append((cmd.event, cmd.fields))  # type: ignore[union-attr]
+                    elif kind is ShutdownComplete:
+                        self.shutdown_complete = True
+                break
+            except Exception as exc:  # noqa: BLE001 - one bad event (or timer) must not stop the server
+                if contained:  # the router is broken beyond one request
+                    self._logs.append(("internal_error", {
+                        "level": "error", "rid": None, "problem": f"{type(exc).__name__}: {exc}", "during": "drain"}))
+                    break
+                # Raised by receive, handle_deadline or next_output (then the commands not yet
+                # taken stay queued): end what the event was about, then take what is queued, once more.
+                contained = True
+                self._logs += contain(router, None if event is _DEADLINE or event is _QUEUED else event, exc)
         self.drains += 1
         deadline = router.get_deadline()
-        if deadline is not None and deadline < self.armed:
-            self.armed = deadline
-            self.rearm = True
-        return bool(self._journal or self._outboxes or self._engine or self._logs)
-
-    def fire_timer(self, *, now: float) -> None:
-        """The armed deadline is due: let the router handle it, gather its commands."""
-        self.armed = math.inf
-        self._now = now
-        try:
-            self.router.handle_deadline(now=now)
-            self._take_commands()
-        except Exception as exc:  # noqa: BLE001 - one bad timer must not stop the server
-            self._contain(None, exc)
-        self._deadline()
-
-    def drain(self) -> None:
-        """Gather what the router queued on its own (at start: the first health probes)."""
-        try:
-            self._take_commands()
-        except Exception as exc:  # noqa: BLE001
-            self._contain(None, exc)
-        self._deadline()
-
-    def _contain(self, event: Event | None, exc: Exception) -> None:
-        # Raised by receive, handle_deadline or next_output (then the commands
-        # not yet taken stay queued): end what the event was about, then take
-        # what is queued, once more.
-        self._logs += contain(self.router, event, exc)
-        try:
-            self._take_commands()
-        except Exception as again:  # noqa: BLE001 - the router is broken beyond one request
-            self._logs.append(("internal_error", {
-                "level": "error", "rid": None, "problem": f"{type(again).__name__}: {again}", "during": "drain"}))
-
-    def _deadline(self) -> None:
-        self.drains += 1
-        deadline = self.router.get_deadline()
         if deadline is not None and deadline < self.armed:
             # Only an earlier deadline re-arms; a later one waits for this one to fire.
             self.armed = deadline
             self.rearm = True
+        self.unflushed = pending = bool(self._journal or self._outboxes or self._engine or self._logs)
+        return pending
 
-    def _take_commands(self) -> None:
-        next_output = self.router.next_output
-        outboxes = self._outboxes
-        transmitted = self.transmitted
-        while (cmd := next_output()) is not None:
-            kind = type(cmd)
-            if kind is Transmit:
-                conn = cmd.conn  # type: ignore[union-attr]
-                parts = outboxes.get(conn)
-                if parts is None:
-                    outboxes[conn] = [cmd.data]  # type: ignore[union-attr]
-                elif not (self._closes and conn in self._closes):  # nothing after the close
-                    parts.append(cmd.data)  # type: ignore[union-attr]
-                transmitted.append(conn)
-            elif kind is WriteJournal:
-                self._journal.append(cmd.line)  # type: ignore[union-attr]
-            elif (kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl
-                  or kind is TokenizePrompt):
-                self._engine.append(cmd)  # type: ignore[arg-type]
-            elif kind is CloseClient:
-                conn = cmd.conn  # type: ignore[union-attr]
-                if conn not in outboxes:
-                    outboxes[conn] = []
-                self._closes.add(conn)
-            elif kind is Log:
-                self._logs.append((cmd.event, cmd.fields))  # type: ignore[union-attr]
-            elif kind is ShutdownComplete:
-                self.shutdown_complete = True
+    def fire_timer(self, *, now: float) -> None:
+        """The armed deadline is due: let the router handle it, gather its commands."""
+        self.armed = math.inf
+        self.feed(_DEADLINE, now=now)
+
+    def drain(self) -> None:
+        """Gather what the router queued on its own (at start: the first health probes)."""
+        self.feed(_QUEUED, now=self._now)
 
     def batch_ended(self) -> bool:
         """The scheduler's batch is over: was the load light (one drain in it, or none)?
@@ -283,57 +290,76 @@ class Driver:
         nothing is left, keeping the order for what was added. A change of
         the journal's health is fed at ``now``, by default the time of the
         last event fed (the batch's; reading the clock per flush would cost
-        more than it tells).
+        more than it tells). An effect that raises ends the flush there:
+        what is left waits for the next one, and the exception goes to
+        :meth:`Effects.flush_failed` (a failed write must not stop the server).
+
+        A flush asked for while one runs (an effect fed an event, and its
+        adapter flushes at once after each) returns at once: the running
+        one performs what was added, in order.
         """
+        if self.flushing:
+            return
+        self.flushing = True
         if now is None:
             now = self._now
-        while True:
-            if self._journal:
-                lines, self._journal = self._journal, []
-                ok, error = out.write_journal(lines)
-                if ok != self._journal_ok:
-                    self._journal_ok = ok
-                    self.feed(JournalHealth(ok, error), now=now)
-                    continue  # the health change's own records go first
-            if self._logs:
-                logs, self._logs = self._logs, []
-                for event, fields in logs:
-                    out.log(event, fields)
-            if self._engine:
-                commands, self._engine = self._engine, []
-                engines = out.engines
-                assert engines is not None  # the router starts nothing before the adapter serves
-                started = False
-                for cmd in commands:
-                    kind = type(cmd)
-                    if kind is StartLeg:
-                        engines.start_leg(cmd)  # type: ignore[arg-type]
-                        started = True
-                    elif kind is FinishLeg:
-                        engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
-                    elif kind is CancelLeg:
-                        engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
-                    elif kind is TokenizePrompt:
-                        out.tokenize(cmd)  # type: ignore[arg-type]
+        try:
+            while True:
+                if self._journal:
+                    lines, self._journal = self._journal, []
+                    ok = out.write_journal(lines)
+                    if ok != self._journal_ok:
+                        self._journal_ok = ok
+                        self.feed(JournalHealth(ok, out.journal_error()), now=now)
+                        continue  # the health change's own records go first
+                if self._logs:
+                    logs, self._logs = self._logs, []
+                    for event, fields in logs:
+                        out.log(event, fields)
+                if self._engine:
+                    commands, self._engine = self._engine, []
+                    engines = out.engines
+                    assert engines is not None  # the router starts nothing before the adapter serves
+                    started = False
+                    for cmd in commands:
+                        kind = type(cmd)
+                        if kind is StartLeg:
+                            engines.start_leg(cmd)  # type: ignore[arg-type]
+                            started = True
+                        elif kind is FinishLeg:
+                            engines.finish_leg(cmd.leg, cmd.reusable)  # type: ignore[union-attr]
+                        elif kind is CancelLeg:
+                            engines.cancel_leg(cmd.leg)  # type: ignore[union-attr]
+                        elif kind is TokenizePrompt:
+                            out.tokenize(cmd)  # type: ignore[arg-type]
+                        else:
+                            engines.start_control(cmd)  # type: ignore[arg-type]
+                    if started:
+                        # Only a leg started here can have queued a request on a pooled connection.
+                        out.write_legs()
+                outboxes = self._outboxes
+                if outboxes:
+                    self._outboxes = {}
+                    closes = self._closes
+                    send = out.send
+                    if closes:
+                        self._closes = set()
+                        for conn, parts in outboxes.items():
+                            send(conn, parts[0] if len(parts) == 1 else b"".join(parts), conn in closes)
                     else:
-                        engines.start_control(cmd)  # type: ignore[arg-type]
-                if started:
-                    # Only a leg started here can have queued a request on a pooled connection.
-                    out.write_legs()
-            outboxes = self._outboxes
-            if outboxes:
-                self._outboxes = {}
-                closes = self._closes
-                send = out.send
-                if closes:
-                    self._closes = set()
-                    for conn, parts in outboxes.items():
-                        send(conn, parts[0] if len(parts) == 1 else b"".join(parts), conn in closes)
-                else:
-                    for conn, parts in outboxes.items():
-                        send(conn, parts[0] if len(parts) == 1 else b"".join(parts), False)
-            if not (self._journal or self._outboxes or self._engine or self._logs):
-                return
+                        for conn, parts in outboxes.items():
+                            send(conn, parts[0] if len(parts) == 1 else b"".join(parts), False)
+                if not (self._journal or self._outboxes or self._engine or self._logs):
+                    break
+        except Exception as exc:  # noqa: BLE001 - a failed effect must not stop the server (nor trio's instrument)
+            self.unflushed = self.pending()  # what is left waits for the next flush
+            out.flush_failed(exc)
+        else:
+            self.unflushed = False
+        finally:
+            self.flushing = False
+        if self.after_flush is not None:
+            self.after_flush(self.router)
 
 
 class BusyPoll:

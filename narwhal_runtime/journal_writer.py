@@ -68,24 +68,31 @@ class JournalWriter:
 
     def write(self, line: bytes) -> bool:
         """Append one record; return whether the journal is healthy afterwards."""
-        return self._append(line, 1)
+        return self.write_lines([line])
 
     def write_lines(self, lines: list[bytes]) -> bool:
         """Append several records (whole lines) with one ``write(2)``; return whether the journal is healthy."""
-        return self._append(lines[0] if len(lines) == 1 else b"".join(lines), len(lines))
-
-    def _append(self, data: bytes, records: int) -> bool:
+        data = lines[0] if len(lines) == 1 else b"".join(lines)
         if self._pending:
             self._enqueue(data)
             self._retry()
             return self.ok
+        # The first write(2) here, not in _write_all: it nearly always takes
+        # the whole batch, and this runs once per flush (a call costs).
         try:
-            self._write_all(data)
-        except _ShortWrite as short:
-            self._failed(short.error)
-            self._enqueue(short.rest)
+            n = os.write(self._fd, data)
+        except OSError as exc:
+            self._failed(exc)
+            self._enqueue(data)
             return False
-        self.written += records
+        if n < len(data):
+            try:
+                self._write_all(memoryview(data)[n:])
+            except _ShortWrite as short:
+                self._failed(short.error)
+                self._enqueue(short.rest)
+                return False
+        self.written += len(lines)
         if self.fsync == "always":
             self._fsync()
         else:
@@ -121,7 +128,7 @@ class JournalWriter:
             os.close(self._fd)
             self._owned = False
 
-    def _write_all(self, data: bytes) -> None:
+    def _write_all(self, data: bytes | memoryview) -> None:
         # A write cut short by a full disk must resume where it stopped, or
         # the retried line would be glued to its own first half.
         view = memoryview(data)

@@ -17,7 +17,8 @@ was cancelled (:meth:`~EngineLegs._cancelled`) or finished
 
 from __future__ import annotations
 
-from typing import Any, Generic
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic
 
 from narwhal_core import StartLeg, local_failure
 from narwhal_core.events import LegFailure
@@ -51,13 +52,12 @@ class EngineLegs(Generic[C]):
         #: Where the connections' events go (the adapter's ``Server.feed``).
         self._feed = feed
         self._pool: Pool[C] = Pool(pool_size)
+        #: The requests of legs started on pooled connections, waiting for
+        #: :meth:`write_unsent` (non-empty: some wait). The pool's own list,
+        #: read without a call: an adapter asks once per scheduler batch.
+        self.unsent = self._pool.unsent
         #: Closing (:meth:`aclose` began): no leg starts any more, the loop is about to end.
         self._closed = False
-
-    @property
-    def unsent(self) -> bool:
-        """Legs started on pooled connections wait for :meth:`write_unsent`."""
-        return bool(self._pool.unsent)
 
     def start_leg(self, cmd: StartLeg) -> None:
         """Queue the leg on an idle pooled connection, or open a new one for it."""
@@ -65,7 +65,8 @@ class EngineLegs(Generic[C]):
             return
         conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection)
         if conn is not None:
-            self._reused(conn, cmd)
+            if self._reused is not None:
+                self._reused(conn, cmd)
             return
         conn = self._open(cmd)
         self._pool.attach(conn, cmd.leg)
@@ -92,8 +93,10 @@ class EngineLegs(Generic[C]):
         """A new connection for ``cmd``, being opened (it connects and writes ``cmd.data`` in its own time)."""
         raise NotImplementedError
 
-    def _reused(self, conn: C, cmd: StartLeg) -> None:
-        """``conn``, idle until now, carries ``cmd``'s leg (its request waits in the pool)."""
+    #: What the adapter does when ``conn``, idle until now, carries ``cmd``'s
+    #: leg (its request waits in the pool): ``_reused(conn, cmd)``; ``None``:
+    #: nothing (no call per leg for nothing).
+    _reused: ClassVar[Callable[[Any, Any, StartLeg], None] | None] = None
 
     def _cancelled(self, conn: C) -> None:
         """``conn``'s leg was cancelled: close it."""

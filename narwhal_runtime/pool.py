@@ -69,6 +69,7 @@ class Pool(Generic[C]):
         self.idle: dict[str, list[C]] = {}
         self.legs: dict[str, C] = {}
         #: Leg requests for pooled connections, not written yet: (connection, leg, request).
+        #: (Always this list object: :attr:`.legs.EngineLegs.unsent` reads it.)
         self.unsent: list[tuple[C, str, bytes]] = []
 
     # a leg starts
@@ -96,13 +97,13 @@ class Pool(Generic[C]):
 
     def take_unsent(self) -> list[tuple[C, bytes]]:
         """The leg requests to write now on pooled connections: those queued since the last call still wanted."""
-        unsent, self.unsent = self.unsent, []
         # A loop, not a list comprehension: that would be one more call per batch (Python 3.11).
         wanted = []
-        for conn, key, data in unsent:
+        for conn, key, data in self.unsent:
             # A leg cancelled, or a connection failed, before its request went out: nothing to write.
             if conn.leg == key and not conn.closed:
                 wanted.append((conn, data))
+        self.unsent.clear()  # emptied, never replaced: EngineLegs.unsent is this list
         return wanted
 
     def attach(self, conn: C, key: str) -> None:

@@ -5,7 +5,7 @@ driver, opens the journal (:mod:`.journal_file`; a failure is a start-up
 error), performs the effects that are the same on both runtimes (the
 journal write, process-log lines, the queued leg requests) and turns SIGHUP
 into the router's new authenticator. It binds the listening sockets
-(:mod:`.listening`) and performs a batch with its failure contained.
+(:mod:`.listening`).
 
 It also holds the start and the end of serving, the same on both runtimes:
 the tasks to run while serving (:meth:`ServerBase.background`), what
@@ -89,6 +89,9 @@ class ServerBase:
             raise journal_failure(config.journal.path, exc) from None
         #: Spans out of the terminal records ([tracing] endpoint; docs/operate.md, "Tracing").
         self.tracer = start_tracer(config)
+        if self.tracer is None:
+            # The driver's write_journal, without a call more: it runs once per flush.
+            self.write_journal = self.journal.writer.write_lines  # type: ignore[method-assign]
         self._in_thread = in_thread
         self._sleep = sleep
         self._lookup_in_thread = lookup_in_thread or in_thread
@@ -104,8 +107,10 @@ class ServerBase:
         #: ``routing.policy = "kv"``: the thread that tokenizes large prompts off the loop, started once serving
         #: (:meth:`start_tokenizer`) and stopped at exit (``None``: the policy tokenizes nothing).
         self.tokenize_worker = make_tokenize_worker(self.router)
-        #: A worker of a group (``ingress.workers`` > 1) snapshots its metrics after batches.
+        #: A worker of a group (``ingress.workers`` > 1) snapshots its metrics after each flush.
         self._group = current_group()
+        if self._group is not None:
+            self.driver.after_flush = self._group.tick
         #: :meth:`shutdown` was asked for before serving began (a signal while starting).
         self._shutdown_asked = False
         if self._busy.seconds:
@@ -145,6 +150,8 @@ class ServerBase:
         self.start_kv_events(call_soon_threadsafe)
         # routing.policy = "kv": large prompts are tokenized by a thread of their own (docs/routing.md).
         self.start_tokenizer(call_soon_threadsafe)
+        # The driver's write_legs, without a call more: it runs after each flush that started a leg.
+        self.write_legs = self.engines.write_unsent  # type: ignore[method-assign]
         self.driver.drain()
         self._after_drain()
         host, port = self.address  # type: ignore[misc]
@@ -281,27 +288,20 @@ class ServerBase:
         self.address = (host, port)
         return sockets
 
-    def _perform_batch(self) -> None:
-        """Perform the driver's batch; a failed effect is logged (``flush_error``), never fatal."""
-        try:
-            self.driver.flush(self)
-        except Exception as exc:  # noqa: BLE001 - a failed write must not stop the server (nor trio's instrument)
-            self._flush_failed(exc)
-        if self._group is not None:
-            self._group.tick(self.router)
+    # Effects (narwhal_runtime.driver.Effects) that are the same on both runtimes.
 
-    def _flush_failed(self, exc: Exception) -> None:
+    def flush_failed(self, exc: Exception) -> None:
         """A batch's effect raised ``exc``: log it (``flush_error``); the server goes on."""
         log_event("flush_error", level="error", error=f"{type(exc).__name__}: {exc}")
 
-    # Effects (narwhal_runtime.driver.Effects) that are the same on both runtimes.
-
-    def write_journal(self, lines: list[bytes]) -> tuple[bool, str | None]:
-        writer = self.journal.writer
-        ok = writer.write_lines(lines)
+    def write_journal(self, lines: list[bytes]) -> bool:
+        ok = self.journal.writer.write_lines(lines)
         if self.tracer is not None:
             self.tracer.take(lines)
-        return ok, writer.error
+        return ok
+
+    def journal_error(self) -> str | None:
+        return self.journal.writer.error
 
     async def close_tracer(self) -> None:
         """Export the spans still pending and stop the tracer (at shutdown, after the last journal write)."""
@@ -317,5 +317,6 @@ class ServerBase:
 
     def write_legs(self) -> None:
         # The driver calls this only after starting legs, so there are engines;
-        # write_unsent finds out itself whether a request waits.
+        # write_unsent finds out itself whether a request waits. (Replaced by
+        # the engines' own write_unsent once serving: :meth:`started`.)
         self.engines.write_unsent()

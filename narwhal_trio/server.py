@@ -70,7 +70,6 @@ class Server(ServerBase):
         #: Writer tasks running (clients whose socket could not take every byte at once).
         self._writers = 0
         self._eager = True  # the last batch was light: perform each at once
-        self._flushing = False
         self._token: trio.lowlevel.TrioToken | None = None
         self._timer_wakeup = trio.Event()
         self._drained = trio.Event()
@@ -114,7 +113,12 @@ class Server(ServerBase):
     async def feed(self, event: Event) -> None:
         """Feed one event; wait if a client it fed is far behind (backpressure)."""
         driver = self.driver
-        self._after_drain(driver.feed(event, now=trio.current_time()))
+        pending = driver.feed(event, now=trio.current_time())
+        # _after_drain(pending) and its _flush(), inlined: this runs once per event.
+        if pending and self._eager:
+            driver.flush(self)  # light load: perform now, while this task still has work to do
+        if driver.rearm or driver.shutdown_complete:
+            self._notice()  # (nothing of the flush waited for it: it only wakes tasks)
         if self._writers and driver.transmitted:
             for client in self._backlogged(driver.transmitted):
                 if client.drained is None:
@@ -140,7 +144,7 @@ class Server(ServerBase):
     def _after_drain(self, pending: bool | None = None) -> None:
         # pending: what Driver.feed returned (None: ask the driver).
         self._notice()
-        if self._eager and not self._flushing and (self.driver.pending() if pending is None else pending):
+        if self._eager and (self.driver.pending() if pending is None else pending):
             self._flush()  # light load: perform now, while this task still has work to do
 
     def _notice(self) -> None:
@@ -175,8 +179,9 @@ class Server(ServerBase):
 
     def _end_of_batch(self, timeout: float) -> None:
         """trio's ``before_io_wait``: perform what this batch produced."""
-        self._eager = self.driver.batch_ended()
-        if self.driver.pending() or (self.engines is not None and self.engines.unsent):
+        driver = self.driver
+        self._eager = driver.batch_ended()
+        if driver.unflushed or (self.engines is not None and self.engines.unsent):
             self._flush()
             if timeout > 0 and trio.lowlevel.current_statistics().tasks_runnable:
                 # The run loop chose its I/O wait before the flush woke or started a task: cut it short.
@@ -186,12 +191,8 @@ class Server(ServerBase):
     # -------------------------------------------------- effects (the I/O)
 
     def _flush(self) -> None:
-        self._flushing = True
-        try:
-            self._perform_batch()
-        finally:
-            self._flushing = False
-        self._notice()
+        self.driver.flush(self)  # (at once if a flush runs: that one performs what was added)
+        self._notice()  # an effect may have fed the driver
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         client = self._clients.get(conn)
@@ -335,10 +336,8 @@ class _EndOfBatch(trio.abc.Instrument):
     """Calls ``flush(timeout)`` once per scheduler batch, before the run loop waits for I/O."""
 
     def __init__(self, flush: Callable[[float], None]) -> None:
-        self._flush = flush
-
-    def before_io_wait(self, timeout: float) -> None:
-        self._flush(timeout)
+        # The hook is ``flush`` itself (trio looks it up on the instance): no call more per batch.
+        self.before_io_wait = flush  # type: ignore[method-assign]
 
 
 def _nothing() -> None:

@@ -70,9 +70,12 @@ class Recorder:
         self.journal_ok = journal_ok
         self.engines = self  # the same recorder takes the engine commands
 
-    def write_journal(self, lines: list[bytes]) -> tuple[bool, str | None]:
+    def write_journal(self, lines: list[bytes]) -> bool:
         self.calls.append(("journal", tuple(lines)))
-        return self.journal_ok, None if self.journal_ok else "No space left on device"
+        return self.journal_ok
+
+    def journal_error(self) -> str | None:
+        return None if self.journal_ok else "No space left on device"
 
     def log(self, event: str, fields: dict[str, Any]) -> None:
         self.calls.append(("log", event))
