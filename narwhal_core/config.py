@@ -203,7 +203,8 @@ class IngressConfig:
     body_timeout_s: float = seconds(60.0, "Time a client has to send the whole request body.")
     keepalive_timeout_s: float = seconds(75.0, "How long an idle keep-alive client connection stays open.")
     send_timeout_s: float = seconds(
-        30.0, "How long a client may leave written bytes unread before its connection is dropped."
+        30.0, "How long a client may take none of the bytes it was sent that wait unsent before its connection is "
+        "dropped (docs/operate.md, \"Slow clients\")."
     )
     max_connections: int = count(20000, "Most client connections open at once.", minimum=1)
     max_buffered_bytes: int = count(

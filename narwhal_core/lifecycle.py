@@ -44,6 +44,7 @@ from .states import Input, InputData, LegAnswer, LegFailure, LegRefusal, State
 if TYPE_CHECKING:
     from .context import Context
     from .kv import Kv, KvLedger
+    from .kv_policy import HeadProbe
     from .legs import Leg, Legs
     from .requests import Request, Requests
     from .slots import SlotQueue
@@ -212,16 +213,26 @@ class Lifecycle:
         and first leg wait for ``TOKENIZED``.
         """
         req.admitted = True
-        routing = self.ctx.routing
-        probe = None
-        limit = routing.inline_max
-        if limit is not None and _prompt_bytes(req) > limit:
-            probe = routing.probe_head(req.accepted.body, req.route)
-            if probe is None:
-                return self._tokenize(req)
-        plan = req.plan = routing.plan(req.accepted.body, req.route, req.size, probe=probe)
+        tokenize, probe = self._head_look(req)
+        if tokenize:
+            return self._tokenize(req)
+        plan = req.plan = self.ctx.routing.plan(req.accepted.body, req.route, req.size, probe=probe)
         self.requests.journal_admitted(req)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
+
+    def _head_look(self, req: Request) -> tuple[bool, HeadProbe | None]:
+        """Before the current prompt's plan: tokenize it whole first (off the loop), or what its head settled.
+
+        Only a prompt of more than ``routing.tokenize_inline_max_bytes`` is
+        looked at (docs/routing.md, "Tokenizing only what can hit"): any
+        other is ``(False, None)``, planned at once.
+        """
+        routing = self.ctx.routing
+        limit = routing.inline_max
+        if limit is None or _prompt_bytes(req) <= limit:
+            return False, None
+        probe = routing.probe_head(req.accepted.body, req.route)
+        return probe is None, probe
 
     def _tokenize(self, req: Request) -> State:
         """Ask the runtime for the current prompt's token ids, off the event loop (docs/routing.md).
@@ -300,14 +311,10 @@ class Lifecycle:
         plan = req.plan
         assert plan is not None
         if plan.hashes is not None:
-            routing = self.ctx.routing
-            probe = None
-            limit = routing.inline_max
-            if limit is not None and _prompt_bytes(req) > limit:
-                probe = routing.probe_head(req.accepted.body, req.route)
-                if probe is None:
-                    return self._tokenize(req)
-            plan = req.plan = routing.replan(plan, req.accepted.body, req.route, probe=probe)
+            tokenize, probe = self._head_look(req)
+            if tokenize:
+                return self._tokenize(req)
+            plan = req.plan = self.ctx.routing.replan(plan, req.accepted.body, req.route, probe=probe)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
 
     def refused(self, req: Request, refusal: LegRefusal) -> State:
