@@ -155,6 +155,9 @@ class Kv(Prefix):
         #: Where an engine falling back (or trusted again) is logged (the router's, once bound).
         self.log: Callable[..., None] | None = None
 
+    def prompt_tokenizer(self) -> PromptTokenizer:
+        return self.tokenizer
+
     @classmethod
     def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
         if tokenizer is None:

@@ -139,6 +139,10 @@ class Policy:
         """
         return cls()
 
+    def prompt_tokenizer(self) -> PromptTokenizer | None:
+        """The tokenizer its keys ask for token ids (only a policy that :attr:`tokenizes` has one)."""
+        return None
+
     def bind(self, clock: Clock, log: Callable[..., None] | None = None) -> None:
         """The router that owns this policy: the time of each event is read from ``clock``; ``log`` writes a line."""
 

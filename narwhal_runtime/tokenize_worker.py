@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Final
 
 from narwhal_core import PromptTokenized, Router, TokenizePrompt
-from narwhal_core.kv_policy import Kv, PromptTokenizer
+from narwhal_core.kv_policy import PromptTokenizer
 
 __all__ = ["TokenizeWorker", "make_tokenize_worker", "STOP_TIMEOUT_S"]
 
@@ -100,7 +100,5 @@ class TokenizeWorker:
 
 def make_tokenize_worker(router: Router) -> TokenizeWorker | None:
     """The worker for ``router``'s policy, when it tokenizes prompts (``kv``); else ``None``."""
-    policy = router.fleet.policy
-    if not isinstance(policy, Kv):
-        return None
-    return TokenizeWorker(policy.tokenizer)
+    tokenizer = router.fleet.policy.prompt_tokenizer()
+    return None if tokenizer is None else TokenizeWorker(tokenizer)

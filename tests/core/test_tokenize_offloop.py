@@ -277,3 +277,13 @@ def test_a_batch_client_leaving_while_its_next_prompt_is_tokenized() -> None:
     d.complete_tokenize(cmd.key)
     assert not d.open_legs()
     d.check_invariants(final=True)
+
+
+def test_the_runtime_starts_a_tokenizer_thread_only_for_a_policy_that_tokenizes() -> None:
+    from narwhal_runtime.tokenize_worker import make_tokenize_worker
+
+    tokenizer = CharTokenizer()
+    worker = make_tokenize_worker(offloop_driver(tokenizer=tokenizer).router)
+    assert worker is not None and worker.tokenizer is tokenizer
+    for policy in ("least_loaded", "prefix"):
+        assert make_tokenize_worker(Driver(routing={"policy": policy}).router) is None
