@@ -19,6 +19,11 @@ good requests (goodput is that count over the run's duration, which the
 same requests at the same rate make nearly equal between routers: the
 ceiling on a goodput ratio is the ceiling count over the other's count).
 
+With ``--pool-blocks N`` the engine's pool holds N blocks, least recently
+used out once it is full: with N the prefill KV of a whole fleet, a
+reference for a given KV pressure (no queue, the fleet's KV as one LRU
+cache), not a floor (a cache can keep more than LRU does).
+
 With ``--against FILE`` (a ``routing_bench.py`` or ``kv_routing_bench.py``
 results JSON), each row also gives, per target in that file at the same
 workload and rate: the best TTFT p90 ratio any router could reach against
@@ -67,6 +72,8 @@ def floor(workload: str, rate: float, window: Path, args: argparse.Namespace, wo
     requests = workload_requests(workload, window, rate, argparse.Namespace(
         speed=1.0, duration=args.duration, max_requests=args.max_requests))
     blocks = sum(r.input_length + r.output_length for r in requests) // BLOCK_TOKENS + 64 * len(requests) + 1024
+    if args.pool_blocks:
+        blocks = args.pool_blocks  # the fleet's prefill KV as one pool: least recently used out once it is full
     cmd = [sys.executable, "-m", "narwhal", "bench", *workload_flags(workload, window),
            "--request-rate-scale", repr(rate / args.spread), "--duration", repr(args.duration * args.spread),
            "--max-requests", str(args.max_requests), "--virtual", "--fleet", "1P1D",
@@ -84,9 +91,12 @@ def floor(workload: str, rate: float, window: Path, args: argparse.Namespace, wo
     }  # fmt: skip
 
 
-def against(path: Path) -> list[dict[str, Any]]:
-    """The measured runs of a routing_bench / kv_routing_bench results file: target, workload, rate, p90, goodput."""
-    runs = json.loads(path.read_text())["runs"]
+def against(path: Path, pressure: str | None = None) -> list[dict[str, Any]]:
+    """The measured runs of a routing_bench / kv_routing_bench results file: target, workload, rate, p90, goodput.
+
+    ``pressure``: only the runs at that KV pressure (``kv_routing_bench.py``'s ``high`` or ``low``).
+    """
+    runs = [r for r in json.loads(path.read_text())["runs"] if pressure is None or r.get("pressure") == pressure]
     return [
         {"target": r["target"] + (f" ({r['pressure']} pressure)" if r.get("pressure") else ""),
          "workload": r["workload"], "rate_scale": r["rate_scale"], "ttft_p90_ms": r["ttft_ms"]["p90"],
@@ -107,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spread", type=float, default=1000.0, help="arrivals this many times further apart")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-itl-ms", type=float, default=100.0)
+    p.add_argument("--pool-blocks", type=int, default=0,
+                   help="the engine's KV pool in blocks (0: never full); the prefill pool of a whole fleet makes a "
+                        "reference for a given KV pressure, not a floor")  # fmt: skip
+    p.add_argument("--pressure", default=None, help="with --against: only that file's runs at this KV pressure")
     p.add_argument("--against", type=Path, default=None, help="a results JSON whose targets to set beside the floor")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)
@@ -115,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [("trace", float(r)) for r in args.rates.split(",") if r]
     plan += [("sessions", float(r)) for r in args.session_rates.split(",") if r]
     rows = [floor(workload, rate, window, args, work) for workload, rate in plan]
-    measured = against(args.against) if args.against else []
+    measured = against(args.against, args.pressure) if args.against else []
     for row in rows:
         row["against"] = [
             {"target": m["target"], "ttft_p90_ms": m["ttft_p90_ms"], "good": m["good"],
@@ -127,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"Alone on an idle 1P1D fleet, nothing evicted, arrivals {args.spread:g}x apart; SLO TTFT <= "
+    pool = f"a KV pool of {args.pool_blocks} blocks" if args.pool_blocks else "nothing evicted"
+    print(f"Alone on an idle 1P1D fleet, {pool}, arrivals {args.spread:g}x apart; SLO TTFT <= "
           f"{args.slo_ttft_ms:g} ms and ITL <= {args.slo_itl_ms:g} ms")  # fmt: skip
     print(f"{'workload':<9} {'rate':>5} {'done':>9} {'TTFT p50 / p90 / p99 floor (ms)':>32}  {'good (ceiling)':>14}")
     for row in rows:

@@ -19,10 +19,10 @@ routing_floor = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(routing_floor)
 
 
-def settings(spread: float) -> argparse.Namespace:
+def settings(spread: float, pool_blocks: int = 0) -> argparse.Namespace:
     return argparse.Namespace(
         trace=routing_floor.TRACE, trace_offset=3000, duration=12.0, max_requests=16, spread=spread,
-        slo_ttft_ms=2000.0, slo_itl_ms=100.0,
+        slo_ttft_ms=2000.0, slo_itl_ms=100.0, pool_blocks=pool_blocks,
     )  # fmt: skip
 
 
@@ -34,6 +34,16 @@ def test_the_floor_is_no_slower_than_the_same_requests_in_a_crowd(tmp_path: Path
     assert crowd["ttft_p90_ms"] > alone["ttft_p90_ms"] > 0
     assert crowd["ttft_p50_ms"] > alone["ttft_p50_ms"]
     assert crowd["good"] <= alone["good"]
+
+
+def test_a_bounded_pool_evicts_what_later_requests_would_have_hit(tmp_path: Path) -> None:
+    # 16 requests of 25k blocks in all, the longest 3.5k: a 4,000-block pool cannot keep what they share.
+    window = routing_floor.trace_window(settings(1000.0), tmp_path)
+    unbounded = routing_floor.floor("trace", 0.5, window, settings(1000.0), tmp_path)
+    bounded = routing_floor.floor("trace", 0.5, window, settings(1000.0, pool_blocks=4000), tmp_path)
+    assert bounded["completed"] == unbounded["completed"] == 16
+    assert bounded["ttft_p50_ms"] > unbounded["ttft_p50_ms"]
+    assert bounded["ttft_p90_ms"] >= unbounded["ttft_p90_ms"]
 
 
 def test_set_beside_a_results_file_it_gives_the_best_ratios_any_router_could_reach(
@@ -48,12 +58,18 @@ def test_set_beside_a_results_file_it_gives_the_best_ratios_any_router_could_rea
         {"target": "slow", "workload": "trace", "rate_scale": 0.5, "ttft_ms": {"p90": 40_000.0}, "good": 2},
         {"target": "other-rate", "workload": "trace", "rate_scale": 0.75, "ttft_ms": {"p90": 1.0}, "good": 1},
         {"target": "broken", "workload": "trace", "rate_scale": 0.5, "error": "did not start"},
+        {"target": "slow", "pressure": "low", "workload": "trace", "rate_scale": 0.5, "ttft_ms": {"p90": 9.0},
+         "good": 1},
     ]}))
-    code = routing_floor.main(["--rates", "0.5", "--session-rates", "", "--duration", "12", "--max-requests", "24",
-                               "--against", str(results), "--json"])  # fmt: skip
-    assert code == 0
+    flags = ["--rates", "0.5", "--session-rates", "", "--duration", "12", "--max-requests", "24",
+             "--against", str(results), "--json"]  # fmt: skip
+    assert routing_floor.main(flags) == 0
     (row,) = json.loads(capsys.readouterr().out)
-    (slow,) = row["against"]  # only the run of the same workload and rate, and not the broken one
-    assert slow["target"] == "slow"
+    # Only the runs of the same workload and rate, and not the broken one.
+    slow, slow_low = row["against"]
+    assert (slow["target"], slow_low["target"]) == ("slow", "slow (low pressure)")
     assert slow["best_p90_ratio"] == 3000.0 / 40_000.0
     assert slow["best_goodput_ratio"] == 20 / 2
+    assert routing_floor.main([*flags, "--pressure", "low"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert [a["target"] for a in row["against"]] == ["slow (low pressure)"]
