@@ -60,8 +60,11 @@ async def receive(sock: socket.socket) -> bytes | None:
             return None
 
 
-async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
-    """Write all of ``data``: at once when the socket takes it, else waiting until it does."""
+async def send_all(sock: socket.socket, data: bytes | memoryview, took: Callable[[int], object] | None = None) -> None:
+    """Write all of ``data``: at once when the socket takes it, else waiting until it does.
+
+    ``took(n)`` hears of each ``n`` bytes the socket takes (a client's writer moves its send timeout on).
+    """
     view = memoryview(data)
     while view:
         try:
@@ -70,6 +73,8 @@ async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
             await trio.lowlevel.wait_writable(sock)
             continue
         view = view[sent:]
+        if took is not None:
+            took(sent)
 
 
 class _Connection(PooledConnection):

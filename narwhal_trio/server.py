@@ -30,7 +30,7 @@ from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.serving import ServerBase
 
-from .engines import Engines, close_socket, receive
+from .engines import Engines, close_socket, receive, send_all
 from .listener import Listener
 
 __all__ = ["Server", "run", "RUNTIME"]
@@ -233,18 +233,15 @@ class Server(ServerBase):
         try:
             # The send timeout (narwhal_runtime/slow_clients.py): each byte the socket takes moves it on.
             with trio.CancelScope(deadline=trio.current_time() + timeout) as taking:
+
+                def took(sent: int) -> None:
+                    taking.deadline = trio.current_time() + timeout
+
                 while client.out and not client.closed:
                     out = client.out
-                    view = memoryview(out[0] if len(out) == 1 else b"".join(out))
                     client.out = []
                     client.buffered = 0
-                    while view:
-                        try:
-                            view = view[sock.send(view):]
-                        except BlockingIOError:
-                            await trio.lowlevel.wait_writable(sock)
-                            continue
-                        taking.deadline = trio.current_time() + timeout
+                    await send_all(sock, out[0] if len(out) == 1 else b"".join(out), took)
             if taking.cancelled_caught:
                 raise trio.BrokenResourceError("send timeout")  # drop it: it cannot hold a slot forever
             if client.close_after and not client.closed:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+
+import trio
+
 from narwhal_runtime.slow_clients import LOOKS, SendWatch
 
 
@@ -33,3 +37,28 @@ def test_the_watch_ends_once_nothing_is_left_however_long_it_took() -> None:
     for _ in range(LOOKS - 1):
         assert watch.look(1000) == "again"
     assert watch.look(0) == "done"
+
+
+# ------------------------------------------------------------ how each adapter feeds the rule
+
+
+async def test_trios_send_loop_tells_each_byte_the_socket_takes() -> None:
+    from narwhal_trio.engines import send_all
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    data = bytes(range(256)) * 4096  # 1 MiB: more than the socket takes at once
+    took: list[int] = []
+    received = bytearray()
+
+    async def read() -> None:
+        while len(received) < len(data):
+            await trio.lowlevel.wait_readable(b)
+            received.extend(b.recv(65536))
+
+    with a, b:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await send_all(a, data, took.append)
+    assert bytes(received) == data and sum(took) == len(data) and len(took) > 1
