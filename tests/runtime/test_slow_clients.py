@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+from types import SimpleNamespace
+from typing import Any
 
 import trio
 
@@ -40,6 +43,36 @@ def test_the_watch_ends_once_nothing_is_left_however_long_it_took() -> None:
 
 
 # ------------------------------------------------------------ how each adapter feeds the rule
+
+
+class _Transport:
+    """What asyncio's ``send`` asks of a transport whose buffer keeps ``unsent`` bytes; counts the asks."""
+
+    def __init__(self, unsent: int) -> None:
+        self.unsent = unsent
+        self.asked = 0
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        self.asked += 1
+        return self.unsent
+
+
+def test_asyncio_asks_the_transport_once_when_a_write_leaves_bytes_unsent() -> None:
+    from narwhal_asyncio.server import Server, _Client
+
+    async def main() -> tuple[int, int | None]:
+        server: Any = SimpleNamespace(_look_every=60.0)
+        client = _Client(server)
+        client.transport = transport = _Transport(700)  # type: ignore[assignment]
+        Server.send(server, client, b"x" * 1000, False)
+        assert client.next_look is not None
+        client.next_look.cancel()
+        return transport.asked, None if client.watch is None else client.watch.unsent
+
+    assert asyncio.run(main()) == (1, 700)  # the watch starts from the one answer
 
 
 async def test_trios_send_loop_tells_each_byte_the_socket_takes() -> None:
