@@ -20,7 +20,7 @@ from narwhal_core import (
 from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.serving import ServerBase
-from narwhal_runtime.slow_clients import LOOKS, SendWatch
+from narwhal_runtime.slow_clients import LOOKS, SendWatch, log_send_timeout
 
 from .engines import Engines
 from .listener import Listener
@@ -123,12 +123,14 @@ class _Client(asyncio.Protocol):
 
     def _look(self) -> None:
         assert self.watch is not None
-        verdict = self.watch.look(self.transport.get_write_buffer_size())
+        unsent = self.transport.get_write_buffer_size()
+        verdict = self.watch.look(unsent)
         if verdict == "again":
             self.next_look = asyncio.get_running_loop().call_later(self.server._look_every, self._look)
             return
         self.watch = self.next_look = None
         if verdict == "drop" and not self.lost:
+            log_send_timeout(self.server.config.ingress.send_timeout_s, unsent)
             self.transport.abort()  # it took none of our bytes for send_timeout_s
 
     def _tell_stalled(self, stalled: bool) -> None:

@@ -29,6 +29,7 @@ from narwhal_core import (
 from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.serving import ServerBase
+from narwhal_runtime.slow_clients import log_send_timeout
 
 from .engines import Engines, close_socket, receive, send_all
 from .listener import Listener
@@ -231,18 +232,24 @@ class Server(ServerBase):
         sock = client.sock
         timeout = self.config.ingress.send_timeout_s
         try:
+            left = 0  # of the bytes being sent: unsent, with those queued since (client.buffered)
             # The send timeout (narwhal_runtime/slow_clients.py): each byte the socket takes moves it on.
             with trio.CancelScope(deadline=trio.current_time() + timeout) as taking:
 
                 def took(sent: int) -> None:
+                    nonlocal left
+                    left -= sent
                     taking.deadline = trio.current_time() + timeout
 
                 while client.out and not client.closed:
                     out = client.out
+                    data = out[0] if len(out) == 1 else b"".join(out)
                     client.out = []
                     client.buffered = 0
-                    await send_all(sock, out[0] if len(out) == 1 else b"".join(out), took)
+                    left = len(data)
+                    await send_all(sock, data, took)
             if taking.cancelled_caught:
+                log_send_timeout(timeout, left + client.buffered)
                 raise trio.BrokenResourceError("send timeout")  # drop it: it cannot hold a slot forever
             if client.close_after and not client.closed:
                 self._close_client(client)
