@@ -279,11 +279,11 @@ class Server(ServerBase):
 
     # -------------------------------------------------------------- clients
 
-    def _start_client(self, sock: socket.socket, limit: trio.Semaphore) -> None:
+    def _start_client(self, sock: socket.socket, limit: Listener) -> None:
         assert self._nursery is not None
         self._nursery.start_soon(self._client_task, sock, limit)
 
-    async def _client_task(self, sock: socket.socket, limit: trio.Semaphore) -> None:
+    async def _client_task(self, sock: socket.socket, limit: Listener) -> None:
         handle = self._next_handle
         self._next_handle += 1
         client = self._clients[handle] = _Client(handle, sock)
