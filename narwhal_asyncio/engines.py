@@ -21,11 +21,9 @@ from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlConnection, ControlTimedOut, connect_first, resolve, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
-from narwhal_runtime.socket_options import set_up_engine
+from narwhal_runtime.socket_options import READ_SIZE, set_up_engine
 
 __all__ = ["Engines"]
-
-READ_SIZE = 65536
 
 
 class _LegConnection(PooledConnection, asyncio.Protocol):

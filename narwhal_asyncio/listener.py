@@ -1,10 +1,10 @@
 """Listening sockets on asyncio, accepted by hand.
 
-A failed accept is handled by the rule both runtimes share
-(:func:`~narwhal_runtime.listening.accept_error`): a shortage of descriptors
-costs one log line and a pause, not the loop; and with every connection
-slot (``ingress.max_connections``) held, the sockets are not watched, so
-further connections wait in the kernel's listen backlog, as they do on trio.
+What to do is decided by one :class:`~narwhal_runtime.listening.AcceptGate`,
+as on trio: a failed accept (a shortage of descriptors costs one log line
+and a pause, not the loop); and with every connection slot
+(``ingress.max_connections``) held, the sockets are not watched, so further
+connections wait in the kernel's listen backlog.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from narwhal_runtime.listening import accept_error
+from narwhal_runtime.listening import AcceptGate
 from narwhal_runtime.socket_options import set_up_client
 
 __all__ = ["Listener"]
@@ -41,9 +41,7 @@ class Listener:
         self._loop = loop
         self.sockets = sockets
         self._factory = factory
-        #: ``ingress.max_connections``, and the connections accepted and not yet :meth:`release`\ d.
-        self.limit = limit
-        self.open = 0
+        self.gate = AcceptGate(limit)
         self._watching = False
         self._closed = False
         self._retry: asyncio.TimerHandle | None = None
@@ -52,13 +50,12 @@ class Listener:
 
     def release(self) -> None:
         """A connection accepted here no longer holds a slot: accept again if that was the limit."""
-        self.open -= 1
-        if self._retry is None:
+        if self.gate.released() and self._retry is None:
             self._watch()
 
     def _watch(self) -> None:
         self._retry = None
-        if self._watching or self._closed or self.open >= self.limit:
+        if self._watching or self._closed or self.gate.full:
             return
         self._watching = True
         for sock in self.sockets:
@@ -71,28 +68,29 @@ class Listener:
                 self._loop.remove_reader(sock.fileno())
 
     def _accept(self, sock: socket.socket) -> None:
+        gate = self.gate
+        if gate.full:
+            return  # a readiness seen before the last slot was taken
         for _ in range(ACCEPT_BATCH):
-            if self.open >= self.limit:
-                # Every slot is held: the rest wait in the kernel's listen backlog, as on trio.
-                self._unwatch()
-                return
             try:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                pause = accept_error(exc)
+                pause = gate.failed(exc, self._loop.time())
                 if not pause:
                     continue  # that connection's own failure: on to the next
                 if self._retry is None:
                     self._unwatch()
                     self._retry = self._loop.call_later(pause, self._watch)
                 return
-            self.open += 1
             set_up_client(conn)  # the rule both runtimes share (the transport sets TCP_NODELAY again)
             task = self._loop.create_task(self._start(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            if gate.accepted():
+                self._unwatch()  # every slot is held: the rest wait in the kernel's listen backlog
+                return
 
     async def _start(self, conn: socket.socket) -> None:
         try:

@@ -20,7 +20,7 @@ from narwhal_core import (
 from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.serving import ServerBase
-from narwhal_runtime.slow_clients import LOOKS, SendWatch
+from narwhal_runtime.slow_clients import LOOKS, SendWatch, log_send_timeout
 
 from .engines import Engines
 from .listener import Listener
@@ -116,22 +116,21 @@ class _Client(asyncio.Protocol):
             leg.resume()
         self._tell_stalled(False)
 
-    def watch_sends(self, written: int) -> None:
-        """A write of ``written`` bytes left some unsent: watch them until the client takes them (the send timeout)."""
-        if self.watch is not None:
-            self.watch.wrote(written)
-        elif unsent := self.transport.get_write_buffer_size():
-            self.watch = SendWatch(unsent)
-            self.next_look = asyncio.get_running_loop().call_later(self.server._look_every, self._look)
+    def watch_sends(self, unsent: int) -> None:
+        """A write left ``unsent`` bytes in the transport: watch them until the client takes them (the send timeout)."""
+        self.watch = SendWatch(unsent)
+        self.next_look = asyncio.get_running_loop().call_later(self.server._look_every, self._look)
 
     def _look(self) -> None:
         assert self.watch is not None
-        verdict = self.watch.look(self.transport.get_write_buffer_size())
+        unsent = self.transport.get_write_buffer_size()
+        verdict = self.watch.look(unsent)
         if verdict == "again":
             self.next_look = asyncio.get_running_loop().call_later(self.server._look_every, self._look)
             return
         self.watch = self.next_look = None
         if verdict == "drop" and not self.lost:
+            log_send_timeout(self.server.config.ingress.send_timeout_s, unsent)
             self.transport.abort()  # it took none of our bytes for send_timeout_s
 
     def _tell_stalled(self, stalled: bool) -> None:
@@ -287,9 +286,11 @@ class Server(ServerBase):
                 client.transport.write(data)
             except RuntimeError:
                 pass  # uvloop: the socket just failed; connection_lost tells the router
-            else:
-                if client.watch is not None or client.transport.get_write_buffer_size():
-                    client.watch_sends(len(data))  # bytes left unsent: the send timeout watches them
+            else:  # bytes left unsent: the send timeout watches them
+                if client.watch is not None:
+                    client.watch.wrote(len(data))
+                elif unsent := client.transport.get_write_buffer_size():
+                    client.watch_sends(unsent)
         if close:
             client.closed = True
             self._close(client)

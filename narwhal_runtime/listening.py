@@ -13,18 +13,23 @@ listening* (:func:`reserve_port`) and holds them until it exits: a socket
 that does not listen gets no connections, yet keeps the port for the
 group, also across a worker's restart (docs/operate.md, "Workers").
 
-When ``accept`` fails, both adapters ask :func:`accept_error` what to do:
-one rule (docs/operate.md, "Ingress requirements", "Connections").
+What a listener decides is the same on both runtimes and kept once, in an
+:class:`AcceptGate`: whether it may accept (a connection slot is free,
+``ingress.max_connections``), whether a slot given back lets it accept
+again, and, when ``accept`` fails (:func:`accept_error`: one rule,
+docs/operate.md, "Ingress requirements", "Connections"), until when it
+stops. Each adapter's listener only waits, its runtime's way.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import socket
 
 from .log import log_event
 
-__all__ = ["listening_sockets", "reserve_port", "accept_error", "BACKLOG", "ACCEPT_RETRY_S"]
+__all__ = ["listening_sockets", "reserve_port", "accept_error", "AcceptGate", "BACKLOG", "ACCEPT_RETRY_S"]
 
 #: Listen backlog (the kernel caps it at ``somaxconn``).
 BACKLOG = 0xFFFF
@@ -111,3 +116,49 @@ def accept_error(exc: OSError) -> float:
         return 0.0
     log_event("accept_failed", error=str(exc), shortage=exc.errno in SHORTAGE_ERRNOS)
     return ACCEPT_RETRY_S
+
+
+class AcceptGate:
+    """A listener's decisions over all its sockets: connection slots and the pause after a failed accept.
+
+    ``limit`` (``ingress.max_connections``) slots: an accepted connection
+    holds one (:meth:`accepted`) until it gives it back (:meth:`released`).
+    While :attr:`full`, the listener accepts nothing, so further connections
+    wait in the kernel's listen backlog, and holds no slot while it waits
+    for one. A failed accept (:meth:`failed`) may stop accepting on every
+    socket until :attr:`resumes`. Times are the caller's clock.
+    """
+
+    __slots__ = ("limit", "held", "full", "resumes")
+
+    def __init__(self, limit: int) -> None:
+        #: ``ingress.max_connections``, and the slots held now.
+        self.limit = limit
+        self.held = 0
+        #: Every slot is held: accept nothing until one is released.
+        self.full = limit <= 0
+        #: After a failed accept that asked for a pause: when accepting may resume.
+        self.resumes = -math.inf
+
+    def accepted(self) -> bool:
+        """A connection was accepted and holds a slot: whether that was the last (stop accepting)."""
+        self.held += 1
+        self.full = self.held >= self.limit
+        return self.full
+
+    def released(self) -> bool:
+        """A connection gave its slot back: whether accepting may go on again (every slot was held)."""
+        was_full = self.full
+        self.held -= 1
+        self.full = self.held >= self.limit
+        return was_full and not self.full
+
+    def failed(self, exc: OSError, now: float) -> float:
+        """``accept`` raised ``exc`` (not ``EAGAIN``) at ``now``: seconds to stop accepting, ``0.0`` for none.
+
+        The rule is :func:`accept_error`'s; a pause holds every socket until :attr:`resumes`.
+        """
+        pause = accept_error(exc)
+        if pause:
+            self.resumes = now + pause
+        return pause

@@ -28,13 +28,18 @@ unsent until none is: it drops a client between ``send_timeout_s`` and
 ``send_timeout_s × (1 + 1/LOOKS)`` after the last byte taken. The cost: one
 look at the transport's buffer size per write, and a timer per
 ``send_timeout_s / LOOKS`` only while a client has unsent bytes.
+
+Either runtime says why it drops a client in the same one log line
+(:func:`log_send_timeout`).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["SendWatch", "LOOKS"]
+from .log import log_event
+
+__all__ = ["SendWatch", "LOOKS", "log_send_timeout"]
 
 #: Looks per ``send_timeout_s`` at a client's unsent bytes (asyncio, uvloop).
 LOOKS = 4
@@ -77,3 +82,13 @@ class SendWatch:
         self.unsent = unsent
         self.written = 0
         return "again"
+
+
+def log_send_timeout(send_timeout_s: float, unsent: int) -> None:
+    """A client is dropped by the send timeout, ``unsent`` bytes still waiting for it: one ``client_send_timeout`` line.
+
+    What an operator needs to see why the connection was cut, and nothing of
+    the client's request or answer.
+    """
+    log_event("client_send_timeout", level="warning", send_timeout_s=send_timeout_s, unsent_bytes=unsent,
+              consequence="connection aborted")

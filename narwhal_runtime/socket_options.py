@@ -39,10 +39,14 @@ from __future__ import annotations
 import socket
 from typing import Final, Protocol
 
-__all__ = ["set_up_client", "set_up_engine", "CLIENT_OPTIONS", "ENGINE_OPTIONS", "CLIENT_NOTSENT_LOWAT"]
+__all__ = ["set_up_client", "set_up_engine", "CLIENT_OPTIONS", "ENGINE_OPTIONS", "CLIENT_NOTSENT_LOWAT", "READ_SIZE"]
 
 #: Bytes written to a client that may wait unsent in its socket's kernel buffer, at most.
 CLIENT_NOTSENT_LOWAT: Final = 2**14
+
+#: Bytes asked of the kernel per read where an adapter reads a socket itself (every socket on trio; a
+#: control request's on asyncio, whose transports choose their own size for the rest).
+READ_SIZE: Final = 65536
 
 _LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", None)  # Linux and macOS have it
 

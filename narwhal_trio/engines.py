@@ -26,11 +26,9 @@ from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlConnection, ControlTimedOut, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
-from narwhal_runtime.socket_options import set_up_engine
+from narwhal_runtime.socket_options import READ_SIZE, set_up_engine
 
 __all__ = ["Engines", "plain_socket", "close_socket", "send_all", "receive"]
-
-READ_SIZE = 65536
 
 
 def plain_socket(stream: trio.SocketStream) -> socket.socket:
@@ -60,8 +58,11 @@ async def receive(sock: socket.socket) -> bytes | None:
             return None
 
 
-async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
-    """Write all of ``data``: at once when the socket takes it, else waiting until it does."""
+async def send_all(sock: socket.socket, data: bytes | memoryview, took: Callable[[int], object] | None = None) -> None:
+    """Write all of ``data``: at once when the socket takes it, else waiting until it does.
+
+    ``took(n)`` hears of each ``n`` bytes the socket takes (a client's writer moves its send timeout on).
+    """
     view = memoryview(data)
     while view:
         try:
@@ -70,6 +71,8 @@ async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
             await trio.lowlevel.wait_writable(sock)
             continue
         view = view[sent:]
+        if took is not None:
+            took(sent)
 
 
 class _Connection(PooledConnection):

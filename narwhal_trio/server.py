@@ -29,8 +29,9 @@ from narwhal_core import (
 from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.serving import ServerBase
+from narwhal_runtime.slow_clients import log_send_timeout
 
-from .engines import Engines, close_socket, receive
+from .engines import Engines, close_socket, receive, send_all
 from .listener import Listener
 
 __all__ = ["Server", "run", "RUNTIME"]
@@ -231,21 +232,24 @@ class Server(ServerBase):
         sock = client.sock
         timeout = self.config.ingress.send_timeout_s
         try:
+            left = 0  # of the bytes being sent: unsent, with those queued since (client.buffered)
             # The send timeout (narwhal_runtime/slow_clients.py): each byte the socket takes moves it on.
             with trio.CancelScope(deadline=trio.current_time() + timeout) as taking:
+
+                def took(sent: int) -> None:
+                    nonlocal left
+                    left -= sent
+                    taking.deadline = trio.current_time() + timeout
+
                 while client.out and not client.closed:
                     out = client.out
-                    view = memoryview(out[0] if len(out) == 1 else b"".join(out))
+                    data = out[0] if len(out) == 1 else b"".join(out)
                     client.out = []
                     client.buffered = 0
-                    while view:
-                        try:
-                            view = view[sock.send(view):]
-                        except BlockingIOError:
-                            await trio.lowlevel.wait_writable(sock)
-                            continue
-                        taking.deadline = trio.current_time() + timeout
+                    left = len(data)
+                    await send_all(sock, data, took)
             if taking.cancelled_caught:
+                log_send_timeout(timeout, left + client.buffered)
                 raise trio.BrokenResourceError("send timeout")  # drop it: it cannot hold a slot forever
             if client.close_after and not client.closed:
                 self._close_client(client)
@@ -275,11 +279,11 @@ class Server(ServerBase):
 
     # -------------------------------------------------------------- clients
 
-    def _start_client(self, sock: socket.socket, limit: trio.Semaphore) -> None:
+    def _start_client(self, sock: socket.socket, limit: Listener) -> None:
         assert self._nursery is not None
         self._nursery.start_soon(self._client_task, sock, limit)
 
-    async def _client_task(self, sock: socket.socket, limit: trio.Semaphore) -> None:
+    async def _client_task(self, sock: socket.socket, limit: Listener) -> None:
         handle = self._next_handle
         self._next_handle += 1
         client = self._clients[handle] = _Client(handle, sock)

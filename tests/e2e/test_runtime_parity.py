@@ -439,7 +439,7 @@ def test_a_client_that_takes_none_of_its_bytes_is_dropped_after_the_send_timeout
     """One rule on every runtime (narwhal_runtime/slow_clients.py): a client that takes none of the bytes
     Narwhal has for it for ``send_timeout_s`` is dropped, however few they are (here a few hundred KiB,
     well under ``HIGH_WATER``): mid-stream (its request ends ``cancelled``) or once its whole answer is
-    written, on a keep-alive connection."""
+    written, on a keep-alive connection. The drop says why in one log line, the same on every runtime."""
     if uvloop:
         pytest.importorskip("uvloop")
     journal = tmp_path / "journal.jsonl"
@@ -449,6 +449,7 @@ def test_a_client_that_takes_none_of_its_bytes_is_dropped_after_the_send_timeout
     body = json.dumps({"model": MODEL, "prompt": "Never read", "max_tokens": tokens, "ignore_eos": True,
                        "stream": stream}).encode()
     with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=speed) as decode, \
+            LogCapture() as log, \
             RouterThread(make_config(journal, prefill=(prefill.url,), decode=(decode.url,),
                                      ingress={"send_timeout_s": SEND_TIMEOUT_S},
                                      health={"probe_interval_s": 600.0}), runtime, uvloop=uvloop) as router, \
@@ -484,6 +485,10 @@ def test_a_client_that_takes_none_of_its_bytes_is_dropped_after_the_send_timeout
         else:
             length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
             assert len(rest) < length
+    [line] = [e for e in log.events() if e["event"] == "client_send_timeout"]
+    assert line["level"] == "warning" and line["send_timeout_s"] == SEND_TIMEOUT_S, line
+    assert line["unsent_bytes"] > 0 and set(line) == {"ts", "level", "event", "send_timeout_s", "unsent_bytes",
+                                                       "consequence"}, line
 
 
 @pytest.mark.parametrize("runtime, uvloop", [("trio", False), ("asyncio", False), ("asyncio", True)])
@@ -495,6 +500,7 @@ def test_a_client_that_reads_slowly_but_reads_is_not_dropped(runtime: str, uvloo
     timeout = 0.6  # a little longer: the reading thread may be held up a while on a loaded machine
     body = json.dumps({"model": MODEL, "prompt": "Read slowly", "max_tokens": 14000, "ignore_eos": True}).encode()
     with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode, \
+            LogCapture() as log, \
             RouterThread(make_config(tmp_path / "journal.jsonl", prefill=(prefill.url,), decode=(decode.url,),
                                      ingress={"send_timeout_s": timeout},
                                      health={"probe_interval_s": 600.0}), runtime, uvloop=uvloop) as router, \
@@ -517,3 +523,4 @@ def test_a_client_that_reads_slowly_but_reads_is_not_dropped(runtime: str, uvloo
             time.sleep(0.05)
         assert time.monotonic() - started > 2 * timeout  # longer than one timeout, in all
         assert head.startswith(b"HTTP/1.1 200") and router.statistics().connections == 1
+    assert [e for e in log.events() if e["event"] == "client_send_timeout"] == []

@@ -48,9 +48,9 @@ def _accepted_in_order(runtime: str, sockets: list[socket.socket]) -> list[str]:
 
             async def main() -> None:
                 listener = Listener(sockets, limit=1)
-                held: list[trio.Semaphore] = []
+                held: list[Listener] = []
 
-                def start_client(sock: socket.socket, slots: trio.Semaphore) -> None:
+                def start_client(sock: socket.socket, slots: Listener) -> None:
                     order.append("v6" if sock.family == socket.AF_INET6 else "v4")
                     held.append(slots)
                     sock.close()  # its slot stays held until the test releases it

@@ -1,15 +1,16 @@
-"""The listening sockets both runtimes bind (narwhal_runtime/listening.py)."""
+"""The listening sockets both runtimes bind, and what their listeners decide (narwhal_runtime/listening.py)."""
 
 from __future__ import annotations
 
 import errno
+import math
 import socket
 
 import pytest
 
 from narwhal_runtime import listening
 from narwhal_runtime.listening import (
-    ACCEPT_RETRY_S, BACKLOG, CONNECTION_ERRNOS, SHORTAGE_ERRNOS, accept_error, listening_sockets,
+    ACCEPT_RETRY_S, BACKLOG, CONNECTION_ERRNOS, SHORTAGE_ERRNOS, AcceptGate, accept_error, listening_sockets,
 )
 
 
@@ -70,3 +71,36 @@ def test_trios_silent_errnos_are_all_a_connections_own() -> None:
         pytest.skip("this trio keeps its list elsewhere")
     assert set(ignorable) == CONNECTION_ERRNOS
     assert not CONNECTION_ERRNOS & SHORTAGE_ERRNOS
+
+
+# ------------------------------------------------------------ the listener's decisions (AcceptGate)
+
+
+def test_the_gate_closes_on_the_last_slot_and_opens_when_one_comes_back() -> None:
+    gate = AcceptGate(2)
+    assert not gate.full
+    assert gate.accepted() is False and not gate.full
+    assert gate.accepted() is True and gate.full  # the last slot: stop accepting
+    assert gate.released() is True and not gate.full  # accepting goes on
+    assert gate.released() is False  # it never stopped for this one
+    assert (gate.held, gate.full) == (0, False)
+
+
+def test_a_gate_of_no_slot_accepts_nothing() -> None:
+    assert AcceptGate(0).full
+
+
+def test_a_connections_own_failure_does_not_stop_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(listening, "log_event", lambda event, **fields: None)
+    gate = AcceptGate(1)
+    assert gate.failed(OSError(errno.ECONNABORTED, "x"), 100.0) == 0.0
+    assert gate.resumes == -math.inf and gate.held == 0  # a failed accept holds no slot
+
+
+def test_any_other_failure_stops_every_socket_of_the_gate_for_the_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    lines: list[str] = []
+    monkeypatch.setattr(listening, "log_event", lambda event, **fields: lines.append(event))
+    gate = AcceptGate(1)
+    assert gate.failed(OSError(errno.EMFILE, "x"), 100.0) == ACCEPT_RETRY_S
+    assert gate.resumes == 100.0 + ACCEPT_RETRY_S and lines == ["accept_failed"]
+    assert not gate.full and gate.held == 0
