@@ -63,7 +63,7 @@ class EngineLegs(Generic[C]):
         """Queue the leg on an idle pooled connection, or open a new one for it."""
         if self._closed:
             return
-        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection)
+        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, cmd.fresh_connection)
         if conn is not None:
             if self._reused is not None:
                 self._reused(conn, cmd)

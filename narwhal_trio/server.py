@@ -113,7 +113,7 @@ class Server(ServerBase):
     async def feed(self, event: Event) -> None:
         """Feed one event; wait if a client it fed is far behind (backpressure)."""
         driver = self.driver
-        pending = driver.feed(event, now=trio.current_time())
+        pending = driver.feed(event, trio.current_time())
         # _after_drain(pending) and its _flush(), inlined: this runs once per event.
         if pending and self._eager:
             driver.flush(self)  # light load: perform now, while this task still has work to do
@@ -139,7 +139,7 @@ class Server(ServerBase):
 
     def _feed_now(self, event: Event) -> None:
         # For callers that must not block on a client socket (timer, cleanup).
-        self._after_drain(self.driver.feed(event, now=trio.current_time()))
+        self._after_drain(self.driver.feed(event, trio.current_time()))
 
     def _after_drain(self, pending: bool | None = None) -> None:
         # pending: what Driver.feed returned (None: ask the driver).
@@ -191,8 +191,8 @@ class Server(ServerBase):
     # -------------------------------------------------- effects (the I/O)
 
     def _flush(self) -> None:
-        self.driver.flush(self)  # (at once if a flush runs: that one performs what was added)
-        self._notice()  # an effect may have fed the driver
+        if self.driver.flush(self):  # (at once if a flush runs: that one performs what was added)
+            self._notice()  # an effect fed the driver
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         client = self._clients.get(conn)
