@@ -320,7 +320,24 @@ class Driver:
                         out.log(event, fields)
                 if self._engine:
                     commands, self._engine = self._engine, []
-                    self._perform_engine_commands(commands, out)
+                    engines = out.engines
+                    assert engines is not None  # the router starts nothing before the adapter serves
+                    started = False
+                    for cmd in commands:
+                        kind = type(cmd)
+                        if kind is StartLeg:
+                            engines.start_leg(cmd)
+                            started = True
+                        elif kind is FinishLeg:
+                            engines.finish_leg(cmd.leg, cmd.reusable)
+                        elif kind is CancelLeg:
+                            engines.cancel_leg(cmd.leg)
+                        elif kind is TokenizePrompt:
+                            out.tokenize(cmd)
+                        else:
+                            engines.start_control(cmd)
+                    if started:  # only a leg started here can have queued a request on a pooled connection
+                        out.write_legs()
                 outboxes = self._outboxes
                 if outboxes:
                     self._outboxes = {}
@@ -344,30 +361,6 @@ class Driver:
         if self.after_flush is not None:
             self.after_flush(self.router)
         return self.drains != drains
-
-    @staticmethod
-    def _perform_engine_commands(commands: list[Any], out: Effects) -> None:
-        """The batch's engine commands, in order; then the leg requests they queued on pooled connections."""
-        engines = out.engines
-        assert engines is not None  # the router starts nothing before the adapter serves
-        started = False
-        for cmd in commands:
-            kind = type(cmd)
-            if kind is StartLeg:
-                engines.start_leg(cmd)
-                started = True
-            elif kind is FinishLeg:
-                engines.finish_leg(cmd.leg, cmd.reusable)
-            elif kind is CancelLeg:
-                engines.cancel_leg(cmd.leg)
-            elif kind is TokenizePrompt:
-                out.tokenize(cmd)
-            else:
-                engines.start_control(cmd)
-        if started:
-            # Only a leg started here can have queued a request on a pooled connection.
-            out.write_legs()
-
 
 
 class BusyPoll:
