@@ -144,8 +144,6 @@ def contain(router: Router, event: Event | None, exc: Exception) -> list[tuple[s
 _DEADLINE: Any = object()
 #: What :meth:`Driver.drain` feeds: nothing, only take what the router queued on its own.
 _QUEUED: Any = object()
-#: The commands performed through the adapter's engines, after the batch's journal records.
-_ENGINE_COMMANDS = frozenset({StartLeg, FinishLeg, CancelLeg, StartControl, TokenizePrompt})
 
 
 class Driver:
@@ -220,7 +218,8 @@ class Driver:
                         transmitted.append(conn)
                     elif kind is WriteJournal:
                         self._journal.append(cmd.line)  # type: ignore[union-attr]
-                    elif kind in _ENGINE_COMMANDS:
+                    elif (kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl
+                          or kind is TokenizePrompt):  # (compared, not looked up in a set: cheaper)
                         self._engine.append(cmd)  # type: ignore[arg-type]
                     elif kind is CloseClient:
                         conn = cmd.conn  # type: ignore[union-attr]
