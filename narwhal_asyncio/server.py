@@ -218,7 +218,7 @@ class Server(ServerBase):
     def feed(self, event: Event) -> None:
         """Feed one event (synchronously); its batch is performed at the end of the loop iteration."""
         driver = self.driver
-        pending = driver.feed(event, now=clock())
+        pending = driver.feed(event, clock())
         if driver.rearm or driver.shutdown_complete:
             self._after_drain(pending)
         elif pending and not self._flush_scheduled:
@@ -270,10 +270,7 @@ class Server(ServerBase):
         self._flush_scheduled = False
         if self.engines is None:
             return
-        driver = self.driver
-        drains = driver.drains
-        driver.flush(self)  # (it contains a failed write: a failed write must not stop the server)
-        if driver.drains != drains:
+        if self.driver.flush(self):  # (it contains a failed write: a failed write must not stop the server)
             # The flush fed the driver itself (journal health): act on that
             # drain too. (A client admitted meanwhile went through feed().)
             self._after_drain()

@@ -183,13 +183,14 @@ class Driver:
 
     # ------------------------------------------------------------ the router
 
-    def feed(self, event: Event, *, now: float) -> bool:
+    def feed(self, event: Event, now: float) -> bool:
         """Hand the router one event and gather its commands; nothing it raises escapes.
 
         Returns :meth:`pending` (the caller schedules a flush on it, and
         asking again would cost a call per event). The one loop taking the
         router's commands is here, not in a method of its own: this runs
-        once per event, the hottest path of the driver, and a call costs.
+        once per event, the hottest path of the driver, and a call costs
+        (so does a keyword argument: the adapters pass ``now`` by position).
         """
         self.transmitted.clear()
         self._now = now
@@ -218,7 +219,7 @@ class Driver:
                     elif kind is WriteJournal:
                         self._journal.append(cmd.line)  # type: ignore[union-attr]
                     elif (kind is StartLeg or kind is FinishLeg or kind is CancelLeg or kind is StartControl
-                          or kind is TokenizePrompt):
+                          or kind is TokenizePrompt):  # (compared, not looked up in a set: cheaper)
                         self._engine.append(cmd)  # type: ignore[arg-type]
                     elif kind is CloseClient:
                         conn = cmd.conn  # type: ignore[union-attr]
@@ -251,11 +252,11 @@ class Driver:
     def fire_timer(self, *, now: float) -> None:
         """The armed deadline is due: let the router handle it, gather its commands."""
         self.armed = math.inf
-        self.feed(_DEADLINE, now=now)
+        self.feed(_DEADLINE, now)
 
     def drain(self) -> None:
         """Gather what the router queued on its own (at start: the first health probes)."""
-        self.feed(_QUEUED, now=self._now)
+        self.feed(_QUEUED, self._now)
 
     def batch_ended(self) -> bool:
         """The scheduler's batch is over: was the load light (one drain in it, or none)?
@@ -282,7 +283,7 @@ class Driver:
         """Bytes for ``conn`` waiting in this batch."""
         return sum(len(part) for part in self._outboxes.get(conn, ()))
 
-    def flush(self, out: Effects, *, now: float | None = None) -> None:
+    def flush(self, out: Effects, *, now: float | None = None) -> bool:
         """Perform the batch through ``out``: journal, logs, engines, legs, then clients.
 
         An effect that feeds the router again (journal health, a client
@@ -292,25 +293,25 @@ class Driver:
         last event fed (the batch's; reading the clock per flush would cost
         more than it tells). An effect that raises ends the flush there:
         what is left waits for the next one, and the exception goes to
-        :meth:`Effects.flush_failed` (a failed write must not stop the server).
+        :meth:`Effects.flush_failed` (a failed write must not stop the
+        server). Returns whether it fed the router (act on that drain).
 
-        A flush asked for while one runs (an effect fed an event, and its
-        adapter flushes at once after each) returns at once: the running
-        one performs what was added, in order.
+        A flush asked for while one runs (an effect fed an event, and its adapter
+        flushes at once after each) returns at once: the running one performs it.
         """
         if self.flushing:
-            return
+            return False
         self.flushing = True
-        if now is None:
-            now = self._now
+        drains = self.drains
         try:
             while True:
+                fed = self.drains  # (all a batch holds comes from a drain)
                 if self._journal:
                     lines, self._journal = self._journal, []
                     ok = out.write_journal(lines)
                     if ok != self._journal_ok:
                         self._journal_ok = ok
-                        self.feed(JournalHealth(ok, out.journal_error()), now=now)
+                        self.feed(JournalHealth(ok, out.journal_error()), self._now if now is None else now)
                         continue  # the health change's own records go first
                 if self._logs:
                     logs, self._logs = self._logs, []
@@ -318,7 +319,24 @@ class Driver:
                         out.log(event, fields)
                 if self._engine:
                     commands, self._engine = self._engine, []
-                    self._perform_engine_commands(commands, out)
+                    engines = out.engines
+                    assert engines is not None  # the router starts nothing before the adapter serves
+                    started = False
+                    for cmd in commands:
+                        kind = type(cmd)
+                        if kind is StartLeg:
+                            engines.start_leg(cmd)
+                            started = True
+                        elif kind is FinishLeg:
+                            engines.finish_leg(cmd.leg, cmd.reusable)
+                        elif kind is CancelLeg:
+                            engines.cancel_leg(cmd.leg)
+                        elif kind is TokenizePrompt:
+                            out.tokenize(cmd)
+                        else:
+                            engines.start_control(cmd)
+                    if started:  # only a leg started here can have queued a request on a pooled connection
+                        out.write_legs()
                 outboxes = self._outboxes
                 if outboxes:
                     self._outboxes = {}
@@ -331,41 +349,17 @@ class Driver:
                     else:
                         for conn, parts in outboxes.items():
                             send(conn, parts[0] if len(parts) == 1 else b"".join(parts), False)
-                if not (self._journal or self._outboxes or self._engine or self._logs):
-                    break
+                if self.drains == fed:
+                    break  # no effect fed the router: nothing was added
+            self.unflushed = False
         except Exception as exc:  # noqa: BLE001 - a failed effect must not stop the server (nor trio's instrument)
             self.unflushed = self.pending()  # what is left waits for the next flush
             out.flush_failed(exc)
-        else:
-            self.unflushed = False
         finally:
             self.flushing = False
         if self.after_flush is not None:
             self.after_flush(self.router)
-
-    @staticmethod
-    def _perform_engine_commands(commands: list[Any], out: Effects) -> None:
-        """The batch's engine commands, in order; then the leg requests they queued on pooled connections."""
-        engines = out.engines
-        assert engines is not None  # the router starts nothing before the adapter serves
-        started = False
-        for cmd in commands:
-            kind = type(cmd)
-            if kind is StartLeg:
-                engines.start_leg(cmd)
-                started = True
-            elif kind is FinishLeg:
-                engines.finish_leg(cmd.leg, cmd.reusable)
-            elif kind is CancelLeg:
-                engines.cancel_leg(cmd.leg)
-            elif kind is TokenizePrompt:
-                out.tokenize(cmd)
-            else:
-                engines.start_control(cmd)
-        if started:
-            # Only a leg started here can have queued a request on a pooled connection.
-            out.write_legs()
-
+        return self.drains != drains
 
 
 class BusyPoll:

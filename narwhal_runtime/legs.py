@@ -63,7 +63,7 @@ class EngineLegs(Generic[C]):
         """Queue the leg on an idle pooled connection, or open a new one for it."""
         if self._closed:
             return
-        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, fresh=cmd.fresh_connection)
+        conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, cmd.fresh_connection)
         if conn is not None:
             if self._reused is not None:
                 self._reused(conn, cmd)
@@ -81,7 +81,8 @@ class EngineLegs(Generic[C]):
         """The answer is complete: its connection goes back to the pool (read on while idle), or is closed."""
         finished = self._pool.finish(key, reusable)
         if finished is not None:
-            self._finished(*finished)
+            conn, kept = finished  # (unpacked here: a call with *args takes a slower path)
+            self._finished(conn, kept)
 
     # what the adapter does
 

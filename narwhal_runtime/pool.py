@@ -74,7 +74,7 @@ class Pool(Generic[C]):
 
     # a leg starts
 
-    def take_idle(self, url: str, key: str, data: bytes, *, fresh: bool = False) -> C | None:
+    def take_idle(self, url: str, key: str, data: bytes, fresh: bool = False) -> C | None:
         """An idle open connection to ``url``, now carrying leg ``key``; ``None``: open a new one.
 
         The leg's request ``data`` waits in :attr:`unsent` until the adapter

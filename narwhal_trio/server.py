@@ -66,6 +66,8 @@ class Server(ServerBase):
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
         super().__init__(config, router, now=trio.current_time(), sleep=trio.sleep, in_thread=trio.to_thread.run_sync,
                          lookup_in_thread=functools.partial(trio.to_thread.run_sync, abandon_on_cancel=True))
+        #: ``trio.current_time``, one call instead of three (it asks the run's clock through two more).
+        self._current_time: Callable[[], float] = trio.lowlevel.current_clock().current_time
         self._clients: dict[int, _Client] = {}
         self._next_handle = 0
         #: Writer tasks running (clients whose socket could not take every byte at once).
@@ -114,7 +116,7 @@ class Server(ServerBase):
     async def feed(self, event: Event) -> None:
         """Feed one event; wait if a client it fed is far behind (backpressure)."""
         driver = self.driver
-        pending = driver.feed(event, now=trio.current_time())
+        pending = driver.feed(event, self._current_time())
         # _after_drain(pending) and its _flush(), inlined: this runs once per event.
         if pending and self._eager:
             driver.flush(self)  # light load: perform now, while this task still has work to do
@@ -140,7 +142,7 @@ class Server(ServerBase):
 
     def _feed_now(self, event: Event) -> None:
         # For callers that must not block on a client socket (timer, cleanup).
-        self._after_drain(self.driver.feed(event, now=trio.current_time()))
+        self._after_drain(self.driver.feed(event, self._current_time()))
 
     def _after_drain(self, pending: bool | None = None) -> None:
         # pending: what Driver.feed returned (None: ask the driver).
@@ -173,7 +175,7 @@ class Server(ServerBase):
             with trio.move_on_at(driver.armed):
                 await self._timer_wakeup.wait()
             self._timer_wakeup = trio.Event()
-            now = trio.current_time()
+            now = self._current_time()
             if now >= driver.armed:
                 driver.fire_timer(now=now)
                 self._after_drain()
@@ -192,8 +194,8 @@ class Server(ServerBase):
     # -------------------------------------------------- effects (the I/O)
 
     def _flush(self) -> None:
-        self.driver.flush(self)  # (at once if a flush runs: that one performs what was added)
-        self._notice()  # an effect may have fed the driver
+        if self.driver.flush(self):  # (at once if a flush runs: that one performs what was added)
+            self._notice()  # an effect fed the driver
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         client = self._clients.get(conn)

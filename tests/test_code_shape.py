@@ -39,6 +39,8 @@ LONG_ON_PURPOSE = {
     "narwhal_core.http.request_head.decide_head": "a parser: any request head accepted or refused with its status",
     "narwhal_runtime.driver.Driver.feed": "a table: each command kind the router gives, taken in one loop with "
     "the containment of what raises (the driver's hottest path: once per event, a call costs)",
+    "narwhal_runtime.driver.Driver.flush": "a sequence: the batch's effects in the order docs/design.md gives, the "
+    "engine commands' table among them (once per batch: a call more per batch costs)",
     "narwhal_core.http.engine.encode_request": "an encoder: a leg's request in one pass, h11's rules on names and values",
 }
 

@@ -495,11 +495,11 @@ def test_the_server_runs_the_subscriber_and_feeds_its_loop(tmp_path: Path, runti
                 driver = router.server.driver
                 feed = driver.feed
 
-                def feed_or_keep(event: Any, *, now: float) -> bool:
+                def feed_or_keep(event: Any, now: float) -> bool:
                     if type(event) in (KvEventsReceived, KvStreamChanged):
                         seen.append((event, threading.current_thread().name))
                         return bool(driver.pending())
-                    return bool(feed(event, now=now))
+                    return bool(feed(event, now))
 
                 driver.feed = feed_or_keep
 

@@ -1,0 +1,212 @@
+"""Instructions per request of ``narwhal serve``, counted by valgrind's callgrind: the deterministic cost measure.
+
+CPU time on a shared two-core machine swings by more than the differences
+the cost bound (5 % over a baseline tree) is about; the instructions the
+router runs per request do not. This starts two instant engines
+(``benchmarks/instant_engine.py``), then, for each tree, runtime and hash
+seed, a router under ``setarch -R valgrind --tool=callgrind`` with
+instrumentation off; it sends ``--warm`` sequential keep-alive ``POST
+/v1/completions`` (a 1 KB prompt, ``max_tokens`` 8), turns instrumentation
+on (``callgrind_control -i on``, then ``-z``), sends ``-n`` more, dumps
+and prints ``Ir / n``. Only what the router does between the two toggles
+is counted: start-up, imports and shutdown are not.
+
+Health probes (``probe_interval_s`` 3600) and the ``/metrics`` poll
+(``routing.metrics_interval_s`` 0, a key a tree that does not know it is
+not given) are off, so each request's own work is what is counted. What
+still lands in the window in proportion to wall time, not to requests, is
+the journal's fsync timer (``journal.fsync = "interval"``, once a second):
+under valgrind a request takes tens of milliseconds, so each tick weighs
+about fifty times what it does at full speed, and more when the machine
+is busy. ``--fsync never`` leaves it out (benchmarks/README.md has both).
+A run is flagged when its random rid prefix ends in many decimal digits,
+which made a tree before stop 33 parse prefill answers the slow way.
+
+Usage::
+
+    python benchmarks/instructions.py --tree . --tree ../base [--runtime asyncio] [--seeds 1,2,3]
+        [-n 400] [--warm 100] [--fsync never] [--keep DIR]
+
+``--tree`` is a checkout built in place (``pip install -e .`` there, or its
+own ``setup.py build_ext --inplace``); it is put first on ``PYTHONPATH``,
+so this interpreter runs that tree's code. ``--keep`` saves each window's
+callgrind file (``callgrind_annotate --inclusive=yes FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BODY = json.dumps({"model": "m", "prompt": "x" * 1024, "max_tokens": 8}).encode()
+REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: narwhal\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n" % len(BODY)) + BODY
+START_TIMEOUT_S = 120.0
+#: A rid prefix ending in this many decimal digits or more (a tree before the
+#: prefix was made to end in a letter: narwhal_runtime/app.py) sends prefill
+#: answers down wire.loads's exact path: such a run is flagged.
+SLOW_DIGITS = 6
+
+
+class Client:
+    """One keep-alive client connection sending the same request, one at a time."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def _more(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("the router closed the connection")
+        self.buf += data
+
+    def request(self) -> None:
+        """Send the request, read the whole answer (Content-Length or chunked); fail unless 200."""
+        self.sock.sendall(REQUEST)
+        while b"\r\n\r\n" not in self.buf:
+            self._more()
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        length = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
+        if length:
+            while len(self.buf) < int(length.group(1)):
+                self._more()
+            self.buf = self.buf[int(length.group(1)):]
+        else:
+            while True:
+                while b"\r\n" not in self.buf:
+                    self._more()
+                size = int(self.buf.partition(b"\r\n")[0].split(b";")[0], 16)
+                end = self.buf.index(b"\r\n") + 2 + size + 2
+                while len(self.buf) < end:
+                    self._more()
+                self.buf = self.buf[end:]
+                if size == 0:
+                    break
+        if head.split(b" ", 2)[1] != b"200":
+            raise RuntimeError(f"the router answered {head[:200]!r}")
+
+
+def start_engine(role: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, str(HERE / "instant_engine.py"), "--role", role,
+                             "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())["url"]
+
+
+def knows(tree: Path, key: str) -> bool:
+    """Whether the tree's config has ``key`` (a baseline may predate it)."""
+    return re.search(rf"^\s+{key}\s*:", (tree / "narwhal_core" / "config.py").read_text(), re.M) is not None
+
+
+def config(tree: Path, port: int, prefill: str, decode: str, journal: Path, fsync: str | None) -> str:
+    lines = ["[model]", 'name = "m"', "[ingress]", f'listen = "127.0.0.1:{port}"', "[engine]",
+             f'prefill = ["{prefill}"]', f'decode = ["{decode}"]', "[journal]", f'path = "{journal}"']
+    if fsync:
+        lines.append(f'fsync = "{fsync}"')
+    lines += ["[health]", "probe_interval_s = 3600"]
+    if knows(tree, "metrics_interval_s"):
+        lines += ["[routing]", "metrics_interval_s = 0"]
+    return "\n".join(lines) + "\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+def window(tree: Path, runtime: str, seed: int, args: argparse.Namespace, prefill: str,
+           decode: str) -> tuple[float, str]:
+    """Instructions per request of one router run, and its rid prefix; its callgrind file kept in ``args.keep``."""
+    tmp = Path(tempfile.mkdtemp(prefix="narwhal-instructions-"))
+    port = free_port()
+    (tmp / "narwhal.toml").write_text(config(tree, port, prefill, decode, tmp / "journal.jsonl", args.fsync))
+    env = dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=str(tree))
+    out = tmp / "callgrind.out"
+    cmd = ["setarch", "-R", "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+           sys.executable, "-m", "narwhal.cli", "serve", "--config", str(tmp / "narwhal.toml"), "--runtime", runtime]
+    with open(tmp / "stderr", "w") as stderr:
+        router = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                client = Client(port)
+                break
+            except OSError:
+                if router.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((tmp / "stderr").read_text()[-2000:]) from None
+                time.sleep(0.2)
+        for _ in range(args.warm):
+            client.request()
+        control(router.pid, "-i", "on")
+        control(router.pid, "-z")
+        for _ in range(args.n):
+            client.request()
+        control(router.pid, "-d")
+        control(router.pid, "-i", "off")
+    finally:
+        router.send_signal(signal.SIGTERM)
+        try:
+            router.wait(60)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait()
+    dump = min(tmp.glob("callgrind.out.*"))  # the dump of the window (the one at exit counts nothing)
+    prefix = json.loads((tmp / "journal.jsonl").read_text().partition("\n")[0])["rid"][:-10]
+    total = 0
+    for line in dump.read_text().splitlines():
+        if line.startswith(("summary:", "totals:")):
+            total = int(line.split()[1])
+    if args.keep:
+        shutil.copy(dump, Path(args.keep) / f"{tree.name}-{runtime}-{seed}.callgrind")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return total / args.n, prefix
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--tree", action="append", required=True, type=lambda p: Path(p).resolve())
+    parser.add_argument("--runtime", action="append", choices=("asyncio", "trio"))
+    parser.add_argument("--seeds", default="1,2,3", help="PYTHONHASHSEED values, one run each")
+    parser.add_argument("-n", type=int, default=400, help="requests counted")
+    parser.add_argument("--warm", type=int, default=100, help="requests before counting")
+    parser.add_argument("--fsync", choices=("interval", "never", "always"), help="journal.fsync (default: the tree's)")
+    parser.add_argument("--keep", help="a directory for the callgrind files")
+    args = parser.parse_args()
+    engines = [start_engine("prefill"), start_engine("decode")]
+    try:
+        for runtime in args.runtime or ["asyncio", "trio"]:
+            for tree in args.tree:
+                for seed in (int(s) for s in args.seeds.split(",")):
+                    per_request, prefix = window(tree, runtime, seed, args, engines[0][1], engines[1][1])
+                    digits = len(prefix) - len(prefix.rstrip("0123456789"))
+                    slow = f"  (rid prefix {prefix}: {digits} digits at its end)" if digits >= SLOW_DIGITS else ""
+                    print(f"{tree.name:12s} {runtime:8s} seed={seed} instructions/request={per_request / 1000:.1f}k{slow}",
+                          flush=True)
+    finally:
+        for proc, _ in engines:
+            proc.terminate()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
