@@ -25,6 +25,7 @@ from narwhal_core import wire
 from narwhal_core.contract import check_request
 from narwhal_core.errors import ContractError
 
+from ..corebuild import examples
 from ..helpers import ALIAS, CHAT, COMPLETIONS, MODEL
 
 MODEL_NAMES = frozenset({MODEL, ALIAS})
@@ -33,7 +34,7 @@ ROUTES = st.sampled_from([COMPLETIONS, CHAT])
 # The table of docs/contract.md, "Request rules", in its order (check 3).
 TYPED_FIELDS = ("model", "stream", "n", "best_of", "max_tokens", "max_completion_tokens", "prompt", "messages")
 
-SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # --------------------------------------------------------------------------
 # A tagged JSON tree: ("null",) ("bool", b) ("num", literal) ("str", s)
@@ -726,7 +727,7 @@ def test_the_shortest_documents_past_max_depth_are_refused(decode: Any) -> None:
     assert decode(limit) == json.loads(limit)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.text(alphabet="[]{}:,\"a1 ", max_size=2 * wire.MAX_DEPTH + 1))
 def test_short_documents_decode_within_max_depth_or_are_refused(text: str) -> None:
     data = text.encode()
@@ -775,7 +776,7 @@ def test_number_scan_finds_risky_numbers_and_counts_openers(scan: str, data: byt
     assert getattr(wire, scan)(data) == 2 * openers + risky
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(st.one_of(st.binary(max_size=300), st.text(alphabet="0123456789.eE-+[]{}\" a", max_size=300).map(str.encode)))
 def test_both_number_scans_agree(data: bytes) -> None:
     assert wire._scan_loop(data) == wire._scan_classes(data)
@@ -890,7 +891,7 @@ def test_seed_example_envelope() -> None:
 
 
 @example(route=CHAT, order=["request_id", "bootstrap_room", "kv_transfer_params"])
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     route=ROUTES,
     order=st.permutations(["request_id", "bootstrap_room", "kv_transfer_params", "bootstrap_host", "bootstrap_"]),
@@ -909,7 +910,7 @@ def test_router_owned_fields_are_stripped_in_body_order(route: str, order: list[
 TOOL_TYPES = st.sampled_from([s("function"), s("function"), s("Function"), s("retrieval"), NULL, num("1"), None])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(types=st.lists(TOOL_TYPES, max_size=5), tail=st.lists(st.tuples(keys, json_trees), max_size=2))
 def test_tools_first_non_function_type_is_named_with_its_index(
     types: list[Node | None], tail: list[tuple[str, Node]]
@@ -923,7 +924,7 @@ def test_tools_first_non_function_type_is_named_with_its_index(
     assert_matches(CHAT, render(tree), verdict, tree)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(literals=st.lists(number_literals(), min_size=1, max_size=4), route=ROUTES)
 @example(literals=["1e400", "-0.0", "0.1000000000000000055511151231257827"], route=COMPLETIONS)
 def test_any_number_literal_passes_through_by_exact_decimal_value(literals: list[str], route: str) -> None:

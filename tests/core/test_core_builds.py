@@ -102,9 +102,9 @@ def test_every_declaration_file_belongs_to_a_compiled_module() -> None:
 def test_the_pure_python_core_passes_the_core_tests() -> None:
     if corebuild.pure_requested():
         pytest.skip("this run tests the pure core already")
-    # The router state machine walks an eighth of its examples here: its full
-    # walk has just run on the installed build, and the suite has a time budget.
-    env = {**os.environ, corebuild.PURE_ENV: "1", "NARWHAL_TEST_MACHINE_EXAMPLES": "110"}
+    # The properties walk a quarter of their examples here, the router state machine
+    # an eighth (corebuild.examples): their full walks have just run on the installed build.
+    env = {**os.environ, corebuild.PURE_ENV: "1", corebuild.RERUN_ENV: "1"}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
          "tests/core/test_core_builds.py::test_this_run_loaded_the_build_it_should", *CORE_TESTS],

@@ -40,10 +40,11 @@ from narwhal_core.http import (
 )
 from narwhal_core.http import grammar
 
+from ..corebuild import examples
 from .http_reference import REFERENCE_CODEC, ReferenceEngineConnection, ReferenceServerConnection
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 class Limits(TypedDict, total=False):
     max_request_line_bytes: int
@@ -969,7 +970,7 @@ def test_server_split_anywhere_gives_the_same_events(
     assert run_server(codec, split_at(stream, cuts)) == (whole_log, whole_out)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(request_streams)
 def test_server_byte_at_a_time_gives_the_same_events(codec: CodecLike, specs: list[RequestSpec]) -> None:
     stream = b"".join(serialize_request(s) for s in specs)
@@ -1224,7 +1225,7 @@ def test_engine_split_anywhere_gives_the_same_events(codec: CodecLike, spec: Res
     assert coalesce(engine_events(codec, split_at(raw, cuts))) == coalesce(whole)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(response_specs())
 def test_engine_byte_at_a_time_gives_the_same_events(codec: CodecLike, spec: ResponseSpec) -> None:
     raw = serialize_response(spec, [len(spec.body) // 2])
@@ -1805,7 +1806,7 @@ def cut(data: st.DataObject, raw: bytes) -> list[bytes]:
     return split_at(raw, data.draw(st.lists(st.integers(0, len(raw)), max_size=8)))
 
 
-DIFF = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DIFF = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @DIFF

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from narwhal_core.errors import NarwhalError
 from narwhal_core.ids import RidSource, backend_id, parse_backend_id, sanitize_client_rid
 
+from ..corebuild import examples
+
 RID_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-"
 BACKEND_ID = re.compile(r"[A-Za-z0-9-]{1,128}\Z")
 
@@ -22,7 +24,7 @@ attempts = st.integers(min_value=1, max_value=999_999)
 triples = st.tuples(st.one_of(rids, tricky_rids), phases, attempts)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(triple=triples)
 @example(triple=("a" * 100, "prefill", 999_999))
 @example(triple=("-", "decode", 1))
@@ -37,7 +39,7 @@ def test_backend_id_shape_and_inverse(triple: tuple[str, str, int]) -> None:
     assert parse_backend_id(value) == (rid, phase, attempt)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(a=triples, b=triples)
 @example(a=("x-p1", "prefill", 1), b=("x", "prefill", 1))
 @example(a=("x-p", "prefill", 11), b=("x-p1", "prefill", 1))
@@ -50,7 +52,7 @@ def test_backend_id_is_injective(a: tuple[str, str, int], b: tuple[str, str, int
         assert backend_id(*a) == backend_id(*b)  # type: ignore[arg-type]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(rid=st.one_of(rids, tricky_rids), attempt=attempts, other=attempts)
 def test_retries_get_new_backend_ids(rid: str, attempt: int, other: int) -> None:
     """docs/contract.md, "Prefill and decode legs": a retried leg gets a new backend ID; the two phases never
@@ -73,14 +75,14 @@ invalid_rids = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(rid=invalid_rids, phase=phases, attempt=attempts)
 def test_invalid_rid_is_refused(rid: str, phase: str, attempt: int) -> None:
     with pytest.raises(NarwhalError):
         backend_id(rid, phase, attempt)  # type: ignore[arg-type]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(rid=rids, phase=phases, attempt=st.one_of(st.integers(max_value=0), st.integers(min_value=1_000_000)))
 @example(rid="a", phase="prefill", attempt=0)
 @example(rid="a", phase="prefill", attempt=-1)
@@ -110,7 +112,7 @@ def test_invalid_phase_raises_narwhal_error(phase: str) -> None:
         backend_id("abc", phase, 1)  # type: ignore[arg-type]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(value=st.text(max_size=150))
 @example(value="abc-p0")
 @example(value="abc-p01")
@@ -127,7 +129,7 @@ def test_parse_backend_id_accepts_only_backend_ids(value: str) -> None:
     assert backend_id(rid, phase, attempt) == value
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     prefix=st.text(alphabet=RID_ALPHABET.replace("-", ""), min_size=1, max_size=64),
     start=st.integers(min_value=0, max_value=2**48),
@@ -155,7 +157,7 @@ def test_rid_source_refuses_bad_prefixes(prefix: str) -> None:
         RidSource(prefix)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(raw=st.one_of(st.binary(max_size=600), st.text(max_size=200).map(lambda t: t.encode("utf-8"))))
 @example(raw=b"")
 @example(raw=b"\\" * 200)

@@ -30,10 +30,11 @@ from narwhal_core.planning import (
 )
 from narwhal_core.relay import SseRelay
 
+from ..corebuild import examples
 from ..helpers import CHAT, COMPLETIONS, MODEL, PREFILL_KV_REQUEST
 
 ROUTES = st.sampled_from([COMPLETIONS, CHAT])
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def tagged(value: Any) -> Any:
@@ -670,7 +671,7 @@ def general_sse_streams(draw: st.DrawFn) -> bytes:
     return bytes(out)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(stream=general_sse_streams(), cuts=st.lists(st.integers(0, 10**6), max_size=8))
 @example(stream=b'data: {"model":"m"}\n\n\ndata: [DONE]\n\n', cuts=[len(b'data: {"model":"m"}\n\n\n')])
 def test_sse_any_valid_stream_split_invariance(stream: bytes, cuts: list[int]) -> None:
@@ -678,7 +679,7 @@ def test_sse_any_valid_stream_split_invariance(stream: bytes, cuts: list[int]) -
     assert feed_all(relay(COMPLETIONS), split(stream, cuts)) == whole
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(stream=general_sse_streams())
 @example(stream=b'id: 1\ndata: {"model":"x","kv_transfer_params":{"remote_host":"10.0.0.5"}}\n\ndata: [DONE]\n\n')
 @example(stream=b'data: {"model":"x","kv_transfer_params":{}}\r\n\r\ndata: [DONE]\r\n\r\n')

@@ -31,8 +31,6 @@ Nothing but the core's error family may escape ``receive`` or
 
 from __future__ import annotations
 
-import os
-
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +50,7 @@ from narwhal_core import (
 from narwhal_core.auth import Authenticator
 from narwhal_core.config import parse_engine_url
 
+from ..corebuild import examples
 from .router_driver import (
     CHAT,
     COMPLETIONS,
@@ -69,10 +68,9 @@ from .router_driver import (
 )
 
 #: Examples x steps: 90 000 rule steps. ``test_core_builds`` reruns this
-#: machine on the pure sources with fewer examples (``MACHINE_EXAMPLES_ENV``):
+#: machine on the pure sources with an eighth of the examples (``corebuild.examples``):
 #: the full walk runs once per suite, on the build that is installed.
-MACHINE_EXAMPLES_ENV = "NARWHAL_TEST_MACHINE_EXAMPLES"
-MAX_EXAMPLES = int(os.environ.get(MACHINE_EXAMPLES_ENV, "900"))
+MAX_EXAMPLES = examples(900, rerun=110)
 STEPS = 100
 #: Shrinking a failure stops after this long (the failing case is printed either way).
 SHRINK_SECONDS = 60

@@ -10,7 +10,6 @@ and the legs show it — and bring it back once it answers again.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -208,7 +207,9 @@ def test_engine_closing_idle_connections_is_not_a_leg_failure(start_router, make
         answer = post(router)
         assert answer.status_code == 200, answer.text
         rids.append(rid_of(answer))
-        time.sleep(0.8)  # the engines close the idle connections meanwhile
+        # The engines close the idle connections (the router's kept-alive legs among them).
+        for engine in (*fleet.prefill, *fleet.decode):
+            engine.wait_for(lambda s: s["connections"] == 0, timeout=5)
     for rid in rids:
         record = journal_terminal(journal_path, rid)
         assert record["terminal"] == "completed", record

@@ -267,7 +267,9 @@ def test_a_request_pipelined_behind_an_unread_answer_waits_for_its_client(
     client = slow_client(router)
     try:
         client.send(chat_request(16 * 1024) + chat_request(4))
-        time.sleep(8 * limit_s)  # the client reads nothing for a while
+        # The client reads nothing for four leg timeouts: without the hold, the second request's
+        # legs (started as the first answer went out) would have timed out long before the end.
+        time.sleep(4 * limit_s)
         first, second = client.read_response(), client.read_response()
     finally:
         client.close()

@@ -425,9 +425,7 @@ def test_half_a_request_then_eof_after_a_valid_one(start_router, journal_path) -
 
 @pytest.mark.parametrize("where", ["head", "body", "in-flight"])
 def test_reset_mid_request_affects_no_other_connection(start_router, journal_path, where) -> None:
-    with SimThread(role="prefill", speed=0) as prefill, SimThread(
-        role="decode", speed=0, faults={"delay_s": 0.4}
-    ) as decode:
+    with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode:
         router = start_router(fleet_=Fleet(prefill=[prefill], decode=[decode]))
         bystander = _bystander(router)
         request = json_post(COMPLETIONS, body_for(COMPLETIONS, max_tokens=1))
@@ -437,6 +435,8 @@ def test_reset_mid_request_affects_no_other_connection(start_router, journal_pat
             elif where == "body":
                 client.send(request[:-5])
             else:
+                # The decode engine answers this one after 0.4 s: the reset comes while its leg runs.
+                decode.set_faults(delay_s=0.4)
                 client.send(request)
                 poll_for = time.monotonic() + 5
                 while not completion_records([decode]) and time.monotonic() < poll_for:
@@ -445,6 +445,7 @@ def test_reset_mid_request_affects_no_other_connection(start_router, journal_pat
             time.sleep(0.05)
             client.reset()
         router.wait_idle()
+        decode.set_faults()  # the bystander's requests are answered at once
         terminals = assert_journal_consistent(journal_path)
         if where == "in-flight":
             cancelled = [r for r in terminals.values() if r["terminal"] == "cancelled"]
