@@ -318,7 +318,8 @@ class Driver:
                     for event, fields in logs:
                         out.log(event, fields)
                 if self._engine:
-                    commands, self._engine = self._engine, []
+                    commands: list[Any] = self._engine  # (told apart by type below: mypy cannot narrow by `is`)
+                    self._engine = []
                     engines = out.engines
                     assert engines is not None  # the router starts nothing before the adapter serves
                     started = False

@@ -129,29 +129,29 @@ class AcceptGate:
     socket until :attr:`resumes`. Times are the caller's clock.
     """
 
-    __slots__ = ("limit", "held", "full", "resumes")
+    __slots__ = ("limit", "held", "resumes")
 
     def __init__(self, limit: int) -> None:
         #: ``ingress.max_connections``, and the slots held now.
         self.limit = limit
         self.held = 0
-        #: Every slot is held: accept nothing until one is released.
-        self.full = limit <= 0
         #: After a failed accept that asked for a pause: when accepting may resume.
         self.resumes = -math.inf
+
+    @property
+    def full(self) -> bool:
+        """Every slot is held: accept nothing until one is released."""
+        return self.held >= self.limit
 
     def accepted(self) -> bool:
         """A connection was accepted and holds a slot: whether that was the last (stop accepting)."""
         self.held += 1
-        self.full = self.held >= self.limit
-        return self.full
+        return self.held >= self.limit
 
     def released(self) -> bool:
         """A connection gave its slot back: whether accepting may go on again (every slot was held)."""
-        was_full = self.full
         self.held -= 1
-        self.full = self.held >= self.limit
-        return was_full and not self.full
+        return self.held == self.limit - 1
 
     def failed(self, exc: OSError, now: float) -> float:
         """``accept`` raised ``exc`` (not ``EAGAIN``) at ``now``: seconds to stop accepting, ``0.0`` for none.

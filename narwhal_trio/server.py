@@ -281,11 +281,11 @@ class Server(ServerBase):
 
     # -------------------------------------------------------------- clients
 
-    def _start_client(self, sock: socket.socket, limit: Listener) -> None:
+    def _start_client(self, sock: socket.socket, listener: Listener) -> None:
         assert self._nursery is not None
-        self._nursery.start_soon(self._client_task, sock, limit)
+        self._nursery.start_soon(self._client_task, sock, listener)
 
-    async def _client_task(self, sock: socket.socket, limit: Listener) -> None:
+    async def _client_task(self, sock: socket.socket, listener: Listener) -> None:
         handle = self._next_handle
         self._next_handle += 1
         client = self._clients[handle] = _Client(handle, sock)
@@ -294,7 +294,7 @@ class Server(ServerBase):
             if client.release is not None:
                 client.release = None
                 del self._clients[handle]
-                limit.release()
+                listener.release()
 
         client.release = release
         try:
