@@ -8,7 +8,8 @@ seed, a router under ``setarch -R valgrind --tool=callgrind`` with
 instrumentation off; it sends ``--warm`` sequential keep-alive ``POST
 /v1/completions`` (a 1 KB prompt, ``max_tokens`` 8), turns instrumentation
 on (``callgrind_control -i on``, then ``-z``), sends ``-n`` more, dumps
-and prints ``Ir / n``. Only what the router does between the two toggles
+and prints ``Ir / n``. With ``--concurrency C`` the counted requests go
+out C at a time on C connections (all sent, then every answer read). Only what the router does between the two toggles
 is counted: start-up, imports and shutdown are not.
 
 Health probes (``probe_interval_s`` 3600) and the ``/metrics`` poll
@@ -25,7 +26,7 @@ which made a tree before stop 33 parse prefill answers the slow way.
 Usage::
 
     python benchmarks/instructions.py --tree . --tree ../base [--runtime asyncio] [--seeds 1,2,3]
-        [-n 400] [--warm 100] [--fsync never] [--keep DIR]
+        [-n 400] [--warm 100] [--concurrency 1] [--fsync never] [--keep DIR]
 
 ``--tree`` is a checkout built in place (``pip install -e .`` there, or its
 own ``setup.py build_ext --inplace``); it is put first on ``PYTHONPATH``,
@@ -76,6 +77,10 @@ class Client:
     def request(self) -> None:
         """Send the request, read the whole answer (Content-Length or chunked); fail unless 200."""
         self.sock.sendall(REQUEST)
+        self.answer()
+
+    def answer(self) -> None:
+        """Read one whole answer (Content-Length or chunked); fail unless 200."""
         while b"\r\n\r\n" not in self.buf:
             self._more()
         head, _, self.buf = self.buf.partition(b"\r\n\r\n")
@@ -157,10 +162,16 @@ def window(tree: Path, runtime: str, seed: int, args: argparse.Namespace, prefil
                 time.sleep(0.2)
         for _ in range(args.warm):
             client.request()
+        clients = [client] + [Client(port) for _ in range(args.concurrency - 1)]
+        for c in clients[1:]:
+            c.request()  # each connection's first request outside the window
         control(router.pid, "-i", "on")
         control(router.pid, "-z")
-        for _ in range(args.n):
-            client.request()
+        for _ in range(args.n // args.concurrency):
+            for c in clients:  # all in flight at once, then every answer read
+                c.sock.sendall(REQUEST)
+            for c in clients:
+                c.answer()
         control(router.pid, "-d")
         control(router.pid, "-i", "off")
     finally:
@@ -179,7 +190,7 @@ def window(tree: Path, runtime: str, seed: int, args: argparse.Namespace, prefil
     if args.keep:
         shutil.copy(dump, Path(args.keep) / f"{tree.name}-{runtime}-{seed}.callgrind")
     shutil.rmtree(tmp, ignore_errors=True)
-    return total / args.n, prefix
+    return total / (args.n // args.concurrency * args.concurrency), prefix
 
 
 def main() -> None:
@@ -188,6 +199,8 @@ def main() -> None:
     parser.add_argument("--runtime", action="append", choices=("asyncio", "trio"))
     parser.add_argument("--seeds", default="1,2,3", help="PYTHONHASHSEED values, one run each")
     parser.add_argument("-n", type=int, default=400, help="requests counted")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="requests in flight in the counted window: that many connections send, then all read")
     parser.add_argument("--warm", type=int, default=100, help="requests before counting")
     parser.add_argument("--fsync", choices=("interval", "never", "always"), help="journal.fsync (default: the tree's)")
     parser.add_argument("--keep", help="a directory for the callgrind files")

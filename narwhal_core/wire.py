@@ -8,8 +8,8 @@ significant digits, of integers beyond 64 bits and of tiny exponents
 (``1e-400`` becomes ``0.0``; ``1e400`` is even refused). So bodies are decoded in two ways:
 
 * the fast path, ``orjson``, whenever the body holds no number-like text that
-  could lose precision (:func:`_scan`, a cheap conservative scan that may
-  also match inside strings, which only costs a slower parse);
+  could lose precision outside its strings (:func:`_scan`, a cheap
+  conservative scan that steps over each string to its closing quote);
 * the exact path, the standard library's decoder with every float and every
   large integer kept as its original text (:class:`RawFloat`,
   :class:`RawInt`), which :func:`dumps` writes back verbatim.
@@ -54,10 +54,13 @@ def _number_classes() -> bytes:
     return bytes(table)
 
 
-# The risky-number scan looks for what orjson would not give back by value
-# (compiled: one C loop, _scan_loop; pure: bytes operations, _scan_classes,
-# which map every byte to its class, digit or dot, exponent letter, minus,
-# opener or other, and search the classes):
+# The risky-number scan looks, outside strings, for what orjson would not give
+# back by value (compiled: one C loop, _scan_loop; pure: bytes operations,
+# _scan_classes, which blank out every string, then map every byte to its
+# class, digit or dot, exponent letter, minus, opener or other, and search
+# the classes; where a quote may be escaped, they keep the strings, a more
+# careful verdict than the loop's, and as quick as it was before it stepped
+# over strings):
 # * 16 digits-or-dots in a row: more significant digits than a double keeps,
 #   or an integer beyond 64 bits (which orjson turns into a float);
 # * a negative exponent of 3 digits or more: a subnormal or an underflow to
@@ -65,15 +68,26 @@ def _number_classes() -> bytes:
 # Positive exponents are safe: up to ``e308`` a number of at most 15
 # significant digits comes back as the same decimal value, beyond it orjson
 # refuses the number (infinity) and the exact path takes the body. The scan
-# errs on the side of the exact path (words like "e-100" inside strings).
-# In the byte classes "mddd" is rare and fast to look for; only then is
-# "emddd" (slower: "e" is a common letter) looked for.
+# errs on the side of the exact path (``1e-1.2``, which is no JSON number).
+# A string runs from a quote to the next quote not escaped (after an odd run
+# of backslashes), or to the end of the bytes: JSON's own rule, so in a
+# document orjson accepts the scan sees exactly its numbers and openers (a
+# prompt's digits or brackets cost nothing), and in one it refuses, what the
+# scan says changes no outcome. In the byte classes "mddd" is rare and fast
+# to look for; only then is "emddd" (slower: "e" is a common letter) looked for.
 _CLASSES: Final = _number_classes()
 _LONG_RUN: Final = b"d" * 16
 
 
 def _scan_classes(data: bytes) -> int:
-    """The number scan with bytes operations: ``2 * openers + risky`` (see :func:`_scan_loop`)."""
+    """The number scan with bytes operations: ``2 * openers + risky`` (see :func:`_scan_loop`).
+
+    The same as the loop's where no quote follows a backslash; elsewhere it
+    looks inside strings too (a slower parse, never a wrong one).
+    """
+    if b'"' in data and b'\\"' not in data:
+        # No quote is escaped: every other stretch between quotes is a string's contents, blanked out.
+        data = b'""'.join(data.split(b'"')[::2])
     classes = data.translate(_CLASSES)
     risky = _LONG_RUN in classes or (b"mddd" in classes and b"emddd" in classes)
     return 2 * classes.count(b"o") + risky
@@ -82,8 +96,9 @@ def _scan_classes(data: bytes) -> int:
 def _scan_loop(data: bytes) -> int:
     """The same scan as :func:`_scan_classes` in one pass over the bytes.
 
-    Returns ``2 * openers + risky``: the number of ``[`` and ``{`` bytes, and
-    whether a risky number (above) may be present. Compiled, ``wire.pxd``
+    Returns ``2 * openers + risky``: the number of ``[`` and ``{`` bytes
+    outside strings, and whether a risky number (above) may be present
+    there; strings are stepped over (:func:`_string_end`). Compiled, ``wire.pxd``
     types its locals and the loop runs in C, faster than the bytes
     operations; interpreted, it is far slower than they are, so the pure
     build uses :func:`_scan_classes` (benchmarks/README.md, "Figures behind
@@ -94,8 +109,17 @@ def _scan_loop(data: bytes) -> int:
     after = 0  # 1: after an exponent letter, 2: and a minus, 3-4: and that many digits
     openers = 0
     risky = 0
-    for c in data:
-        if 0x30 <= c <= 0x39 or c == 0x2E:
+    i = 0
+    n = len(data)
+    at = data  # compiled: a pointer to its bytes, read without a bounds check (wire.pxd)
+    while i < n:
+        c = at[i]
+        i += 1
+        if c == 0x22:  # a string: no number in it
+            i = _string_end(data, i)
+            run = 0
+            after = 0
+        elif 0x30 <= c <= 0x39 or c == 0x2E:
             run += 1
             if run >= 16:
                 risky = 1
@@ -116,6 +140,46 @@ def _scan_loop(data: bytes) -> int:
                 if c == 0x5B or c == 0x7B:
                     openers += 1
     return 2 * openers + risky
+
+
+def _string_end(data: bytes, i: int) -> int:
+    """Past the closing quote of the string whose contents start at ``data[i]``; ``len(data)`` if it has none.
+
+    Bytes are looked at 64 at a time, one by one, an escape (a backslash
+    and the byte after it) as one; once 64 in a row hold no backslash (a
+    prompt's prose), ``bytes.find`` looks for the next quote at C speed,
+    and the backslashes before it say whether it is escaped: an odd run
+    escapes it (the run follows a byte that is no backslash, so it is made
+    of whole escapes). The opening quote stops that look back. Text dense
+    with escapes (code, JSON in a string) stays with the byte loop, which a
+    call per quote would cost more than.
+    """
+    n = len(data)
+    at = data  # compiled: a pointer to its bytes (wire.pxd)
+    while True:
+        near = min(i + 64, n)
+        plain = True
+        while i < near:
+            c = at[i]
+            if c == 0x22:
+                return i + 1
+            if c == 0x5C:
+                plain = False
+                i += 2  # the byte after the backslash belongs to the escape
+            else:
+                i += 1
+        if i >= n:
+            return n
+        if plain:
+            quote = data.find(b'"', i)
+            if quote < 0:
+                return n
+            k = quote - 1
+            while at[k] == 0x5C:
+                k -= 1
+            if (quote - k) % 2 == 1:
+                return quote + 1  # an even run of backslashes (or none) before it: it closes the string
+            i = quote + 1
 
 
 #: The scan :func:`loads` runs: the loop where it is compiled (a C function,
