@@ -91,7 +91,12 @@ class OptionalBuildExt(build_ext):
         _say(f"compiling narwhal_core's hot modules with Cython ({names}) on {jobs} "
              f"core{'s' if jobs > 1 else ''}; NARWHAL_PURE_PYTHON=1 skips this")
         started = time.monotonic()
+        wanted = [ext.name for ext in self.extensions]
         self.extensions = _cythonize(self.extensions, jobs)
+        translated = {ext.name for ext in self.extensions}
+        for name in wanted:
+            if name not in translated:
+                self._stay_pure(name)
         if self.extensions:
             # The longest first: the build's wall time is then about the longest module's.
             self.extensions.sort(key=lambda ext: -sum(_size(source) for source in ext.sources))
@@ -99,6 +104,8 @@ class OptionalBuildExt(build_ext):
                 super().run()
             except Exception as exc:  # noqa: BLE001 - no compiler at all: stay pure
                 _say(f"no C extension built ({exc}); narwhal_core runs as pure Python")
+                for name in translated:
+                    self._stay_pure(name)
                 return
         built = ", ".join(ext.name.removeprefix("narwhal_core.") for ext in self.extensions) or "nothing"
         _say(f"compiled {built} in {time.monotonic() - started:.0f} s")
@@ -111,6 +118,18 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:  # noqa: BLE001 - one module failing stays pure
             self.extensions.remove(ext)  # nothing to copy beside the sources
             _say(f"{ext.name} not compiled ({exc}); it runs as pure Python")
+            self._stay_pure(ext.name)
+
+    def _stay_pure(self, name: str) -> None:
+        """``name`` was not compiled: in a source tree, its compiled file of an older build goes.
+
+        Left there, it would shadow the source it was built from, running old code.
+        """
+        if self.inplace:
+            path = Path(self.get_ext_fullpath(name))
+            if path.exists():
+                path.unlink()
+                _say(f"removed {path.name}: it was built from an older {name}")
 
 
 def _remove_leftovers() -> None:

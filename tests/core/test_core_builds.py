@@ -132,6 +132,30 @@ def test_a_compiled_module_older_than_its_source_is_reported_stale() -> None:
     assert core_build()[1] == []
 
 
+def test_a_module_cython_refuses_loses_its_compiled_file_of_an_older_build(tmp_path: Path) -> None:
+    # A checkout-shaped copy of setup.py's world, one module listed: its
+    # declarations no longer match its source, and an older build left a
+    # compiled file beside it, which would shadow the source with old code.
+    pytest.importorskip("Cython")
+    (tmp_path / "setup.py").write_text((ROOT / "setup.py").read_text())
+    (tmp_path / "narwhal_build").mkdir()
+    (tmp_path / "narwhal_build" / "__init__.py").write_text('COMPILED = ("wire",)\n')
+    package = tmp_path / "narwhal_core"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "wire.py").write_text("def scan(data):\n    return 0\n")
+    (package / "wire.pxd").write_text("cpdef int scan(bytes data, int start)\n")
+    old = package / "wire.cpython-311-x86_64-linux-gnu.so"
+    old.write_bytes(b"built from an older wire.py")
+    # (A session of its own: no terminal, so setup.py says what it did on stderr.)
+    run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "narwhal_core.wire not compiled" in run.stderr
+    assert not old.exists()
+    assert sorted(path.name for path in package.iterdir()) == ["__init__.py", "wire.pxd", "wire.py"]
+
+
 def test_a_declaration_file_edited_after_compilation_makes_its_module_stale(tmp_path: Path) -> None:
     # A checkout-shaped copy: setup.py and pyproject.toml beside the package.
     (tmp_path / "setup.py").write_text("")
