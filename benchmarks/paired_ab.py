@@ -1,7 +1,7 @@
 """A paired, interleaved A/B of Narwhal's router CPU per request: this tree against ``--baseline DIR``.
 
     . .venv/bin/activate
-    python benchmarks/router_bench.py --scenario paired --baseline DIR            # 20 rounds x 2 s (~8 min)
+    python benchmarks/router_bench.py --scenario paired --baseline DIR            # 20 rounds x 2 s (~7 min)
     python benchmarks/router_bench.py --scenario paired --baseline DIR --rounds 4 # a short check (~2 min)
 
 ``router_bench.py`` dispatches here; everything it starts and reads comes

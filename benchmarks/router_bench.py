@@ -6,6 +6,7 @@ One command, bounded in time, 127.0.0.1 only::
     python benchmarks/router_bench.py            # full: 3 runs x 5 s windows (~6 min on a quiet machine)
     python benchmarks/router_bench.py --quick    # 1 run x 2 s windows (~1 min)
     python benchmarks/router_bench.py --scenario slow-streams   # 10,000 slow streams through Narwhal: RSS (~8 min)
+    python benchmarks/router_bench.py --scenario paired --baseline DIR   # this tree / DIR in interleaved pairs (~7 min)
 
 What it starts (every listener on 127.0.0.1):
 
@@ -76,6 +77,10 @@ capped, and the report says so.
 On a shared machine each window is measured again (``--retries``) when
 other processes took more than ``--max-other`` % of a core it used; the
 ``other%`` column shows how disturbed the kept window was.
+
+``--scenario paired`` (``benchmarks/paired_ab.py``) compares this tree's
+Narwhal with ``--baseline``'s in pairs of short windows back to back, and
+gives the median ratio of router CPU per request with a 95 % interval.
 
 ``--profile TARGET`` adds one py-spy window (pd-c32, or ``--profile-scenario``) on a Narwhal target
 and prints where its time goes (py-spy from the peers venv; the SVG is kept
