@@ -6,6 +6,7 @@ One command, bounded in time, 127.0.0.1 only::
     python benchmarks/router_bench.py            # full: 3 runs x 5 s windows (~6 min on a quiet machine)
     python benchmarks/router_bench.py --quick    # 1 run x 2 s windows (~1 min)
     python benchmarks/router_bench.py --scenario slow-streams   # 10,000 slow streams through Narwhal: RSS (~8 min)
+    python benchmarks/router_bench.py --scenario paired --baseline DIR   # this tree / DIR in interleaved pairs (~7 min)
 
 What it starts (every listener on 127.0.0.1):
 
@@ -76,6 +77,10 @@ capped, and the report says so.
 On a shared machine each window is measured again (``--retries``) when
 other processes took more than ``--max-other`` % of a core it used; the
 ``other%`` column shows how disturbed the kept window was.
+
+``--scenario paired`` (``benchmarks/paired_ab.py``) compares this tree's
+Narwhal with ``--baseline``'s in pairs of short windows back to back, and
+gives the median ratio of router CPU per request with a 95 % interval.
 
 ``--profile TARGET`` adds one py-spy window (pd-c32, or ``--profile-scenario``) on a Narwhal target
 and prints where its time goes (py-spy from the peers venv; the SVG is kept
@@ -1122,21 +1127,7 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
         peers_bin, peers_error = ensure_peers(work)
         if peers_bin is None:
             log(peers_error)
-    bodies = {}
-    body_files = {}
-    for scen, (stream, _, max_tokens, _) in SCENARIOS.items():
-        if scen in LONG_PROMPTS:
-            spec, bodies[scen] = long_prompt_spec(scen)
-            body_files[scen] = work / f"body-{scen}.prompts"
-            body_files[scen].write_text(spec)
-            continue
-        doc: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.7,
-                               "top_p": 0.95, "user": "bench"}  # fmt: skip
-        if stream:
-            doc["stream"] = True
-        bodies[scen] = json.dumps(doc).encode()
-        body_files[scen] = work / f"body-{scen}.json"
-        body_files[scen].write_bytes(bodies[scen])
+    bodies, body_files = write_bodies(work)
     log(f"work directory {work}; body {len(bodies['pd-c1'])} bytes"
         + "".join(f", {s} ~{len(bodies[s])} bytes" for s in scenarios if s in LONG_PROMPTS))  # fmt: skip
     engines: dict[str, dict[str, Any]] = {}
@@ -1228,6 +1219,26 @@ def table_mode(args: argparse.Namespace, work: Path) -> int:
     (work / "results.json").write_text(json.dumps(out, indent=1, default=str))
     print(f"Results and logs: {work}")
     return 0
+
+
+def write_bodies(work: Path) -> tuple[dict[str, bytes], dict[str, Path]]:
+    """Each scenario's request body (to validate with) and the file wrk reads it from, written to ``work``."""
+    bodies: dict[str, bytes] = {}
+    body_files: dict[str, Path] = {}
+    for scen, (stream, _, max_tokens, _) in SCENARIOS.items():
+        if scen in LONG_PROMPTS:
+            spec, bodies[scen] = long_prompt_spec(scen)
+            body_files[scen] = work / f"body-{scen}.prompts"
+            body_files[scen].write_text(spec)
+            continue
+        doc: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.7,
+                               "top_p": 0.95, "user": "bench"}  # fmt: skip
+        if stream:
+            doc["stream"] = True
+        bodies[scen] = json.dumps(doc).encode()
+        body_files[scen] = work / f"body-{scen}.json"
+        body_files[scen].write_bytes(bodies[scen])
+    return bodies, body_files
 
 
 def quiet_wait(router_core: int | None, load_core: int | None, max_other: float, max_wait: float) -> float:
@@ -1526,17 +1537,22 @@ def main(argv: list[str] | None = None) -> int:
         prog="router_bench.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("--scenario", choices=("table", "slow-streams"), default="table",
-                        help="the side-by-side table, or 10,000 slow streams through Narwhal (RSS)")  # fmt: skip
+    parser.add_argument("--scenario", choices=("table", "slow-streams", "paired"), default="table",
+                        help="the side-by-side table, 10,000 slow streams through Narwhal (RSS), or a paired "
+                             "A/B of router CPU against --baseline (benchmarks/paired_ab.py)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="1 run, 2 s windows (slow-streams: 2,000 streams, 20 s)")
     parser.add_argument("--runs", type=int, default=3, help="runs; each figure is the median")
-    parser.add_argument("--duration", type=int, default=5, help="seconds of each measured load window")
-    parser.add_argument("--warmup", type=int, default=1, help="seconds of warm-up load before each window (0: none)")
+    parser.add_argument("--duration", type=int, default=None,
+                        help="seconds of each measured load window (table: 5; paired: 2)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="seconds of warm-up load before each window (0: none; table: 1); paired: once per "
+                             "router and scenario before the rounds (2)")  # fmt: skip
     parser.add_argument("--targets", default=",".join(ALL_TARGETS), help="comma-separated targets")
     parser.add_argument("--baseline", default=None, metavar="DIR",
                         help="source tree (built in place) the narwhal-*-base targets run from")
-    parser.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
-                        help=f"comma-separated table scenarios, of {', '.join(SCENARIOS)}")  # fmt: skip
+    parser.add_argument("--scenarios", default=None,
+                        help=f"comma-separated scenarios, of {', '.join(SCENARIOS)} (table: "
+                             f"{','.join(DEFAULT_SCENARIOS)}; paired: pd-c1,pd-c32)")  # fmt: skip
     parser.add_argument("--engine", choices=("instant", "sim"), default="instant",
                         help="instant: benchmarks/instant_engine.py; sim: python -m narwhal_sim --speed 0")  # fmt: skip
     cores = sorted(os.sched_getaffinity(0))
@@ -1551,8 +1567,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paced-ms", type=float, default=0.0,
                         help="table: the instant engines send streamed tokens this many ms apart (0: all at once)")
     parser.add_argument("--stream-seconds", type=float, default=60.0, help="slow-streams: length of each stream")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="slow-streams: batches of streams through the same router (does RSS come back?)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="slow-streams: batches of streams through the same router (does RSS come back?) (2); "
+                             "paired: pairs of windows per runtime and scenario (20)")  # fmt: skip
+    parser.add_argument("--runtimes", default="trio,asyncio", help="paired: the runtimes compared")
+    parser.add_argument("--order", choices=("abba", "random"), default="abba",
+                        help="paired: which side of a pair goes first (abba: alternating; random: from --seed)")
+    parser.add_argument("--seed", type=int, default=1, help="paired: seed of the order and of the bootstrap")
+    parser.add_argument("--bound", type=float, default=0.05, help="paired: the cost bound, this tree / baseline - 1")
+    parser.add_argument("--resamples", type=int, default=10_000, help="paired: bootstrap resamples")
     parser.add_argument("--connect-parallel", type=int, default=256, help="slow-streams: connects in flight")
     parser.add_argument("--nice", type=int, default=-10 if os.geteuid() == 0 else 0,
                         help="nice value of every process started (negative needs root): less disturbance "
@@ -1565,6 +1588,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=1800.0, help="stop everything after this many seconds")
     parser.add_argument("--out", default=None, help="work directory (default: a new one under /tmp)")
     args = parser.parse_args(argv)
+    paired = args.scenario == "paired"
+    if args.duration is None:
+        args.duration = 2 if paired else 5
+    if args.warmup is None:
+        args.warmup = 2 if paired else 1
+    if args.scenarios is None:
+        args.scenarios = "pd-c1,pd-c32" if paired else ",".join(DEFAULT_SCENARIOS)
+    if args.rounds is None:
+        args.rounds = 20 if paired else 2
     if args.quick:
         args.runs = 1
         args.duration = min(args.duration, 2)
@@ -1607,6 +1639,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.scenario == "slow-streams":
             return slow_streams_mode(args, work)
+        if paired:
+            import paired_ab  # beside this file
+
+            return paired_ab.paired_mode(args, work)
         return table_mode(args, work)
     finally:
         signal.alarm(0)
@@ -1614,4 +1650,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # paired_ab imports this module by name: let it find this run's (one Proc registry, one BASELINE_TREE)
+    sys.modules.setdefault("router_bench", sys.modules[__name__])
     sys.exit(main())
