@@ -5,19 +5,17 @@ build measurably lowers the router's CPU per request are compiled
 (``COMPILED`` in ``narwhal_build/__init__.py``; ``benchmarks/README.md``,
 "Which modules are compiled (`setup.py`)", has the figures): they are the same source
 files, built by Cython in pure-Python mode, so behaviour is the Python
-source's. The others stay pure Python: compiled, each saved under 1 % of
-the instructions per request, for seconds of install time each.
+source's. The others stay pure Python: compiled, they saved instructions but
+not CPU time (the router and its parts), or under 1 % of the
+instructions per request for seconds of install time each.
 ``config.py`` and ``__init__.py`` must stay pure: config is read once at
 start-up, and its attrs field types must stay real types (Cython stores
 annotations as strings), which its converter and tests read.
 
-The ``.pxd`` files beside the compiled modules declare their hot classes to
-Cython as extension types, whose methods then read and write their fields
-directly (``wire.pxd``: the C locals of one byte-scanning loop), and
-annotations stay annotations, never C types, except in ``router.py``:
-there Cython also types the parameters annotated with the classes
-``router.pxd`` declares (its header comment turns ``annotation_typing``
-on).
+The ``.pxd`` files beside some compiled modules declare their hot classes
+to Cython as extension types, whose methods then read and write their
+fields directly (``wire.pxd``: the C locals of one byte-scanning loop);
+annotations stay annotations, never C types.
 
 The modules are translated (Cython) and then compiled (the C compiler) in
 parallel, one job per core, the longest first, and the build says so on

@@ -38,9 +38,8 @@ PURE_ENV = "NARWHAL_PURE_PYTHON"
 #: (``benchmarks/README.md``, "Which modules are compiled"). The others always
 #: run from their sources.
 COMPILED = (
-    "answers", "clients", "context", "contract", "fleet", "http.codec", "http.engine", "http.grammar",
-    "http.request_head", "http.request_reader", "http.server", "ids", "journal", "kv", "legs", "lifecycle",
-    "planning", "relay", "requests", "router", "slots", "timers", "wire",
+    "contract", "http.codec", "http.engine", "http.grammar", "http.request_head", "http.request_reader",
+    "http.server", "ids", "journal", "planning", "relay", "wire",
 )
 
 _CORE = "narwhal_core"

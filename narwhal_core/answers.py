@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """Engine answers: a leg's bytes read, a stream relayed, the whole answer judged.
 
 :class:`Answers` reads what an engine sends on a leg through the leg's

@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """Client connections: reading requests, their time limits and memory budget, and the answers of no request.
 
 :class:`Clients` owns every client connection's server codec. It reads a

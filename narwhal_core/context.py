@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """What the router's parts share: the configuration, the clock's last reading, the command queue.
 
 The :class:`~narwhal_core.router.Router` is a dispatcher over parts with one

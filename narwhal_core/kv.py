@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """The KV ledger: what each prefill handed off, who pulled it, and its release (docs/operate.md).
 
 A prefill leg's answer names the KV its engine now holds (a

@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """Engine legs: one HTTP request to a prefill or decode engine each, from start to end.
 
 :class:`Legs` starts a request's leg on the engine the fleet chose, keeps

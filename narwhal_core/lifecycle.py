@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """One request's lifecycle: a table of (state, input) -> handler, and the handlers (like h2's state machine).
 
 ``TRANSITIONS[(state, input)]`` is the :class:`Lifecycle` method that handles

@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """Completion requests: admission, their timers, their answers and their one terminal record.
 
 :class:`Requests` holds every completion request not yet terminal. It takes

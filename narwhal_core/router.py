@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that router.pxd declares are typed: see setup.py.)
 """The router: fleet-wide state driven by events, answering with commands.
 
 An adapter owns sockets, tasks and the clock; the :class:`Router` owns every

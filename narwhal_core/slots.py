@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """Requests waiting for a free slot on an engine (``engine.max_inflight_per_engine``), oldest first.
 
 A request whose next leg finds no engine of its phase with a free slot

@@ -1,5 +1,3 @@
-# cython: annotation_typing=True
-# (Compiled, the parameters annotated with a class that a .pxd declares are typed: see setup.py.)
 """The router's timers: typed timer objects on one heap (like aioquic's ``get_timer``/``handle_timer``).
 
 Every time limit the router keeps -- a client's read timeout, a leg's time
