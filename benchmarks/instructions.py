@@ -6,10 +6,13 @@ router runs per request do not. This starts two instant engines
 (``benchmarks/instant_engine.py``), then, for each tree, runtime and hash
 seed, a router under ``setarch -R valgrind --tool=callgrind`` with
 instrumentation off; it sends ``--warm`` sequential keep-alive ``POST
-/v1/completions`` (a 1 KB prompt, ``max_tokens`` 8), turns instrumentation
-on (``callgrind_control -i on``, then ``-z``), sends ``-n`` more, dumps
-and prints ``Ir / n``. With ``--concurrency C`` the counted requests go
-out C at a time on C connections (all sent, then every answer read). Only what the router does between the two toggles
+/v1/completions`` (a 1 KB prompt, or ``--prompt-bytes``; ``max_tokens``
+8), turns instrumentation on (``callgrind_control -i on``, then ``-z``),
+sends ``-n`` more, dumps and prints ``Ir / n``. With ``--concurrency C``
+the counted requests go out C at a time on C connections (all sent, then
+every answer read); with ``--cache-sim``, callgrind simulates the caches
+too, and the L1 and last-level misses per request are printed with the
+cycles KCachegrind would estimate from them. Only what the router does between the two toggles
 is counted: start-up, imports and shutdown are not.
 
 Health probes (``probe_interval_s`` 3600) and the ``/metrics`` poll
@@ -26,7 +29,7 @@ which made a tree before stop 33 parse prefill answers the slow way.
 Usage::
 
     python benchmarks/instructions.py --tree . --tree ../base [--runtime asyncio] [--seeds 1,2,3]
-        [-n 400] [--warm 100] [--concurrency 1] [--fsync never] [--keep DIR]
+        [-n 400] [--warm 100] [--concurrency 1] [--prompt-bytes 1024] [--fsync never] [--cache-sim] [--keep DIR]
 
 ``--tree`` is a checkout built in place (``pip install -e .`` there, or its
 own ``setup.py build_ext --inplace``); it is put first on ``PYTHONPATH``,
@@ -50,9 +53,21 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BODY = json.dumps({"model": "m", "prompt": "x" * 1024, "max_tokens": 8}).encode()
-REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: narwhal\r\nContent-Type: application/json\r\n"
-           b"Content-Length: %d\r\n\r\n" % len(BODY)) + BODY
+
+
+def request_bytes(prompt_bytes: int) -> bytes:
+    """The request sent: ``prompt_bytes`` of prompt (1 KB: "x"s; longer: prose with line breaks, as a document)."""
+    if prompt_bytes <= 1024:
+        prompt = "x" * prompt_bytes
+    else:
+        line = "The router reads every byte of the body before it decides where the prompt goes.\n"
+        prompt = (line * (prompt_bytes // len(line) + 1))[:prompt_bytes]
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: narwhal\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+
+
+REQUEST = request_bytes(1024)
 START_TIMEOUT_S = 120.0
 #: A rid prefix ending in this many decimal digits or more (a tree before the
 #: prefix was made to end in a letter: narwhal_runtime/app.py) sends prefill
@@ -139,14 +154,18 @@ def control(pid: int, *args: str) -> None:
 
 
 def window(tree: Path, runtime: str, seed: int, args: argparse.Namespace, prefill: str,
-           decode: str) -> tuple[float, str]:
-    """Instructions per request of one router run, and its rid prefix; its callgrind file kept in ``args.keep``."""
+           decode: str) -> tuple[dict[str, float], str]:
+    """Events per request of one router run (``Ir``; with ``--cache-sim``, the cache misses too), and its rid prefix.
+
+    Its callgrind file is kept in ``args.keep``.
+    """
     tmp = Path(tempfile.mkdtemp(prefix="narwhal-instructions-"))
     port = free_port()
     (tmp / "narwhal.toml").write_text(config(tree, port, prefill, decode, tmp / "journal.jsonl", args.fsync))
     env = dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=str(tree))
     out = tmp / "callgrind.out"
     cmd = ["setarch", "-R", "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+           *(["--cache-sim=yes"] if args.cache_sim else []),
            sys.executable, "-m", "narwhal.cli", "serve", "--config", str(tmp / "narwhal.toml"), "--runtime", runtime]
     with open(tmp / "stderr", "w") as stderr:
         router = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
@@ -183,14 +202,25 @@ def window(tree: Path, runtime: str, seed: int, args: argparse.Namespace, prefil
             router.wait()
     dump = min(tmp.glob("callgrind.out.*"))  # the dump of the window (the one at exit counts nothing)
     prefix = json.loads((tmp / "journal.jsonl").read_text().partition("\n")[0])["rid"][:-10]
-    total = 0
+    names: list[str] = []
+    totals: list[int] = []
     for line in dump.read_text().splitlines():
-        if line.startswith(("summary:", "totals:")):
-            total = int(line.split()[1])
+        if line.startswith("events:"):
+            names = line.split()[1:]
+        elif line.startswith(("summary:", "totals:")):
+            totals = [int(v) for v in line.split()[1:]]
     if args.keep:
         shutil.copy(dump, Path(args.keep) / f"{tree.name}-{runtime}-{seed}.callgrind")
     shutil.rmtree(tmp, ignore_errors=True)
-    return total / (args.n // args.concurrency * args.concurrency), prefix
+    counted = args.n // args.concurrency * args.concurrency
+    return {name: total / counted for name, total in zip(names, totals)}, prefix
+
+
+def estimated_cycles(events: dict[str, float]) -> float:
+    """Cycles as KCachegrind estimates them from a cache simulation: an L1 miss ~10, a last-level miss ~100."""
+    l1 = events["I1mr"] + events["D1mr"] + events["D1mw"]
+    last = events["ILmr"] + events["DLmr"] + events["DLmw"]
+    return events["Ir"] + 10 * l1 + 100 * last
 
 
 def main() -> None:
@@ -199,22 +229,32 @@ def main() -> None:
     parser.add_argument("--runtime", action="append", choices=("asyncio", "trio"))
     parser.add_argument("--seeds", default="1,2,3", help="PYTHONHASHSEED values, one run each")
     parser.add_argument("-n", type=int, default=400, help="requests counted")
+    parser.add_argument("--prompt-bytes", type=int, default=1024, help="the prompt's size (default: 1 KB)")
     parser.add_argument("--concurrency", type=int, default=1,
                         help="requests in flight in the counted window: that many connections send, then all read")
     parser.add_argument("--warm", type=int, default=100, help="requests before counting")
     parser.add_argument("--fsync", choices=("interval", "never", "always"), help="journal.fsync (default: the tree's)")
     parser.add_argument("--keep", help="a directory for the callgrind files")
+    parser.add_argument("--cache-sim", action="store_true",
+                        help="simulate the caches too: L1 (instruction, data) and last-level misses, estimated cycles")
     args = parser.parse_args()
+    global REQUEST
+    REQUEST = request_bytes(args.prompt_bytes)
     engines = [start_engine("prefill"), start_engine("decode")]
     try:
         for runtime in args.runtime or ["asyncio", "trio"]:
             for tree in args.tree:
                 for seed in (int(s) for s in args.seeds.split(",")):
-                    per_request, prefix = window(tree, runtime, seed, args, engines[0][1], engines[1][1])
+                    events, prefix = window(tree, runtime, seed, args, engines[0][1], engines[1][1])
                     digits = len(prefix) - len(prefix.rstrip("0123456789"))
                     slow = f"  (rid prefix {prefix}: {digits} digits at its end)" if digits >= SLOW_DIGITS else ""
-                    print(f"{tree.name:12s} {runtime:8s} seed={seed} instructions/request={per_request / 1000:.1f}k{slow}",
-                          flush=True)
+                    caches = ""
+                    if args.cache_sim:
+                        caches = (f" I1mr={events['I1mr'] / 1000:.2f}k D1m={(events['D1mr'] + events['D1mw']) / 1000:.2f}k"
+                                  f" LLm={(events['ILmr'] + events['DLmr'] + events['DLmw']) / 1000:.2f}k"
+                                  f" est.cycles={estimated_cycles(events) / 1000:.1f}k")
+                    print(f"{tree.name:12s} {runtime:8s} seed={seed} instructions/request={events['Ir'] / 1000:.1f}k"
+                          f"{caches}{slow}", flush=True)
     finally:
         for proc, _ in engines:
             proc.terminate()
