@@ -8,7 +8,6 @@ token, never the unknown token.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -20,12 +19,9 @@ from narwhal_core.kv_events import decode_batch
 from narwhal_sim.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from narwhal_sim.kv_events import encode_batch
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(_BENCH))
-_spec = importlib.util.spec_from_file_location("kv_routing_bench", _BENCH / "kv_routing_bench.py")
-assert _spec is not None and _spec.loader is not None
-kv_routing_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kv_routing_bench)
+from . import load_benchmark
+
+kv_routing_bench = load_benchmark("kv_routing_bench", with_siblings=True)
 
 
 def test_events_re_encoded_as_tagged_maps_carry_the_same_blocks() -> None:

@@ -7,18 +7,12 @@ round the ratio is must not flip, and the order of the sides must balance.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import statistics
-import sys
-from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(_BENCH))
-_spec = importlib.util.spec_from_file_location("paired_ab", _BENCH / "paired_ab.py")
-assert _spec is not None and _spec.loader is not None
-paired_ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(paired_ab)
+from . import load_benchmark
+
+paired_ab = load_benchmark("paired_ab", with_siblings=True)
 
 RESAMPLES = 2000
 

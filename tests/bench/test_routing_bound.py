@@ -6,9 +6,7 @@ size, with the engine's rules (docs/simulator.md, "The KV block pool").
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
@@ -16,11 +14,9 @@ from narwhal_bench.client import Target
 from narwhal_bench.trace import PromptSynth, TraceRequest
 from narwhal_bench.virtual import run_virtual
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_bound.py"
-_spec = importlib.util.spec_from_file_location("routing_bound", _PATH)
-assert _spec is not None and _spec.loader is not None
-routing_bound = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(routing_bound)
+from . import load_benchmark
+
+routing_bound = load_benchmark("routing_bound")
 
 # Engine blocks of 2 tokens, trace blocks of 4 tokens: a trace block is 2 engine blocks.
 SMALL = {"block_tokens": 2, "trace_block_tokens": 4}

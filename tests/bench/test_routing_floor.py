@@ -8,15 +8,12 @@ as long or longer, and no more of them can meet the SLO.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_floor.py"
-_spec = importlib.util.spec_from_file_location("routing_floor", _PATH)
-assert _spec is not None and _spec.loader is not None
-routing_floor = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(routing_floor)
+from . import load_benchmark
+
+routing_floor = load_benchmark("routing_floor")
 
 
 def settings(spread: float, pool_blocks: int = 0) -> argparse.Namespace:
