@@ -67,7 +67,6 @@ def request_bytes(prompt_bytes: int) -> bytes:
             b"Content-Length: %d\r\n\r\n" % len(body)) + body
 
 
-REQUEST = request_bytes(1024)
 START_TIMEOUT_S = 120.0
 #: A rid prefix ending in this many decimal digits or more (a tree before the
 #: prefix was made to end in a letter: narwhal_runtime/app.py) sends prefill
@@ -76,9 +75,10 @@ SLOW_DIGITS = 6
 
 
 class Client:
-    """One keep-alive client connection sending the same request, one at a time."""
+    """One keep-alive client connection sending the same request (``data``), one at a time."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, data: bytes) -> None:
+        self.data = data
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = b""
@@ -91,8 +91,12 @@ class Client:
 
     def request(self) -> None:
         """Send the request, read the whole answer (Content-Length or chunked); fail unless 200."""
-        self.sock.sendall(REQUEST)
+        self.send()
         self.answer()
+
+    def send(self) -> None:
+        """Send the request."""
+        self.sock.sendall(self.data)
 
     def answer(self) -> None:
         """Read one whole answer (Content-Length or chunked); fail unless 200."""
@@ -173,7 +177,7 @@ def window(tree: Path, runtime: str, seed: int, args: argparse.Namespace, prefil
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                client = Client(port)
+                client = Client(port, args.request)
                 break
             except OSError:
                 if router.poll() is not None or time.monotonic() > deadline:
@@ -181,14 +185,14 @@ def window(tree: Path, runtime: str, seed: int, args: argparse.Namespace, prefil
                 time.sleep(0.2)
         for _ in range(args.warm):
             client.request()
-        clients = [client] + [Client(port) for _ in range(args.concurrency - 1)]
+        clients = [client] + [Client(port, args.request) for _ in range(args.concurrency - 1)]
         for c in clients[1:]:
             c.request()  # each connection's first request outside the window
         control(router.pid, "-i", "on")
         control(router.pid, "-z")
         for _ in range(args.n // args.concurrency):
             for c in clients:  # all in flight at once, then every answer read
-                c.sock.sendall(REQUEST)
+                c.send()
             for c in clients:
                 c.answer()
         control(router.pid, "-d")
@@ -238,8 +242,7 @@ def main() -> None:
     parser.add_argument("--cache-sim", action="store_true",
                         help="simulate the caches too: L1 (instruction, data) and last-level misses, estimated cycles")
     args = parser.parse_args()
-    global REQUEST
-    REQUEST = request_bytes(args.prompt_bytes)
+    args.request = request_bytes(args.prompt_bytes)
     engines = [start_engine("prefill"), start_engine("decode")]
     try:
         for runtime in args.runtime or ["asyncio", "trio"]:

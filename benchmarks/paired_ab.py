@@ -21,6 +21,10 @@ bootstrap 95 % confidence interval and a verdict on the cost bound
 (``--bound``, 5 %): met when the interval's upper end is at most 1.05,
 missed when its lower end is above, not resolved otherwise.
 
+A runs the ``narwhal`` this Python imports (the editable install, or
+``PYTHONPATH``), B the ``--baseline`` tree; the report names A by the git
+state of the checkout this script is in, so run it from the tree A is.
+
 Router CPU is the sum over the router's threads of the first field of
 ``/proc/PID/task/TID/schedstat`` (nanoseconds on a CPU), read just before
 and after the window, divided by the requests wrk completed; utime + stime
