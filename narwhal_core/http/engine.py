@@ -58,7 +58,7 @@ from narwhal_core.http.grammar import (
     NEED_DATA,
     NO_BODY_STATUSES,
     OWS,
-    TOKEN_BYTES,
+    TOKEN,
     BodyData,
     EngineEvent,
     Fields,
@@ -68,6 +68,8 @@ from narwhal_core.http.grammar import (
     ResponseEnd,
     ResponseHead,
     comma_tokens,
+    keeping,
+    only,
     decode_fields,
     encode_request_line,
     read_response_head,
@@ -84,8 +86,8 @@ _ERROR_STATUS: Final = 502
 _STREAM_BUFFER_BYTES: Final = 16 * 1024 * 1024
 
 # h11's token and field-value rules as byte sets, for the request writer (no regex per field).
-_VALUE_BYTES: Final = bytes(b for b in range(256) if b not in b"\x00\n\r\x0b\x0c")  # SP/HTAB inside only
-_VCHARS: Final = bytes(range(0x21, 0x7F))
+_VALUE: Final = keeping(bytes(b for b in range(256) if b not in b"\x00\n\r\x0b\x0c"))  # SP/HTAB inside only
+_VCHARS: Final = keeping(bytes(range(0x21, 0x7F)))
 # Request fields the writer looks at: Host goes first, Connection may close,
 # the rest are the codec's to write.
 _REQUEST_SPECIAL_FIELDS: Final = frozenset({b"host", b"connection", b"upgrade"} | CODEC_FIELDS)
@@ -96,9 +98,9 @@ def _request_line(method: str, target: str) -> tuple[bytes, bytes]:
     raw_method, raw_target = encode_request_line(method, target)
     if (
         not raw_method
-        or raw_method.translate(None, TOKEN_BYTES)
+        or not only(raw_method, TOKEN)
         or not raw_target
-        or raw_target.translate(None, _VCHARS)
+        or not only(raw_target, _VCHARS)
     ):
         raise LocalProtocolError(f"cannot send this request: illegal method or target {method!r} {target!r}")
     return raw_method, raw_target
@@ -141,8 +143,8 @@ def encode_request(
         # h11's token and field-value rules.
         if (
             not name
-            or name.translate(None, TOKEN_BYTES)
-            or (value and (value.translate(None, _VALUE_BYTES) or value[0] in OWS or value[-1] in OWS))
+            or not only(name, TOKEN)
+            or (value and (not only(value, _VALUE) or value[0] in OWS or value[-1] in OWS))
         ):
             raise LocalProtocolError(f"cannot send this request: illegal header {name!r}: {value!r}")
         line = b"%s: %s\r\n" % (name, value)

@@ -211,6 +211,25 @@ IS_TCHAR: Final = tuple(TOKEN_RE.fullmatch(bytes([b])) is not None for b in rang
 # and a field value's (HTAB, SP, VCHAR, obs-text; no OWS at either end).
 TOKEN_BYTES: Final = bytes(b for b in range(256) if IS_TCHAR[b])
 FIELD_VALUE_BYTES: Final = b"\t" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))
+
+
+def keeping(allowed: bytes) -> bytes:
+    """A ``bytes.translate`` table that keeps each byte of ``allowed`` and changes every other one (:func:`only`)."""
+    return bytes(b if b in allowed else allowed[0] for b in range(256))
+
+
+def only(data: bytes, table: bytes) -> bool:
+    """Whether every byte of ``data`` is one ``table`` (made by :func:`keeping`) keeps.
+
+    One pass through a 256-byte table: a quarter of the time of
+    ``data.translate(None, allowed)``, which builds its table from the
+    allowed bytes on every call (benchmarks/README.md).
+    """
+    return data.translate(table) == data
+
+
+TOKEN: Final = keeping(TOKEN_BYTES)
+FIELD_VALUE: Final = keeping(FIELD_VALUE_BYTES)
 OWS: Final = b" \t"
 CR: Final = 13
 
@@ -275,10 +294,10 @@ def encode_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[list[bytes], 
     lines: list[bytes] = []
     close = False
     for name, value in headers:
-        if not name or name.translate(None, TOKEN_BYTES):
+        if not name or not only(name, TOKEN):
             raise LocalProtocolError(f"illegal header name {name!r}")
         if value and (
-            value.translate(None, FIELD_VALUE_BYTES) or value[0] in OWS or value[-1] in OWS
+            not only(value, FIELD_VALUE) or value[0] in OWS or value[-1] in OWS
         ):
             raise LocalProtocolError(f"illegal value for header {name!r}: {value!r}")
         lowered = name.lower()
@@ -398,7 +417,7 @@ def field_lines(head: bytes, start: int, known: dict[bytes, tuple[bytes, bytes]]
                     return None
                 name = line[:colon]
                 value = line[colon + 1 :].strip(OWS)
-                if name.translate(None, TOKEN_BYTES) or value.translate(None, FIELD_VALUE_BYTES):
+                if not only(name, TOKEN) or not only(value, FIELD_VALUE):
                     return None
                 field = (name.lower(), value)
                 if field[0] not in SECRET_FIELDS:

@@ -1633,6 +1633,17 @@ def test_fast_codec_memory_of_lines_is_bounded() -> None:
     assert len(codec.memory.request_lines_out) == grammar.MAX_CHECKED_REQUEST_PARTS
 
 
+@FUZZ
+@given(allowed=st.binary(min_size=1, max_size=256), draw=st.data())
+def test_only_tells_what_the_deletion_table_tells(allowed: bytes, draw: st.DataObject) -> None:
+    """``only`` (one pass through a 256-byte table) agrees with ``translate(None, allowed)`` on every byte string."""
+    inside = st.binary(max_size=40).map(lambda raw: bytes(allowed[b % len(allowed)] for b in raw))
+    data = draw.draw(st.one_of(inside, st.binary(max_size=40), inside.map(lambda raw: raw + b"\x00")))
+    assert grammar.only(data, grammar.keeping(allowed)) == (not data.translate(None, allowed))
+    for table, named in ((grammar.TOKEN, grammar.TOKEN_BYTES), (grammar.FIELD_VALUE, grammar.FIELD_VALUE_BYTES)):
+        assert grammar.only(data, table) == (not data.translate(None, named))
+
+
 def test_the_codec_never_consults_h11(monkeypatch: pytest.MonkeyPatch) -> None:
     """h11 is the oracle only: neither the fast nor the general reading of the codec uses it."""
 
