@@ -11,14 +11,14 @@ resumes the legs linked to a client).
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any
 
 from narwhal_core import Event, LegData, LegFailed, StartControl, StartLeg
 from narwhal_core.events import LegFailure
-from narwhal_runtime.control import ControlConnection, ControlTimedOut, connect_first, resolve, run_control
+from narwhal_runtime.control import ControlTimedOut, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
 from narwhal_runtime.socket_options import READ_SIZE, set_up_engine
@@ -214,13 +214,17 @@ class Engines(EngineLegs[_LegConnection]):
                 raise ControlTimedOut from None
             raise
 
-    async def control_connect(self, host: str, port: int, infos: Sequence[Any] | None) -> ControlConnection:
-        loop = self._loop
-        if infos is None:
-            infos = await resolve(host, port, self.control_getaddrinfo)
-        sock = await connect_first(infos, loop.sock_connect)
-        set_up_engine(sock)
-        return partial(loop.sock_sendall, sock), partial(loop.sock_recv, sock, READ_SIZE), sock.close
+    async def control_sock_connect(self, sock: socket.socket, address: Any) -> None:
+        await self._loop.sock_connect(sock, address)
+
+    async def control_send_all(self, sock: socket.socket, data: bytes) -> None:
+        await self._loop.sock_sendall(sock, data)
+
+    async def control_receive(self, sock: socket.socket) -> bytes:
+        return await self._loop.sock_recv(sock, READ_SIZE)
+
+    def control_close(self, sock: socket.socket) -> None:
+        sock.close()
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
         self._feed(event)

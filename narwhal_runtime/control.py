@@ -14,20 +14,23 @@ few dozen bytes, a decode release's is read for its verdict, an engine's
 
 :func:`run_control` runs one :class:`ControlExchange` per ``StartControl``,
 the same on both runtimes, with the primitives the adapter lends it
-(:class:`ControlIO`: its deadline, ``getaddrinfo``, connect, send, receive
-and feed)::
+(:class:`ControlIO`: its deadline, ``getaddrinfo``, a socket's connect,
+send, receive and close, and feed)::
 
     exchange = ControlExchange(cmd)
     data = exchange.request()            # before connecting: may refuse
-    ...connect (resolving first if cmd.resolve: feed exchange.resolved(infos))...
+    infos = await resolve(...)           # if cmd.resolve: feed exchange.resolved(infos)
+    sock = await connect_first(infos, io.control_sock_connect)
     exchange.connected()
     done = await exchange.converse(data, send_all, receive_some)   # then close
     failures: exchange.failed(exc), exchange.timed_out(), exchange.cancelled()
 
 (:meth:`ControlExchange.converse` writes, then reads until the outcome is
 known, feeding :meth:`~ControlExchange.receive_data`; after a ``decode_abort``
-request, ``hang_up``, it reads nothing: :meth:`~ControlExchange.sent`.) An
-adapter that connects by address uses :func:`resolve` and :func:`connect_first`.
+request, ``hang_up``, it reads nothing: :meth:`~ControlExchange.sent`.) Both
+runtimes connect the same way: to the addresses resolved once, each in
+turn (:func:`connect_first`), so a probe that tells the router what its
+engine's name resolved to connects to one of those very addresses.
 
 The request carries the engine credential where the router put it; no
 error text made here holds a request header, so the credential reaches
@@ -36,6 +39,7 @@ neither the log nor the journal (docs/security.md).
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -47,6 +51,7 @@ from narwhal_core.events import EngineResolved
 from narwhal_core.http import NEED_DATA, BodyData, EngineConnection, ResponseEnd, ResponseHead
 
 from .engine_probe import addresses_of, describe_failure, shorten
+from .socket_options import set_up_engine
 
 __all__ = [
     "ControlExchange", "ControlRefused", "ControlTimedOut", "ControlIO", "CONTROL_HEADERS",
@@ -76,16 +81,10 @@ class ControlTimedOut(Exception):
     """
 
 
-#: ``send_all(data)``, ``receive_some()`` (``b""``: the engine closed) and ``close()`` of one connection.
-ControlConnection = tuple[
-    Callable[[bytes], Awaitable[object]], Callable[[], Awaitable[bytes]], Callable[[], object]
-]
-
-
 class ControlIO(Protocol):
     """What a runtime lends :func:`run_control` (each adapter's ``Engines``)."""
 
-    #: The runtime's own exceptions, beside ``OSError``, that say a connection broke (trio's streams).
+    #: The runtime's own exceptions, beside ``OSError``, that say a connection broke.
     CONTROL_BROKEN: tuple[type[BaseException], ...]
 
     def control_deadline(self, seconds: float) -> AbstractAsyncContextManager[object]:
@@ -96,8 +95,20 @@ class ControlIO(Protocol):
         """The runtime's ``getaddrinfo`` (in its resolver thread)."""
         ...
 
-    async def control_connect(self, host: str, port: int, infos: Sequence[Any] | None) -> ControlConnection:
-        """A new connection to the engine (``infos``: the addresses if already resolved)."""
+    async def control_sock_connect(self, sock: socket.socket, address: Any) -> None:
+        """Connect the non-blocking ``sock`` to ``address``; raises ``OSError`` with the kernel's errno."""
+        ...
+
+    async def control_send_all(self, sock: socket.socket, data: bytes) -> None:
+        """Write all of ``data`` to ``sock``."""
+        ...
+
+    async def control_receive(self, sock: socket.socket) -> bytes:
+        """The next bytes from ``sock`` (``b""``: the engine closed); raises when the connection broke."""
+        ...
+
+    def control_close(self, sock: socket.socket) -> None:
+        """Close ``sock``."""
         ...
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
@@ -121,17 +132,19 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
     try:
         async with io.control_deadline(cmd.timeout):
             data = exchange.request()
-            infos = None
+            infos = await resolve(host, port, io.control_getaddrinfo)
             if cmd.resolve:
                 # Resolved at every probe: the addresses may name the KV side channel.
-                infos = await resolve(host, port, io.control_getaddrinfo)
                 await io.control_feed(exchange.resolved(infos))
-            send_all, receive_some, close = await io.control_connect(host, port, infos)
+            sock = await connect_first(infos, io.control_sock_connect)
             try:
+                set_up_engine(sock)
                 exchange.connected()
-                done = await exchange.converse(data, send_all, receive_some)
+                done = await exchange.converse(
+                    data, functools.partial(io.control_send_all, sock), functools.partial(io.control_receive, sock)
+                )
             finally:
-                close()
+                io.control_close(sock)
     except ControlTimedOut:
         done = exchange.timed_out()
     except failures as exc:

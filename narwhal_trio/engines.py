@@ -13,17 +13,17 @@ a socket another task may wait on goes through
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any
 
 import trio
 
 from narwhal_core import Event, StartControl, StartLeg
 from narwhal_core.events import LegFailure
-from narwhal_runtime.control import ControlConnection, ControlTimedOut, run_control
+from narwhal_runtime.control import ControlTimedOut, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
 from narwhal_runtime.socket_options import READ_SIZE, set_up_engine
@@ -218,7 +218,7 @@ class Engines(EngineLegs[_Connection]):
 
     # control requests: trio's primitives (narwhal_runtime.control.ControlIO)
 
-    CONTROL_BROKEN: tuple[type[BaseException], ...] = (trio.BrokenResourceError,)
+    CONTROL_BROKEN: tuple[type[BaseException], ...] = (trio.ClosedResourceError,)
 
     async def control_getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
         return await trio.socket.getaddrinfo(host, port, type=type)
@@ -231,11 +231,28 @@ class Engines(EngineLegs[_Connection]):
         except trio.TooSlowError:
             raise ControlTimedOut from None
 
-    async def control_connect(self, host: str, port: int, infos: Sequence[Any] | None) -> ControlConnection:
-        # (trio's own connect resolves the name again, and tries each address as it does.)
-        stream = await trio.open_tcp_stream(host, port)
-        set_up_engine(stream.socket)
-        return stream.send_all, partial(stream.receive_some, READ_SIZE), stream.socket.close
+    async def control_sock_connect(self, sock: socket.socket, address: Any) -> None:
+        try:
+            sock.connect(address)
+        except BlockingIOError:  # in progress: writable once it opened or failed
+            await trio.lowlevel.wait_writable(sock)
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if error:
+                raise OSError(error, os.strerror(error)) from None
+
+    async def control_send_all(self, sock: socket.socket, data: bytes) -> None:
+        await send_all(sock, data)
+
+    async def control_receive(self, sock: socket.socket) -> bytes:
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                return sock.recv(READ_SIZE)
+            except BlockingIOError:
+                continue
+
+    def control_close(self, sock: socket.socket) -> None:
+        close_socket(sock)
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
         if cancelled:

@@ -26,8 +26,11 @@ from ..helpers import tcp_options_in_process
 RUNTIMES = ("trio", "asyncio")
 
 
-def run_control(runtime: str, cmd: StartControl) -> list[Event]:
-    """The events one control request feeds, run on ``runtime`` until its ``ControlDone``."""
+def run_control(runtime: str, cmd: StartControl, getaddrinfo: Any = None) -> list[Event]:
+    """The events one control request feeds, run on ``runtime`` until its ``ControlDone``.
+
+    ``getaddrinfo``, if given, stands in for the runtime's resolver.
+    """
     events: list[Event] = []
     if runtime == "trio":
         from narwhal_trio.engines import Engines as TrioEngines
@@ -42,6 +45,8 @@ def run_control(runtime: str, cmd: StartControl) -> list[Event]:
 
             async with trio.open_nursery() as nursery:
                 engines = TrioEngines(nursery, feed, pool_size=1)
+                if getaddrinfo is not None:
+                    engines.control_getaddrinfo = getaddrinfo  # type: ignore[method-assign]
                 engines.start_control(cmd)
                 await done.wait()
                 await engines.aclose()
@@ -59,6 +64,8 @@ def run_control(runtime: str, cmd: StartControl) -> list[Event]:
                     done.set()
 
             engines = AsyncioEngines(asyncio.get_running_loop(), feed, pool_size=1)
+            if getaddrinfo is not None:
+                engines.control_getaddrinfo = getaddrinfo  # type: ignore[method-assign]
             engines.start_control(cmd)
             await done.wait()
             await engines.aclose()
@@ -216,6 +223,31 @@ def test_a_connection_that_never_opens_is_a_connect_timeout(runtime: str) -> Non
         filler.connect(listener.getsockname())
         events = run_control(runtime, command("127.0.0.1", listener.getsockname()[1], timeout=0.3))
     assert events == [ControlDone("probe-1", None, "connect timeout")]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_probe_connects_to_an_address_it_reported(runtime: str, engine_factory: Any) -> None:
+    # The name is resolved once; the router hears those addresses and the connection goes to one
+    # of them, on both runtimes (trio's used to resolve the name again, by its own resolver).
+    def serve(conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+
+    engine = engine_factory(serve)
+    answers = [("127.0.0.1", engine.port), ("127.0.0.2", engine.port)]  # a second lookup: nobody listens there
+    asked: list[str] = []
+
+    async def getaddrinfo(host: str, port: int, *, type: int) -> list[Any]:
+        asked.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", answers[len(asked) - 1])]
+
+    cmd = command("engine.invalid", engine.port, resolve=True)  # (.invalid: no system resolver knows it)
+    events = run_control(runtime, cmd, getaddrinfo)
+    assert events == [
+        EngineResolved(cmd.engine, ("127.0.0.1",)),
+        ControlDone("probe-1", 200, None, False, b""),
+    ]
+    assert asked == ["engine.invalid"]
 
 
 def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
