@@ -21,7 +21,7 @@ from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlTimedOut, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
-from narwhal_runtime.socket_options import READ_SIZE, set_up_engine
+from narwhal_runtime.socket_options import READ_SIZE
 
 __all__ = ["Engines"]
 
@@ -179,7 +179,12 @@ class Engines(EngineLegs[_LegConnection]):
         deadline = asyncio.timeout(cmd.connect_timeout)
         try:
             async with deadline:
-                transport, _ = await self._loop.create_connection(lambda: conn, cmd.engine.host, cmd.engine.port)
+                sock = await self.connect(cmd.engine.host, cmd.engine.port)
+            try:
+                transport, _ = await self._loop.create_connection(lambda: conn, sock=sock)
+            except BaseException:
+                sock.close()
+                raise
         except OSError as exc:  # TimeoutError too: the deadline's, or the kernel's ETIMEDOUT
             self._fail(conn, connect_failure(exc, deadline_expired=deadline.expired()))
             return
@@ -189,9 +194,6 @@ class Engines(EngineLegs[_LegConnection]):
         if conn.leg != key or conn.closed:
             transport.abort()  # cancelled just as the connection opened, or already lost (reported)
             return
-        sock = transport.get_extra_info("socket")  # (uvloop: None once its handle is gone)
-        if sock is not None:
-            set_up_engine(sock)  # over what the transport set
         self._link(conn, cmd)
         # Its journal line was flushed with the iteration that started the leg.
         transport.write(cmd.data)
@@ -200,7 +202,7 @@ class Engines(EngineLegs[_LegConnection]):
 
     CONTROL_BROKEN: tuple[type[BaseException], ...] = ()
 
-    async def control_getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
+    async def getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
         return await self._loop.getaddrinfo(host, port, type=type)
 
     @asynccontextmanager
@@ -214,16 +216,16 @@ class Engines(EngineLegs[_LegConnection]):
                 raise ControlTimedOut from None
             raise
 
-    async def control_sock_connect(self, sock: socket.socket, address: Any) -> None:
+    async def sock_connect(self, sock: socket.socket, address: Any) -> None:
         await self._loop.sock_connect(sock, address)
 
-    async def control_send_all(self, sock: socket.socket, data: bytes) -> None:
+    async def sock_send_all(self, sock: socket.socket, data: bytes) -> None:
         await self._loop.sock_sendall(sock, data)
 
-    async def control_receive(self, sock: socket.socket) -> bytes:
+    async def sock_receive(self, sock: socket.socket) -> bytes:
         return await self._loop.sock_recv(sock, READ_SIZE)
 
-    def control_close(self, sock: socket.socket) -> None:
+    def sock_close(self, sock: socket.socket) -> None:
         sock.close()
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:

@@ -20,7 +20,7 @@ send, receive and close, and feed)::
     exchange = ControlExchange(cmd)
     data = exchange.request()            # before connecting: may refuse
     infos = await resolve(...)           # if cmd.resolve: feed exchange.resolved(infos)
-    sock = await connect_first(infos, io.control_sock_connect)
+    sock = await connect_first(infos, io.sock_connect)
     exchange.connected()
     done = await exchange.converse(data, send_all, receive_some)   # then close
     failures: exchange.failed(exc), exchange.timed_out(), exchange.cancelled()
@@ -91,23 +91,23 @@ class ControlIO(Protocol):
         """A deadline ``seconds`` from now around the whole exchange; raises :class:`ControlTimedOut`."""
         ...
 
-    async def control_getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
+    async def getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
         """The runtime's ``getaddrinfo`` (in its resolver thread)."""
         ...
 
-    async def control_sock_connect(self, sock: socket.socket, address: Any) -> None:
+    async def sock_connect(self, sock: socket.socket, address: Any) -> None:
         """Connect the non-blocking ``sock`` to ``address``; raises ``OSError`` with the kernel's errno."""
         ...
 
-    async def control_send_all(self, sock: socket.socket, data: bytes) -> None:
+    async def sock_send_all(self, sock: socket.socket, data: bytes) -> None:
         """Write all of ``data`` to ``sock``."""
         ...
 
-    async def control_receive(self, sock: socket.socket) -> bytes:
+    async def sock_receive(self, sock: socket.socket) -> bytes:
         """The next bytes from ``sock`` (``b""``: the engine closed); raises when the connection broke."""
         ...
 
-    def control_close(self, sock: socket.socket) -> None:
+    def sock_close(self, sock: socket.socket) -> None:
         """Close ``sock``."""
         ...
 
@@ -132,19 +132,19 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
     try:
         async with io.control_deadline(cmd.timeout):
             data = exchange.request()
-            infos = await resolve(host, port, io.control_getaddrinfo)
+            infos = await resolve(host, port, io.getaddrinfo)
             if cmd.resolve:
                 # Resolved at every probe: the addresses may name the KV side channel.
                 await io.control_feed(exchange.resolved(infos))
-            sock = await connect_first(infos, io.control_sock_connect)
+            sock = await connect_first(infos, io.sock_connect)
             try:
                 set_up_engine(sock)
                 exchange.connected()
                 done = await exchange.converse(
-                    data, functools.partial(io.control_send_all, sock), functools.partial(io.control_receive, sock)
+                    data, functools.partial(io.sock_send_all, sock), functools.partial(io.sock_receive, sock)
                 )
             finally:
-                io.control_close(sock)
+                io.sock_close(sock)
     except ControlTimedOut:
         done = exchange.timed_out()
     except failures as exc:

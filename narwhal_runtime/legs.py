@@ -12,18 +12,24 @@ An adapter subclasses :class:`EngineLegs` and says how to open
 (:meth:`~EngineLegs._open`), and what to do with a connection whose leg
 was cancelled (:meth:`~EngineLegs._cancelled`) or finished
 (:meth:`~EngineLegs._finished`), and names a connect that failed with
-:func:`connect_failure`, so both runtimes report it alike.
+:func:`connect_failure`, so both runtimes report it alike. A new
+connection is opened the same way on both (:meth:`EngineLegs.connect`,
+with the adapter's ``getaddrinfo`` and ``sock_connect``): as a control
+request's is (:mod:`.control`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Generic
 
 from narwhal_core import StartLeg, local_failure
 from narwhal_core.events import LegFailure
 
+from .control import connect_first, resolve
 from .pool import C, Pool
+from .socket_options import set_up_engine
 
 __all__ = ["EngineLegs", "connect_failure"]
 
@@ -84,7 +90,26 @@ class EngineLegs(Generic[C]):
             conn, kept = finished  # (unpacked here: a call with *args takes a slower path)
             self._finished(conn, kept)
 
+    async def connect(self, host: str, port: int) -> socket.socket:
+        """A socket connected to an engine: the name resolved once, its addresses tried in turn, the engine's options set.
+
+        (:func:`~.control.resolve`, :func:`~.control.connect_first`,
+        :func:`~.socket_options.set_up_engine`; the caller bounds it by the
+        leg's ``connect_timeout``.)
+        """
+        sock = await connect_first(await resolve(host, port, self.getaddrinfo), self.sock_connect)
+        set_up_engine(sock)
+        return sock
+
     # what the adapter does
+
+    async def getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
+        """The runtime's ``getaddrinfo`` (in its resolver thread)."""
+        raise NotImplementedError
+
+    async def sock_connect(self, sock: socket.socket, address: Any) -> None:
+        """Connect the non-blocking ``sock`` to ``address``; raises ``OSError`` with the kernel's errno."""
+        raise NotImplementedError
 
     def write_unsent(self) -> object:
         """Write the requests of legs started on pooled connections since the last call."""

@@ -5,9 +5,11 @@ Left to themselves the runtimes differ: trio's ``SocketStream`` turns on
 uvloop's TCP transports turn on ``TCP_NODELAY`` only; a socket connected
 with asyncio's ``sock_connect`` gets neither. So each adapter calls
 :func:`set_up_client` on every socket it accepts, before the first read,
-and :func:`set_up_engine` on every engine connection it opens (a leg's or
-a control request's), before the first write, whatever its runtime set
-before: the same options on the same kind of socket on both runtimes.
+whatever its runtime set before, and the connect both runtimes share
+(:meth:`.legs.EngineLegs.connect`, :func:`.control.run_control`) calls
+:func:`set_up_engine` on every engine connection (a leg's or a control
+request's) before the runtime sees it: the same options on the same kind
+of socket on both runtimes.
 Both cost a few system calls per connection, none per request.
 
 =============== ================= =========================================

@@ -26,17 +26,9 @@ from narwhal_core.events import LegFailure
 from narwhal_runtime.control import ControlTimedOut, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
-from narwhal_runtime.socket_options import READ_SIZE, set_up_engine
+from narwhal_runtime.socket_options import READ_SIZE
 
-__all__ = ["Engines", "plain_socket", "close_socket", "send_all", "receive"]
-
-
-def plain_socket(stream: trio.SocketStream) -> socket.socket:
-    """The stream's socket as a plain non-blocking socket (the stream is unusable afterwards)."""
-    ts = stream.socket
-    sock = socket.socket(ts.family, ts.type, ts.proto, fileno=ts.detach())
-    sock.setblocking(False)
-    return sock
+__all__ = ["Engines", "close_socket", "send_all", "receive"]
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -155,15 +147,14 @@ class Engines(EngineLegs[_Connection]):
                 with trio.CancelScope() as scope:
                     conn.scope = scope
                     with trio.fail_after(cmd.connect_timeout):
-                        stream = await trio.open_tcp_stream(cmd.engine.host, cmd.engine.port)
+                        sock = await self.connect(cmd.engine.host, cmd.engine.port)
             except (trio.TooSlowError, OSError) as exc:
                 await self._fail(conn, connect_failure(exc, deadline_expired=isinstance(exc, trio.TooSlowError)))
                 return
             conn.scope = None
             if scope.cancelled_caught:
                 return  # CancelLeg while connecting: the router knows
-            conn.sock = sock = plain_socket(stream)
-            set_up_engine(sock)  # over what trio's SocketStream set
+            conn.sock = sock
             if conn.closed:  # cancelled just as the connection opened
                 close_socket(sock)
                 return
@@ -220,7 +211,7 @@ class Engines(EngineLegs[_Connection]):
 
     CONTROL_BROKEN: tuple[type[BaseException], ...] = (trio.ClosedResourceError,)
 
-    async def control_getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
+    async def getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
         return await trio.socket.getaddrinfo(host, port, type=type)
 
     @asynccontextmanager
@@ -231,7 +222,7 @@ class Engines(EngineLegs[_Connection]):
         except trio.TooSlowError:
             raise ControlTimedOut from None
 
-    async def control_sock_connect(self, sock: socket.socket, address: Any) -> None:
+    async def sock_connect(self, sock: socket.socket, address: Any) -> None:
         try:
             sock.connect(address)
         except BlockingIOError:  # in progress: writable once it opened or failed
@@ -240,10 +231,10 @@ class Engines(EngineLegs[_Connection]):
             if error:
                 raise OSError(error, os.strerror(error)) from None
 
-    async def control_send_all(self, sock: socket.socket, data: bytes) -> None:
+    async def sock_send_all(self, sock: socket.socket, data: bytes) -> None:
         await send_all(sock, data)
 
-    async def control_receive(self, sock: socket.socket) -> bytes:
+    async def sock_receive(self, sock: socket.socket) -> bytes:
         while True:
             await trio.lowlevel.wait_readable(sock)
             try:
@@ -251,7 +242,7 @@ class Engines(EngineLegs[_Connection]):
             except BlockingIOError:
                 continue
 
-    def control_close(self, sock: socket.socket) -> None:
+    def sock_close(self, sock: socket.socket) -> None:
         close_socket(sock)
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:

@@ -35,7 +35,7 @@ def _raised_during(outer: BaseException, context: BaseException) -> BaseExceptio
 def test_local_errnos_are_local_in_every_wrapping(code: int) -> None:
     bare = _os_error(code)
     assert local_failure(bare)
-    # trio's open_tcp_stream: OSError("all attempts ... failed") from ExceptionGroup([...]).
+    # control.connect_first: OSError("no address ... took the connection") from ExceptionGroup([...]).
     assert local_failure(_raised_from(OSError("all attempts to connect failed"),
                                       ExceptionGroup("attempts", [_os_error(code)])))
     # httpx: ConnectError raised while handling the OSError (its context), or from it.

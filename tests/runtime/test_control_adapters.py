@@ -46,7 +46,7 @@ def run_control(runtime: str, cmd: StartControl, getaddrinfo: Any = None) -> lis
             async with trio.open_nursery() as nursery:
                 engines = TrioEngines(nursery, feed, pool_size=1)
                 if getaddrinfo is not None:
-                    engines.control_getaddrinfo = getaddrinfo  # type: ignore[method-assign]
+                    engines.getaddrinfo = getaddrinfo  # type: ignore[method-assign]
                 engines.start_control(cmd)
                 await done.wait()
                 await engines.aclose()
@@ -65,7 +65,7 @@ def run_control(runtime: str, cmd: StartControl, getaddrinfo: Any = None) -> lis
 
             engines = AsyncioEngines(asyncio.get_running_loop(), feed, pool_size=1)
             if getaddrinfo is not None:
-                engines.control_getaddrinfo = getaddrinfo  # type: ignore[method-assign]
+                engines.getaddrinfo = getaddrinfo  # type: ignore[method-assign]
             engines.start_control(cmd)
             await done.wait()
             await engines.aclose()

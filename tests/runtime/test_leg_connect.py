@@ -42,7 +42,7 @@ def _oserror(code: int) -> OSError:
     (_oserror(errno.EHOSTUNREACH), False, "connect_failed"),
     (_oserror(errno.EMFILE), False, "local_error"),
     (_oserror(errno.EADDRNOTAVAIL), False, "local_error"),
-    # trio's open_tcp_stream: an OSError without errno, caused by a group of each attempt's.
+    # control.connect_first (both runtimes): an OSError without errno, caused by a group of each address's.
     (OSError("all attempts failed"), False, "connect_failed"),
 ])
 def test_one_rule_names_a_failed_connect(exc: BaseException, deadline_expired: bool, reason: str) -> None:
@@ -61,9 +61,13 @@ def test_a_local_shortage_is_found_inside_trios_wrapping() -> None:
 # ------------------------------------------------------- on both adapters
 
 
-def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0) -> list[Event]:
-    """The events one leg to ``127.0.0.1:port`` feeds on ``runtime``, until its ``LegFailed``."""
-    address = parse_engine_url(f"http://127.0.0.1:{port}", key="engine.decode")
+def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0, host: str = "127.0.0.1",
+             getaddrinfo: Any = None) -> list[Event]:
+    """The events one leg to ``host:port`` feeds on ``runtime``, until its ``LegFailed``.
+
+    ``getaddrinfo``, if given, stands in for the runtime's resolver.
+    """
+    address = parse_engine_url(f"http://{host}:{port}", key="engine.decode")
     cmd = StartLeg("leg-1", address, b"GET / HTTP/1.1\r\nhost: e\r\n\r\n", None, connect_timeout)
     events: list[Event] = []
     if runtime == "trio":
@@ -79,6 +83,8 @@ def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0) -> list[E
 
             async with trio.open_nursery() as nursery:
                 engines = TrioEngines(nursery, feed, pool_size=1)
+                if getaddrinfo is not None:
+                    engines.getaddrinfo = getaddrinfo  # type: ignore[method-assign]
                 engines.start_leg(cmd)
                 with trio.fail_after(10):
                     await failed.wait()
@@ -97,6 +103,8 @@ def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0) -> list[E
                     failed.set()
 
             engines = AsyncioEngines(asyncio.get_running_loop(), feed, pool_size=1)
+            if getaddrinfo is not None:
+                engines.getaddrinfo = getaddrinfo  # type: ignore[method-assign]
             engines.start_leg(cmd)
             await asyncio.wait_for(failed.wait(), 10)
             await engines.aclose()
@@ -159,3 +167,20 @@ def test_the_legs_own_deadline_is_a_connect_timeout(runtime: str) -> None:
         filler.connect(listener.getsockname())
         assert open_leg(runtime, listener.getsockname()[1], connect_timeout=0.2) == [
             LegFailed("leg-1", "connect_timeout")]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_named_engine_is_resolved_once_and_its_addresses_tried_in_turn(runtime: str, kernel_says: Any) -> None:
+    # The connect both runtimes share (narwhal_runtime/legs.py, EngineLegs.connect): the adapter's
+    # resolver, once, then each address it gave (trio's legs used to resolve by trio's own resolver).
+    port, tries = kernel_says(errno.ECONNREFUSED)
+    asked: list[str] = []
+
+    async def getaddrinfo(host: str, port_: int, *, type: int) -> list[Any]:
+        asked.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))] * 2
+
+    events = open_leg(runtime, port, host="engine.invalid", getaddrinfo=getaddrinfo)
+    assert events == [LegFailed("leg-1", "connect_failed")]
+    assert asked == ["engine.invalid"]
+    assert tries == [port, port]  # both addresses, in turn
