@@ -132,11 +132,12 @@ def random_rid_prefix() -> str:
 
     A rid is this prefix and a ten-digit hex counter, and it comes back in
     every prefill answer (``remote_request_id``). Ending in a letter, a rid
-    never holds more than ten decimal digits in a row. A prefix ending in six
-    digits or more (one process in about seventeen) made runs of sixteen,
-    which the risky-number scan of :func:`narwhal_core.wire.loads` (it does
-    not tell strings from numbers) sent down its slow exact path: up to 11 %
-    more instructions per request (benchmarks/README.md, "Stop 33").
+    never holds more than ten decimal digits in a row: the number scan of
+    :func:`narwhal_core.wire.loads` once counted digits inside strings too, and
+    a run of sixteen sent the answer down its slow exact path
+    (benchmarks/README.md, "Stop 33"). It steps over strings now, so the
+    letter changes nothing there; it stays, as the rid's documented shape
+    (docs/operate.md, "Several routers in front of one fleet").
     """
     return secrets.token_hex(5)[:9] + secrets.choice("abcdef")
 
