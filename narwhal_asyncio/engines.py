@@ -179,7 +179,7 @@ class Engines(EngineLegs[_LegConnection]):
         deadline = asyncio.timeout(cmd.connect_timeout)
         try:
             async with deadline:
-                sock = await self.connect(cmd.engine.host, cmd.engine.port)
+                sock = await self.connect(cmd.engine.host, cmd.engine.port, cmd.connect_timeout)
             try:
                 transport, _ = await self._loop.create_connection(lambda: conn, sock=sock)
             except BaseException:
@@ -215,6 +215,9 @@ class Engines(EngineLegs[_LegConnection]):
             if deadline.expired():
                 raise ControlTimedOut from None
             raise
+
+    def time_limit(self, seconds: float) -> asyncio.Timeout:
+        return asyncio.timeout(seconds)
 
     async def sock_connect(self, sock: socket.socket, address: Any) -> None:
         await self._loop.sock_connect(sock, address)

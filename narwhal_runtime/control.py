@@ -20,7 +20,7 @@ send, receive and close, and feed)::
     exchange = ControlExchange(cmd)
     data = exchange.request()            # before connecting: may refuse
     infos = await resolve(...)           # if cmd.resolve: feed exchange.resolved(infos)
-    sock = await connect_first(infos, io.sock_connect)
+    sock = await connect_first(infos, io.sock_connect, io.time_limit, cmd.timeout)
     exchange.connected()
     done = await exchange.converse(data, send_all, receive_some)   # then close
     failures: exchange.failed(exc), exchange.timed_out(), exchange.cancelled()
@@ -29,7 +29,8 @@ send, receive and close, and feed)::
 known, feeding :meth:`~ControlExchange.receive_data`; after a ``decode_abort``
 request, ``hang_up``, it reads nothing: :meth:`~ControlExchange.sent`.) Both
 runtimes connect the same way: to the addresses resolved once, each in
-turn (:func:`connect_first`), so a probe that tells the router what its
+turn and each but the last within its share of the time
+(:func:`connect_first`), so a probe that tells the router what its
 engine's name resolved to connects to one of those very addresses.
 
 The request carries the engine credential where the router put it; no
@@ -99,6 +100,10 @@ class ControlIO(Protocol):
         """Connect the non-blocking ``sock`` to ``address``; raises ``OSError`` with the kernel's errno."""
         ...
 
+    def time_limit(self, seconds: float) -> AbstractAsyncContextManager[object]:
+        """A limit of ``seconds`` on one connect attempt (:func:`connect_first`); raises ``TimeoutError``."""
+        ...
+
     async def sock_send_all(self, sock: socket.socket, data: bytes) -> None:
         """Write all of ``data`` to ``sock``."""
         ...
@@ -136,7 +141,7 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
             if cmd.resolve:
                 # Resolved at every probe: the addresses may name the KV side channel.
                 await io.control_feed(exchange.resolved(infos))
-            sock = await connect_first(infos, io.sock_connect)
+            sock = await connect_first(infos, io.sock_connect, io.time_limit, cmd.timeout)
             try:
                 set_up_engine(sock)
                 exchange.connected()
@@ -261,27 +266,39 @@ class ControlExchange:
 
 
 
-async def connect_first(infos: Sequence[Any],
-                        sock_connect: Callable[[socket.socket, Any], Awaitable[None]]) -> socket.socket:
+async def connect_first(infos: Sequence[Any], sock_connect: Callable[[socket.socket, Any], Awaitable[None]],
+                        time_limit: Callable[[float], AbstractAsyncContextManager[object]], budget: float) -> socket.socket:
     """A socket connected (by the runtime's ``sock_connect``) to the first address of ``infos`` that takes it.
 
-    Each address is tried in turn; if none takes the connection, the
-    ``OSError`` raised keeps each address's own error (a refusal on every
-    address is named as one by :func:`~.engine_probe.describe_failure`),
-    where Python 3.11's ``loop.create_connection`` sums them up in one
-    ``OSError`` without an errno.
+    Each address is tried in turn. ``budget`` is the time the caller's
+    deadline gives the whole connect: every address but the last gets at
+    most its share, ``budget / len(infos)`` (``time_limit(seconds)``, the
+    runtime's, raises ``TimeoutError``), so an address that drops the SYN
+    cannot hold the others off until that deadline; the last has what is
+    left of it. If none takes the connection, the ``OSError`` raised keeps
+    each address's own error (a refusal on every address is named as one
+    by :func:`~.engine_probe.describe_failure`), where Python 3.11's
+    ``loop.create_connection`` sums them up in one ``OSError`` without an
+    errno.
     """
     errors: list[OSError] = []
-    for family, kind, proto, _, address in infos:
+    share = budget / len(infos) if infos else budget
+    for n, (family, kind, proto, _, address) in enumerate(infos, 1):
         sock = socket.socket(family, kind, proto)
         sock.setblocking(False)
         try:
-            await sock_connect(sock, address)
+            if n < len(infos):
+                async with time_limit(share):
+                    await sock_connect(sock, address)
+            else:
+                await sock_connect(sock, address)
             return sock
-        except OSError as exc:
+        except OSError as exc:  # TimeoutError too: the address's share ran out
             sock.close()
             errors.append(exc)
         except BaseException:
             sock.close()
             raise
+    if not errors:
+        raise OSError("the engine's name resolved to no address")
     raise OSError("no address of the engine took the connection") from ExceptionGroup("connect", errors)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, ClassVar, Generic
 
 from narwhal_core import StartLeg, local_failure
@@ -90,14 +91,15 @@ class EngineLegs(Generic[C]):
             conn, kept = finished  # (unpacked here: a call with *args takes a slower path)
             self._finished(conn, kept)
 
-    async def connect(self, host: str, port: int) -> socket.socket:
+    async def connect(self, host: str, port: int, timeout: float) -> socket.socket:
         """A socket connected to an engine: the name resolved once, its addresses tried in turn, the engine's options set.
 
         (:func:`~.control.resolve`, :func:`~.control.connect_first`,
-        :func:`~.socket_options.set_up_engine`; the caller bounds it by the
-        leg's ``connect_timeout``.)
+        :func:`~.socket_options.set_up_engine`.) The caller bounds it by
+        ``timeout``, the leg's ``connect_timeout``, which the addresses share.
         """
-        sock = await connect_first(await resolve(host, port, self.getaddrinfo), self.sock_connect)
+        infos = await resolve(host, port, self.getaddrinfo)
+        sock = await connect_first(infos, self.sock_connect, self.time_limit, timeout)
         set_up_engine(sock)
         return sock
 
@@ -109,6 +111,10 @@ class EngineLegs(Generic[C]):
 
     async def sock_connect(self, sock: socket.socket, address: Any) -> None:
         """Connect the non-blocking ``sock`` to ``address``; raises ``OSError`` with the kernel's errno."""
+        raise NotImplementedError
+
+    def time_limit(self, seconds: float) -> AbstractAsyncContextManager[object]:
+        """A limit of ``seconds`` on one connect attempt; raises ``TimeoutError``."""
         raise NotImplementedError
 
     def write_unsent(self) -> object:

@@ -147,7 +147,7 @@ class Engines(EngineLegs[_Connection]):
                 with trio.CancelScope() as scope:
                     conn.scope = scope
                     with trio.fail_after(cmd.connect_timeout):
-                        sock = await self.connect(cmd.engine.host, cmd.engine.port)
+                        sock = await self.connect(cmd.engine.host, cmd.engine.port, cmd.connect_timeout)
             except (trio.TooSlowError, OSError) as exc:
                 await self._fail(conn, connect_failure(exc, deadline_expired=isinstance(exc, trio.TooSlowError)))
                 return
@@ -221,6 +221,14 @@ class Engines(EngineLegs[_Connection]):
                 yield
         except trio.TooSlowError:
             raise ControlTimedOut from None
+
+    @asynccontextmanager
+    async def time_limit(self, seconds: float) -> AsyncIterator[None]:
+        try:
+            with trio.fail_after(seconds):
+                yield
+        except trio.TooSlowError:
+            raise TimeoutError(f"not connected within {seconds:g} s") from None
 
     async def sock_connect(self, sock: socket.socket, address: Any) -> None:
         try:

@@ -1,9 +1,10 @@
 """Both adapters run a control request the same way (narwhal_trio/engines.py, narwhal_asyncio/engines.py).
 
 Against real loopback sockets: an answer, a refusal (also on a name with
-several addresses), a silent engine, an engine that hangs up, and a
-``decode_abort`` release that writes its raw request and hangs up; and
-the options of the connection's socket.
+several addresses, and a first address that drops the SYN), a silent
+engine, an engine that hangs up, and a ``decode_abort`` release that
+writes its raw request and hangs up; and the options of the connection's
+socket.
 """
 
 from __future__ import annotations
@@ -250,6 +251,28 @@ def test_a_probe_connects_to_an_address_it_reported(runtime: str, engine_factory
     assert asked == ["engine.invalid"]
 
 
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_probe_goes_on_to_the_next_address_when_one_drops_the_syn(runtime: str, engine_factory: Any) -> None:
+    # Each address but the last gets its share of the timeout (control.connect_first); before,
+    # the first one held the connect until the whole timeout expired: "connect timeout".
+    def serve(conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+
+    engine = engine_factory(serve)
+    with socket.socket() as dropping, socket.socket() as filler:
+        dropping.bind(("127.0.0.1", 0))
+        dropping.listen(0)
+        filler.connect(dropping.getsockname())  # its queue is full: the next SYN is dropped
+
+        async def getaddrinfo(host: str, port: int, *, type: int) -> list[Any]:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", address)
+                    for address in (dropping.getsockname(), ("127.0.0.1", engine.port))]
+
+        events = run_control(runtime, command("engine.invalid", engine.port, timeout=1.0), getaddrinfo)
+    assert events == [ControlDone("probe-1", 200, None, False, b"")]
+
 def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
     # Python 3.11's create_connection would say "Multiple exceptions: ..." without an errno.
     from narwhal_runtime.control import connect_first
@@ -260,13 +283,22 @@ def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
     async def main() -> str:
         try:
             loop = asyncio.get_running_loop()
-            await connect_first(infos, loop.sock_connect)
+            await connect_first(infos, loop.sock_connect, asyncio.timeout, 5.0)
         except OSError as exc:
             return describe_failure(exc)
         raise AssertionError("connected")
 
     assert asyncio.run(main()) == "connection refused"
 
+
+def test_a_resolver_answer_without_an_address_is_a_failed_connect() -> None:
+    from narwhal_runtime.control import connect_first
+
+    async def main() -> None:
+        await connect_first([], asyncio.get_running_loop().sock_connect, asyncio.timeout, 1.0)
+
+    with pytest.raises(OSError, match="resolved to no address"):  # (not ExceptionGroup's ValueError)
+        asyncio.run(main())
 
 def run_until_shutdown(runtime: str, cmd: StartControl, reached: threading.Event) -> list[Event]:
     """The events a control request feeds when the runtime shuts down once the engine has its request."""

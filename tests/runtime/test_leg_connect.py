@@ -17,13 +17,14 @@ import asyncio
 import errno
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import trio
 
-from narwhal_core import Event, LegFailed, StartLeg
+from narwhal_core import Event, LegData, LegFailed, StartLeg
 from narwhal_core.config import parse_engine_url
 from narwhal_runtime.legs import connect_failure
 
@@ -63,7 +64,7 @@ def test_a_local_shortage_is_found_inside_trios_wrapping() -> None:
 
 def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0, host: str = "127.0.0.1",
              getaddrinfo: Any = None) -> list[Event]:
-    """The events one leg to ``host:port`` feeds on ``runtime``, until its ``LegFailed``.
+    """The events one leg to ``host:port`` feeds on ``runtime``, until its ``LegFailed`` or first ``LegData``.
 
     ``getaddrinfo``, if given, stands in for the runtime's resolver.
     """
@@ -78,7 +79,7 @@ def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0, host: str
 
             async def feed(event: Event) -> None:
                 events.append(event)
-                if isinstance(event, LegFailed):
+                if isinstance(event, (LegFailed, LegData)):
                     failed.set()
 
             async with trio.open_nursery() as nursery:
@@ -99,7 +100,7 @@ def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0, host: str
 
             def feed(event: Event) -> None:
                 events.append(event)
-                if isinstance(event, LegFailed):
+                if isinstance(event, (LegFailed, LegData)):
                     failed.set()
 
             engines = AsyncioEngines(asyncio.get_running_loop(), feed, pool_size=1)
@@ -184,3 +185,38 @@ def test_a_named_engine_is_resolved_once_and_its_addresses_tried_in_turn(runtime
     assert events == [LegFailed("leg-1", "connect_failed")]
     assert asked == ["engine.invalid"]
     assert tries == [port, port]  # both addresses, in turn
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_an_address_that_drops_the_syn_gives_way_to_the_next_within_the_deadline(runtime: str) -> None:
+    # EngineLegs.connect: each address but the last gets its share of connect_timeout
+    # (control.connect_first). Before, the first address held the connect until the
+    # deadline: connect_timeout, the second address never tried.
+    with socket.socket() as dropping, socket.socket() as filler, socket.create_server(("127.0.0.1", 0)) as good:
+        dropping.bind(("127.0.0.1", 0))
+        dropping.listen(0)
+        filler.connect(dropping.getsockname())  # its queue is full: the next SYN is dropped
+        good.settimeout(10)
+        received: list[bytes] = []
+
+        def engine() -> None:
+            conn, _ = good.accept()
+            with conn:
+                conn.settimeout(10)
+                data = b""
+                while b"\r\n\r\n" not in data and (more := conn.recv(4096)):
+                    data += more
+                received.append(data)  # then close: the connection was made
+
+        serving = threading.Thread(target=engine)
+        serving.start()
+
+        async def getaddrinfo(host: str, port: int, *, type: int) -> list[Any]:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", address)
+                    for address in (dropping.getsockname(), good.getsockname())]
+
+        events = open_leg(runtime, 80, host="engine.invalid", connect_timeout=1.0, getaddrinfo=getaddrinfo)
+        serving.join(10)
+    assert received == [b"GET / HTTP/1.1\r\nhost: e\r\n\r\n"]  # the leg's request, on the second address
+    assert events[0] == LegData("leg-1", b"")  # then the engine's close, as each runtime reports it
+    assert LegFailed("leg-1", "connect_timeout") not in events
