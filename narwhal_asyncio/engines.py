@@ -18,7 +18,7 @@ from typing import Any
 
 from narwhal_core import Event, LegData, LegFailed, StartControl, StartLeg
 from narwhal_core.events import LegFailure
-from narwhal_runtime.control import ControlTimedOut, run_control
+from narwhal_runtime.control import TimeLimitExpired, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
 from narwhal_runtime.socket_options import READ_SIZE
@@ -176,17 +176,15 @@ class Engines(EngineLegs[_LegConnection]):
 
     async def _connect(self, conn: _LegConnection, cmd: StartLeg) -> None:
         key = cmd.leg
-        deadline = asyncio.timeout(cmd.connect_timeout)
         try:
-            async with deadline:
-                sock = await self.connect(cmd.engine.host, cmd.engine.port, cmd.connect_timeout)
+            sock = await self.connect(cmd.engine.host, cmd.engine.port, cmd.connect_timeout)
             try:
                 transport, _ = await self._loop.create_connection(lambda: conn, sock=sock)
             except BaseException:
                 sock.close()
                 raise
-        except OSError as exc:  # TimeoutError too: the deadline's, or the kernel's ETIMEDOUT
-            self._fail(conn, connect_failure(exc, deadline_expired=deadline.expired()))
+        except (TimeLimitExpired, OSError) as exc:
+            self._fail(conn, connect_failure(exc))
             return
         except BaseException:
             self._fail(conn, "dropped")  # shutdown (a CancelLeg detached the leg first)
@@ -198,7 +196,7 @@ class Engines(EngineLegs[_LegConnection]):
         # Its journal line was flushed with the iteration that started the leg.
         transport.write(cmd.data)
 
-    # control requests: asyncio's primitives (narwhal_runtime.control.ControlIO)
+    # what asyncio lends the shared engine connect and control requests (narwhal_runtime.control.ControlIO)
 
     CONTROL_BROKEN: tuple[type[BaseException], ...] = ()
 
@@ -206,18 +204,15 @@ class Engines(EngineLegs[_LegConnection]):
         return await self._loop.getaddrinfo(host, port, type=type)
 
     @asynccontextmanager
-    async def control_deadline(self, seconds: float) -> AsyncIterator[None]:
-        deadline = asyncio.timeout(seconds)
+    async def time_limit(self, seconds: float) -> AsyncIterator[None]:
+        limit = asyncio.timeout(seconds)
         try:
-            async with deadline:
+            async with limit:
                 yield
-        except TimeoutError:  # the deadline's, or a socket's own (a failure)
-            if deadline.expired():
-                raise ControlTimedOut from None
+        except TimeoutError:  # the limit's, or a socket's own (a failure)
+            if limit.expired():
+                raise TimeLimitExpired from None
             raise
-
-    def time_limit(self, seconds: float) -> asyncio.Timeout:
-        return asyncio.timeout(seconds)
 
     async def sock_connect(self, sock: socket.socket, address: Any) -> None:
         await self._loop.sock_connect(sock, address)

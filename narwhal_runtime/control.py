@@ -14,7 +14,7 @@ few dozen bytes, a decode release's is read for its verdict, an engine's
 
 :func:`run_control` runs one :class:`ControlExchange` per ``StartControl``,
 the same on both runtimes, with the primitives the adapter lends it
-(:class:`ControlIO`: its deadline, ``getaddrinfo``, a socket's connect,
+(:class:`ControlIO`: its time limit, ``getaddrinfo``, a socket's connect,
 send, receive and close, and feed)::
 
     exchange = ControlExchange(cmd)
@@ -55,7 +55,7 @@ from .engine_probe import addresses_of, describe_failure, shorten
 from .socket_options import set_up_engine
 
 __all__ = [
-    "ControlExchange", "ControlRefused", "ControlTimedOut", "ControlIO", "CONTROL_HEADERS",
+    "ControlExchange", "ControlRefused", "TimeLimitExpired", "ControlIO", "CONTROL_HEADERS",
     "run_control", "resolve", "connect_first",
 ]
 
@@ -73,12 +73,13 @@ class ControlRefused(Exception):
     """
 
 
-class ControlTimedOut(Exception):
-    """``StartControl.timeout`` ran out: raised by the adapter's :meth:`ControlIO.control_deadline`.
+class TimeLimitExpired(Exception):
+    """A time limit ran out: raised by the adapter's ``time_limit`` (:meth:`ControlIO.time_limit`).
 
-    (Not the runtime's own: trio's is ``TooSlowError``; asyncio's is a
-    ``TimeoutError``, which a socket's own timeout raises too, and that one
-    is a failure of the connection, not of the deadline.)
+    Not the runtime's own exception: trio's is ``TooSlowError``; asyncio's
+    is a ``TimeoutError``, which a socket raises too for the kernel's
+    ``ETIMEDOUT``, and that one is a failure of the connection, not of the
+    limit.
     """
 
 
@@ -87,10 +88,6 @@ class ControlIO(Protocol):
 
     #: The runtime's own exceptions, beside ``OSError``, that say a connection broke.
     CONTROL_BROKEN: tuple[type[BaseException], ...]
-
-    def control_deadline(self, seconds: float) -> AbstractAsyncContextManager[object]:
-        """A deadline ``seconds`` from now around the whole exchange; raises :class:`ControlTimedOut`."""
-        ...
 
     async def getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
         """The runtime's ``getaddrinfo`` (in its resolver thread)."""
@@ -101,7 +98,7 @@ class ControlIO(Protocol):
         ...
 
     def time_limit(self, seconds: float) -> AbstractAsyncContextManager[object]:
-        """A limit of ``seconds`` on one connect attempt (:func:`connect_first`); raises ``TimeoutError``."""
+        """A limit of ``seconds`` from now on what runs inside; raises :class:`TimeLimitExpired` when it runs out."""
         ...
 
     async def sock_send_all(self, sock: socket.socket, data: bytes) -> None:
@@ -135,7 +132,7 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
     host, port = cmd.engine.host, cmd.engine.port
     failures: tuple[type[BaseException], ...] = (OSError, ControlRefused, *io.CONTROL_BROKEN)
     try:
-        async with io.control_deadline(cmd.timeout):
+        async with io.time_limit(cmd.timeout):
             data = exchange.request()
             infos = await resolve(host, port, io.getaddrinfo)
             if cmd.resolve:
@@ -150,7 +147,7 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
                 )
             finally:
                 io.sock_close(sock)
-    except ControlTimedOut:
+    except TimeLimitExpired:
         done = exchange.timed_out()
     except failures as exc:
         done = exchange.failed(exc)
@@ -273,7 +270,7 @@ async def connect_first(infos: Sequence[Any], sock_connect: Callable[[socket.soc
     Each address is tried in turn. ``budget`` is the time the caller's
     deadline gives the whole connect: every address but the last gets at
     most its share, ``budget / len(infos)`` (``time_limit(seconds)``, the
-    runtime's, raises ``TimeoutError``), so an address that drops the SYN
+    runtime's: :meth:`ControlIO.time_limit`), so an address that drops the SYN
     cannot hold the others off until that deadline; the last has what is
     left of it. If none takes the connection, the ``OSError`` raised keeps
     each address's own error (a refusal on every address is named as one
@@ -281,7 +278,7 @@ async def connect_first(infos: Sequence[Any], sock_connect: Callable[[socket.soc
     ``loop.create_connection`` sums them up in one ``OSError`` without an
     errno.
     """
-    errors: list[OSError] = []
+    errors: list[Exception] = []
     share = budget / len(infos) if infos else budget
     for n, (family, kind, proto, _, address) in enumerate(infos, 1):
         sock = socket.socket(family, kind, proto)
@@ -293,7 +290,7 @@ async def connect_first(infos: Sequence[Any], sock_connect: Callable[[socket.soc
             else:
                 await sock_connect(sock, address)
             return sock
-        except OSError as exc:  # TimeoutError too: the address's share ran out
+        except (OSError, TimeLimitExpired) as exc:  # (the latter: the address's share ran out)
             sock.close()
             errors.append(exc)
         except BaseException:

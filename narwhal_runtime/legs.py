@@ -28,26 +28,26 @@ from typing import Any, ClassVar, Generic
 from narwhal_core import StartLeg, local_failure
 from narwhal_core.events import LegFailure
 
-from .control import connect_first, resolve
+from .control import TimeLimitExpired, connect_first, resolve
 from .pool import C, Pool
 from .socket_options import set_up_engine
 
 __all__ = ["EngineLegs", "connect_failure"]
 
 
-def connect_failure(exc: BaseException, *, deadline_expired: bool) -> LegFailure:
-    """Why a leg's new connection could not be opened: the one rule of both adapters (docs/design.md).
+def connect_failure(exc: BaseException) -> LegFailure:
+    """Why a leg's new connection could not be opened (what :meth:`EngineLegs.connect` raised): one rule (docs/design.md).
 
-    ``connect_timeout`` means the router's own deadline (the leg's
-    ``connect_timeout``, ``engine.connect_timeout_s``) expired, and only
-    that. Any ``OSError`` is the engine's ``connect_failed`` -- the kernel's
-    own ``ETIMEDOUT`` too (its SYNs went unanswered), which asyncio raises
-    as a ``TimeoutError`` and trio wraps in the error of its last attempt --
-    unless Narwhal itself was short of descriptors, memory or ports
+    ``connect_timeout`` means the router's own limit (the leg's
+    ``connect_timeout``, ``engine.connect_timeout_s``) ran out
+    (:class:`~.control.TimeLimitExpired`), and only that. Any ``OSError`` is
+    the engine's ``connect_failed`` -- the kernel's own ``ETIMEDOUT`` too
+    (its SYNs went unanswered), a ``TimeoutError`` -- unless Narwhal itself
+    was short of descriptors, memory or ports
     (:func:`~narwhal_core.local_failure`): ``local_error``, no verdict on
-    the engine. Called on the failure branch only.
+    the engine.
     """
-    if deadline_expired:
+    if isinstance(exc, TimeLimitExpired):
         return "connect_timeout"
     return "local_error" if local_failure(exc) else "connect_failed"
 
@@ -95,11 +95,14 @@ class EngineLegs(Generic[C]):
         """A socket connected to an engine: the name resolved once, its addresses tried in turn, the engine's options set.
 
         (:func:`~.control.resolve`, :func:`~.control.connect_first`,
-        :func:`~.socket_options.set_up_engine`.) The caller bounds it by
-        ``timeout``, the leg's ``connect_timeout``, which the addresses share.
+        :func:`~.socket_options.set_up_engine`.) All within ``timeout``, the
+        leg's ``connect_timeout``, which the addresses share; raises
+        :class:`~.control.TimeLimitExpired` when it runs out, else
+        ``OSError`` (named by :func:`connect_failure`).
         """
-        infos = await resolve(host, port, self.getaddrinfo)
-        sock = await connect_first(infos, self.sock_connect, self.time_limit, timeout)
+        async with self.time_limit(timeout):
+            infos = await resolve(host, port, self.getaddrinfo)
+            sock = await connect_first(infos, self.sock_connect, self.time_limit, timeout)
         set_up_engine(sock)
         return sock
 
@@ -114,7 +117,7 @@ class EngineLegs(Generic[C]):
         raise NotImplementedError
 
     def time_limit(self, seconds: float) -> AbstractAsyncContextManager[object]:
-        """A limit of ``seconds`` on one connect attempt; raises ``TimeoutError``."""
+        """A limit of ``seconds`` from now on what runs inside; raises :class:`~.control.TimeLimitExpired`."""
         raise NotImplementedError
 
     def write_unsent(self) -> object:

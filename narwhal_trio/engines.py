@@ -23,7 +23,7 @@ import trio
 
 from narwhal_core import Event, StartControl, StartLeg
 from narwhal_core.events import LegFailure
-from narwhal_runtime.control import ControlTimedOut, run_control
+from narwhal_runtime.control import TimeLimitExpired, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
 from narwhal_runtime.socket_options import READ_SIZE
@@ -146,10 +146,9 @@ class Engines(EngineLegs[_Connection]):
             try:
                 with trio.CancelScope() as scope:
                     conn.scope = scope
-                    with trio.fail_after(cmd.connect_timeout):
-                        sock = await self.connect(cmd.engine.host, cmd.engine.port, cmd.connect_timeout)
-            except (trio.TooSlowError, OSError) as exc:
-                await self._fail(conn, connect_failure(exc, deadline_expired=isinstance(exc, trio.TooSlowError)))
+                    sock = await self.connect(cmd.engine.host, cmd.engine.port, cmd.connect_timeout)
+            except (TimeLimitExpired, OSError) as exc:
+                await self._fail(conn, connect_failure(exc))
                 return
             conn.scope = None
             if scope.cancelled_caught:
@@ -207,7 +206,7 @@ class Engines(EngineLegs[_Connection]):
             self._pool.forget(conn)
             close_socket(sock)
 
-    # control requests: trio's primitives (narwhal_runtime.control.ControlIO)
+    # what trio lends the shared engine connect and control requests (narwhal_runtime.control.ControlIO)
 
     CONTROL_BROKEN: tuple[type[BaseException], ...] = (trio.ClosedResourceError,)
 
@@ -215,20 +214,12 @@ class Engines(EngineLegs[_Connection]):
         return await trio.socket.getaddrinfo(host, port, type=type)
 
     @asynccontextmanager
-    async def control_deadline(self, seconds: float) -> AsyncIterator[None]:
-        try:
-            with trio.fail_after(seconds):
-                yield
-        except trio.TooSlowError:
-            raise ControlTimedOut from None
-
-    @asynccontextmanager
     async def time_limit(self, seconds: float) -> AsyncIterator[None]:
         try:
             with trio.fail_after(seconds):
                 yield
         except trio.TooSlowError:
-            raise TimeoutError(f"not connected within {seconds:g} s") from None
+            raise TimeLimitExpired from None
 
     async def sock_connect(self, sock: socket.socket, address: Any) -> None:
         try:
