@@ -99,9 +99,9 @@ def local_failure(exc: BaseException) -> bool:
     """Whether a failed connect (or control request) failed for want of local resources.
 
     Looks through the exception, its causes and contexts, and the members of
-    exception groups (trio's ``open_tcp_stream``, httpx's ``ConnectError``
-    wrap the ``OSError`` of the socket call), for an ``OSError`` whose
-    ``errno`` is in :data:`LOCAL_ERRNOS`.
+    exception groups (a connect to several addresses fails with each
+    address's error grouped under one ``OSError``), for an ``OSError``
+    whose ``errno`` is in :data:`LOCAL_ERRNOS`.
     """
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
