@@ -4,8 +4,9 @@
     python benchmarks/router_bench.py --scenario paired --baseline DIR            # 20 rounds x 2 s (~7 min)
     python benchmarks/router_bench.py --scenario paired --baseline DIR --rounds 4 # a short check (~2 min)
 
-``router_bench.py`` dispatches here; everything it starts and reads comes
-from there (the instant engines, the targets ``narwhal-RUNTIME`` and
+``router_bench.py`` dispatches here, handing over itself (``rb``: this
+module imports nothing of it); everything it starts and reads comes from
+there (the instant engines, the targets ``narwhal-RUNTIME`` and
 ``narwhal-RUNTIME-base``, core pinning, ``wrk``, the ``other%`` reading).
 On a shared VM the machine's speed drifts by tens of per cent between
 windows a minute apart, so the medians of separate windows cannot resolve a
@@ -42,13 +43,11 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import router_bench as rb  # noqa: E402 - the shared machinery, next to this file
 
 #: The two sides of a pair: this tree's target and the baseline's, per runtime.
 SIDES = ("A", "B")
@@ -130,7 +129,7 @@ def cpu_ns_between(before: dict[int, int], after: dict[int, int]) -> tuple[int, 
     return used, ended
 
 
-def window(t: rb.Target, scen: str, body_file: Path, args: argparse.Namespace, engine_pids: list[int]) -> dict[str, Any]:  # fmt: skip
+def window(rb: ModuleType, t: Any, scen: str, body_file: Path, args: argparse.Namespace, engine_pids: list[int]) -> dict[str, Any]:  # fmt: skip
     """One measured window on ``t`` (router_bench's ``measure``), with the router's threads' schedstat around it."""
     assert t.proc is not None
     pid = t.proc.pid
@@ -149,7 +148,7 @@ def _disturbed(m: dict[str, Any], max_other: float) -> bool:
     return (m.get("other_pct") or 0.0) > max_other
 
 
-def measure_pair(targets: dict[str, rb.Target], first: tuple[str, str], scen: str, body_file: Path,
+def measure_pair(rb: ModuleType, targets: dict[str, Any], first: tuple[str, str], scen: str, body_file: Path,
                  args: argparse.Namespace, engine_pids: list[int]) -> dict[str, Any]:  # fmt: skip
     """A pair of windows in the order ``first``, measured again while disturbed (up to ``--retries`` times)."""
     best: dict[str, Any] | None = None
@@ -159,7 +158,7 @@ def measure_pair(targets: dict[str, rb.Target], first: tuple[str, str], scen: st
             rb.quiet_wait(args.router_core, args.load_core, args.max_other, args.quiet_wait)
         pair: dict[str, Any] = {"order": "".join(first), "attempts": attempt + 1}
         for side in first:
-            pair[side] = window(targets[side], scen, body_file, args, engine_pids)
+            pair[side] = window(rb, targets[side], scen, body_file, args, engine_pids)
         pair["disturbed"] = _disturbed(pair["A"], args.max_other) or _disturbed(pair["B"], args.max_other)
         worst = max(pair["A"].get("other_pct") or 0.0, pair["B"].get("other_pct") or 0.0)
         pair["other_pct"] = worst
@@ -174,8 +173,11 @@ def measure_pair(targets: dict[str, rb.Target], first: tuple[str, str], scen: st
 # ---------------------------------------------------------------------------- the mode
 
 
-def paired_mode(args: argparse.Namespace, work: Path) -> int:
-    """``router_bench.py --scenario paired``: start everything once, measure the pairs, report, write results.json."""
+def paired_mode(rb: ModuleType, args: argparse.Namespace, work: Path) -> int:
+    """``router_bench.py --scenario paired``: start everything once, measure the pairs, report, write results.json.
+
+    ``rb`` is the running ``router_bench`` module (its process registry, its ``BASELINE_TREE``).
+    """
     if shutil.which("wrk") is None:
         raise SystemExit("router_bench: wrk is not installed (apt-get install wrk)")
     if not rb.BASELINE_TREE:
@@ -204,7 +206,7 @@ def paired_mode(args: argparse.Namespace, work: Path) -> int:
         engine_pids.append(proc.pid)
     note(f"work directory {work}; engines ({args.engine}): prefill {engines['prefill']['url']}, "
          f"decode {engines['decode']['url']}")  # fmt: skip
-    sides: dict[str, dict[str, rb.Target]] = {}
+    sides: dict[str, dict[str, Any]] = {}
     for runtime in runtimes:
         sides[runtime] = {"A": rb.start_target(f"narwhal-{runtime}", args.router_core, work, engines, None, ""),
                           "B": rb.start_target(f"narwhal-{runtime}-base", args.router_core, work, engines, None, "")}  # fmt: skip
@@ -241,7 +243,7 @@ def paired_mode(args: argparse.Namespace, work: Path) -> int:
                 raise SystemExit(f"router_bench: {', '.join(dead)} died during the rounds; logs in {work}")
             first = side_order(rnd, k, args.order, rng)
             try:
-                pair = measure_pair(sides[runtime], first, scen, body_files[scen], args, engine_pids)
+                pair = measure_pair(rb, sides[runtime], first, scen, body_files[scen], args, engine_pids)
             except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
                 note(f"round {rnd + 1} {runtime} {scen}: load failed: {exc}")
                 continue
@@ -256,8 +258,8 @@ def paired_mode(args: argparse.Namespace, work: Path) -> int:
                  f"{'  errors' if a['errors'] or b['errors'] else ''}")  # fmt: skip
     if stopped:
         note(stopped)
-    summary = summarise(pairs, args)
-    lines = report(summary, runtimes, scenarios, errors, args, stopped)
+    summary = summarise(rb, pairs, args)
+    lines = report(rb, summary, runtimes, scenarios, errors, args, stopped)
     for line in lines:
         print(line)
     machine = rb.machine_conditions(args)
@@ -280,7 +282,7 @@ def _clean_costs(pairs: list[dict[str, Any]], key: str) -> list[tuple[float, flo
             if not p["disturbed"] and p["A"].get(key) and p["B"].get(key)]  # fmt: skip
 
 
-def summarise(pairs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def summarise(rb: ModuleType, pairs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Per runtime and scenario: the schedstat ratio's summary and verdict, utime+stime's beside it, rates, drops."""
     out: dict[str, dict[str, Any]] = {}
     for cell, measured in pairs.items():
@@ -298,7 +300,7 @@ def summarise(pairs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) 
     return out
 
 
-def report(summary: dict[str, dict[str, Any]], runtimes: list[str], scenarios: list[str], errors: dict[str, str],
+def report(rb: ModuleType, summary: dict[str, dict[str, Any]], runtimes: list[str], scenarios: list[str], errors: dict[str, str],
            args: argparse.Namespace, stopped: str) -> list[str]:  # fmt: skip
     limit = 1.0 + args.bound
     lines = [

@@ -1640,9 +1640,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.scenario == "slow-streams":
             return slow_streams_mode(args, work)
         if paired:
-            import paired_ab  # beside this file
+            import paired_ab  # beside this file; it takes this module's machinery from the call
 
-            return paired_ab.paired_mode(args, work)
+            return paired_ab.paired_mode(sys.modules[__name__], args, work)
         return table_mode(args, work)
     finally:
         signal.alarm(0)
@@ -1650,6 +1650,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # paired_ab imports this module by name: let it find this run's (one Proc registry, one BASELINE_TREE)
-    sys.modules.setdefault("router_bench", sys.modules[__name__])
     sys.exit(main())
