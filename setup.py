@@ -36,6 +36,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -43,14 +44,19 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).resolve().parent
 
 
-def _compiled_modules() -> tuple[str, ...]:
-    """``COMPILED`` of ``narwhal_build/__init__.py``, read without importing it (the environment may lack what it imports)."""
+def _listed(name: str) -> Any:
+    """``name`` of ``narwhal_build/__init__.py`` (a literal), read without importing it (the environment may lack what it imports)."""
     tree = ast.parse((HERE / "narwhal_build" / "__init__.py").read_text(encoding="utf-8"))
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and target.id == "COMPILED" and node.value is not None:
-            return tuple(ast.literal_eval(node.value))
-    raise RuntimeError("narwhal_build/__init__.py defines no COMPILED")
+        if isinstance(target, ast.Name) and target.id == name and node.value is not None:
+            return ast.literal_eval(node.value)
+    raise RuntimeError(f"narwhal_build/__init__.py defines no {name}")
+
+
+def _compiled_modules() -> tuple[str, ...]:
+    """Every module the build compiles: ``CYTHON`` and ``MYPYC``."""
+    return (*_listed("CYTHON"), *_listed("MYPYC"))
 
 
 #: Python semantics throughout: annotations never become C types (but in
@@ -78,6 +84,17 @@ class OptionalBuildExt(build_ext):
     def initialize_options(self) -> None:
         super().initialize_options()
         self.parallel = os.cpu_count() or 1
+        #: mypyc's extensions (the router's parts), and whether one of them failed to build.
+        self._parts: list[Extension] = []
+        self._parts_failed = False
+
+    def finalize_options(self) -> None:
+        if self.distribution.ext_modules:  # (none with NARWHAL_PURE_PYTHON=1)
+            # Before build_ext's own: it prepares every extension it will build.
+            self._parts = _mypycify()
+            self._parts_failed = not self._parts
+            self.distribution.ext_modules = [*self.distribution.ext_modules, *self._parts]
+        super().finalize_options()
 
     def run(self) -> None:
         if self.inplace:
@@ -85,16 +102,17 @@ class OptionalBuildExt(build_ext):
         if not self.extensions:
             return
         jobs = max(1, int(self.parallel or 1))
-        names = ", ".join(ext.name.removeprefix("narwhal_core.") for ext in self.extensions)
-        _say(f"compiling narwhal_core's hot modules with Cython ({names}) on {jobs} "
-             f"core{'s' if jobs > 1 else ''}; NARWHAL_PURE_PYTHON=1 skips this")
+        names = ", ".join(ext.name.removeprefix("narwhal_core.") for ext in self.extensions if ext not in self._parts)
+        _say(f"compiling narwhal_core's hot modules with Cython ({names}) and the router's parts with mypyc "
+             f"({', '.join(_listed('MYPYC'))}) on {jobs} core{'s' if jobs > 1 else ''}; NARWHAL_PURE_PYTHON=1 skips this")
         started = time.monotonic()
-        wanted = [ext.name for ext in self.extensions]
-        self.extensions = _cythonize(self.extensions, jobs)
+        cython = [ext for ext in self.extensions if ext not in self._parts]
+        self.extensions = _cythonize(cython, jobs)
         translated = {ext.name for ext in self.extensions}
-        for name in wanted:
-            if name not in translated:
-                self._stay_pure(name)
+        for ext in cython:
+            if ext.name not in translated:
+                self._stay_pure(ext.name)
+        self.extensions += self._parts
         if self.extensions:
             # The longest first: the build's wall time is then about the longest module's.
             self.extensions.sort(key=lambda ext: -sum(_size(source) for source in ext.sources))
@@ -102,14 +120,16 @@ class OptionalBuildExt(build_ext):
                 super().run()
             except Exception as exc:  # noqa: BLE001 - no compiler at all: stay pure
                 _say(f"no C extension built ({exc}); narwhal_core runs as pure Python")
-                for name in translated:
+                for name in translated | {ext.name for ext in self._parts}:
                     self._stay_pure(name)
                 return
+        self._settle_parts()
         built = ", ".join(ext.name.removeprefix("narwhal_core.") for ext in self.extensions) or "nothing"
         _say(f"compiled {built} in {time.monotonic() - started:.0f} s")
 
     def build_extension(self, ext: Extension) -> None:
-        if self.compiler.compiler_type == "unix":
+        part = ext in self._parts
+        if self.compiler.compiler_type == "unix" and not part:  # (mypyc sets its own flags)
             ext.extra_compile_args = [*ext.extra_compile_args, *UNIX_COMPILE_ARGS]
         try:
             super().build_extension(ext)
@@ -117,6 +137,20 @@ class OptionalBuildExt(build_ext):
             self.extensions.remove(ext)  # nothing to copy beside the sources
             _say(f"{ext.name} not compiled ({exc}); it runs as pure Python")
             self._stay_pure(ext.name)
+            if part:
+                self._parts_failed = True
+
+    def _settle_parts(self) -> None:
+        """The router's parts are compiled all together or not at all: a stub without its library would not load."""
+        names = [f"narwhal_core.{name}" for name in _listed("MYPYC")] + [f"narwhal_core.{_listed('MYPYC_LIBRARY')}"]
+        if self._parts_failed:
+            self.extensions = [ext for ext in self.extensions if ext not in self._parts]
+            for name in names:
+                self._stay_pure(name)
+        elif self.inplace:
+            # mypyc rewrites only the library when a part changes: the stubs are up to date with their sources.
+            for name in names:
+                os.utime(self.get_ext_fullpath(name))
 
     def _stay_pure(self, name: str) -> None:
         """``name`` was not compiled: in a source tree, its compiled file of an older build goes.
@@ -136,7 +170,7 @@ def _remove_leftovers() -> None:
     They would shadow their sources for good (a compiled module takes
     precedence over the ``.py`` beside it), running old code.
     """
-    compiled = _compiled_modules()
+    compiled = (*_compiled_modules(), _listed("MYPYC_LIBRARY"))
     core = HERE / "narwhal_core"
     for path in sorted(core.rglob("*")):
         stem = ".".join((*path.relative_to(core).parent.parts, path.name.partition(".")[0]))
@@ -194,8 +228,31 @@ def extensions() -> list[Extension]:
     if os.environ.get("NARWHAL_PURE_PYTHON"):
         return []
     return [
-        Extension(f"narwhal_core.{name}", [f"narwhal_core/{name.replace('.', '/')}.py"]) for name in _compiled_modules()
+        Extension(f"narwhal_core.{name}", [f"narwhal_core/{name.replace('.', '/')}.py"]) for name in _listed("CYTHON")
     ]
+
+
+def _mypycify() -> list[Extension]:
+    """The router's parts (``MYPYC``) as mypyc builds them: its shared library and a stub per module; none if it cannot.
+
+    mypyc type-checks them first (with mypy, as the project's own check
+    does), then writes the C of native classes and functions.
+    """
+    modules = _listed("MYPYC")
+    if not modules:
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        _say("mypyc is not installed; the router's parts run as pure Python")
+        return []
+    library = _listed("MYPYC_LIBRARY").removesuffix("__mypyc")
+    try:
+        return list(mypycify([f"narwhal_core/{name}.py" for name in modules],
+                             group_name=f"narwhal_core.{library}", target_dir="build/mypyc"))
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - mypy's errors end in SystemExit
+        _say(f"mypyc did not compile the router's parts ({exc!r}); they run as pure Python")
+        return []
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

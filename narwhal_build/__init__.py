@@ -1,8 +1,8 @@
-"""Which build of ``narwhal_core`` this process runs: compiled by Cython, or pure Python.
+"""Which build of ``narwhal_core`` this process runs: compiled (by Cython and mypyc), or pure Python.
 
-``pip install`` compiles the core's modules with Cython where it can
-(``setup.py``; ``docs/operate.md``, "Compiled core"), and the compiled
-modules take precedence over the sources next to them. With
+``pip install`` compiles some of the core's modules, with Cython or mypyc,
+where it can (``setup.py``; ``docs/operate.md``, "Compiled core"), and the
+compiled modules take precedence over the sources next to them. With
 ``NARWHAL_PURE_PYTHON=1`` in the environment, :func:`use_pure_core_if_requested`
 makes every module of the core load from its ``.py`` file instead: the
 reference build, for comparing the two or ruling the compiled one out.
@@ -26,21 +26,38 @@ from pathlib import Path
 from types import ModuleType
 
 __all__ = [
-    "COMPILED", "PURE_ENV", "compiled_files", "core_build", "pure_requested", "stale_files", "use_pure_core",
-    "use_pure_core_if_requested",
+    "COMPILED", "CYTHON", "MYPYC", "MYPYC_LIBRARY", "PURE_ENV", "compiled_files", "core_build", "pure_requested",
+    "stale_files", "use_pure_core", "use_pure_core_if_requested",
 ]
 
 #: The environment variable asking for the pure Python core (at install time: build no extension).
 PURE_ENV = "NARWHAL_PURE_PYTHON"
 
-#: The modules of the core that ``setup.py`` compiles (it reads this list): those
-#: whose compiled build measurably lowers the router's CPU per request
-#: (``benchmarks/README.md``, "Which modules are compiled"). The others always
-#: run from their sources.
-COMPILED = (
+#: The modules of the core that ``setup.py`` compiles with Cython (it reads this
+#: list): those whose compiled build measurably lowers the router's CPU per
+#: request (``benchmarks/README.md``, "Which modules are compiled"): the codec,
+#: the JSON scan, the SSE relay, the journal's encoding.
+CYTHON = (
     "contract", "http.codec", "http.engine", "http.grammar", "http.request_head", "http.request_reader",
     "http.server", "ids", "journal", "planning", "relay", "wire",
 )
+
+#: The router's parts, which ``setup.py`` compiles with mypyc (it reads this list
+#: too). mypyc makes their classes native: compiled code reads their fields and
+#: calls their methods directly, as the annotations say they are. Cython keeps
+#: Python's semantics for such classes, and compiled them into slower code than
+#: the interpreter's (benchmarks/README.md, "Which modules are compiled").
+MYPYC = (
+    "answers", "clients", "context", "fleet", "kv", "legs", "lifecycle", "requests", "router", "slots", "timers",
+)
+
+#: The shared library mypyc builds the code of all of :data:`MYPYC` into
+#: (``narwhal_core/_parts__mypyc.*.so``); each module's own compiled file only
+#: loads its part of it. It is not a module of the core.
+MYPYC_LIBRARY = "_parts__mypyc"
+
+#: Every module of the core that the build compiles; the others always run from their sources.
+COMPILED = CYTHON + MYPYC
 
 _CORE = "narwhal_core"
 #: Where the core's sources are (the compiled modules, when built in place, sit next to them).
@@ -94,7 +111,7 @@ def compiled_files(package_dir: Path = CORE_DIR) -> dict[str, Path]:
     return {
         ".".join((_CORE, *path.relative_to(package_dir).parent.parts, path.name.partition(".")[0])): path
         for path in package_dir.rglob("*")
-        if path.suffix in (".so", ".pyd")
+        if path.suffix in (".so", ".pyd") and path.name.partition(".")[0] != MYPYC_LIBRARY
     }
 
 

@@ -83,8 +83,7 @@ class Answers:
             kind = type(event)
             if kind is BodyData:
                 if leg.streaming:
-                    self.relay(req, leg, event.data)  # type: ignore[union-attr]
-                    if leg.outcome is not None and leg.open:
+                    if self.relay(req, leg, event.data) and leg.open:  # type: ignore[union-attr]
                         self.read_tail(leg)  # [DONE] came: what follows is dropped
                         return
                 else:
@@ -124,8 +123,13 @@ class Answers:
             # at the first data event (relay).
             self.kv.pulled(req, kv)
 
-    def relay(self, req: Request, leg: Leg, data: bytes) -> None:
-        """Relay a streamed answer's bytes to the client, rewritten (:class:`~narwhal_core.relay.SseRelay`)."""
+    def relay(self, req: Request, leg: Leg, data: bytes) -> bool:
+        """Relay a streamed answer's bytes to the client, rewritten (:class:`~narwhal_core.relay.SseRelay`).
+
+        Returns whether the leg's outcome is now settled (``[DONE]`` came, or
+        the stream broke): read here, as the caller's view of ``leg.outcome``
+        is from before this call.
+        """
         relay = req.relay
         assert relay is not None
         try:
@@ -134,7 +138,7 @@ class Answers:
             if relay.good_before_error:
                 self.requests.stream_out(req, relay.good_before_error)
             self.legs.fail_leg(leg, "bad_response")
-            return
+            return True
         # (limit(phase, True), read directly: this runs once per relayed chunk)
         self.legs.set_deadline(leg, self.ctx.now + self.ctx.config.engine.stream_idle_timeout_s)
         kv = req.kv
@@ -145,6 +149,7 @@ class Answers:
             self.requests.stream_out(req, out)
         if relay.done and leg.outcome is None:
             self.stream_done(req, leg)
+        return leg.outcome is not None
 
     def stream_done(self, req: Request, leg: Leg) -> None:
         """``data: [DONE]`` is relayed: the client's answer is complete.

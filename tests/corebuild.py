@@ -16,9 +16,9 @@ import os
 
 import pytest
 
-from narwhal_build import COMPILED, PURE_ENV, compiled_files, pure_requested, stale_files, use_pure_core
+from narwhal_build import COMPILED, MYPYC, MYPYC_LIBRARY, PURE_ENV, compiled_files, pure_requested, stale_files, use_pure_core
 
-__all__ = ["COMPILED", "PURE_ENV", "RERUN_ENV", "check", "compiled_files", "examples", "pure_requested"]
+__all__ = ["COMPILED", "MYPYC", "MYPYC_LIBRARY", "PURE_ENV", "RERUN_ENV", "check", "compiled_files", "examples", "pure_requested"]
 
 #: Set by ``test_core_builds`` for its rerun of the core's tests on the pure sources, where the
 #: properties walk fewer examples (:func:`examples`).

@@ -351,3 +351,18 @@ def save_word_tokenizer(folder: Path, words: Iterable[str]) -> Path:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": WORD_CHAT_TEMPLATE}))
     return folder
+
+
+class RouterWrapper:
+    """A :class:`narwhal_core.Router` inside a wrapper, for tests that change what some of its calls do.
+
+    Not a subclass: where the router's parts are compiled by mypyc, ``Router``
+    is a native class, which an interpreted class cannot extend. What the
+    wrapper does not define is the wrapped router's (``inner``).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

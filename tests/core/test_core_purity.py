@@ -183,8 +183,10 @@ STATE_PROBE = textwrap.dedent(
     """
     import importlib, json, pkgutil
     import narwhal_core
+    from narwhal_build import MYPYC_LIBRARY
     names = ["narwhal_core"] + sorted(
         m.name for m in pkgutil.walk_packages(narwhal_core.__path__, "narwhal_core.")
+        if m.name != "narwhal_core." + MYPYC_LIBRARY  # mypyc's code of the parts, not a module of the core
     )
     from tests.core.test_core_purity import mutable_globals
     found = []
@@ -196,6 +198,7 @@ STATE_PROBE = textwrap.dedent(
 
 _IMMUTABLE_SCALARS = (str, bytes, int, float, complex, bool, type(None), range, type(Ellipsis))
 _DEFINITIONS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                types.MethodDescriptorType,  # a method of a class mypyc compiled
                 typing.TypeVar, re.Pattern, __future__._Feature)
 
 

@@ -35,22 +35,22 @@ from narwhal_sim.testing import SimThread
 
 from .. import harness
 from ..harness import LogCapture, RouterThread, make_config
-from ..helpers import read_journal, wait_for_terminals
+from ..helpers import RouterWrapper, read_journal, wait_for_terminals
 from .test_runtime_parity import _masked
 
 MARKERS = ("leg-fault", "client-fault", "stream-fault")
 
 
-class FaultyRouter(Router):
+class FaultyRouter(RouterWrapper):
     """Raises inside :meth:`receive` for the requests whose prompt carries a marker."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, inner: Router) -> None:
+        super().__init__(inner)
         self.traps: dict[str, str] = {}  # leg -> marker
         self.reads: dict[str, int] = {}
 
     def next_output(self) -> Any:
-        cmd = super().next_output()
+        cmd = self.inner.next_output()
         if type(cmd) is StartLeg:
             phase = "prefill" if cmd.leg.rsplit("-", 1)[-1].startswith("p") else "decode"
             if phase == "prefill" and b"leg-fault" in cmd.data:
@@ -66,16 +66,16 @@ class FaultyRouter(Router):
             if marker == "leg-fault" or reads == 3:
                 del self.traps[event.leg]
                 raise RuntimeError(f"injected fault: {marker}")
-        super().receive(event, now=now)
+        self.inner.receive(event, now=now)
         if type(event) is ClientData and b"client-fault" in event.data:
             raise RuntimeError("injected fault: client-fault")
 
 
-def _faulty_build_router(config: Any, *, now: float, env: Any = None, rid_prefix: str | None = None) -> Router:
-    return FaultyRouter(
+def _faulty_build_router(config: Any, *, now: float, env: Any = None, rid_prefix: str | None = None) -> Any:
+    return FaultyRouter(Router(
         config, rid_source=RidSource(rid_prefix or secrets.token_hex(5)), authenticator=load_authenticator(config),
         wall_offset=time.time() - now, now=now, render_metrics=render,
-    )
+    ))
 
 
 def _stream(url: str, prompt: str, max_tokens: int) -> tuple[int, str, str]:

@@ -48,7 +48,7 @@ from narwhal_sim.testing import SimProcess, SimThread
 
 from .. import harness
 from ..harness import LogCapture, RouterThread, make_config
-from ..helpers import MODEL, poll, read_journal, tcp_options_in_process, wait_for_terminals
+from ..helpers import MODEL, RouterWrapper, poll, read_journal, tcp_options_in_process, wait_for_terminals
 
 _TIMES = {"ts", "received", "started", "duration_ms", "ttft_ms"}
 
@@ -150,7 +150,7 @@ def test_both_runtimes_journal_the_same_scenario_identically(tmp_path: Path) -> 
 # ------------------------------------------------------------ error containment
 
 
-class _FaultyRouter(Router):
+class _FaultyRouter(RouterWrapper):
     """Raises for requests whose body carries a marker.
 
     ``parity-receive``: right after the router handled the request's bytes;
@@ -158,12 +158,12 @@ class _FaultyRouter(Router):
     commands that event produced (nothing is lost: the commands stay queued).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, inner: Router) -> None:
+        super().__init__(inner)
         self.drain_fault = False
 
     def receive(self, event: Any, *, now: float) -> None:
-        super().receive(event, now=now)
+        self.inner.receive(event, now=now)
         if type(event) is ClientData and b"parity-receive" in event.data:
             raise RuntimeError("injected fault: receive")
         if type(event) is ClientData and b"parity-drain" in event.data:
@@ -173,14 +173,14 @@ class _FaultyRouter(Router):
         if self.drain_fault:
             self.drain_fault = False
             raise RuntimeError("injected fault: drain")
-        return super().next_output()
+        return self.inner.next_output()
 
 
-def _faulty_router(config: Any, *, now: float, env: Any = None, rid_prefix: str | None = None) -> Router:
-    return _FaultyRouter(
+def _faulty_router(config: Any, *, now: float, env: Any = None, rid_prefix: str | None = None) -> Any:
+    return _FaultyRouter(Router(
         config, rid_source=RidSource(rid_prefix or "parity"), authenticator=load_authenticator(config),
         wall_offset=0.0, now=now, render_metrics=render,
-    )
+    ))
 
 
 def _contain_run(runtime: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[Any]]:
