@@ -1,34 +1,35 @@
-"""Build hook: compile the hot modules of ``narwhal_core`` with Cython where this machine can.
+"""Build hook: compile the hot modules of ``narwhal_core`` with Cython and mypyc where this machine can.
 
 ``pyproject.toml`` holds everything else. Only the modules whose compiled
 build measurably lowers the router's CPU per request are compiled
-(``COMPILED`` in ``narwhal_build/__init__.py``; ``benchmarks/README.md``,
-"Which modules are compiled (`setup.py`)", has the figures): they are the same source
-files, built by Cython in pure-Python mode, so behaviour is the Python
-source's. The others stay pure Python: compiled, they saved instructions but
-not CPU time (the router and its parts), or under 1 % of the
-instructions per request for seconds of install time each.
-``config.py`` and ``__init__.py`` must stay pure: config is read once at
-start-up, and its attrs field types must stay real types (Cython stores
-annotations as strings), which its converter and tests read.
+(``benchmarks/README.md``, "Which modules are compiled"), each by the
+compiler that pays for it; ``narwhal_build/__init__.py`` lists them:
 
-The ``.pxd`` files beside some compiled modules declare their hot classes
-to Cython as extension types, whose methods then read and write their
-fields directly (``wire.pxd``: the C locals of one byte-scanning loop);
-annotations stay annotations, never C types.
+* ``CYTHON``: the codec, the JSON scan, the SSE relay and a few more, built
+  by Cython in pure-Python mode, so behaviour is the Python source's. The
+  ``.pxd`` files beside some of them declare their hot classes to Cython as
+  extension types, whose methods then read and write their fields directly
+  (``wire.pxd``: the C locals of one byte-scanning loop); annotations stay
+  annotations, never C types. ``config.py`` and ``__init__.py`` must stay
+  pure: config is read once at start-up, and its attrs field types must
+  stay real types (Cython stores annotations as strings), which its
+  converter and tests read.
+* ``MYPYC``: the router and its parts, built by mypyc into one shared
+  library (``MYPYC_LIBRARY``) and a stub per module. mypyc type-checks them
+  first, then compiles their classes as native classes; they are built
+  all together or not at all (a stub without its library would not load).
 
-The modules are translated (Cython) and then compiled (the C compiler) in
-parallel, one job per core, the longest first, and the build says so on
-the terminal: pip hides a build's output unless run with ``-v``, so the
-two lines go to the controlling terminal when there is one, to stderr
-otherwise. Without Cython or a C compiler, or with ``NARWHAL_PURE_PYTHON=1``
-in the environment at install time, the install goes on with the pure
-Python modules; a module whose compilation fails is left pure.
-``narwhal serve`` logs which one it runs (``core``: ``compiled``, ``pure``
-or ``mixed``); ``NARWHAL_PURE_PYTHON=1`` at run time picks the sources
-(``narwhal_build``).
+Cython's modules are translated and then compiled (the C compiler) in
+parallel, one job per core, the longest first, mypyc's library among
+them, and the build says so on the terminal: pip hides a build's output
+unless run with ``-v``, so the two lines go to the controlling terminal
+when there is one, to stderr otherwise. Without Cython, mypy or a C
+compiler, or with ``NARWHAL_PURE_PYTHON=1`` in the environment at install
+time, the install goes on with the pure Python modules; a module whose
+compilation fails is left pure. ``narwhal serve`` logs which one it runs
+(``core``: ``compiled``, ``pure`` or ``mixed``); ``NARWHAL_PURE_PYTHON=1``
+at run time picks the sources (``narwhal_build``).
 """
-
 from __future__ import annotations
 
 import ast
@@ -59,8 +60,8 @@ def _compiled_modules() -> tuple[str, ...]:
     return (*_listed("CYTHON"), *_listed("MYPYC"))
 
 
-#: Python semantics throughout: annotations never become C types (but in
-#: router.py, see above), functions stay introspectable Python-like functions.
+#: Cython's modules keep Python's semantics: annotations never become C types,
+#: functions stay introspectable Python-like functions.
 DIRECTIVES = {
     "language_level": 3,
     "annotation_typing": False,
@@ -69,12 +70,14 @@ DIRECTIVES = {
     "always_allow_keywords": True,
 }
 
-#: After Python's own flags (``-g -O3``), so these win: without debug
-#: information and with gcc's cheaper optimisation level, router.py compiles
-#: in far less CPU time and its compiled build runs about as many
-#: instructions per request (the figures: ``benchmarks/README.md``, "Which
-#: modules are compiled"). The modules are calls into Python's C API
-#: either way; a traceback through them names their Python source lines.
+#: For Cython's modules, after Python's own flags (``-g -O3``), so these win:
+#: without debug information and with gcc's cheaper optimisation level, a
+#: module (the Cython-compiled router of an earlier version, measured)
+#: compiles in far less CPU time and runs about as many instructions per
+#: request (the figures: ``benchmarks/README.md``, "Which modules are
+#: compiled"). They are calls into Python's C API either way; a traceback
+#: through them names their Python source lines. mypyc's library keeps
+#: mypyc's own flags.
 UNIX_COMPILE_ARGS = ["-O1", "-g0"]
 
 
