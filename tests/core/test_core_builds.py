@@ -159,6 +159,31 @@ def test_a_module_cython_refuses_loses_its_compiled_file_of_an_older_build(tmp_p
     assert sorted(path.name for path in package.iterdir()) == ["__init__.py", "wire.pxd", "wire.py"]
 
 
+
+def test_parts_mypyc_refuses_stay_pure_with_no_compiled_file_left(tmp_path: Path) -> None:
+    # A checkout-shaped copy: one Cython module, one mypyc part that mypy's check refuses, and an older
+    # build's stub and library beside it. The install goes on; the part runs from its source.
+    pytest.importorskip("Cython")
+    pytest.importorskip("mypyc")
+    (tmp_path / "setup.py").write_text((ROOT / "setup.py").read_text())
+    (tmp_path / "narwhal_build").mkdir()
+    (tmp_path / "narwhal_build" / "__init__.py").write_text(
+        'CYTHON = ("wire",)\nMYPYC = ("part",)\nMYPYC_LIBRARY = "_parts__mypyc"\n')
+    package = tmp_path / "narwhal_core"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "wire.py").write_text("def scan(data: bytes) -> int:\n    return 0\n")
+    (package / "part.py").write_text("def count() -> int:\n    return 'not a count'\n")
+    older = [package / "part.cpython-311-x86_64-linux-gnu.so", package / "_parts__mypyc.cpython-311-x86_64-linux-gnu.so"]
+    for path in older:
+        path.write_bytes(b"built from an older part.py")
+    run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=240, start_new_session=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "mypyc did not compile the router's parts" in run.stderr, run.stderr
+    assert not any(path.exists() for path in older)
+    assert sorted(path.name.partition(".")[0] for path in package.iterdir()) == ["__init__", "part", "wire", "wire"]
+
 def test_a_declaration_file_edited_after_compilation_makes_its_module_stale(tmp_path: Path) -> None:
     # A checkout-shaped copy: setup.py and pyproject.toml beside the package.
     (tmp_path / "setup.py").write_text("")
