@@ -134,54 +134,54 @@ def test_a_compiled_module_older_than_its_source_is_reported_stale() -> None:
     assert core_build()[1] == []
 
 
+def build_checkout(root: Path, lists: str, files: dict[str, str], older: list[str]) -> tuple[Path, str]:
+    """Build a checkout-shaped copy of setup.py's world in ``root``; its package dir and what setup.py said.
+
+    ``lists``: narwhal_build's lists; ``files``: the package's modules; ``older``: compiled files an
+    older build left in the package (they must be gone after the build).
+    """
+    (root / "setup.py").write_text((ROOT / "setup.py").read_text())
+    (root / "narwhal_build").mkdir()
+    (root / "narwhal_build" / "__init__.py").write_text(lists)
+    package = root / "narwhal_core"
+    package.mkdir()
+    for name, text in {"__init__.py": "", **files}.items():
+        (package / name).write_text(text)
+    for name in older:
+        (package / name).write_bytes(b"built from an older source")
+    # (A session of its own: no terminal, so setup.py says what it did on stderr.)
+    run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=root,
+                         capture_output=True, text=True, timeout=240, start_new_session=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not any((package / name).exists() for name in older)
+    return package, run.stderr
+
+
 def test_a_module_cython_refuses_loses_its_compiled_file_of_an_older_build(tmp_path: Path) -> None:
-    # A checkout-shaped copy of setup.py's world, one module listed: its
-    # declarations no longer match its source, and an older build left a
+    # One module listed: its declarations no longer match its source, and an older build left a
     # compiled file beside it, which would shadow the source with old code.
     pytest.importorskip("Cython")
-    (tmp_path / "setup.py").write_text((ROOT / "setup.py").read_text())
-    (tmp_path / "narwhal_build").mkdir()
-    (tmp_path / "narwhal_build" / "__init__.py").write_text(
-        'CYTHON = ("wire",)\nMYPYC = ()\nMYPYC_LIBRARY = "_parts__mypyc"\n')
-    package = tmp_path / "narwhal_core"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "wire.py").write_text("def scan(data):\n    return 0\n")
-    (package / "wire.pxd").write_text("cpdef int scan(bytes data, int start)\n")
-    old = package / "wire.cpython-311-x86_64-linux-gnu.so"
-    old.write_bytes(b"built from an older wire.py")
-    # (A session of its own: no terminal, so setup.py says what it did on stderr.)
-    run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120, start_new_session=True)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "narwhal_core.wire not compiled" in run.stderr
-    assert not old.exists()
+    package, said = build_checkout(
+        tmp_path, 'CYTHON = ("wire",)\nMYPYC = ()\nMYPYC_LIBRARY = "_parts__mypyc"\n',
+        {"wire.py": "def scan(data):\n    return 0\n", "wire.pxd": "cpdef int scan(bytes data, int start)\n"},
+        ["wire.cpython-311-x86_64-linux-gnu.so"],
+    )
+    assert "narwhal_core.wire not compiled" in said
     assert sorted(path.name for path in package.iterdir()) == ["__init__.py", "wire.pxd", "wire.py"]
 
 
-
 def test_parts_mypyc_refuses_stay_pure_with_no_compiled_file_left(tmp_path: Path) -> None:
-    # A checkout-shaped copy: one Cython module, one mypyc part that mypy's check refuses, and an older
-    # build's stub and library beside it. The install goes on; the part runs from its source.
+    # One Cython module, one mypyc part that mypy's check refuses, and an older build's stub and
+    # library beside it. The install goes on; the part runs from its source.
     pytest.importorskip("Cython")
     pytest.importorskip("mypyc")
-    (tmp_path / "setup.py").write_text((ROOT / "setup.py").read_text())
-    (tmp_path / "narwhal_build").mkdir()
-    (tmp_path / "narwhal_build" / "__init__.py").write_text(
-        'CYTHON = ("wire",)\nMYPYC = ("part",)\nMYPYC_LIBRARY = "_parts__mypyc"\n')
-    package = tmp_path / "narwhal_core"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "wire.py").write_text("def scan(data: bytes) -> int:\n    return 0\n")
-    (package / "part.py").write_text("def count() -> int:\n    return 'not a count'\n")
-    older = [package / "part.cpython-311-x86_64-linux-gnu.so", package / "_parts__mypyc.cpython-311-x86_64-linux-gnu.so"]
-    for path in older:
-        path.write_bytes(b"built from an older part.py")
-    run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=240, start_new_session=True)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "mypyc did not compile the router's parts" in run.stderr, run.stderr
-    assert not any(path.exists() for path in older)
+    package, said = build_checkout(
+        tmp_path, 'CYTHON = ("wire",)\nMYPYC = ("part",)\nMYPYC_LIBRARY = "_parts__mypyc"\n',
+        {"wire.py": "def scan(data: bytes) -> int:\n    return 0\n",
+         "part.py": "def count() -> int:\n    return 'not a count'\n"},
+        ["part.cpython-311-x86_64-linux-gnu.so", "_parts__mypyc.cpython-311-x86_64-linux-gnu.so"],
+    )
+    assert "mypyc did not compile the router's parts" in said, said
     assert sorted(path.name.partition(".")[0] for path in package.iterdir()) == ["__init__", "part", "wire", "wire"]
 
 def test_a_declaration_file_edited_after_compilation_makes_its_module_stale(tmp_path: Path) -> None:

@@ -109,6 +109,12 @@ def read_request(conn: socket.socket) -> bytes:
     return data
 
 
+def answer_ok(conn: socket.socket) -> None:
+    """An engine's side: read the request, answer 200 with an empty body."""
+    read_request(conn)
+    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+
+
 @pytest.fixture
 def engine_factory() -> Iterator[Callable[[Callable[[socket.socket], None]], Engine]]:
     engines: list[Engine] = []
@@ -230,11 +236,7 @@ def test_a_connection_that_never_opens_is_a_connect_timeout(runtime: str) -> Non
 def test_a_probe_connects_to_an_address_it_reported(runtime: str, engine_factory: Any) -> None:
     # The name is resolved once; the router hears those addresses and the connection goes to one
     # of them, on both runtimes (trio's used to resolve the name again, by its own resolver).
-    def serve(conn: socket.socket) -> None:
-        read_request(conn)
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-
-    engine = engine_factory(serve)
+    engine = engine_factory(answer_ok)
     answers = [("127.0.0.1", engine.port), ("127.0.0.2", engine.port)]  # a second lookup: nobody listens there
     asked: list[str] = []
 
@@ -256,11 +258,7 @@ def test_a_probe_connects_to_an_address_it_reported(runtime: str, engine_factory
 def test_a_probe_goes_on_to_the_next_address_when_one_drops_the_syn(runtime: str, engine_factory: Any) -> None:
     # Each address but the last gets its share of the timeout (control.connect_first); before,
     # the first one held the connect until the whole timeout expired: "connect timeout".
-    def serve(conn: socket.socket) -> None:
-        read_request(conn)
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-
-    engine = engine_factory(serve)
+    engine = engine_factory(answer_ok)
     with socket.socket() as dropping, socket.socket() as filler:
         dropping.bind(("127.0.0.1", 0))
         dropping.listen(0)
