@@ -149,7 +149,11 @@ class OptionalBuildExt(build_ext):
         if self._parts_failed:
             self.extensions = [ext for ext in self.extensions if ext not in self._parts]
             for name in names:
-                self._stay_pure(name)
+                # Those of them this build made too (in the source tree, or in the build directory a wheel takes).
+                path = Path(self.get_ext_fullpath(name))
+                if path.exists():
+                    path.unlink()
+                    _say(f"removed {path.name}: the router's parts are compiled all together or not at all")
         elif self.inplace:
             # mypyc rewrites only the library when a part changes: the stubs are up to date with their sources.
             for name in names:
