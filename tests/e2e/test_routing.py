@@ -138,11 +138,13 @@ def test_the_policy_switch_changes_the_choice(
             )._request_id
             for _ in range(3)
         ]
-    chosen = [routing_of(journal_path, str(rid))["routing"]["prefill"] for rid in rids]
+    records = [routing_of(journal_path, str(rid)) for rid in rids]
+    chosen = [record["routing"]["prefill"] for record in records]
     counts = [p.stats()["completions"] for p in two_prefills.prefill]
     urls = [p.url for p in two_prefills.prefill]
+    legs = [[(leg["phase"], leg["engine"], leg["outcome"], leg["status"]) for leg in r["legs"]] for r in records]
     if spread:
-        assert chosen == [urls[0], urls[1], urls[0]] and counts == [2, 1], (chosen, counts)
+        assert chosen == [urls[0], urls[1], urls[0]] and counts == [2, 1], (chosen, counts, urls, legs)
     else:
         assert chosen == [chosen[0]] * 3 and sorted(counts) == [0, 3], (chosen, counts)
         # The engine it returned to had the prompt cached: the simulator's prefix cache says so.
