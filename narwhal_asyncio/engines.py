@@ -21,9 +21,42 @@ from narwhal_core.events import LegFailure
 from narwhal_runtime.control import TimeLimitExpired, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
-from narwhal_runtime.socket_options import READ_SIZE
 
-__all__ = ["Engines"]
+__all__ = ["Engines", "Waits"]
+
+
+class Waits:
+    """asyncio's socket waits (:class:`~narwhal_runtime.socket_io.SocketWaits`): the loop watches the descriptor."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    async def readable(self, sock: socket.socket) -> None:
+        await self._ready(sock, self._loop.add_reader, self._loop.remove_reader)
+
+    async def writable(self, sock: socket.socket) -> None:
+        await self._ready(sock, self._loop.add_writer, self._loop.remove_writer)
+
+    async def _ready(self, sock: socket.socket, watch: Callable[..., object], unwatch: Callable[[int], object]) -> None:
+        fd = sock.fileno()
+        ready = self._loop.create_future()
+        watch(fd, _set_once, ready)
+        try:
+            await ready
+        finally:
+            if sock.fileno() == fd:  # closed meanwhile: close_socket stopped watching (the number may be another's now)
+                unwatch(fd)
+
+    def close_socket(self, sock: socket.socket) -> None:
+        if (fd := sock.fileno()) != -1:
+            self._loop.remove_reader(fd)
+            self._loop.remove_writer(fd)
+            sock.close()
+
+
+def _set_once(ready: asyncio.Future[None]) -> None:
+    if not ready.done():  # the socket stays ready until the task that waits acts on it
+        ready.set_result(None)
 
 
 class _LegConnection(PooledConnection, asyncio.Protocol):
@@ -75,12 +108,12 @@ class _LegConnection(PooledConnection, asyncio.Protocol):
             self.transport.resume_reading()
 
 
-class Engines(EngineLegs[_LegConnection]):
+class Engines(Waits, EngineLegs[_LegConnection]):
     """Legs (:class:`~narwhal_runtime.legs.EngineLegs`) and control requests for one router, on one event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, feed: Callable[[Event], None], *, pool_size: int) -> None:
-        super().__init__(feed, pool_size)
-        self._loop = loop
+        EngineLegs.__init__(self, feed, pool_size)
+        Waits.__init__(self, loop)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def _open(self, cmd: StartLeg) -> _LegConnection:
@@ -213,18 +246,6 @@ class Engines(EngineLegs[_LegConnection]):
             if limit.expired():
                 raise TimeLimitExpired from None
             raise
-
-    async def sock_connect(self, sock: socket.socket, address: Any) -> None:
-        await self._loop.sock_connect(sock, address)
-
-    async def sock_send_all(self, sock: socket.socket, data: bytes) -> None:
-        await self._loop.sock_sendall(sock, data)
-
-    async def sock_receive(self, sock: socket.socket) -> bytes:
-        return await self._loop.sock_recv(sock, READ_SIZE)
-
-    def sock_close(self, sock: socket.socket) -> None:
-        sock.close()
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
         self._feed(event)

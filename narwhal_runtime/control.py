@@ -14,13 +14,13 @@ few dozen bytes, a decode release's is read for its verdict, an engine's
 
 :func:`run_control` runs one :class:`ControlExchange` per ``StartControl``,
 the same on both runtimes, with the primitives the adapter lends it
-(:class:`ControlIO`: its time limit, ``getaddrinfo``, a socket's connect,
-send, receive and close, and feed)::
+(:class:`ControlIO`: its time limit, ``getaddrinfo``, a socket's readiness
+waits and close, and feed; the socket calls are :mod:`.socket_io`'s)::
 
     exchange = ControlExchange(cmd)
     data = exchange.request()            # before connecting: may refuse
     infos = await resolve(...)           # if cmd.resolve: feed exchange.resolved(infos)
-    sock = await connect_first(infos, io.sock_connect, io.time_limit, cmd.timeout)
+    sock = await connect_first(infos, connect, io.time_limit, cmd.timeout)
     exchange.connected()
     done = await exchange.converse(data, send_all, receive_some)   # then close
     failures: exchange.failed(exc), exchange.timed_out(), exchange.cancelled()
@@ -51,7 +51,9 @@ from narwhal_core.errors import LocalProtocolError, RemoteProtocolError
 from narwhal_core.events import EngineResolved
 from narwhal_core.http import NEED_DATA, BodyData, EngineConnection, ResponseEnd, ResponseHead
 
+from . import socket_io
 from .engine_probe import addresses_of, describe_failure, shorten
+from .socket_io import SocketWaits
 from .socket_options import set_up_engine
 
 __all__ = [
@@ -83,8 +85,8 @@ class TimeLimitExpired(Exception):
     """
 
 
-class ControlIO(Protocol):
-    """What a runtime lends :func:`run_control` (each adapter's ``Engines``)."""
+class ControlIO(SocketWaits, Protocol):
+    """What a runtime lends :func:`run_control` (each adapter's ``Engines``), beside its socket waits."""
 
     #: The runtime's own exceptions, beside ``OSError``, that say a connection broke.
     CONTROL_BROKEN: tuple[type[BaseException], ...]
@@ -93,24 +95,8 @@ class ControlIO(Protocol):
         """The runtime's ``getaddrinfo`` (in its resolver thread)."""
         ...
 
-    async def sock_connect(self, sock: socket.socket, address: Any) -> None:
-        """Connect the non-blocking ``sock`` to ``address``; raises ``OSError`` with the kernel's errno."""
-        ...
-
     def time_limit(self, seconds: float) -> AbstractAsyncContextManager[object]:
         """A limit of ``seconds`` from now on what runs inside; raises :class:`TimeLimitExpired` when it runs out."""
-        ...
-
-    async def sock_send_all(self, sock: socket.socket, data: bytes) -> None:
-        """Write all of ``data`` to ``sock``."""
-        ...
-
-    async def sock_receive(self, sock: socket.socket) -> bytes:
-        """The next bytes from ``sock`` (``b""``: the engine closed); raises when the connection broke."""
-        ...
-
-    def sock_close(self, sock: socket.socket) -> None:
-        """Close ``sock``."""
         ...
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
@@ -138,15 +124,17 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
             if cmd.resolve:
                 # Resolved at every probe: the addresses may name the KV side channel.
                 await io.control_feed(exchange.resolved(infos))
-            sock = await connect_first(infos, io.sock_connect, io.time_limit, cmd.timeout)
+            sock = await connect_first(infos, functools.partial(socket_io.connect, writable=io.writable),
+                                       io.time_limit, cmd.timeout)
             try:
                 set_up_engine(sock)
                 exchange.connected()
                 done = await exchange.converse(
-                    data, functools.partial(io.sock_send_all, sock), functools.partial(io.sock_receive, sock)
+                    data, functools.partial(socket_io.send_all, sock, writable=io.writable),
+                    functools.partial(socket_io.receive, sock, io.readable),
                 )
             finally:
-                io.sock_close(sock)
+                io.close_socket(sock)
     except TimeLimitExpired:
         done = exchange.timed_out()
     except failures as exc:
@@ -265,7 +253,7 @@ class ControlExchange:
 
 async def connect_first(infos: Sequence[Any], sock_connect: Callable[[socket.socket, Any], Awaitable[None]],
                         time_limit: Callable[[float], AbstractAsyncContextManager[object]], budget: float) -> socket.socket:
-    """A socket connected (by the runtime's ``sock_connect``) to the first address of ``infos`` that takes it.
+    """A socket connected (by ``sock_connect``, :func:`.socket_io.connect` with the runtime's wait) to the first address of ``infos`` that takes it.
 
     Each address is tried in turn. ``budget`` is the time the caller's
     deadline gives the whole connect: every address but the last gets at

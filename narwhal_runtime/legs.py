@@ -14,12 +14,13 @@ was cancelled (:meth:`~EngineLegs._cancelled`) or finished
 (:meth:`~EngineLegs._finished`), and names a connect that failed with
 :func:`connect_failure`, so both runtimes report it alike. A new
 connection is opened the same way on both (:meth:`EngineLegs.connect`,
-with the adapter's ``getaddrinfo`` and ``sock_connect``): as a control
-request's is (:mod:`.control`).
+with the adapter's ``getaddrinfo`` and its wait for a writable socket): as
+a control request's is (:mod:`.control`).
 """
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -30,6 +31,7 @@ from narwhal_core.events import LegFailure
 
 from .control import TimeLimitExpired, connect_first, resolve
 from .pool import C, Pool
+from .socket_io import connect
 from .socket_options import set_up_engine
 
 __all__ = ["EngineLegs", "connect_failure"]
@@ -102,7 +104,8 @@ class EngineLegs(Generic[C]):
         """
         async with self.time_limit(timeout):
             infos = await resolve(host, port, self.getaddrinfo)
-            sock = await connect_first(infos, self.sock_connect, self.time_limit, timeout)
+            sock_connect = functools.partial(connect, writable=self.writable)
+            sock = await connect_first(infos, sock_connect, self.time_limit, timeout)
         set_up_engine(sock)
         return sock
 
@@ -112,8 +115,8 @@ class EngineLegs(Generic[C]):
         """The runtime's ``getaddrinfo`` (in its resolver thread)."""
         raise NotImplementedError
 
-    async def sock_connect(self, sock: socket.socket, address: Any) -> None:
-        """Connect the non-blocking ``sock`` to ``address``; raises ``OSError`` with the kernel's errno."""
+    async def writable(self, sock: socket.socket) -> None:
+        """Return once ``sock`` is writable (or its connect ended): :class:`~.socket_io.SocketWaits`."""
         raise NotImplementedError
 
     def time_limit(self, seconds: float) -> AbstractAsyncContextManager[object]:

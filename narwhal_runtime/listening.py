@@ -18,7 +18,10 @@ What a listener decides is the same on both runtimes and kept once, in an
 ``ingress.max_connections``), whether a slot given back lets it accept
 again, and, when ``accept`` fails (:func:`accept_error`: one rule,
 docs/operate.md, "Ingress requirements", "Connections"), until when it
-stops. Each adapter's listener only waits, its runtime's way.
+stops. How it accepts is kept once too: the :class:`Listener` runs the
+same loop on both runtimes, one task per listening socket, waiting the
+way the adapter lends it (:class:`AcceptWaits`); the adapter only starts
+and cancels those tasks.
 """
 
 from __future__ import annotations
@@ -26,10 +29,17 @@ from __future__ import annotations
 import errno
 import math
 import socket
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from .log import log_event
+from .socket_io import SocketWaits
+from .socket_options import set_up_client
 
-__all__ = ["listening_sockets", "reserve_port", "accept_error", "AcceptGate", "BACKLOG", "ACCEPT_RETRY_S"]
+__all__ = [
+    "listening_sockets", "reserve_port", "accept_error", "AcceptGate", "AcceptWaits", "Listener", "BACKLOG",
+    "ACCEPT_RETRY_S",
+]
 
 #: Listen backlog (the kernel caps it at ``somaxconn``).
 BACKLOG = 0xFFFF
@@ -162,3 +172,82 @@ class AcceptGate:
         if pause:
             self.resumes = now + pause
         return pause
+
+
+class AcceptWaits(SocketWaits, Protocol):
+    """What a runtime lends a :class:`Listener`: its socket waits, and an event, a sleep and its clock."""
+
+    def event(self) -> Any:
+        """A new one-shot event of the runtime's (``set()``, ``await wait()``)."""
+        ...
+
+    async def checkpoint(self) -> None:
+        """Let the other tasks run."""
+        ...
+
+    async def sleep_until(self, when: float) -> None:
+        """Return at ``when``, on :meth:`now`'s clock."""
+        ...
+
+    def now(self) -> float:
+        """The runtime's clock."""
+        ...
+
+
+#: What gets each accepted connection, with the listener whose slot it holds (``listener.release()`` frees it).
+StartClient = Callable[[socket.socket, "Listener"], object]
+
+
+class Listener:
+    """Listening sockets (:func:`listening_sockets`) accepted by hand, the same way on both runtimes.
+
+    Not by the runtime's own accept loop: CPython 3.11's ``create_server``
+    answers ``EMFILE`` by logging a traceback and retrying for each of its
+    ``backlog`` tries per wake-up (a router out of descriptors spends its
+    time there), and trio's ``SocketListener`` drops a set of errors
+    silently and hands the rest to its caller. Here one :class:`AcceptGate`
+    decides, and each accepted socket is set up by one rule
+    (:func:`~.socket_options.set_up_client`). The adapter runs
+    :meth:`accept` in a task per socket and cancels those tasks to stop.
+    """
+
+    def __init__(self, sockets: list[socket.socket], *, limit: int, waits: AcceptWaits) -> None:
+        self.sockets = sockets
+        self.gate = AcceptGate(limit)
+        self._waits = waits
+        #: Set when a slot is given back while every slot was held (then a new one waits for the next).
+        self._slot_freed = waits.event()
+
+    def release(self) -> None:
+        """A connection accepted here no longer holds a slot: accept again if that was the limit."""
+        if self.gate.released():
+            freed, self._slot_freed = self._slot_freed, self._waits.event()
+            freed.set()
+
+    def close(self) -> None:
+        """Stop listening (connections already accepted go on); cancel the :meth:`accept` tasks first."""
+        for sock in self.sockets:
+            self._waits.close_socket(sock)
+
+    async def accept(self, listening: socket.socket, start_client: StartClient) -> None:
+        """Accept from ``listening`` until cancelled; ``start_client(sock, self)`` gets each connection, holding its slot."""
+        gate, waits = self.gate, self._waits
+        while True:
+            await waits.checkpoint()  # a scheduling point per try: accepting never starves the connections
+            if gate.full:
+                await self._slot_freed.wait()  # holding no slot: another socket may take the one freed first
+                continue
+            if gate.resumes > waits.now():
+                await waits.sleep_until(gate.resumes)
+                continue
+            try:
+                sock, _ = listening.accept()
+            except BlockingIOError:
+                await waits.readable(listening)
+                continue
+            except OSError as exc:
+                gate.failed(exc, waits.now())
+                continue
+            gate.accepted()
+            set_up_client(sock)
+            start_client(sock, self)

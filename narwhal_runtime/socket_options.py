@@ -3,7 +3,7 @@
 Left to themselves the runtimes differ: trio's ``SocketStream`` turns on
 ``TCP_NODELAY`` and sets ``TCP_NOTSENT_LOWAT`` to 16 KiB; asyncio's and
 uvloop's TCP transports turn on ``TCP_NODELAY`` only; a socket connected
-with asyncio's ``sock_connect`` gets neither. So each adapter calls
+by hand (:func:`.socket_io.connect`) gets neither. So each adapter calls
 :func:`set_up_client` on every socket it accepts, before the first read,
 whatever its runtime set before, and the connect both runtimes share
 (:meth:`.legs.EngineLegs.connect`, :func:`.control.run_control`) calls

@@ -13,7 +13,6 @@ a socket another task may wait on goes through
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -26,9 +25,10 @@ from narwhal_core.events import LegFailure
 from narwhal_runtime.control import TimeLimitExpired, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
+from narwhal_runtime.socket_io import send_all
 from narwhal_runtime.socket_options import READ_SIZE
 
-__all__ = ["Engines", "close_socket", "send_all", "receive"]
+__all__ = ["Engines", "Waits", "close_socket", "receive"]
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -50,21 +50,20 @@ async def receive(sock: socket.socket) -> bytes | None:
             return None
 
 
-async def send_all(sock: socket.socket, data: bytes | memoryview, took: Callable[[int], object] | None = None) -> None:
-    """Write all of ``data``: at once when the socket takes it, else waiting until it does.
+class Waits:
+    """trio's socket waits (:class:`~narwhal_runtime.socket_io.SocketWaits`)."""
 
-    ``took(n)`` hears of each ``n`` bytes the socket takes (a client's writer moves its send timeout on).
-    """
-    view = memoryview(data)
-    while view:
-        try:
-            sent = sock.send(view)
-        except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
-            continue
-        view = view[sent:]
-        if took is not None:
-            took(sent)
+    @staticmethod
+    async def readable(sock: socket.socket) -> None:
+        await trio.lowlevel.wait_readable(sock)
+
+    @staticmethod
+    async def writable(sock: socket.socket) -> None:
+        await trio.lowlevel.wait_writable(sock)
+
+    @staticmethod
+    def close_socket(sock: socket.socket) -> None:
+        close_socket(sock)
 
 
 class _Connection(PooledConnection):
@@ -80,7 +79,7 @@ class _Connection(PooledConnection):
         self.scope: trio.CancelScope | None = None
 
 
-class Engines(EngineLegs[_Connection]):
+class Engines(Waits, EngineLegs[_Connection]):
     """Legs (:class:`~narwhal_runtime.legs.EngineLegs`) and control requests for one router, on one nursery."""
 
     def __init__(self, nursery: trio.Nursery, feed: Callable[[Event], Awaitable[None]], *, pool_size: int) -> None:
@@ -158,7 +157,7 @@ class Engines(EngineLegs[_Connection]):
                 close_socket(sock)
                 return
             try:
-                await send_all(sock, cmd.data)
+                await send_all(sock, cmd.data, trio.lowlevel.wait_writable)
             except (trio.ClosedResourceError, OSError):
                 await self._fail(conn, "dropped")
                 close_socket(sock)
@@ -174,7 +173,7 @@ class Engines(EngineLegs[_Connection]):
         # The rare leg request a socket could not take at once.
         assert conn.sock is not None
         try:
-            await send_all(conn.sock, rest)
+            await send_all(conn.sock, rest, trio.lowlevel.wait_writable)
         except (trio.ClosedResourceError, OSError):
             pass  # the connection's own task reports the broken socket
 
@@ -220,29 +219,6 @@ class Engines(EngineLegs[_Connection]):
                 yield
         except trio.TooSlowError:
             raise TimeLimitExpired from None
-
-    async def sock_connect(self, sock: socket.socket, address: Any) -> None:
-        try:
-            sock.connect(address)
-        except BlockingIOError:  # in progress: writable once it opened or failed
-            await trio.lowlevel.wait_writable(sock)
-            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if error:
-                raise OSError(error, os.strerror(error)) from None
-
-    async def sock_send_all(self, sock: socket.socket, data: bytes) -> None:
-        await send_all(sock, data)
-
-    async def sock_receive(self, sock: socket.socket) -> bytes:
-        while True:
-            await trio.lowlevel.wait_readable(sock)
-            try:
-                return sock.recv(READ_SIZE)
-            except BlockingIOError:
-                continue
-
-    def sock_close(self, sock: socket.socket) -> None:
-        close_socket(sock)
 
     async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
         if cancelled:

@@ -1,80 +1,42 @@
-"""Listening sockets on trio, accepted by hand, as asyncio's listener does.
+"""Listening on trio: the shared :class:`~narwhal_runtime.listening.Listener`, with trio's waits.
 
-Not by ``trio.SocketListener``: it drops a set of errors silently and hands
-the rest to its caller, so what a failed accept means would be trio's; here
-both runtimes take the decisions of one :class:`~narwhal_runtime.listening.AcceptGate`
-(a connection slot free or not, the pause after a failed accept) and set up
-each accepted socket by one rule (:func:`~narwhal_runtime.socket_options.set_up_client`).
+Each listening socket is accepted from by a task of one nursery; cancelling
+that nursery stops accepting.
 """
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from narwhal_runtime.listening import AcceptGate
-from narwhal_runtime.socket_options import set_up_client
+from narwhal_runtime.listening import Listener, StartClient
 
-from .engines import close_socket
+from .engines import Waits
 
-__all__ = ["Listener"]
-
-#: What gets each accepted connection, with the listener whose slot it holds (``listener.release()`` frees it).
-StartClient = Callable[[socket.socket, "Listener"], Any]
+__all__ = ["listener", "serve"]
 
 
-class Listener:
-    """Listening sockets (:func:`~narwhal_runtime.listening.listening_sockets`) accepted by hand."""
+class _Waits(Waits):
+    """trio's socket waits, with an event, a sleep and its clock (:class:`~narwhal_runtime.listening.AcceptWaits`)."""
 
-    def __init__(self, sockets: list[socket.socket], *, limit: int) -> None:
-        self.sockets = sockets
-        self.gate = AcceptGate(limit)
-        self._waiting = trio.lowlevel.ParkingLot()  # the accepting tasks, while every slot is held
+    event = staticmethod(trio.Event)
+    checkpoint = staticmethod(trio.lowlevel.checkpoint)
+    sleep_until = staticmethod(trio.sleep_until)
+    now = staticmethod(trio.current_time)
 
-    async def serve(self, start_client: StartClient, task_status: Any) -> None:
-        """Accept until cancelled (``task_status.started`` gets the cancel scope), then close the sockets.
 
-        ``start_client(sock, listener)`` gets each accepted connection, holding its slot.
-        """
-        try:
-            async with trio.open_nursery() as accepting:
-                for sock in self.sockets:
-                    accepting.start_soon(self._accept, sock, start_client)
-                task_status.started(accepting.cancel_scope)
-        finally:
-            self.close()
+def listener(sockets: list[Any], *, limit: int) -> Listener:
+    """A listener over ``sockets`` with ``limit`` connection slots, waiting trio's way."""
+    return Listener(sockets, limit=limit, waits=_Waits())
 
-    def release(self) -> None:
-        """A connection accepted here no longer holds a slot: accept again if that was the limit."""
-        if self.gate.released():
-            self._waiting.unpark_all()
 
-    def close(self) -> None:
-        """Stop listening (connections already accepted go on)."""
-        for sock in self.sockets:
-            close_socket(sock)
-
-    async def _accept(self, listening: socket.socket, start_client: StartClient) -> None:
-        gate = self.gate
-        while True:
-            await trio.lowlevel.checkpoint()  # a scheduling point per try, as trio's own accept has
-            if gate.full:
-                await self._waiting.park()  # holding no slot: another socket may take the one freed first
-                continue
-            if gate.resumes > trio.current_time():
-                await trio.sleep_until(gate.resumes)
-                continue
-            try:
-                sock, _ = listening.accept()
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(listening)
-                continue
-            except OSError as exc:
-                gate.failed(exc, trio.current_time())
-                continue
-            gate.accepted()
-            set_up_client(sock)
-            start_client(sock, self)
+async def serve(listener: Listener, start_client: StartClient, task_status: Any) -> None:
+    """Accept until cancelled (``task_status.started`` gets the cancel scope), then close the sockets."""
+    try:
+        async with trio.open_nursery() as accepting:
+            for sock in listener.sockets:
+                accepting.start_soon(listener.accept, sock, start_client)
+            task_status.started(accepting.cancel_scope)
+    finally:
+        listener.close()

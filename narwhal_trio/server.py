@@ -28,11 +28,13 @@ from narwhal_core import (
 )
 from narwhal_runtime.app import Run
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
+from narwhal_runtime.listening import Listener
 from narwhal_runtime.serving import ServerBase
 from narwhal_runtime.slow_clients import log_send_timeout
+from narwhal_runtime.socket_io import send_all
 
-from .engines import Engines, close_socket, receive, send_all
-from .listener import Listener
+from .engines import Engines, close_socket, receive
+from .listener import listener as make_listener, serve as serve_listener
 
 __all__ = ["Server", "run", "RUNTIME"]
 
@@ -84,7 +86,7 @@ class Server(ServerBase):
 
         ``task_status.started`` receives the bound ``(host, port)``.
         """
-        listener = Listener(self._listen(), limit=self.config.ingress.max_connections)
+        listener = make_listener(self._listen(), limit=self.config.ingress.max_connections)
         self._token = trio.lowlevel.current_trio_token()
         end_of_batch = _EndOfBatch(self._end_of_batch)
         trio.lowlevel.add_instrument(end_of_batch)
@@ -98,7 +100,7 @@ class Server(ServerBase):
                 for task in self.background():
                     nursery.start_soon(task)
                 self.started(self._token.run_sync_soon, "trio")
-                accepting = await nursery.start(listener.serve, self._start_client)
+                accepting = await nursery.start(serve_listener, listener, self._start_client)
                 task_status.started(self.address)
                 await self._drained.wait()
                 accepting.cancel()
@@ -249,7 +251,7 @@ class Server(ServerBase):
                     client.out = []
                     client.buffered = 0
                     left = len(data)
-                    await send_all(sock, data, took)
+                    await send_all(sock, data, trio.lowlevel.wait_writable, took)
             if taking.cancelled_caught:
                 log_send_timeout(timeout, left + client.buffered)
                 raise trio.BrokenResourceError("send timeout")  # drop it: it cannot hold a slot forever
@@ -343,7 +345,7 @@ class _EndOfBatch(trio.abc.Instrument):
 
     def __init__(self, flush: Callable[[float], None]) -> None:
         # The hook is ``flush`` itself (trio looks it up on the instance): no call more per batch.
-        self.before_io_wait = flush  # type: ignore[method-assign]
+        self.before_io_wait = flush  # type: ignore[method-assign,assignment]
 
 
 def _nothing() -> None:

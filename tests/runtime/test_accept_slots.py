@@ -3,7 +3,8 @@
 ``ingress.max_connections`` is counted over every listening socket (an
 address may resolve to IPv4 and IPv6). With one slot and two sockets, a
 connection to either is accepted; once it holds the slot, the next waits
-in the backlog until it is released (narwhal_trio/listener.py,
+in the backlog until it is released (the shared loop,
+narwhal_runtime/listening.py, with each runtime's waits: narwhal_trio/listener.py,
 narwhal_asyncio/listener.py).
 """
 
@@ -44,10 +45,11 @@ def _accepted_in_order(runtime: str, sockets: list[socket.socket]) -> list[str]:
 
     try:
         if runtime == "trio":
-            from narwhal_trio.listener import Listener
+            from narwhal_runtime.listening import Listener
+            from narwhal_trio.listener import listener as trio_listener, serve
 
             async def main() -> None:
-                listener = Listener(sockets, limit=1)
+                listener = trio_listener(sockets, limit=1)
                 held: list[Listener] = []
 
                 def start_client(sock: socket.socket, slots: Listener) -> None:
@@ -56,7 +58,7 @@ def _accepted_in_order(runtime: str, sockets: list[socket.socket]) -> list[str]:
                     sock.close()  # its slot stays held until the test releases it
 
                 async with trio.open_nursery() as nursery:
-                    scope = await nursery.start(listener.serve, start_client)
+                    scope = await nursery.start(serve, listener, start_client)
                     for address in (second, second, first):
                         connect(address)
                         if held:

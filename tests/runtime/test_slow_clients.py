@@ -76,7 +76,7 @@ def test_asyncio_asks_the_transport_once_when_a_write_leaves_bytes_unsent() -> N
 
 
 async def test_trios_send_loop_tells_each_byte_the_socket_takes() -> None:
-    from narwhal_trio.engines import send_all
+    from narwhal_runtime.socket_io import send_all
 
     a, b = socket.socketpair()
     a.setblocking(False)
@@ -93,5 +93,5 @@ async def test_trios_send_loop_tells_each_byte_the_socket_takes() -> None:
     with a, b:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read)
-            await send_all(a, data, took.append)
+            await send_all(a, data, trio.lowlevel.wait_writable, took.append)
     assert bytes(received) == data and sum(took) == len(data) and len(took) > 1

@@ -1,0 +1,78 @@
+"""A non-blocking socket's connect, send and receive, written once for both runtimes.
+
+Each call tries the socket at once and, when it would block, waits for it
+the runtime's way (:class:`SocketWaits`: trio's ``wait_readable`` and
+``wait_writable``; asyncio's event loop watching the descriptor until it
+is ready), then tries again. Control requests, a leg's new connection and
+the listener use them alike on both runtimes; trio's engine connections and
+client writer send with :func:`send_all` too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from .socket_options import READ_SIZE
+
+__all__ = ["SocketWaits", "Wait", "connect", "send_all", "receive"]
+
+#: Wait until a socket is ready (to read, or to write).
+Wait = Callable[[socket.socket], Awaitable[object]]
+
+
+class SocketWaits(Protocol):
+    """What a runtime lends the socket calls: its readiness waits, and how it closes a socket."""
+
+    async def readable(self, sock: socket.socket) -> None:
+        """Return once ``sock`` is readable (bytes, EOF or an error wait; for a listening socket, a connection)."""
+        ...
+
+    async def writable(self, sock: socket.socket) -> None:
+        """Return once ``sock`` is writable (or its connect ended)."""
+        ...
+
+    def close_socket(self, sock: socket.socket) -> None:
+        """Close ``sock``, waking a task that waits on it if the runtime needs telling; nothing if it is closed."""
+        ...
+
+
+async def connect(sock: socket.socket, address: Any, writable: Wait) -> None:
+    """Connect the non-blocking ``sock`` to ``address``; raises ``OSError`` with the kernel's errno."""
+    try:
+        sock.connect(address)
+    except BlockingIOError:  # in progress: writable once it opened or failed
+        await writable(sock)
+        error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            raise OSError(error, os.strerror(error)) from None
+
+
+async def send_all(sock: socket.socket, data: bytes | memoryview, writable: Wait,
+                   took: Callable[[int], object] | None = None) -> None:
+    """Write all of ``data``: at once when the socket takes it, else waiting until it does.
+
+    ``took(n)`` hears of each ``n`` bytes the socket takes (a client's writer moves its send timeout on).
+    """
+    view = memoryview(data)
+    while view:
+        try:
+            sent = sock.send(view)
+        except BlockingIOError:
+            await writable(sock)
+            continue
+        view = view[sent:]
+        if took is not None:
+            took(sent)
+
+
+async def receive(sock: socket.socket, readable: Wait) -> bytes:
+    """The next bytes from ``sock`` (``b""``: the peer closed), once some arrive; raises when the connection broke."""
+    while True:
+        await readable(sock)
+        try:
+            return sock.recv(READ_SIZE)
+        except BlockingIOError:
+            continue
