@@ -20,7 +20,7 @@ waits and close, and feed; the socket calls are :mod:`.socket_io`'s)::
     exchange = ControlExchange(cmd)
     data = exchange.request()            # before connecting: may refuse
     infos = await resolve(...)           # if cmd.resolve: feed exchange.resolved(infos)
-    sock = await connect_first(infos, connect, io.time_limit, cmd.timeout)
+    sock = await connect_first(infos, io.writable, io.time_limit, cmd.timeout)
     exchange.connected()
     done = await exchange.converse(data, send_all, receive_some)   # then close
     failures: exchange.failed(exc), exchange.timed_out(), exchange.cancelled()
@@ -124,8 +124,7 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
             if cmd.resolve:
                 # Resolved at every probe: the addresses may name the KV side channel.
                 await io.control_feed(exchange.resolved(infos))
-            sock = await connect_first(infos, functools.partial(socket_io.connect, writable=io.writable),
-                                       io.time_limit, cmd.timeout)
+            sock = await connect_first(infos, io.writable, io.time_limit, cmd.timeout)
             try:
                 set_up_engine(sock)
                 exchange.connected()
@@ -250,10 +249,9 @@ class ControlExchange:
         return ControlDone(self.cmd.key, None, "cancelled")
 
 
-
-async def connect_first(infos: Sequence[Any], sock_connect: Callable[[socket.socket, Any], Awaitable[None]],
+async def connect_first(infos: Sequence[Any], writable: socket_io.Wait,
                         time_limit: Callable[[float], AbstractAsyncContextManager[object]], budget: float) -> socket.socket:
-    """A socket connected (by ``sock_connect``, :func:`.socket_io.connect` with the runtime's wait) to the first address of ``infos`` that takes it.
+    """A socket connected to the first address of ``infos`` that takes it (:func:`.socket_io.connect`, waiting by ``writable``).
 
     Each address is tried in turn. ``budget`` is the time the caller's
     deadline gives the whole connect: every address but the last gets at
@@ -274,9 +272,9 @@ async def connect_first(infos: Sequence[Any], sock_connect: Callable[[socket.soc
         try:
             if n < len(infos):
                 async with time_limit(share):
-                    await sock_connect(sock, address)
+                    await socket_io.connect(sock, address, writable)
             else:
-                await sock_connect(sock, address)
+                await socket_io.connect(sock, address, writable)
             return sock
         except (OSError, TimeLimitExpired) as exc:  # (the latter: the address's share ran out)
             sock.close()

@@ -20,7 +20,6 @@ a control request's is (:mod:`.control`).
 
 from __future__ import annotations
 
-import functools
 import socket
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -31,7 +30,6 @@ from narwhal_core.events import LegFailure
 
 from .control import TimeLimitExpired, connect_first, resolve
 from .pool import C, Pool
-from .socket_io import connect
 from .socket_options import set_up_engine
 
 __all__ = ["EngineLegs", "connect_failure"]
@@ -104,8 +102,7 @@ class EngineLegs(Generic[C]):
         """
         async with self.time_limit(timeout):
             infos = await resolve(host, port, self.getaddrinfo)
-            sock_connect = functools.partial(connect, writable=self.writable)
-            sock = await connect_first(infos, sock_connect, self.time_limit, timeout)
+            sock = await connect_first(infos, self.writable, self.time_limit, timeout)
         set_up_engine(sock)
         return sock
 

@@ -273,6 +273,7 @@ def test_a_probe_goes_on_to_the_next_address_when_one_drops_the_syn(runtime: str
 
 def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
     # Python 3.11's create_connection would say "Multiple exceptions: ..." without an errno.
+    from narwhal_asyncio.engines import Waits as AsyncioWaits
     from narwhal_runtime.control import connect_first
     from narwhal_runtime.engine_probe import describe_failure
 
@@ -280,8 +281,8 @@ def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
 
     async def main() -> str:
         try:
-            loop = asyncio.get_running_loop()
-            await connect_first(infos, loop.sock_connect, asyncio.timeout, 5.0)
+            waits = AsyncioWaits(asyncio.get_running_loop())
+            await connect_first(infos, waits.writable, asyncio.timeout, 5.0)
         except OSError as exc:
             return describe_failure(exc)
         raise AssertionError("connected")
@@ -290,10 +291,11 @@ def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
 
 
 def test_a_resolver_answer_without_an_address_is_a_failed_connect() -> None:
+    from narwhal_asyncio.engines import Waits as AsyncioWaits
     from narwhal_runtime.control import connect_first
 
     async def main() -> None:
-        await connect_first([], asyncio.get_running_loop().sock_connect, asyncio.timeout, 1.0)
+        await connect_first([], AsyncioWaits(asyncio.get_running_loop()).writable, asyncio.timeout, 1.0)
 
     with pytest.raises(OSError, match="resolved to no address"):  # (not ExceptionGroup's ValueError)
         asyncio.run(main())
