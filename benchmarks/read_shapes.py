@@ -1,6 +1,6 @@
 """What one read costs in each shape an adapter could take: asyncio's protocol callback, or a task that waits.
 
-    python benchmarks/read_shapes.py [--rounds N] [--repeats K]
+    python benchmarks/read_shapes.py [--rounds N] [--repeats K] [--shape NAME]
 
 Why the asyncio adapter keeps its own transports instead of the task-shaped
 code trio runs (and both could share over :mod:`narwhal_runtime.socket_io`):
@@ -10,7 +10,14 @@ the best of ``K`` repeats, in CPU microseconds per round trip (one read on
 each side):
 
 * ``asyncio protocol``: both ends ``asyncio.Protocol`` (``data_received``
-  writes the answer), as the asyncio adapter reads clients and engines;
+  writes the answer), as the asyncio adapter reads clients and engines on
+  uvloop;
+* ``asyncio buffered``: the measured end the same protocol with the
+  adapter's :class:`~narwhal_asyncio.engines.BufferedReads` mixed in (it
+  reads into one buffer), as the adapter reads on asyncio's own loop;
+* ``asyncio reader``: the measured end a plain socket the loop watches
+  (``add_reader``), its callback receiving and answering, the shape of a
+  callback-driven connection that skips transports;
 * ``asyncio task``: the measured end a task that waits with the shared
   :func:`~narwhal_runtime.socket_io.receive` and the asyncio adapter's
   ``Waits.readable``, the echo end a protocol as above;
@@ -18,15 +25,20 @@ each side):
   ``wait_readable``, the echo end a trio task.
 
 Each asyncio row runs on the standard loop and, when it is installed, on
-uvloop (what ``narwhal serve`` runs). The figures go to
-benchmarks/README.md ("The adapters' shape").
+uvloop (what ``narwhal serve`` runs). Each row is timed in an interpreter
+of its own (``--shape``): what the C allocator does with the standard
+transport's 256 KiB read buffers depends on what the process allocated
+before. The figures go to benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +77,15 @@ class _Pinger(asyncio.Protocol):
             self.done.set_result(self.trips)
 
 
+def _buffered_pinger(rounds: int, done: asyncio.Future[int]) -> asyncio.BaseProtocol:
+    from narwhal_asyncio.engines import BufferedReads, read_buffer
+
+    class Buffered(_Pinger, BufferedReads):
+        buffer = read_buffer()
+
+    return Buffered(rounds, done)
+
+
 def _pair() -> tuple[socket.socket, socket.socket]:
     a, b = socket.socketpair()
     a.setblocking(False)
@@ -72,17 +93,49 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-async def _asyncio_protocol(rounds: int) -> tuple[float, int]:
+async def _asyncio_protocol(rounds: int, pinger: Callable[..., asyncio.BaseProtocol] = _Pinger) -> tuple[float, int]:
     loop = asyncio.get_running_loop()
     a, b = _pair()
     echo, _ = await loop.connect_accepted_socket(_Echo, b)
     done: asyncio.Future[int] = loop.create_future()
     start = time.process_time()
-    transport, _ = await loop.connect_accepted_socket(lambda: _Pinger(rounds, done), a)
+    transport, _ = await loop.connect_accepted_socket(lambda: pinger(rounds, done), a)
     trips = await done
     spent = time.process_time() - start
     transport.close()
     echo.close()
+    return spent, trips
+
+
+async def _asyncio_buffered(rounds: int) -> tuple[float, int]:
+    return await _asyncio_protocol(rounds, _buffered_pinger)
+
+
+async def _asyncio_reader(rounds: int) -> tuple[float, int]:
+    loop = asyncio.get_running_loop()
+    a, b = _pair()
+    echo, _ = await loop.connect_accepted_socket(_Echo, b)
+    done: asyncio.Future[int] = loop.create_future()
+    left, trips = rounds, 0
+
+    def readable() -> None:
+        nonlocal left, trips
+        data = a.recv(65536)
+        trips += len(data)
+        left -= 1
+        if left:
+            a.send(data)
+        else:
+            loop.remove_reader(a.fileno())
+            done.set_result(trips)
+
+    start = time.process_time()
+    loop.add_reader(a.fileno(), readable)
+    a.send(PING)
+    await done
+    spent = time.process_time() - start
+    echo.close()
+    a.close()
     return spent, trips
 
 
@@ -124,28 +177,48 @@ async def _trio_task(rounds: int) -> tuple[float, int]:
     return spent, trips
 
 
-def _loops() -> list[tuple[str, Callable[[], asyncio.AbstractEventLoop]]]:
-    loops: list[tuple[str, Callable[[], asyncio.AbstractEventLoop]]] = [("asyncio", asyncio.new_event_loop)]
+def _loops() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    loops: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
     try:
         import uvloop
     except ImportError:
         return loops
-    return [*loops, ("uvloop", uvloop.new_event_loop)]
+    return {**loops, "uvloop": uvloop.new_event_loop}
 
 
-def _on(factory: Callable[[], asyncio.AbstractEventLoop], coro: Any) -> tuple[float, int]:
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)  # type: ignore[no-any-return]
+_ASYNCIO_SHAPES = {
+    "protocol": _asyncio_protocol, "buffered": _asyncio_buffered, "reader": _asyncio_reader, "task": _asyncio_task,
+}
+
+
+def shapes() -> list[str]:
+    """The rows :func:`measure` times, in order."""
+    return [f"{loop} {shape}" for loop in _loops() for shape in _ASYNCIO_SHAPES] + ["trio task"]
+
+
+def measure_here(shape: str, rounds: int, repeats: int) -> tuple[float, int]:
+    """``(best CPU seconds, round trips made)`` of one shape, timed in this interpreter."""
+    if shape == "trio task":
+        return min(trio.run(_trio_task, rounds) for _ in range(repeats))
+    loop, kind = shape.split()
+    factory, run = _loops()[loop], _ASYNCIO_SHAPES[kind]
+    results = []
+    for _ in range(repeats):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            results.append(runner.run(run(rounds)))
+    return min(results)
 
 
 def measure(rounds: int, repeats: int) -> list[tuple[str, float, int]]:
-    """``(shape, best CPU seconds, round trips made)`` of each shape, the best of ``repeats`` runs."""
+    """``(shape, best CPU seconds, round trips made)`` of each shape, each timed in a new interpreter."""
     rows: list[tuple[str, float, int]] = []
-    for loop_name, factory in _loops():
-        for shape, run in (("protocol", _asyncio_protocol), ("task", _asyncio_task)):
-            best = min(_on(factory, run(rounds)) for _ in range(repeats))
-            rows.append((f"{loop_name} {shape}", *best))
-    rows.append(("trio task", *min(trio.run(_trio_task, rounds) for _ in range(repeats))))
+    for shape in shapes():
+        out = subprocess.run(
+            [sys.executable, __file__, "--shape", shape, "--rounds", str(rounds), "--repeats", str(repeats), "--json"],
+            check=True, capture_output=True, text=True,
+        ).stdout
+        spent, trips = json.loads(out)
+        rows.append((shape, spent, trips))
     return rows
 
 
@@ -153,7 +226,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shape", choices=shapes(), help="time this shape alone, here")
+    parser.add_argument("--json", action="store_true", help="with --shape: print [CPU seconds, round trips]")
     args = parser.parse_args()
+    if args.shape:
+        spent, trips = measure_here(args.shape, args.rounds, args.repeats)
+        print(json.dumps([spent, trips]) if args.json else f"{spent / args.rounds * 1e6:.2f} µs")
+        return
     for name, spent, _ in measure(args.rounds, args.repeats):
         print(f"{name:18} {spent / args.rounds * 1e6:7.2f} µs CPU per round trip")
 

@@ -5,7 +5,8 @@ from ``data_received``, also while idle; a task runs only to open one. A
 leg on a pooled connection is written by the flush, one on a new
 connection as soon as it is open. A leg's connection stops reading while
 the client it relays to cannot take more bytes (the server pauses and
-resumes the legs linked to a client).
+resumes the legs linked to a client). On asyncio's own loop both kinds of
+connection read into a buffer of their router's (:class:`BufferedReads`).
 """
 
 from __future__ import annotations
@@ -14,15 +15,51 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from narwhal_core import Event, LegData, LegFailed, StartControl, StartLeg
 from narwhal_core.events import LegFailure
 from narwhal_runtime.control import TimeLimitExpired, run_control
 from narwhal_runtime.legs import EngineLegs, connect_failure
 from narwhal_runtime.pool import PooledConnection
+from narwhal_runtime.socket_options import READ_SIZE
 
-__all__ = ["Engines", "Waits"]
+__all__ = ["BufferedReads", "Engines", "Waits", "is_uvloop", "read_buffer"]
+
+
+def is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is uvloop's (else: asyncio's own)."""
+    return type(loop).__module__.startswith("uvloop")
+
+
+def read_buffer() -> memoryview:
+    """A buffer for :class:`BufferedReads` protocols: one per router, read into by one of its connections at a time."""
+    return memoryview(bytearray(READ_SIZE))
+
+
+class BufferedReads(asyncio.BufferedProtocol):
+    """Mixed into a protocol run on asyncio's own loop: reads land in the router's buffer, then go to ``data_received``.
+
+    Without it, the standard loop's transport receives each read into a new
+    256 KiB ``bytes``, which glibc maps and unmaps (two system calls and fresh
+    pages a read: benchmarks/read_shapes.py). uvloop reads into a buffer of
+    its own, and there a plain protocol costs less. The class mixing it in
+    sets ``buffer`` (:func:`read_buffer`); the transport fills it and calls
+    :meth:`buffer_updated` before any other read, so a loop's connections can
+    share one.
+    """
+
+    __slots__ = ()
+    buffer: memoryview
+
+    if TYPE_CHECKING:
+        def data_received(self, data: bytes) -> None: ...
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(self.buffer[:nbytes]))
 
 
 class Waits:
@@ -108,6 +145,14 @@ class _LegConnection(PooledConnection, asyncio.Protocol):
             self.transport.resume_reading()
 
 
+class _BufferedLegConnection(_LegConnection, BufferedReads):
+    __slots__ = ("buffer",)
+
+    def __init__(self, engines: Engines, url: str) -> None:
+        super().__init__(engines, url)
+        self.buffer = engines.buffer
+
+
 class Engines(Waits, EngineLegs[_LegConnection]):
     """Legs (:class:`~narwhal_runtime.legs.EngineLegs`) and control requests for one router, on one event loop."""
 
@@ -115,9 +160,11 @@ class Engines(Waits, EngineLegs[_LegConnection]):
         EngineLegs.__init__(self, feed, pool_size)
         Waits.__init__(self, loop)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._connection = _LegConnection if is_uvloop(loop) else _BufferedLegConnection
+        self.buffer = read_buffer()
 
     def _open(self, cmd: StartLeg) -> _LegConnection:
-        conn = _LegConnection(self, cmd.engine.url)
+        conn = self._connection(self, cmd.engine.url)
         conn.task = self._spawn(self._connect(conn, cmd))
         return conn
 

@@ -22,7 +22,7 @@ from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
 from narwhal_runtime.serving import ServerBase
 from narwhal_runtime.slow_clients import LOOKS, SendWatch, log_send_timeout
 
-from .engines import Engines
+from .engines import BufferedReads, Engines, is_uvloop, read_buffer
 from .listener import Listener
 
 __all__ = ["Server", "run", "new_event_loop", "RUNTIME"]
@@ -49,7 +49,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
     """``"uvloop"`` or ``"asyncio"``: which event loop implementation runs the server."""
-    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+    return "uvloop" if is_uvloop(loop) else "asyncio"
 
 
 class _Client(asyncio.Protocol):
@@ -142,6 +142,14 @@ class _Client(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self.server.feed, ClientStalled(self, stalled))
 
 
+class _BufferedClient(_Client, BufferedReads):
+    __slots__ = ("buffer",)
+
+    def __init__(self, server: Server) -> None:
+        super().__init__(server)
+        self.buffer = server.buffer
+
+
 class Server(ServerBase):
     """One router serving on asyncio. Run :meth:`serve` on the running loop."""
 
@@ -162,6 +170,8 @@ class Server(ServerBase):
         self._stopping = False
         #: Seconds between two looks at a client's unsent bytes (narwhal_runtime/slow_clients.py).
         self._look_every = config.ingress.send_timeout_s / LOOKS
+        #: What its clients read into on asyncio's own loop (:class:`~.engines.BufferedReads`).
+        self.buffer = read_buffer()
 
     async def serve(self, *, started: Callable[[tuple[str, int]], object] | None = None) -> None:
         """Listen, serve until a shutdown drains, then close the journal (the start and the end: :class:`ServerBase`).
@@ -170,7 +180,8 @@ class Server(ServerBase):
         """
         loop = self._loop = asyncio.get_running_loop()
         self._drained = loop.create_future()
-        listener = Listener(loop, self._listen(), lambda: _Client(self), limit=self.config.ingress.max_connections)
+        client = _Client if is_uvloop(loop) else _BufferedClient
+        listener = Listener(loop, self._listen(), lambda: client(self), limit=self.config.ingress.max_connections)
         tasks: list[asyncio.Task[None]] = []
         try:
             self._listener = listener
