@@ -5,8 +5,8 @@ from ``data_received``, also while idle; a task runs only to open one. A
 leg on a pooled connection is written by the flush, one on a new
 connection as soon as it is open. A leg's connection stops reading while
 the client it relays to cannot take more bytes (the server pauses and
-resumes the legs linked to a client). On asyncio's own loop both kinds of
-connection read into a buffer of their router's (:class:`BufferedReads`).
+resumes the legs linked to a client). On asyncio's own loop they read into
+a buffer of their router's (:class:`BufferedReads`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class _LegConnection(PooledConnection, asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         #: The task opening it.
         self.task: asyncio.Task[None] | None = None
-        #: The client connection the answer is for (its ``relays`` holds this connection).
+        #: The client connection the answer is for (its ``runtime`` set holds this connection).
         self.client: Any = None
         self.paused = False
 
@@ -181,7 +181,7 @@ class Engines(Waits, EngineLegs[_LegConnection]):
         client = conn.client
         if client is not None:
             conn.client = None
-            client.relays.discard(conn)
+            client.runtime.discard(conn)
         if kept:
             if conn.paused:  # seldom: only a leg that relayed to a slow client
                 conn.resume()
@@ -229,11 +229,11 @@ class Engines(Waits, EngineLegs[_LegConnection]):
 
     def _link(self, conn: _LegConnection, cmd: StartLeg) -> None:
         # The leg relays to cmd.conn (if any): it pauses with that client.
-        client: Any = cmd.conn  # a narwhal_asyncio.server._Client
+        client: Any = cmd.conn  # a ClientConnection; its ``runtime``: the legs relaying to it
         if client is not None:
             conn.client = client
-            client.relays.add(conn)
-            if client.write_paused:
+            client.runtime.add(conn)
+            if client.held:
                 conn.pause()
 
     #: A pooled connection taking a leg links to its client at once (a new one: once open, in _connect).
@@ -243,7 +243,7 @@ class Engines(Waits, EngineLegs[_LegConnection]):
         client = conn.client
         if client is not None:
             conn.client = None
-            client.relays.discard(conn)
+            client.runtime.discard(conn)
 
     def _deliver(self, conn: _LegConnection, event: LegData | LegFailed | None) -> None:
         if conn.leg is None:

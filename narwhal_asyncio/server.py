@@ -1,28 +1,30 @@
-"""Narwhal on asyncio: protocols, the timer and signals around the driver (:mod:`narwhal_runtime.driver`).
+"""Narwhal on asyncio: callbacks, the timer and signals around the driver (:mod:`narwhal_runtime.driver`).
 
-A transport's ``data_received`` feeds the driver synchronously; one
-``call_soon`` callback per loop iteration performs the batch, before the
-loop waits for I/O again. No task runs per request (tasks only open engine
-connections and run control requests). Slow clients: see
-narwhal_runtime/slow_clients.py. uvloop runs the loop when installed.
+Client connections are the ones both runtimes run
+(:mod:`narwhal_runtime.client_connections`); the loop calls them when
+their sockets are ready (``add_reader``, ``add_writer``: :class:`_ClientIO`),
+and they feed the driver synchronously. Engine connections are transports
+(:mod:`.engines`). One ``call_soon`` callback per loop iteration performs
+the batch, before the loop waits for I/O again. No task runs per request
+(tasks only open engine connections and run control requests). Slow
+clients: see narwhal_runtime/slow_clients.py. uvloop runs the loop when
+installed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-from narwhal_core import (
-    ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router,
-)
+from narwhal_core import ClientStalled, Config, Event, Router
 from narwhal_runtime.app import Run
-from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
+from narwhal_runtime.client_connections import ClientConnection
 from narwhal_runtime.serving import ServerBase
-from narwhal_runtime.slow_clients import LOOKS, SendWatch, log_send_timeout
 
-from .engines import BufferedReads, Engines, is_uvloop, read_buffer
+from .engines import Engines, is_uvloop
 from .listener import Listener
 
 __all__ = ["Server", "run", "new_event_loop", "RUNTIME"]
@@ -52,102 +54,59 @@ def loop_name(loop: asyncio.AbstractEventLoop) -> str:
     return "uvloop" if is_uvloop(loop) else "asyncio"
 
 
-class _Client(asyncio.Protocol):
-    """One client connection; it is its own handle in the router's events and commands."""
+class _ClientIO:
+    """What asyncio lends its client connections (:class:`~narwhal_runtime.client_connections.ClientIO`).
 
-    __slots__ = (
-        "server", "transport", "closed", "lost", "write_paused", "relays", "watch", "next_look", "linger", "discarded",
-    )
+    The loop watches each socket (``add_reader``, ``add_writer``). A
+    connection far behind (:attr:`ClientConnection.held`) is not read, nor
+    are the engine legs relaying to it (:meth:`Engines._link`).
+    """
 
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
-        #: The router no longer knows this connection (it closed it, or heard it is gone).
-        self.closed = False
-        self.lost = False
-        self.write_paused = False
-        #: Engine leg connections relaying to this client (paused with it).
-        self.relays: set[Any] = set()
-        #: While the transport holds unsent bytes: whether the client takes them, and the next look.
-        self.watch: SendWatch | None = None
-        self.next_look: asyncio.TimerHandle | None = None
-        #: Closes the socket at the end of the lingering close (see :data:`LINGER_S`).
-        self.linger: asyncio.TimerHandle | None = None
-        #: Bytes read and dropped since Narwhal closed its side.
-        self.discarded = 0
+    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+        self.send_timeout_s = server.config.ingress.send_timeout_s
+        self.feed = server.feed
+        self.now = loop.time
+        self.later = loop.call_later
+        self._server = server
+        self._loop = loop
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.server._accepted(self)
+    def read(self, conn: ClientConnection, read: bool) -> None:
+        if not read:
+            self._loop.remove_reader(conn.sock.fileno())
+        elif not conn.held:
+            self._loop.add_reader(conn.sock.fileno(), conn.readable)
 
-    def data_received(self, data: bytes) -> None:
-        if self.linger is not None:
-            # Lingering close: the router is done with this client.
-            self.discarded += len(data)
-            if not keep_lingering(self.discarded):
-                self.transport.close()
-            return
-        self.server.feed(ClientData(self, data))
+    def write(self, conn: ClientConnection, wait: bool) -> None:
+        if wait:
+            self._loop.add_writer(conn.sock.fileno(), conn.writable)
+        else:
+            self._loop.remove_writer(conn.sock.fileno())
 
-    def eof_received(self) -> bool:
-        self.server._client_eof(self)
-        return False
+    def stalled(self, conn: ClientConnection, stalled: bool) -> None:
+        if conn.reading:  # no next request either, until this answer is taken
+            self.read(conn, not stalled)
+        for leg in conn.runtime:
+            if stalled:
+                leg.pause()
+            else:
+                leg.resume()
+        if not conn.closed:
+            # The legs relaying to it wait for it (and those started meanwhile
+            # start paused): their engines' silence is not their fault. (Fed
+            # from the loop, not from inside the flush that wrote.)
+            self._loop.call_soon(self.feed, ClientStalled(conn, stalled))
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        if self.linger is not None:
-            self.linger.cancel()
-        if self.next_look is not None:
-            self.next_look.cancel()
-        self.server._client_lost(self)
+    def ended(self, conn: ClientConnection) -> None:
+        sock = conn.sock
+        if (fd := sock.fileno()) != -1:
+            self._loop.remove_reader(fd)
+            self._loop.remove_writer(fd)
+            sock.close()
+        self._server._live.discard(conn)
 
-    def pause_writing(self) -> None:
-        self.write_paused = True
-        self.transport.pause_reading()  # no next request either, until this one is read
-        for leg in self.relays:
-            leg.pause()
-        self._tell_stalled(True)
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        if not self.closed:
-            self.transport.resume_reading()
-        for leg in self.relays:
-            leg.resume()
-        self._tell_stalled(False)
-
-    def watch_sends(self, unsent: int) -> None:
-        """A write left ``unsent`` bytes in the transport: watch them until the client takes them (the send timeout)."""
-        self.watch = SendWatch(unsent)
-        self.next_look = asyncio.get_running_loop().call_later(self.server._look_every, self._look)
-
-    def _look(self) -> None:
-        assert self.watch is not None
-        unsent = self.transport.get_write_buffer_size()
-        verdict = self.watch.look(unsent)
-        if verdict == "again":
-            self.next_look = asyncio.get_running_loop().call_later(self.server._look_every, self._look)
-            return
-        self.watch = self.next_look = None
-        if verdict == "drop" and not self.lost:
-            log_send_timeout(self.server.config.ingress.send_timeout_s, unsent)
-            self.transport.abort()  # it took none of our bytes for send_timeout_s
-
-    def _tell_stalled(self, stalled: bool) -> None:
-        # The legs relaying to this client wait for it (and those started
-        # meanwhile start paused, see Engines._attach): their engines'
-        # silence is not their fault. (Fed from the loop, not from inside
-        # the transport write that called us.)
-        if not self.closed:
-            asyncio.get_running_loop().call_soon(self.server.feed, ClientStalled(self, stalled))
-
-
-class _BufferedClient(_Client, BufferedReads):
-    __slots__ = ("buffer",)
-
-    def __init__(self, server: Server) -> None:
-        super().__init__(server)
-        self.buffer = server.buffer
+    def released(self, conn: ClientConnection) -> None:
+        if self._server._listener is not None:
+            self._server._listener.release()
 
 
 class Server(ServerBase):
@@ -159,19 +118,14 @@ class Server(ServerBase):
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
         super().__init__(config, router, now=clock(), sleep=asyncio.sleep, in_thread=asyncio.to_thread)
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: The connections holding a slot (``ingress.max_connections``, counted by the :class:`Listener`).
-        self._clients: set[_Client] = set()
-        #: Connections Narwhal closed, dropping what their clients still send (:data:`LINGER_S`).
-        self._lingering: set[_Client] = set()
+        #: Every client connection not yet ended (with its slot, or lingering after Narwhal closed it).
+        self._live: set[ClientConnection] = set()
+        self._io: _ClientIO | None = None
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
         self._listener: Listener | None = None
         self._stopping = False
-        #: Seconds between two looks at a client's unsent bytes (narwhal_runtime/slow_clients.py).
-        self._look_every = config.ingress.send_timeout_s / LOOKS
-        #: What its clients read into on asyncio's own loop (:class:`~.engines.BufferedReads`).
-        self.buffer = read_buffer()
 
     async def serve(self, *, started: Callable[[tuple[str, int]], object] | None = None) -> None:
         """Listen, serve until a shutdown drains, then close the journal (the start and the end: :class:`ServerBase`).
@@ -180,8 +134,8 @@ class Server(ServerBase):
         """
         loop = self._loop = asyncio.get_running_loop()
         self._drained = loop.create_future()
-        client = _Client if is_uvloop(loop) else _BufferedClient
-        listener = Listener(loop, self._listen(), lambda: client(self), limit=self.config.ingress.max_connections)
+        self._io = _ClientIO(self, loop)
+        listener = Listener(loop, self._listen(), self._start_client, limit=self.config.ingress.max_connections)
         tasks: list[asyncio.Task[None]] = []
         try:
             self._listener = listener
@@ -211,18 +165,16 @@ class Server(ServerBase):
     async def _close_clients(self) -> None:
         # After a drain the router has closed every connection; give the last
         # bytes a moment to leave, then cut what is left. (If serve() was
-        # cancelled instead, connection_lost tells the router of each client.)
-        for client in list(self._lingering):
-            client.transport.abort()
-        clients = self._clients
-        for client in list(clients):
-            client.transport.close()
+        # cancelled instead, each client's end tells the router.)
+        live = self._live
+        for conn in list(live):
+            if conn.lingering:
+                conn.end()
         deadline = clock() + EXIT_FLUSH_S
-        while clients and clock() < deadline:
+        while any(conn.out for conn in live) and clock() < deadline:
             await asyncio.sleep(0.01)
-        for client in list(clients):
-            client.transport.abort()
-        await asyncio.sleep(0)  # let connection_lost run
+        for conn in list(live):
+            conn.broken()
 
     # ----------------------------------------------------------- the driver
 
@@ -286,79 +238,19 @@ class Server(ServerBase):
             # drain too. (A client admitted meanwhile went through feed().)
             self._after_drain()
 
-    def send(self, client: _Client, data: bytes, close: bool) -> None:
-        if client.lost:
-            return
-        if data:
-            try:
-                client.transport.write(data)
-            except RuntimeError:
-                pass  # uvloop: the socket just failed; connection_lost tells the router
-            else:  # bytes left unsent: the send timeout watches them
-                if client.watch is not None:
-                    client.watch.wrote(len(data))
-                elif unsent := client.transport.get_write_buffer_size():
-                    client.watch_sends(unsent)
-        if close:
-            client.closed = True
-            self._close(client)
-
-    def _close(self, client: _Client) -> None:
-        transport = client.transport
-        assert self._loop is not None
-        if client.linger is None and not transport.is_closing() and transport.can_write_eof():
-            # Lingering close: our side shuts once the bytes written before
-            # are out; what the client still sends is read and dropped, for a
-            # while, before the socket closes.
-            transport.write_eof()
-            transport.resume_reading()
-            client.linger = self._loop.call_later(LINGER_S, transport.close)
-            self._release(client)  # the router is done with it: its connection slot is free
-            self._lingering.add(client)
-        else:
-            transport.close()  # after the bytes written before it (the send timeout still watches them)
+    send = staticmethod(ClientConnection.send)  # type: ignore[assignment]  # the connection is the driver's handle
 
     # -------------------------------------------------------------- clients
 
-    def _accepted(self, client: _Client) -> None:
-        self._clients.add(client)  # its slot, taken by the listener's accept
-        peer = client.transport.get_extra_info("peername")
-        if self._stopping or not peer:
-            client.closed = True  # the router never hears of it
-            client.transport.abort()
-            return
-        client.transport.set_write_buffer_limits(high=HIGH_WATER, low=0)  # held until all is sent
-        self.feed(ClientConnected(client, str(peer[0]), int(peer[1])))
-
-    def _release(self, client: _Client) -> None:
-        if client in self._clients:
-            self._clients.discard(client)
-            if self._listener is not None:
-                self._listener.release()
-
-    def _client_eof(self, client: _Client) -> None:
-        if self._closing(client):
-            return
-        self.feed(ClientData(client, b""))
-        if not self._closing(client):
-            # The client closed its side and the router kept the connection:
-            # as on trio, the connection ends here and the router must hear it.
-            client.closed = True
-            self.feed(ClientGone(client))
-
-    def _client_lost(self, client: _Client) -> None:
-        self._lingering.discard(client)
-        self._release(client)
-        client.write_paused = False
-        for leg in client.relays:
-            leg.resume()
-        if not self._closing(client):
-            # The socket broke under us: the router must hear it.
-            client.closed = True
-            self.feed(ClientGone(client))
-
-    def _closing(self, client: _Client) -> bool:
-        return client.closed or self.driver.closing(client)
+    def _start_client(self, sock: socket.socket, _: object) -> None:
+        assert self._io is not None
+        conn = ClientConnection(sock, self._io)
+        conn.runtime = set()  # the engine legs relaying to it (paused while it is held)
+        self._live.add(conn)
+        if self._stopping:
+            conn.end()  # the router never hears of it
+        else:
+            conn.start(self.driver.closing)
 
 
 def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:

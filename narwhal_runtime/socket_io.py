@@ -4,8 +4,9 @@ Each call tries the socket at once and, when it would block, waits for it
 the runtime's way (:class:`SocketWaits`: trio's ``wait_readable`` and
 ``wait_writable``; asyncio's event loop watching the descriptor until it
 is ready), then tries again. Control requests, a leg's new connection and
-the listener use them alike on both runtimes; trio's engine connections and
-client writer send with :func:`send_all` too.
+the listener use them alike on both runtimes; trio's engine connections
+send with :func:`send_all` too. (Client connections are driven by their
+readiness instead: :mod:`.client_connections`.)
 """
 
 from __future__ import annotations
@@ -50,12 +51,8 @@ async def connect(sock: socket.socket, address: Any, writable: Wait) -> None:
             raise OSError(error, os.strerror(error)) from None
 
 
-async def send_all(sock: socket.socket, data: bytes | memoryview, writable: Wait,
-                   took: Callable[[int], object] | None = None) -> None:
-    """Write all of ``data``: at once when the socket takes it, else waiting until it does.
-
-    ``took(n)`` hears of each ``n`` bytes the socket takes (a client's writer moves its send timeout on).
-    """
+async def send_all(sock: socket.socket, data: bytes | memoryview, writable: Wait) -> None:
+    """Write all of ``data``: at once when the socket takes it, else waiting until it does."""
     view = memoryview(data)
     while view:
         try:
@@ -64,8 +61,6 @@ async def send_all(sock: socket.socket, data: bytes | memoryview, writable: Wait
             await writable(sock)
             continue
         view = view[sent:]
-        if took is not None:
-            took(sent)
 
 
 async def receive(sock: socket.socket, readable: Wait) -> bytes:

@@ -6,11 +6,11 @@ writes the journal once per batch and the sockets in one burst; under light
 load (the driver's :meth:`~narwhal_runtime.driver.Driver.batch_ended`), at
 once from each feed: writing just before the loop sleeps would make the
 engine's answer find the process asleep more often (benchmarks/README.md).
-A client socket that cannot take all its bytes at once is finished by a
-writer task; a task feeding a client more than ``HIGH_WATER`` behind waits
-for it to finish, and the writer drops a client that takes none of its
-bytes for ``send_timeout_s`` (narwhal_runtime/slow_clients.py). Sockets
-are plain non-blocking ones (see :mod:`.engines`).
+Client connections are the ones both runtimes run
+(:mod:`narwhal_runtime.client_connections`), driven by tasks that wait for
+their sockets (:class:`_ClientIO`); a task whose feed wrote to a client
+more than ``HIGH_WATER`` behind waits for it (narwhal_runtime/slow_clients.py).
+Sockets are plain non-blocking ones (see :mod:`.engines`).
 """
 
 from __future__ import annotations
@@ -23,17 +23,14 @@ from typing import Any
 
 import trio
 
-from narwhal_core import (
-    ClientConnected, ClientData, ClientGone, ClientStalled, Config, Event, Router,
-)
+from narwhal_core import ClientStalled, Config, Event, Router
 from narwhal_runtime.app import Run
-from narwhal_runtime.driver import HIGH_WATER, LINGER_S, keep_lingering
+from narwhal_runtime.client_connections import ClientConnection
+from narwhal_runtime.driver import HIGH_WATER
 from narwhal_runtime.listening import Listener
 from narwhal_runtime.serving import ServerBase
-from narwhal_runtime.slow_clients import log_send_timeout
-from narwhal_runtime.socket_io import send_all
 
-from .engines import Engines, close_socket, receive
+from .engines import Engines, close_socket
 from .listener import listener as make_listener, serve as serve_listener
 
 __all__ = ["Server", "run", "RUNTIME"]
@@ -41,22 +38,93 @@ __all__ = ["Server", "run", "RUNTIME"]
 RUNTIME = "trio"
 
 
-class _Client:
-    __slots__ = ("handle", "sock", "out", "buffered", "writing", "close_after", "closed", "drained", "release")
+class _Later:
+    """A call in ``delay`` seconds, by a task of ``nursery``, unless cancelled first."""
 
-    def __init__(self, handle: int, sock: socket.socket) -> None:
-        self.handle = handle
-        self.sock = sock
-        #: Frees the connection's slot (``ingress.max_connections``) once; set by its task.
-        self.release: Callable[[], None] | None = None
-        #: Bytes the writer task has still to send, and how many.
-        self.out: list[bytes | memoryview] = []
-        self.buffered = 0
-        #: A writer task owns the socket's sending (it could not take every byte at once).
-        self.writing = False
-        self.close_after = False
-        self.closed = False
-        self.drained: trio.Event | None = None
+    __slots__ = ("scope",)
+
+    def __init__(self, nursery: trio.Nursery, delay: float, callback: Callable[[], None]) -> None:
+        self.scope = trio.CancelScope()
+        nursery.start_soon(self._run, delay, callback)
+
+    async def _run(self, delay: float, callback: Callable[[], None]) -> None:
+        with self.scope:
+            await trio.sleep(delay)
+            callback()
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+
+class _ClientIO:
+    """What trio lends its client connections (:class:`~narwhal_runtime.client_connections.ClientIO`).
+
+    A task per connection waits for its socket to be readable; another, only
+    while the socket has not taken every byte, for it to be writable. A
+    task that fed the router waits while a client it wrote to is far behind
+    (:meth:`Server.feed`).
+    """
+
+    def __init__(self, server: Server, nursery: trio.Nursery, listener: Listener) -> None:
+        self.send_timeout_s = server.config.ingress.send_timeout_s
+        self.feed = server._feed_now
+        self.now = server._current_time
+        self.released = lambda conn: listener.release()
+        self._server = server
+        self._nursery = nursery
+
+    def later(self, delay: float, callback: Callable[[], None]) -> _Later:
+        return _Later(self._nursery, delay, callback)
+
+    def read(self, conn: ClientConnection, read: bool) -> None:
+        if read:  # (not: the task ends after the read that stopped it)
+            self._nursery.start_soon(self._read, conn)
+
+    async def _read(self, conn: ClientConnection) -> None:
+        sock = conn.sock
+        server = self._server
+        try:
+            while conn.reading:
+                await trio.lowlevel.wait_readable(sock)
+                conn.readable()
+                if server._writers and server.driver.transmitted:
+                    await server._wait_for_clients(server.driver.transmitted)
+        except (trio.ClosedResourceError, OSError):
+            pass  # ended: whoever closed it told the router
+        except BaseException:
+            conn.broken()  # cancelled (the server stops): close it; the router hears unless it closed it
+            raise
+
+    def write(self, conn: ClientConnection, wait: bool) -> None:
+        server = self._server
+        if wait:
+            server._writers += 1
+            self._nursery.start_soon(self._write, conn)
+            return
+        server._writers -= 1
+        if conn.runtime is not None:
+            conn.runtime.set()  # the tasks waiting for it to catch up go on
+            conn.runtime = None
+
+    @staticmethod
+    async def _write(conn: ClientConnection) -> None:
+        sock = conn.sock
+        try:
+            while conn.out:
+                await trio.lowlevel.wait_writable(sock)
+                conn.writable()
+        except (trio.ClosedResourceError, OSError):
+            pass  # ended: whoever closed it told the router
+        except BaseException:
+            conn.broken()  # cancelled (the server stops)
+            raise
+
+    def stalled(self, conn: ClientConnection, stalled: bool) -> None:
+        pass  # trio holds the task that fed the router instead (Server.feed)
+
+    @staticmethod
+    def ended(conn: ClientConnection) -> None:
+        close_socket(conn.sock)  # wakes its tasks
 
 
 class Server(ServerBase):
@@ -70,9 +138,7 @@ class Server(ServerBase):
                          lookup_in_thread=functools.partial(trio.to_thread.run_sync, abandon_on_cancel=True))
         #: ``trio.current_time``, one call instead of three (it asks the run's clock through two more).
         self._current_time: Callable[[], float] = trio.lowlevel.current_clock().current_time
-        self._clients: dict[int, _Client] = {}
-        self._next_handle = 0
-        #: Writer tasks running (clients whose socket could not take every byte at once).
+        #: Clients whose socket has not taken every byte (a task writes the rest).
         self._writers = 0
         self._eager = True  # the last batch was light: perform each at once
         self._token: trio.lowlevel.TrioToken | None = None
@@ -94,6 +160,7 @@ class Server(ServerBase):
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.engines = Engines(nursery, self.feed, pool_size=self.config.engine.pool_connections_per_engine)
+                self._io = _ClientIO(self, nursery, listener)
                 nursery.start_soon(self._timer_loop)
                 if self._busy.seconds:
                     nursery.start_soon(self._busy_poll_loop)
@@ -125,22 +192,19 @@ class Server(ServerBase):
         if driver.rearm or driver.shutdown_complete:
             self._notice()  # (nothing of the flush waited for it: it only wakes tasks)
         if self._writers and driver.transmitted:
-            for client in self._backlogged(driver.transmitted):
-                if client.drained is None:
-                    client.drained = trio.Event()
-                # The leg this task reads waits for the client: its engine's silence is not its fault.
-                self._feed_now(ClientStalled(client.handle, True))
-                await client.drained.wait()
-                self._feed_now(ClientStalled(client.handle, False))
+            await self._wait_for_clients(driver.transmitted)
 
-    def _backlogged(self, handles: list[Any]) -> list[_Client]:
-        found = []
-        for handle in dict.fromkeys(handles):
-            client = self._clients.get(handle)
-            if (client is not None and client.writing
-                    and client.buffered + self.driver.pending_bytes(handle) > HIGH_WATER):
-                found.append(client)
-        return found
+    async def _wait_for_clients(self, transmitted: list[Any]) -> None:
+        """Wait while a client this task's feed wrote to is more than HIGH_WATER behind (slow_clients.py)."""
+        for conn in dict.fromkeys(transmitted):
+            if conn.out and conn.unsent + self.driver.pending_bytes(conn) > HIGH_WATER:
+                if conn.runtime is None:
+                    conn.runtime = trio.Event()
+                drained = conn.runtime
+                # The leg this task reads waits for the client: its engine's silence is not its fault.
+                self._feed_now(ClientStalled(conn, True))
+                await drained.wait()
+                self._feed_now(ClientStalled(conn, False))
 
     def _feed_now(self, event: Event) -> None:
         # For callers that must not block on a client socket (timer, cleanup).
@@ -199,145 +263,10 @@ class Server(ServerBase):
         if self.driver.flush(self):  # (at once if a flush runs: that one performs what was added)
             self._notice()  # an effect fed the driver
 
-    def send(self, conn: Any, data: bytes, close: bool) -> None:
-        client = self._clients.get(conn)
-        if client is None or client.closed:
-            return
-        if close:
-            client.close_after = True
-        if client.writing:
-            if data:  # the writer sends what is queued, in order, then closes
-                client.out.append(data)
-                client.buffered += len(data)
-            return
-        if data:
-            try:
-                sent = client.sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            except OSError:
-                client.closed = True  # the reader task notices the dead socket and tells the router
-                close_socket(client.sock)
-                return
-            if sent < len(data):
-                rest = memoryview(data)[sent:]
-                client.out.append(rest)
-                client.buffered = len(rest)
-                client.writing = True
-                self._writers += 1
-                assert self._nursery is not None
-                self._nursery.start_soon(self._writer, client)
-                return
-        if client.close_after:
-            self._close_client(client)
-
-    async def _writer(self, client: _Client) -> None:
-        """Finish sending to a client whose socket could not take every byte at once."""
-        sock = client.sock
-        timeout = self.config.ingress.send_timeout_s
-        try:
-            left = 0  # of the bytes being sent: unsent, with those queued since (client.buffered)
-            # The send timeout (narwhal_runtime/slow_clients.py): each byte the socket takes moves it on.
-            with trio.CancelScope(deadline=trio.current_time() + timeout) as taking:
-
-                def took(sent: int) -> None:
-                    nonlocal left
-                    left -= sent
-                    taking.deadline = trio.current_time() + timeout
-
-                while client.out and not client.closed:
-                    out = client.out
-                    data = out[0] if len(out) == 1 else b"".join(out)
-                    client.out = []
-                    client.buffered = 0
-                    left = len(data)
-                    await send_all(sock, data, trio.lowlevel.wait_writable, took)
-            if taking.cancelled_caught:
-                log_send_timeout(timeout, left + client.buffered)
-                raise trio.BrokenResourceError("send timeout")  # drop it: it cannot hold a slot forever
-            if client.close_after and not client.closed:
-                self._close_client(client)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            client.closed = True  # the reader task notices the dead socket and tells the router
-            client.out = []
-            close_socket(sock)
-        finally:
-            client.writing = False
-            self._writers -= 1
-            if client.drained is not None:
-                client.drained.set()
-                client.drained = None
-
-    def _close_client(self, client: _Client) -> None:
-        # Lingering close: shut our side, let the reader drop what the client still sends, close after LINGER_S.
-        client.closed = True
-        if client.release is not None:
-            client.release()  # the router is done with it: its slot is free
-        try:
-            client.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            close_socket(client.sock)
-            return
-        assert self._nursery is not None
-        self._nursery.start_soon(_end_linger, client.sock)
-
-    # -------------------------------------------------------------- clients
+    send = staticmethod(ClientConnection.send)  # type: ignore[assignment]  # the connection is the driver's handle
 
     def _start_client(self, sock: socket.socket, listener: Listener) -> None:
-        assert self._nursery is not None
-        self._nursery.start_soon(self._client_task, sock, listener)
-
-    async def _client_task(self, sock: socket.socket, listener: Listener) -> None:
-        handle = self._next_handle
-        self._next_handle += 1
-        client = self._clients[handle] = _Client(handle, sock)
-
-        def release() -> None:
-            if client.release is not None:
-                client.release = None
-                del self._clients[handle]
-                listener.release()
-
-        client.release = release
-        try:
-            try:
-                peer = sock.getpeername()
-            except OSError:
-                return
-            await self.feed(ClientConnected(handle, str(peer[0]), int(peer[1])))
-            while not client.closed:
-                # Wait first: a client sends its next request only once it has this answer.
-                data = await receive(sock)
-                if data is None:
-                    break
-                await self.feed(ClientData(handle, data))
-                if not data:
-                    break
-            if self._closing(client):
-                await _linger(sock)  # Narwhal closed it: drop what the client still sends
-        finally:
-            if not self._closing(client):
-                self._feed_now(ClientGone(handle))  # the socket broke under us: the router must hear it
-            release()
-            client.closed = True
-            close_socket(sock)
-
-    def _closing(self, client: _Client) -> bool:
-        return client.close_after or self.driver.closing(client.handle)
-
-
-async def _linger(sock: socket.socket) -> None:
-    discarded = 0
-    while keep_lingering(discarded) and sock.fileno() != -1:  # closed: a failed write, or LINGER_S is over
-        data = await receive(sock)
-        if not data:
-            return  # EOF, or closed
-        discarded += len(data)
-
-
-async def _end_linger(sock: socket.socket) -> None:
-    await trio.sleep(LINGER_S)
-    close_socket(sock)  # wakes a reader still lingering; nothing if it is closed
+        ClientConnection(sock, self._io).start(self.driver.closing)
 
 
 class _EndOfBatch(trio.abc.Instrument):

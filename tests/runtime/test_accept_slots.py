@@ -75,30 +75,24 @@ def _accepted_in_order(runtime: str, sockets: list[socket.socket]) -> list[str]:
             from narwhal_asyncio.listener import Listener as AsyncioListener
 
             async def amain() -> None:
-                loop = asyncio.get_running_loop()
-                listener: Any = None
-
-                class Client(asyncio.Protocol):
-                    def connection_made(self, transport: Any) -> None:
-                        sock = transport.get_extra_info("socket")
-                        order.append("v6" if sock.family == socket.AF_INET6 else "v4")
-                        held.append(transport)
-
                 held: list[Any] = []
-                listener = AsyncioListener(loop, sockets, Client, limit=1)
+
+                def start_client(sock: socket.socket, slots: Any) -> None:
+                    order.append("v6" if sock.family == socket.AF_INET6 else "v4")
+                    held.append(slots)
+                    sock.close()  # its slot stays held until the test releases it
+
+                listener = AsyncioListener(asyncio.get_running_loop(), sockets, start_client, limit=1)
                 for address in (second, second, first):
                     connect(address)
                     if held:
                         await asyncio.sleep(0.2)  # no slot: not accepted
                         order.append("released")
-                        held.pop().close()
-                        listener.release()
+                        held.pop().release()
                     async with asyncio.timeout(5):
                         while len(order) < 2 * len(clients) - 1:
                             await asyncio.sleep(0.005)
                 listener.close()
-                for transport in held:
-                    transport.close()
 
             asyncio.run(amain())
     finally:

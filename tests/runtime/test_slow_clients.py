@@ -1,97 +1,240 @@
-"""The send timeout's watch, for runtimes that see a client's unsent bytes only when they look (slow_clients.py)."""
+"""The client connection both runtimes run (narwhal_runtime/client_connections.py), over real socket pairs.
+
+The runtime's side (:class:`ClientIO`) is a stand-in here: its clock is
+set by the test and its timers fire when the test says, so each rule is
+checked at the exact second it must act (slow_clients.py, the lingering
+close). The end-to-end suites run the same connection on trio and asyncio.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import socket
-from types import SimpleNamespace
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import trio
+import pytest
 
-from narwhal_runtime.slow_clients import LOOKS, SendWatch
+from narwhal_core import ClientConnected, ClientData, ClientGone
+from narwhal_runtime.client_connections import ClientConnection
+from narwhal_runtime.driver import HIGH_WATER, LINGER_S
 
-
-def test_a_client_that_takes_nothing_is_dropped_at_the_last_look_of_the_timeout() -> None:
-    watch = SendWatch(1000)
-    assert [watch.look(1000) for _ in range(LOOKS)] == ["again"] * (LOOKS - 1) + ["drop"]
-
-
-def test_bytes_written_meanwhile_do_not_hide_that_none_was_taken() -> None:
-    watch = SendWatch(1000)
-    for _ in range(LOOKS - 1):
-        watch.wrote(500)  # the buffer grows by what was written, no more and no less
-        assert watch.look(watch.unsent + 500) == "again"
-    watch.wrote(500)
-    assert watch.look(watch.unsent + 500) == "drop"
+TIMEOUT = 30.0
 
 
-def test_any_byte_taken_starts_the_timeout_again() -> None:
-    watch = SendWatch(1000)
-    for _ in range(LOOKS - 1):
-        assert watch.look(1000) == "again"
-    watch.wrote(500)
-    assert watch.look(1499) == "again"  # one byte of the 1,500 was taken
-    assert [watch.look(1499) for _ in range(LOOKS)] == ["again"] * (LOOKS - 1) + ["drop"]
+class _Timer:
+    def __init__(self, when: float, callback: Callable[[], None]) -> None:
+        self.when = when
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
-def test_the_watch_ends_once_nothing_is_left_however_long_it_took() -> None:
-    watch = SendWatch(1000)
-    for _ in range(LOOKS - 1):
-        assert watch.look(1000) == "again"
-    assert watch.look(0) == "done"
+class _IO:
+    """A runtime stand-in: a clock the test sets, timers the test fires, and a record of what it was asked."""
+
+    send_timeout_s = TIMEOUT
+
+    def __init__(self) -> None:
+        self.clock = 100.0
+        self.fed: list[Any] = []
+        self.timers: list[_Timer] = []
+        self.calls: list[tuple[str, bool]] = []
+        self.ended_conns: list[ClientConnection] = []
+        self.releases = 0
+
+    def feed(self, event: Any) -> None:
+        self.fed.append(event)
+
+    def now(self) -> float:
+        return self.clock
+
+    def later(self, delay: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer(self.clock + delay, callback)
+        self.timers.append(timer)
+        return timer
+
+    def fire_until(self, when: float) -> None:
+        """Move the clock to ``when``, firing each timer due by then, in order."""
+        while due := sorted((t for t in self.timers if not t.cancelled and t.when <= when), key=lambda t: t.when):
+            timer = due[0]
+            self.timers.remove(timer)
+            self.clock = timer.when
+            timer.callback()
+        self.clock = when
+
+    def read(self, conn: ClientConnection, read: bool) -> None:
+        self.calls.append(("read", read))
+
+    def write(self, conn: ClientConnection, wait: bool) -> None:
+        self.calls.append(("write", wait))
+
+    def stalled(self, conn: ClientConnection, stalled: bool) -> None:
+        self.calls.append(("stalled", stalled))
+
+    def ended(self, conn: ClientConnection) -> None:
+        self.ended_conns.append(conn)
+        conn.sock.close()
+
+    def released(self, conn: ClientConnection) -> None:
+        self.releases += 1
 
 
-# ------------------------------------------------------------ how each adapter feeds the rule
+@pytest.fixture
+def pair() -> Iterator[tuple[ClientConnection, _IO, socket.socket]]:
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        theirs = socket.create_connection(listening.getsockname())
+        ours, _ = listening.accept()
+    for sock in (ours, theirs):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    ours.setblocking(False)
+    theirs.setblocking(False)
+    io = _IO()
+    conn = ClientConnection(ours, io)
+    conn.start(lambda c: False)
+    yield conn, io, theirs
+    theirs.close()
+    ours.close()
 
 
-class _Transport:
-    """What asyncio's ``send`` asks of a transport whose buffer keeps ``unsent`` bytes; counts the asks."""
-
-    def __init__(self, unsent: int) -> None:
-        self.unsent = unsent
-        self.asked = 0
-
-    def write(self, data: bytes) -> None:
-        pass
-
-    def get_write_buffer_size(self) -> int:
-        self.asked += 1
-        return self.unsent
+def _fill(conn: ClientConnection) -> None:
+    """Write until some bytes are left unsent (the peer reads nothing)."""
+    while not conn.out:
+        conn.send(b"x" * 65536, False)
 
 
-def test_asyncio_asks_the_transport_once_when_a_write_leaves_bytes_unsent() -> None:
-    from narwhal_asyncio.server import Server, _Client
-
-    async def main() -> tuple[int, int | None]:
-        server: Any = SimpleNamespace(_look_every=60.0)
-        client = _Client(server)
-        client.transport = transport = _Transport(700)  # type: ignore[assignment]
-        Server.send(server, client, b"x" * 1000, False)
-        assert client.next_look is not None
-        client.next_look.cancel()
-        return transport.asked, None if client.watch is None else client.watch.unsent
-
-    assert asyncio.run(main()) == (1, 700)  # the watch starts from the one answer
+def _drain(theirs: socket.socket) -> int:
+    got = 0
+    while True:
+        try:
+            data = theirs.recv(1 << 20)
+        except BlockingIOError:
+            return got
+        got += len(data)
 
 
-async def test_trios_send_loop_tells_each_byte_the_socket_takes() -> None:
-    from narwhal_runtime.socket_io import send_all
+def test_a_connection_tells_the_router_and_reads(pair: Any) -> None:
+    conn, io, theirs = pair
+    assert isinstance(io.fed[0], ClientConnected) and io.fed[0].conn is conn
+    assert io.calls == [("read", True)]
+    theirs.send(b"GET / HTTP/1.1\r\n")
+    conn.readable()
+    assert io.fed[1] == ClientData(conn, b"GET / HTTP/1.1\r\n")
 
-    a, b = socket.socketpair()
-    a.setblocking(False)
-    b.setblocking(False)
-    data = bytes(range(256)) * 4096  # 1 MiB: more than the socket takes at once
-    took: list[int] = []
-    received = bytearray()
 
-    async def read() -> None:
-        while len(received) < len(data):
-            await trio.lowlevel.wait_readable(b)
-            received.extend(b.recv(65536))
+def test_a_client_that_takes_nothing_is_dropped_send_timeout_s_after_the_first_unsent_byte(pair: Any, caplog) -> None:
+    conn, io, theirs = pair
+    _fill(conn)
+    assert ("write", True) in io.calls
+    io.fire_until(100.0 + TIMEOUT - 0.001)
+    assert not conn.closed
+    io.fire_until(100.0 + TIMEOUT)
+    assert conn.closed and io.ended_conns == [conn] and io.releases == 1
+    assert io.fed[-1] == ClientGone(conn)  # the router hears it is gone
 
-    with a, b:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(read)
-            await send_all(a, data, trio.lowlevel.wait_writable, took.append)
-    assert bytes(received) == data and sum(took) == len(data) and len(took) > 1
+
+def test_each_byte_taken_moves_the_send_timeout_on(pair: Any) -> None:
+    conn, io, theirs = pair
+    _fill(conn)
+    conn.send(b"y" * (1 << 20), False)  # more than the socket can take after one read
+    io.fire_until(100.0 + TIMEOUT / 2)
+    assert _drain(theirs) > 0
+    conn.writable()  # the socket took some, not all: the last byte taken is now
+    assert conn.out
+    io.fire_until(100.0 + TIMEOUT)  # the first deadline: not due any more
+    assert not conn.closed
+    io.fire_until(100.0 + TIMEOUT / 2 + TIMEOUT - 0.001)
+    assert not conn.closed
+    io.fire_until(100.0 + TIMEOUT / 2 + TIMEOUT)
+    assert conn.closed and io.fed[-1] == ClientGone(conn)
+
+
+def test_a_client_that_takes_everything_is_not_dropped_however_long_it_took(pair: Any) -> None:
+    conn, io, theirs = pair
+    _fill(conn)
+    io.fire_until(100.0 + TIMEOUT - 1)
+    while conn.out:
+        _drain(theirs)
+        conn.writable()
+    assert ("write", False) in io.calls
+    io.fire_until(100.0 + 10 * TIMEOUT)
+    assert not conn.closed and not any(isinstance(e, ClientGone) for e in io.fed)
+
+
+def test_a_client_far_behind_is_held_until_it_took_every_byte(pair: Any) -> None:
+    conn, io, theirs = pair
+    _fill(conn)
+    assert ("stalled", True) not in io.calls
+    while conn.unsent <= HIGH_WATER:
+        conn.send(b"y" * 65536, False)
+    assert io.calls.count(("stalled", True)) == 1 and conn.held
+    conn.send(b"z" * 65536, False)
+    assert io.calls.count(("stalled", True)) == 1  # told once
+    while conn.out:
+        _drain(theirs)
+        conn.writable()
+    assert io.calls[-2:] == [("write", False), ("stalled", False)] and not conn.held
+
+
+def test_narwhals_close_waits_for_the_queued_bytes_then_lingers(pair: Any) -> None:
+    conn, io, theirs = pair
+    _fill(conn)
+    conn.send(b"last", True)
+    assert not conn.closed and not conn.lingering  # bytes still queued: the close waits for them
+    received = b""
+    while conn.out:
+        received_now = _drain(theirs)
+        received += b"." * received_now
+        conn.writable()
+    assert conn.closed and conn.lingering and io.releases == 1  # its slot is free at once
+    # What the client still sends is read and dropped, not fed.
+    fed = len(io.fed)
+    theirs.send(b"more")
+    conn.readable()
+    assert len(io.fed) == fed and conn.discarded == 4
+    io.fire_until(io.clock + LINGER_S)
+    assert io.ended_conns == [conn]
+    assert not any(isinstance(e, ClientGone) for e in io.fed)  # the router closed it: nothing to tell
+
+
+def test_the_clients_eof_ends_the_lingering_at_once(pair: Any) -> None:
+    conn, io, theirs = pair
+    conn.send(b"bye", True)
+    assert conn.lingering
+    theirs.shutdown(socket.SHUT_WR)
+    conn.readable()
+    assert io.ended_conns == [conn]
+
+
+def test_eof_on_a_connection_the_router_keeps_ends_it_and_the_router_hears(pair: Any) -> None:
+    conn, io, theirs = pair
+    theirs.shutdown(socket.SHUT_WR)
+    conn.readable()
+    assert io.fed[-2:] == [ClientData(conn, b""), ClientGone(conn)]
+    assert io.ended_conns == [conn] and ("read", False) in io.calls
+
+
+def test_eof_while_the_router_closes_stops_reading_and_closes_once_the_bytes_are_out(pair: Any) -> None:
+    conn, io, theirs = pair
+    _fill(conn)
+    conn.send(b"", True)  # the router's close, behind queued bytes
+    theirs.shutdown(socket.SHUT_WR)
+    conn.readable()
+    assert ("read", False) in io.calls and not conn.closed
+    assert not any(isinstance(e, ClientGone) for e in io.fed)
+    while conn.out:
+        _drain(theirs)
+        conn.writable()
+    assert io.ended_conns == [conn] and not conn.lingering  # nothing to linger for: the client closed already
+
+
+def test_a_broken_socket_tells_the_router_once(pair: Any) -> None:
+    conn, io, theirs = pair
+    theirs.close()
+    conn.send(b"x" * 65536, False)
+    conn.send(b"x" * 65536, False)
+    conn.readable()
+    assert [e for e in io.fed if isinstance(e, ClientGone)] == [ClientGone(conn)]
+    assert io.releases == 1

@@ -1,0 +1,288 @@
+"""A client connection, the same on both runtimes: reads, writes, the send timeout, backpressure, the lingering close.
+
+A :class:`ClientConnection` is a plain non-blocking socket and what
+Narwhal does with it. The runtime only tells it when the socket is ready
+(:meth:`ClientConnection.readable`, :meth:`ClientConnection.writable`) and
+lends what it needs: its clock, a timer, the driver's feed, and how it
+watches and closes a socket (:class:`ClientIO`). asyncio watches the socket
+with its loop's ``add_reader``/``add_writer`` (on uvloop this costs what a
+transport's ``data_received`` does: benchmarks/README.md, stop 38); trio
+with a task that waits for it. The connection is its own handle in the
+router's events and commands.
+
+What happens to bytes a client does not take (backpressure, the send
+timeout) is narwhal_runtime/slow_clients.py; the lingering close is
+:data:`~narwhal_runtime.driver.LINGER_S`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from narwhal_core import ClientConnected, ClientData, ClientGone, Event
+
+from .driver import HIGH_WATER, LINGER_S, keep_lingering
+from .slow_clients import log_send_timeout
+from .socket_options import READ_SIZE
+
+__all__ = ["ClientConnection", "ClientIO", "Timer"]
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class ClientIO(Protocol):
+    """What a runtime lends its client connections."""
+
+    #: ``ingress.send_timeout_s``.
+    send_timeout_s: float
+
+    def feed(self, event: Event) -> object:
+        """Feed the driver (synchronously)."""
+
+    def now(self) -> float:
+        """The runtime's clock, in seconds."""
+
+    def later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        """Call ``callback`` in ``delay`` seconds, unless cancelled."""
+
+    def read(self, conn: ClientConnection, read: bool) -> None:
+        """Call ``conn.readable()`` whenever its socket has bytes or EOF (``read``), or no longer.
+
+        While ``conn.held``, a runtime that stops reading a client it is far
+        behind with does not read it either.
+        """
+
+    def write(self, conn: ClientConnection, wait: bool) -> None:
+        """Call ``conn.writable()`` whenever its socket can take bytes (``wait``), or no longer."""
+
+    def stalled(self, conn: ClientConnection, stalled: bool) -> None:
+        """``conn`` went past :data:`HIGH_WATER` unsent bytes, or took them all (``conn.held``)."""
+
+    def ended(self, conn: ClientConnection) -> None:
+        """``conn`` is over: stop watching its socket, and close it."""
+
+    def released(self, conn: ClientConnection) -> None:
+        """Narwhal is done with ``conn``: its connection slot is free."""
+
+
+class ClientConnection:
+    """One client connection; see the module docstring."""
+
+    __slots__ = (
+        "sock", "io", "closing", "out", "unsent", "close_after", "closed", "held", "lingering", "discarded",
+        "taken_at", "timer", "slot", "reading", "runtime",
+    )
+
+    def __init__(self, sock: socket.socket, io: ClientIO) -> None:
+        self.sock = sock
+        self.io = io
+        #: ``driver.closing``: whether the router closed it, or is closing it.
+        self.closing: Callable[[Any], bool] = _never
+        #: Bytes the socket has still to take, in order, and how many.
+        self.out: list[bytes | memoryview] = []
+        self.unsent = 0
+        #: Close once every unsent byte is taken (Narwhal's close came after bytes still queued).
+        self.close_after = False
+        #: Narwhal closed its side (lingering) or the connection ended: the router is done with it.
+        self.closed = False
+        #: More than HIGH_WATER unsent bytes: the runtime was told (:meth:`ClientIO.stalled`).
+        self.held = False
+        #: Narwhal's side is shut; what the client still sends is dropped until LINGER_S is over.
+        self.lingering = False
+        self.discarded = 0
+        #: When the socket last took bytes, and the send timeout's or the linger's timer.
+        self.taken_at = 0.0
+        self.timer: Timer | None = None
+        #: Holds a connection slot (``ingress.max_connections``) until released.
+        self.slot = True
+        #: The runtime calls :meth:`readable` (until EOF or the end), unless the connection is held.
+        self.reading = False
+        #: The runtime's own state for this connection (trio: the event a reader waits on).
+        self.runtime: Any = None
+
+    def start(self, closing: Callable[[Any], bool]) -> None:
+        """Tell the router of the connection and start reading it; ``closing`` is ``driver.closing``."""
+        self.closing = closing
+        try:
+            host, port = self.sock.getpeername()[:2]
+        except OSError:  # gone before it was served: the router never hears of it
+            self.closed = True
+            self.end()
+            return
+        self.io.feed(ClientConnected(self, str(host), int(port)))
+        if not self.closed:
+            self.reading = True
+            self.io.read(self, True)
+
+    # ------------------------------------------------------------ reading
+
+    def readable(self) -> None:
+        """The socket has bytes, or EOF, or an error."""
+        try:
+            data = self.sock.recv(READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.broken()
+            return
+        if self.lingering:
+            self.discarded += len(data)
+            if not data or not keep_lingering(self.discarded):
+                self.end()  # the client closed too, or sends too much
+            return
+        if data:
+            if not self.closed:
+                self.io.feed(ClientData(self, data))
+        elif self.router_closed():
+            self._stop_reading()  # EOF, and the router's close is coming: nothing more to read
+        else:
+            self.io.feed(ClientData(self, data))  # EOF
+            if not self.router_closed():
+                # The client closed its side and the router kept the connection: it ends here.
+                self.broken()
+
+    # ------------------------------------------------------------ writing
+
+    def send(self, data: bytes, close: bool) -> None:
+        """The driver's ``send``: write ``data``, then close if ``close`` (after every byte is taken)."""
+        if self.closed:
+            return
+        if close:
+            self.close_after = True
+        if self.out:
+            if data:  # queued behind what the socket has still to take
+                self.out.append(data)
+                self.unsent += len(data)
+                self._hold_if_far_behind()
+            return
+        if data:
+            try:
+                sent = self.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self.broken()
+                return
+            if sent < len(data):
+                rest = memoryview(data)[sent:]
+                self.out.append(rest)
+                self.unsent = len(rest)
+                self.taken_at = self.io.now()
+                self.timer = self.io.later(self.io.send_timeout_s, self._send_timeout)
+                self.io.write(self, True)
+                self._hold_if_far_behind()
+                return
+        if self.close_after:
+            self._close()
+
+    def writable(self) -> None:
+        """The socket can take bytes: send what is queued."""
+        out = self.out
+        data = out[0] if len(out) == 1 else b"".join(out)
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.broken()
+            return
+        if sent:
+            self.taken_at = self.io.now()
+        if sent < len(data):
+            self.out = [memoryview(data)[sent:]]
+            self.unsent = len(data) - sent
+            return
+        self.out = []
+        self.unsent = 0
+        self.io.write(self, False)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.held:
+            self.held = False
+            self.io.stalled(self, False)
+        if self.close_after:
+            self._close()
+
+    def _hold_if_far_behind(self) -> None:
+        if not self.held and self.unsent > HIGH_WATER:
+            self.held = True
+            self.io.stalled(self, True)
+
+    def _send_timeout(self) -> None:
+        # The send timeout (slow_clients.py): none of the bytes taken for send_timeout_s.
+        timeout = self.io.send_timeout_s
+        due = self.taken_at + timeout
+        if self.io.now() < due:
+            self.timer = self.io.later(due - self.io.now(), self._send_timeout)
+            return
+        self.timer = None
+        log_send_timeout(timeout, self.unsent)
+        self.broken()  # it cannot hold a slot forever
+
+    # ------------------------------------------------------------ ending
+
+    def _close(self) -> None:
+        # Lingering close: shut our side, drop what the client still sends, close after LINGER_S.
+        self.closed = True
+        self._release()  # the router is done with it: its slot is free
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.end()
+            return
+        if not self.reading:
+            self.end()  # the client closed its side already: nothing to linger for
+            return
+        self.lingering = True
+        self.timer = self.io.later(LINGER_S, self.end)
+        if self.held:
+            self.held = False
+            self.io.stalled(self, False)  # (read again: the lingering reads what comes)
+
+    def broken(self) -> None:
+        """The socket failed, or the client went: end it, and tell the router unless it closed it."""
+        tell = not self.router_closed()
+        self.closed = True
+        self.end()
+        if tell:
+            self.io.feed(ClientGone(self))
+
+    def router_closed(self) -> bool:
+        """The router is done with the connection (it closed it, maybe in the batch not yet performed)."""
+        return self.closed or self.close_after or self.closing(self)
+
+    def _stop_reading(self) -> None:
+        if self.reading:
+            self.reading = False
+            self.io.read(self, False)
+
+    def end(self) -> None:
+        """End the connection now (the router is done with it, or must hear it is gone: :meth:`broken`)."""
+        self._stop_reading()
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.out:
+            self.out = []
+            self.io.write(self, False)
+        self.unsent = 0
+        if self.held:
+            self.held = False
+            self.io.stalled(self, False)
+        self.io.ended(self)
+        self._release()
+
+    def _release(self) -> None:
+        if self.slot:
+            self.slot = False
+            self.io.released(self)
+
+
+def _never(conn: Any) -> bool:
+    return False
