@@ -1,23 +1,22 @@
-"""What one read costs in each shape an adapter could take: asyncio's protocol callback, or a task that waits.
+"""What one read costs in each shape a connection could take: a protocol callback, a readiness callback, a task.
 
     python benchmarks/read_shapes.py [--rounds N] [--repeats K] [--shape NAME]
 
-Why the asyncio adapter keeps its own transports instead of the task-shaped
-code trio runs (and both could share over :mod:`narwhal_runtime.socket_io`):
-each leg answer and each client request is a read, several per request.
+Why the connections both runtimes share (clients, legs) are driven by the
+loop's readiness callbacks on asyncio, not by a task that waits for the
+socket: each leg answer and each client request is a read, several per
+request.
 This times a ping-pong over a socket pair, one byte each way, ``N`` rounds,
 the best of ``K`` repeats, in CPU microseconds per round trip (one read on
 each side):
 
 * ``asyncio protocol``: both ends ``asyncio.Protocol`` (``data_received``
-  writes the answer), as the asyncio adapter reads clients and engines on
-  uvloop;
-* ``asyncio buffered``: the measured end the same protocol with the
-  adapter's :class:`~narwhal_asyncio.engines.BufferedReads` mixed in (it
-  reads into one buffer), as the adapter reads on asyncio's own loop;
+  writes the answer), as the asyncio adapter read clients and engines
+  before stop 38;
 * ``asyncio reader``: the measured end a plain socket the loop watches
-  (``add_reader``), its callback receiving and answering, the shape of a
-  callback-driven connection that skips transports;
+  (``add_reader``), its callback receiving and answering, as the shared
+  client and leg connections are driven on asyncio
+  (:mod:`narwhal_runtime.client_connections`, :mod:`narwhal_runtime.legs`);
 * ``asyncio task``: the measured end a task that waits with the shared
   :func:`~narwhal_runtime.socket_io.receive` and the asyncio adapter's
   ``Waits.readable``, the echo end a protocol as above;
@@ -77,15 +76,6 @@ class _Pinger(asyncio.Protocol):
             self.done.set_result(self.trips)
 
 
-def _buffered_pinger(rounds: int, done: asyncio.Future[int]) -> asyncio.BaseProtocol:
-    from narwhal_asyncio.engines import BufferedReads, read_buffer
-
-    class Buffered(_Pinger, BufferedReads):
-        buffer = read_buffer()
-
-    return Buffered(rounds, done)
-
-
 def _pair() -> tuple[socket.socket, socket.socket]:
     a, b = socket.socketpair()
     a.setblocking(False)
@@ -93,22 +83,18 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-async def _asyncio_protocol(rounds: int, pinger: Callable[..., asyncio.BaseProtocol] = _Pinger) -> tuple[float, int]:
+async def _asyncio_protocol(rounds: int) -> tuple[float, int]:
     loop = asyncio.get_running_loop()
     a, b = _pair()
     echo, _ = await loop.connect_accepted_socket(_Echo, b)
     done: asyncio.Future[int] = loop.create_future()
     start = time.process_time()
-    transport, _ = await loop.connect_accepted_socket(lambda: pinger(rounds, done), a)
+    transport, _ = await loop.connect_accepted_socket(lambda: _Pinger(rounds, done), a)
     trips = await done
     spent = time.process_time() - start
     transport.close()
     echo.close()
     return spent, trips
-
-
-async def _asyncio_buffered(rounds: int) -> tuple[float, int]:
-    return await _asyncio_protocol(rounds, _buffered_pinger)
 
 
 async def _asyncio_reader(rounds: int) -> tuple[float, int]:
@@ -187,7 +173,7 @@ def _loops() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
 
 
 _ASYNCIO_SHAPES = {
-    "protocol": _asyncio_protocol, "buffered": _asyncio_buffered, "reader": _asyncio_reader, "task": _asyncio_task,
+    "protocol": _asyncio_protocol, "reader": _asyncio_reader, "task": _asyncio_task,
 }
 
 

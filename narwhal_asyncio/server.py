@@ -17,14 +17,13 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
 from narwhal_core import ClientStalled, Config, Event, Router
 from narwhal_runtime.app import Run
 from narwhal_runtime.client_connections import ClientConnection
 from narwhal_runtime.serving import ServerBase
 
-from .engines import Engines, is_uvloop
+from .engines import Engines, LegIO
 from .listener import Listener
 
 __all__ = ["Server", "run", "new_event_loop", "RUNTIME"]
@@ -51,36 +50,25 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
     """``"uvloop"`` or ``"asyncio"``: which event loop implementation runs the server."""
-    return "uvloop" if is_uvloop(loop) else "asyncio"
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
-class _ClientIO:
+class _ClientIO(LegIO):
     """What asyncio lends its client connections (:class:`~narwhal_runtime.client_connections.ClientIO`).
 
-    The loop watches each socket (``add_reader``, ``add_writer``). A
-    connection far behind (:attr:`ClientConnection.held`) is not read, nor
-    are the engine legs relaying to it (:meth:`Engines._link`).
+    The loop watches each socket (``add_reader``, ``add_writer``, as for legs:
+    :class:`~.engines.LegIO`). A connection far behind
+    (:attr:`ClientConnection.held`) is not read, nor are the engine legs
+    relaying to it (:meth:`Engines._link`).
     """
 
     def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
         self.send_timeout_s = server.config.ingress.send_timeout_s
         self.feed = server.feed
         self.now = loop.time
         self.later = loop.call_later
         self._server = server
-        self._loop = loop
-
-    def read(self, conn: ClientConnection, read: bool) -> None:
-        if not read:
-            self._loop.remove_reader(conn.sock.fileno())
-        elif not conn.held:
-            self._loop.add_reader(conn.sock.fileno(), conn.readable)
-
-    def write(self, conn: ClientConnection, wait: bool) -> None:
-        if wait:
-            self._loop.add_writer(conn.sock.fileno(), conn.writable)
-        else:
-            self._loop.remove_writer(conn.sock.fileno())
 
     def stalled(self, conn: ClientConnection, stalled: bool) -> None:
         if conn.reading:  # no next request either, until this answer is taken
@@ -97,11 +85,7 @@ class _ClientIO:
             self._loop.call_soon(self.feed, ClientStalled(conn, stalled))
 
     def ended(self, conn: ClientConnection) -> None:
-        sock = conn.sock
-        if (fd := sock.fileno()) != -1:
-            self._loop.remove_reader(fd)
-            self._loop.remove_writer(fd)
-            sock.close()
+        super().ended(conn)
         self._server._live.discard(conn)
 
     def released(self, conn: ClientConnection) -> None:

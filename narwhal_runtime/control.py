@@ -99,8 +99,8 @@ class ControlIO(SocketWaits, Protocol):
         """A limit of ``seconds`` from now on what runs inside; raises :class:`TimeLimitExpired` when it runs out."""
         ...
 
-    async def control_feed(self, event: Event, *, cancelled: bool = False) -> None:
-        """Feed the router (``cancelled``: while the runtime cancels the request; it must still be heard)."""
+    def control_feed(self, event: Event) -> object:
+        """Feed the router, synchronously (so it is heard while the runtime cancels the request too)."""
         ...
 
 
@@ -123,7 +123,7 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
             infos = await resolve(host, port, io.getaddrinfo)
             if cmd.resolve:
                 # Resolved at every probe: the addresses may name the KV side channel.
-                await io.control_feed(exchange.resolved(infos))
+                io.control_feed(exchange.resolved(infos))
             sock = await connect_first(infos, io.writable, io.time_limit, cmd.timeout)
             try:
                 set_up_engine(sock)
@@ -139,9 +139,9 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
     except failures as exc:
         done = exchange.failed(exc)
     except BaseException:
-        await io.control_feed(exchange.cancelled(), cancelled=True)
+        io.control_feed(exchange.cancelled())
         raise
-    await io.control_feed(done)
+    io.control_feed(done)
 
 
 async def resolve(host: str, port: int, getaddrinfo: Callable[..., Awaitable[Sequence[Any]]]) -> Sequence[Any]:

@@ -1,21 +1,24 @@
-"""The router's leg commands as both adapters carry them out; each adapter's ``Engines`` does the I/O.
+"""Engine legs as both runtimes carry them out: the router's leg commands, and the connections that carry them.
 
 A leg starts on an idle pooled connection when there is one (its request
 then waits in the pool until the adapter writes it, after the batch's
 journal records: :meth:`EngineLegs.write_unsent`), else on a new connection
-the adapter opens, attached to the leg at once so that a ``CancelLeg``
-finds it while it is still connecting. A cancelled leg's connection is
-closed (the engine then aborts the request); a finished leg's goes back to
-the pool or is closed, as :class:`~narwhal_runtime.pool.Pool` decides.
+opened in a task of the runtime's, attached to the leg at once so that a
+``CancelLeg`` finds it while it is still connecting. A cancelled leg's
+connection is closed (the engine then aborts the request); a finished
+leg's goes back to the pool or is closed, as
+:class:`~narwhal_runtime.pool.Pool` decides.
 
-An adapter subclasses :class:`EngineLegs` and says how to open
-(:meth:`~EngineLegs._open`), and what to do with a connection whose leg
-was cancelled (:meth:`~EngineLegs._cancelled`) or finished
-(:meth:`~EngineLegs._finished`), and names a connect that failed with
-:func:`connect_failure`, so both runtimes report it alike. A new
-connection is opened the same way on both (:meth:`EngineLegs.connect`,
-with the adapter's ``getaddrinfo`` and its wait for a writable socket): as
-a control request's is (:mod:`.control`).
+Each connection is a :class:`LegConnection`: a plain non-blocking socket
+the runtime watches, calling :meth:`LegConnection.readable` and
+:meth:`LegConnection.writable` when it is ready (:class:`LegIO`: asyncio
+with its loop's ``add_reader``/``add_writer``, trio with a task that waits
+for the socket), as it does for client connections
+(:mod:`.client_connections`). A new connection is opened the same way on
+both (:meth:`EngineLegs.connect`, with the adapter's ``getaddrinfo`` and
+its wait for a writable socket), as a control request's is
+(:mod:`.control`), and a connect that failed is named by one rule
+(:func:`connect_failure`).
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, ClassVar, Generic
+from typing import Any, ClassVar, Protocol
 
 from narwhal_core import StartLeg, local_failure
 from narwhal_core.events import LegFailure
 
 from .control import TimeLimitExpired, connect_first, resolve
-from .pool import C, Pool
-from .socket_options import set_up_engine
+from .pool import Pool, PooledConnection
+from .socket_options import READ_SIZE, set_up_engine
 
-__all__ = ["EngineLegs", "connect_failure"]
+__all__ = ["EngineLegs", "LegConnection", "LegIO", "connect_failure"]
 
 
 def connect_failure(exc: BaseException) -> LegFailure:
@@ -52,13 +55,132 @@ def connect_failure(exc: BaseException) -> LegFailure:
     return "local_error" if local_failure(exc) else "connect_failed"
 
 
-class EngineLegs(Generic[C]):
+class LegIO(Protocol):
+    """What a runtime lends engine connections (besides what :class:`EngineLegs` asks of it)."""
+
+    def read(self, conn: Any, read: bool) -> None:
+        """Call ``conn.readable()`` whenever its socket has bytes or EOF (``read``), or no longer."""
+
+    def write(self, conn: Any, wait: bool) -> None:
+        """Call ``conn.writable()`` whenever its socket can take bytes (``wait``), or no longer."""
+
+    def ended(self, conn: Any) -> None:
+        """``conn`` is over: stop watching its socket, and close it."""
+
+
+class LegConnection(PooledConnection):
+    """One keep-alive connection to an engine, the same on both runtimes; the runtime says when its socket is ready.
+
+    It reads whatever the engine sends, also while idle (an idle
+    connection that speaks is closed); writes a leg's request, queueing what
+    the socket does not take at once; and reports the engine's close or a
+    broken socket to the pool, which says what the router hears.
+    """
+
+    __slots__ = ("sock", "legs", "out", "reading", "client", "paused", "runtime")
+
+    def __init__(self, url: str, legs: EngineLegs) -> None:
+        super().__init__(url)
+        #: ``None`` while connecting.
+        self.sock: socket.socket | None = None
+        self.legs = legs
+        #: Request bytes the socket has still to take.
+        self.out: list[bytes | memoryview] = []
+        #: The runtime calls :meth:`readable` (from the leg's request on, until the connection ends).
+        self.reading = False
+        #: The client the answer is for, while the runtime holds legs for their clients (asyncio).
+        self.client: Any = None
+        self.paused = False
+        #: The runtime's own state (the task opening it).
+        self.runtime: Any = None
+
+    def readable(self) -> None:
+        """The socket has bytes, or EOF, or an error."""
+        try:
+            data = self.sock.recv(READ_SIZE)  # type: ignore[union-attr]  # reading: it is open
+        except BlockingIOError:
+            return
+        except OSError:
+            self.lost(reset=True)
+            return
+        if not data:
+            self.lost(reset=False)
+            return
+        legs = self.legs
+        event = legs._pool.received(self, data)
+        if event is None:
+            legs.close(self)  # an idle connection spoke: unusable
+        else:
+            legs._feed(event)
+
+    def lost(self, *, reset: bool) -> None:
+        """The engine closed the connection (``reset``: or it broke): the pool says what the router hears."""
+        legs = self.legs
+        event = legs._pool.ended(self, reset=reset)
+        if self.leg is None:
+            legs._unlink(self)  # the pool detached the leg: the router may start it again at once
+        legs.close(self)
+        if event is not None:
+            legs._feed(event)
+
+    def broken(self) -> None:
+        """The runtime stops (its task was cancelled): the leg, if any, failed as ``dropped``."""
+        self.legs._fail(self, "dropped")
+        self.legs.close(self)
+
+    def send(self, data: bytes) -> None:
+        """Write a leg's request (queued behind what the socket has still to take)."""
+        if self.out:
+            self.out.append(data)
+            return
+        try:
+            sent = self.sock.send(data)  # type: ignore[union-attr]
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return  # a broken socket: its read says so, and the pool whether the router retries
+        if sent < len(data):
+            self.out.append(memoryview(data)[sent:])
+            self.legs.io.write(self, True)
+
+    def writable(self) -> None:
+        """The socket can take bytes: send what is queued."""
+        out = self.out
+        data = out[0] if len(out) == 1 else b"".join(out)
+        try:
+            sent = self.sock.send(data)  # type: ignore[union-attr]
+        except BlockingIOError:
+            return
+        except OSError:
+            sent = len(data)  # its read says so
+        if sent < len(data):
+            self.out = [memoryview(data)[sent:]]
+            return
+        self.out = []
+        self.legs.io.write(self, False)
+
+    def pause(self) -> None:
+        """Stop reading: the client this leg relays to is far behind (how asyncio holds a leg)."""
+        if not self.paused and self.reading:
+            self.paused = True
+            self.legs.io.read(self, False)
+
+    def resume(self) -> None:
+        """Read again."""
+        if self.paused:
+            self.paused = False
+            if self.reading:
+                self.legs.io.read(self, True)
+
+
+class EngineLegs:
     """Start, cancel and finish legs on pooled engine connections (:class:`~.driver.EngineCommands`)."""
 
-    def __init__(self, feed: Any, pool_size: int) -> None:
-        #: Where the connections' events go (the adapter's ``Server.feed``).
+    def __init__(self, feed: Callable[[Any], object], io: LegIO, pool_size: int) -> None:
+        #: Where the connections' events go (the adapter's ``Server.feed``, synchronous).
         self._feed = feed
-        self._pool: Pool[C] = Pool(pool_size)
+        self.io = io
+        self._pool: Pool[LegConnection] = Pool(pool_size)
         #: The requests of legs started on pooled connections, waiting for
         #: :meth:`write_unsent` (non-empty: some wait). The pool's own list,
         #: read without a call: an adapter asks once per scheduler batch.
@@ -72,8 +194,8 @@ class EngineLegs(Generic[C]):
             return
         conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, cmd.fresh_connection)
         if conn is not None:
-            if self._reused is not None:
-                self._reused(conn, cmd)
+            if self._link is not None:
+                self._link(conn, cmd)
             return
         conn = self._open(cmd)
         self._pool.attach(conn, cmd.leg)
@@ -120,23 +242,96 @@ class EngineLegs(Generic[C]):
         """A limit of ``seconds`` from now on what runs inside; raises :class:`~.control.TimeLimitExpired`."""
         raise NotImplementedError
 
-    def write_unsent(self) -> object:
+    def _start_opening(self, conn: LegConnection, cmd: StartLeg) -> None:
+        """Run :meth:`open_connection` for ``conn`` in a task that :meth:`_stop_opening` can cancel."""
+        raise NotImplementedError
+
+    def _stop_opening(self, conn: LegConnection) -> None:
+        """Cancel the task opening ``conn`` (its leg was cancelled)."""
+        raise NotImplementedError
+
+    def close_socket(self, sock: socket.socket) -> None:
+        """Close a socket no connection took (:class:`~.socket_io.SocketWaits`)."""
+        raise NotImplementedError
+
+    #: What the adapter does when a connection starts carrying ``cmd``'s leg,
+    #: a pooled one (its request waits in the pool) or a new one just open:
+    #: ``_link(conn, cmd)``; ``None``: nothing (no call per leg for nothing).
+    _link: ClassVar[Callable[[Any, LegConnection, StartLeg], None] | None] = None
+
+    def _unlink(self, conn: LegConnection) -> None:
+        """``conn`` no longer carries the leg :attr:`_link` saw."""
+
+    def control_feed(self, event: Any) -> None:
+        """Feed what a control request came to (:class:`~.control.ControlIO`)."""
+        self._feed(event)
+
+    # the connections
+
+    def write_unsent(self) -> None:
         """Write the requests of legs started on pooled connections since the last call."""
-        raise NotImplementedError
+        for conn, data in self._pool.take_unsent():
+            conn.send(data)
 
-    def _open(self, cmd: StartLeg) -> C:
-        """A new connection for ``cmd``, being opened (it connects and writes ``cmd.data`` in its own time)."""
-        raise NotImplementedError
+    def _open(self, cmd: StartLeg) -> LegConnection:
+        conn = LegConnection(cmd.engine.url, self)
+        self._start_opening(conn, cmd)
+        return conn
 
-    #: What the adapter does when ``conn``, idle until now, carries ``cmd``'s
-    #: leg (its request waits in the pool): ``_reused(conn, cmd)``; ``None``:
-    #: nothing (no call per leg for nothing).
-    _reused: ClassVar[Callable[[Any, Any, StartLeg], None] | None] = None
+    async def open_connection(self, conn: LegConnection, cmd: StartLeg) -> None:
+        """Connect ``conn`` for ``cmd``'s leg, write its request and start reading (in the runtime's task)."""
+        try:
+            sock = await self.connect(cmd.engine.host, cmd.engine.port, cmd.connect_timeout)
+        except (TimeLimitExpired, OSError) as exc:
+            self._fail(conn, connect_failure(exc))
+            return
+        except BaseException:
+            self._fail(conn, "dropped")  # shutdown (a CancelLeg detached the leg first: nothing to say)
+            raise
+        if conn.leg != cmd.leg or conn.closed:
+            self.close_socket(sock)  # cancelled just as it opened
+            return
+        conn.sock = sock
+        if self._link is not None:
+            self._link(conn, cmd)
+        conn.send(cmd.data)  # its journal line was flushed with the batch that started the leg
+        conn.reading = True
+        self.io.read(conn, True)
 
-    def _cancelled(self, conn: C) -> None:
-        """``conn``'s leg was cancelled: close it."""
-        raise NotImplementedError
+    def _cancelled(self, conn: LegConnection) -> None:
+        if conn.sock is None:
+            self._stop_opening(conn)  # still connecting
+        else:
+            self._unlink(conn)
+            self.close(conn)
 
-    def _finished(self, conn: C, kept: bool) -> None:
-        """``conn``'s leg is complete: it went back to the pool (``kept``) or must be closed."""
-        raise NotImplementedError
+    def _finished(self, conn: LegConnection, kept: bool) -> None:
+        self._unlink(conn)
+        if not kept:
+            self.close(conn)
+        elif conn.paused:  # seldom: only a leg that relayed to a slow client
+            conn.resume()
+
+    def _fail(self, conn: LegConnection, reason: LegFailure) -> None:
+        event = self._pool.failed(conn, reason)  # None: the leg was cancelled, the router knows
+        if conn.leg is None:
+            self._unlink(conn)
+        if event is not None:
+            self._feed(event)
+
+    def close(self, conn: LegConnection) -> None:
+        """Close ``conn`` (cancelled, not kept, an idle one that spoke, the engine's close, shutdown)."""
+        conn.closed = True
+        self._pool.forget(conn)
+        if conn.sock is not None and conn.reading:
+            conn.reading = False
+            self.io.ended(conn)
+
+    def close_all(self) -> None:
+        """Close every connection (at shutdown: the router knows)."""
+        self._closed = True
+        for conn in self._pool.all_connections():
+            if conn.sock is None:
+                self._stop_opening(conn)
+            else:
+                self.close(conn)

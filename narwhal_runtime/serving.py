@@ -193,7 +193,7 @@ class ServerBase:
         raise NotImplementedError
 
     def feed(self, event: Event) -> Any:
-        """The adapter's feed of one event from a socket (trio: a coroutine, it may wait for a slow client)."""
+        """The adapter's feed of one event from a socket (synchronous; it opens the busy-poll window)."""
         raise NotImplementedError
 
     def _feed_and_poll(self, event: Event) -> Any:

@@ -30,7 +30,7 @@ from narwhal_runtime.driver import HIGH_WATER
 from narwhal_runtime.listening import Listener
 from narwhal_runtime.serving import ServerBase
 
-from .engines import Engines, close_socket
+from .engines import Engines, LegIO
 from .listener import listener as make_listener, serve as serve_listener
 
 __all__ = ["Server", "run", "RUNTIME"]
@@ -56,75 +56,38 @@ class _Later:
         self.scope.cancel()
 
 
-class _ClientIO:
+class _ClientIO(LegIO):
     """What trio lends its client connections (:class:`~narwhal_runtime.client_connections.ClientIO`).
 
-    A task per connection waits for its socket to be readable; another, only
-    while the socket has not taken every byte, for it to be writable. A
-    task that fed the router waits while a client it wrote to is far behind
-    (:meth:`Server.feed`).
+    The tasks that wait for their sockets are the legs' (:class:`~.engines.LegIO`);
+    a task whose feed wrote to a client more than ``HIGH_WATER`` behind
+    waits for it (:meth:`Server.feed`), counting on the clients with unsent
+    bytes being counted here.
     """
 
     def __init__(self, server: Server, nursery: trio.Nursery, listener: Listener) -> None:
+        super().__init__(nursery, server)
         self.send_timeout_s = server.config.ingress.send_timeout_s
-        self.feed = server._feed_now
+        self.feed = server.feed
         self.now = server._current_time
         self.released = lambda conn: listener.release()
-        self._server = server
-        self._nursery = nursery
 
     def later(self, delay: float, callback: Callable[[], None]) -> _Later:
         return _Later(self._nursery, delay, callback)
 
-    def read(self, conn: ClientConnection, read: bool) -> None:
-        if read:  # (not: the task ends after the read that stopped it)
-            self._nursery.start_soon(self._read, conn)
-
-    async def _read(self, conn: ClientConnection) -> None:
-        sock = conn.sock
-        server = self._server
-        try:
-            while conn.reading:
-                await trio.lowlevel.wait_readable(sock)
-                conn.readable()
-                if server._writers and server.driver.transmitted:
-                    await server._wait_for_clients(server.driver.transmitted)
-        except (trio.ClosedResourceError, OSError):
-            pass  # ended: whoever closed it told the router
-        except BaseException:
-            conn.broken()  # cancelled (the server stops): close it; the router hears unless it closed it
-            raise
-
-    def write(self, conn: ClientConnection, wait: bool) -> None:
+    def write(self, conn: Any, wait: bool) -> None:
         server = self._server
         if wait:
             server._writers += 1
-            self._nursery.start_soon(self._write, conn)
+            super().write(conn, wait)
             return
         server._writers -= 1
         if conn.runtime is not None:
             conn.runtime.set()  # the tasks waiting for it to catch up go on
             conn.runtime = None
 
-    @staticmethod
-    async def _write(conn: ClientConnection) -> None:
-        sock = conn.sock
-        try:
-            while conn.out:
-                await trio.lowlevel.wait_writable(sock)
-                conn.writable()
-        except (trio.ClosedResourceError, OSError):
-            pass  # ended: whoever closed it told the router
-        except BaseException:
-            conn.broken()  # cancelled (the server stops)
-            raise
-
     def stalled(self, conn: ClientConnection, stalled: bool) -> None:
         pass  # trio holds the task that fed the router instead (Server.feed)
-
-    @staticmethod
-    def ended(conn: ClientConnection) -> None:
-        close_socket(conn.sock)  # wakes its tasks
 
 
 class Server(ServerBase):
@@ -159,7 +122,8 @@ class Server(ServerBase):
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                self.engines = Engines(nursery, self.feed, pool_size=self.config.engine.pool_connections_per_engine)
+                self.engines = Engines(nursery, self.feed, pool_size=self.config.engine.pool_connections_per_engine,
+                                       io=LegIO(nursery, self))
                 self._io = _ClientIO(self, nursery, listener)
                 nursery.start_soon(self._timer_loop)
                 if self._busy.seconds:
@@ -182,8 +146,8 @@ class Server(ServerBase):
 
     # ----------------------------------------------------------- the driver
 
-    async def feed(self, event: Event) -> None:
-        """Feed one event; wait if a client it fed is far behind (backpressure)."""
+    def feed(self, event: Event) -> None:
+        """Feed one event from a socket (the task that read it then waits if a client it fed is far behind)."""
         driver = self.driver
         pending = driver.feed(event, self._current_time())
         # _after_drain(pending) and its _flush(), inlined: this runs once per event.
@@ -191,8 +155,6 @@ class Server(ServerBase):
             driver.flush(self)  # light load: perform now, while this task still has work to do
         if driver.rearm or driver.shutdown_complete:
             self._notice()  # (nothing of the flush waited for it: it only wakes tasks)
-        if self._writers and driver.transmitted:
-            await self._wait_for_clients(driver.transmitted)
 
     async def _wait_for_clients(self, transmitted: list[Any]) -> None:
         """Wait while a client this task's feed wrote to is more than HIGH_WATER behind (slow_clients.py)."""

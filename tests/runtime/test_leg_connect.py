@@ -78,7 +78,7 @@ def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0, host: str
         async def main() -> None:
             failed = trio.Event()
 
-            async def feed(event: Event) -> None:
+            def feed(event: Event) -> None:  # synchronous, as the server's
                 events.append(event)
                 if isinstance(event, (LegFailed, LegData)):
                     failed.set()

@@ -1,78 +1,175 @@
-"""The leg commands both adapters' ``Engines`` share (narwhal_runtime/legs.py), against a recording adapter."""
+"""The legs both adapters share (narwhal_runtime/legs.py): commands and connections, over real socket pairs.
+
+The runtime's side is a recording stand-in (how it opens a connection in a
+task, and how it watches and closes sockets); the end-to-end suites run the
+same code on trio and asyncio.
+"""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from typing import Any
 
-from narwhal_core import StartLeg
+import pytest
+
+from narwhal_core import LegData, LegFailed, StartLeg
 from narwhal_core.config import parse_engine_url
-from narwhal_runtime.legs import EngineLegs
-from narwhal_runtime.pool import PooledConnection
+from narwhal_runtime.legs import EngineLegs, LegConnection
 
 URL = "http://127.0.0.1:9001"
+REQUEST = b"GET / HTTP/1.1\r\n\r\n"
 
 
-class Recording(EngineLegs[PooledConnection]):
+class _IO:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, bool | None]] = []
+
+    def read(self, conn: Any, read: bool) -> None:
+        self.calls.append(("read", conn, read))
+
+    def write(self, conn: Any, wait: bool) -> None:
+        self.calls.append(("write", conn, wait))
+
+    def ended(self, conn: Any) -> None:
+        self.calls.append(("ended", conn, None))
+        conn.sock.close()
+
+
+class Recording(EngineLegs):
     def __init__(self, pool_size: int = 2) -> None:
-        super().__init__(None, pool_size)
-        self.calls: list[tuple[str, Any, ...]] = []
+        self.fed: list[Any] = []
+        self.io_: _IO = _IO()
+        super().__init__(self.fed.append, self.io_, pool_size)
+        self.calls: list[tuple[str, Any]] = []
+        self.peers: list[socket.socket] = []
 
-    def _open(self, cmd: StartLeg) -> PooledConnection:
-        conn = PooledConnection(cmd.engine.url)
+    def _start_opening(self, conn: LegConnection, cmd: StartLeg) -> None:
         self.calls.append(("open", cmd.leg))
-        return conn
 
-    def _reused(self, conn: PooledConnection, cmd: StartLeg) -> None:
-        self.calls.append(("reused", conn, cmd.leg))
+    def _stop_opening(self, conn: LegConnection) -> None:
+        self.calls.append(("stop opening", conn))
 
-    def _cancelled(self, conn: PooledConnection) -> None:
-        self.calls.append(("cancelled", conn))
+    def close_socket(self, sock: socket.socket) -> None:
+        sock.close()
 
-    def _finished(self, conn: PooledConnection, kept: bool) -> None:
-        self.calls.append(("finished", conn, kept))
+    def opened(self, key: str) -> tuple[LegConnection, socket.socket]:
+        """Leg ``key``'s connection, now open over a socket pair: what the runtime's task does once connected."""
+        conn = self._pool.legs[key]
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        self.peers.append(theirs)
+        conn.sock = ours
+        conn.send(REQUEST)
+        conn.reading = True
+        return conn, theirs
 
 
 def start(key: str, *, fresh: bool = False) -> StartLeg:
-    return StartLeg(key, parse_engine_url(URL, key="engine"), b"GET / HTTP/1.1\r\n\r\n", None, 1.0, fresh)
+    return StartLeg(key, parse_engine_url(URL, key="engine"), REQUEST, None, 1.0, fresh)
 
 
-def test_a_leg_opens_a_connection_attached_to_it_at_once() -> None:
+@pytest.fixture
+def legs() -> Iterator[Recording]:
     legs = Recording()
+    yield legs
+    for peer in legs.peers:
+        peer.close()
+
+
+def test_a_leg_opens_a_connection_attached_to_it_at_once(legs: Recording) -> None:
     legs.start_leg(start("a"))
     assert legs.calls == [("open", "a")]
     conn = legs._pool.legs["a"]
-    assert conn.leg == "a" and not legs.unsent  # a new connection writes its own request once open
+    assert conn.leg == "a" and conn.sock is None and not legs.unsent  # it writes its own request once open
 
 
-def test_a_finished_leg_s_connection_carries_the_next_leg() -> None:
-    legs = Recording()
+def test_a_finished_leg_s_connection_carries_the_next_leg_and_writes_it_with_the_batch(legs: Recording) -> None:
     legs.start_leg(start("a"))
-    conn = legs._pool.legs["a"]
+    conn, engine = legs.opened("a")
+    assert engine.recv(100) == REQUEST
     legs.finish_leg("a", True)
-    assert legs.calls[-1] == ("finished", conn, True)
+    assert conn.leg is None and not conn.closed  # kept, idle, still read
     legs.start_leg(start("b"))
-    assert legs.calls[-1] == ("reused", conn, "b")
-    assert legs.unsent and legs._pool.take_unsent() == [(conn, b"GET / HTTP/1.1\r\n\r\n")]
+    assert legs._pool.legs["b"] is conn and legs.calls == [("open", "a")]
+    with pytest.raises(BlockingIOError):
+        engine.recv(100)  # not written yet: it waits for the batch's journal records
+    legs.write_unsent()
+    assert engine.recv(100) == REQUEST
     legs.start_leg(start("c", fresh=True))  # the router asks for a fresh one after a stale failure
     assert legs.calls[-1] == ("open", "c")
 
 
-def test_cancel_and_finish_reach_the_adapter_only_for_a_running_leg() -> None:
+def test_cancel_and_finish_reach_the_connection_only_for_a_running_leg() -> None:
     legs = Recording(pool_size=0)
     legs.start_leg(start("a"))
-    conn = legs._pool.legs["a"]
+    conn, _ = legs.opened("a")
     legs.finish_leg("a", True)
-    assert legs.calls[-1] == ("finished", conn, False)  # the pool holds none: close it
+    assert conn.closed and legs.io_.calls[-1] == ("ended", conn, None)  # the pool holds none: closed
+    calls = len(legs.io_.calls)
     legs.cancel_leg("a")
     legs.finish_leg("a", True)
-    assert len(legs.calls) == 2
+    assert len(legs.io_.calls) == calls
     legs.start_leg(start("b"))
+    connecting = legs._pool.legs["b"]
     legs.cancel_leg("b")
-    assert legs.calls[-1] == ("cancelled", legs.calls[-1][1]) and legs.calls[-1][1].leg is None
+    assert legs.calls[-1] == ("stop opening", connecting) and connecting.leg is None
 
 
-def test_no_leg_starts_once_closing() -> None:
-    legs = Recording()
+def test_no_leg_starts_once_closing(legs: Recording) -> None:
     legs._closed = True
     legs.start_leg(start("a"))
     assert legs.calls == [] and not legs._pool.legs
+
+
+def test_what_the_engine_sends_is_the_leg_s_and_its_close_ends_the_answer(legs: Recording) -> None:
+    legs.start_leg(start("a"))
+    conn, engine = legs.opened("a")
+    assert engine.recv(100) == REQUEST
+    engine.send(b"HTTP/1.1 200 OK\r\n")
+    conn.readable()
+    engine.close()
+    conn.readable()
+    assert legs.fed == [LegData("a", b"HTTP/1.1 200 OK\r\n"), LegData("a", b"")]
+    assert conn.closed and ("ended", conn, None) in legs.io_.calls
+
+
+def test_a_reused_connection_the_engine_closed_before_any_byte_fails_the_leg_as_stale(legs: Recording) -> None:
+    legs.start_leg(start("a"))
+    conn, engine = legs.opened("a")
+    legs.finish_leg("a", True)
+    legs.start_leg(start("b"))
+    legs.write_unsent()
+    engine.close()
+    conn.readable()
+    assert legs.fed == [LegFailed("b", "dropped", True)]
+
+
+def test_an_idle_connection_that_speaks_is_closed_and_nothing_is_fed(legs: Recording) -> None:
+    legs.start_leg(start("a"))
+    conn, engine = legs.opened("a")
+    legs.finish_leg("a", True)
+    engine.send(b"junk")
+    conn.readable()
+    assert conn.closed and legs.fed == []
+    legs.start_leg(start("b"))
+    assert legs.calls[-1] == ("open", "b")  # not the closed one
+
+
+def test_a_request_the_socket_cannot_take_at_once_is_finished_when_it_can(legs: Recording) -> None:
+    legs.start_leg(start("a"))
+    conn, engine = legs.opened("a")
+    big = b"x" * (4 << 20)
+    conn.send(big)
+    assert conn.out and ("write", conn, True) in legs.io_.calls
+    received = len(engine.recv(1 << 20))
+    while conn.out:
+        try:
+            received += len(engine.recv(1 << 20))
+        except BlockingIOError:
+            pass
+        conn.writable()
+    while received < len(REQUEST) + len(big):
+        received += len(engine.recv(1 << 20))
+    assert received == len(REQUEST) + len(big) and legs.io_.calls[-1] == ("write", conn, False)
