@@ -2,9 +2,7 @@
 
 A leg's connection is the shared :class:`~narwhal_runtime.legs.LegConnection`;
 the loop calls it when its socket is ready (``add_reader``, ``add_writer``:
-:class:`LegIO`), also while idle. A task runs only to open one. A leg's
-connection stops reading while the client it relays to is far behind (the
-server pauses and resumes the legs linked to a client: :meth:`Engines._link`).
+:class:`LegIO`), also while idle. A task runs only to open one.
 """
 
 from __future__ import annotations
@@ -88,21 +86,6 @@ class Engines(Waits, EngineLegs):
 
     def _stop_opening(self, conn: LegConnection) -> None:
         conn.runtime.cancel()
-
-    def _link(self, conn: LegConnection, cmd: StartLeg) -> None:
-        # The leg relays to cmd.conn (if any): it pauses with that client.
-        client: Any = cmd.conn  # a ClientConnection; its ``runtime``: the legs relaying to it
-        if client is not None:
-            conn.client = client
-            client.runtime.add(conn)
-            if client.held:
-                conn.pause()
-
-    def _unlink(self, conn: LegConnection) -> None:
-        client = conn.client
-        if client is not None:
-            conn.client = None
-            client.runtime.discard(conn)
 
     def start_control(self, cmd: StartControl) -> None:
         """Run a control request in its own task (:func:`~narwhal_runtime.control.run_control`)."""

@@ -18,7 +18,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from narwhal_core import ClientStalled, Config, Event, Router
+from narwhal_core import Config, Event, Router
 from narwhal_runtime.app import Run
 from narwhal_runtime.client_connections import ClientConnection
 from narwhal_runtime.serving import ServerBase
@@ -56,10 +56,8 @@ def loop_name(loop: asyncio.AbstractEventLoop) -> str:
 class _ClientIO(LegIO):
     """What asyncio lends its client connections (:class:`~narwhal_runtime.client_connections.ClientIO`).
 
-    The loop watches each socket (``add_reader``, ``add_writer``, as for legs:
-    :class:`~.engines.LegIO`). A connection far behind
-    (:attr:`ClientConnection.held`) is not read, nor are the engine legs
-    relaying to it (:meth:`Engines._link`).
+    The loop watches each socket (``add_reader``, ``add_writer``), as for
+    legs (:class:`~.engines.LegIO`).
     """
 
     def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
@@ -68,21 +66,8 @@ class _ClientIO(LegIO):
         self.feed = server.feed
         self.now = loop.time
         self.later = loop.call_later
+        self.soon = loop.call_soon
         self._server = server
-
-    def stalled(self, conn: ClientConnection, stalled: bool) -> None:
-        if conn.reading:  # no next request either, until this answer is taken
-            self.read(conn, not stalled)
-        for leg in conn.runtime:
-            if stalled:
-                leg.pause()
-            else:
-                leg.resume()
-        if not conn.closed:
-            # The legs relaying to it wait for it (and those started meanwhile
-            # start paused): their engines' silence is not their fault. (Fed
-            # from the loop, not from inside the flush that wrote.)
-            self._loop.call_soon(self.feed, ClientStalled(conn, stalled))
 
     def ended(self, conn: ClientConnection) -> None:
         super().ended(conn)
@@ -229,7 +214,6 @@ class Server(ServerBase):
     def _start_client(self, sock: socket.socket, _: object) -> None:
         assert self._io is not None
         conn = ClientConnection(sock, self._io)
-        conn.runtime = set()  # the engine legs relaying to it (paused while it is held)
         self._live.add(conn)
         if self._stopping:
             conn.end()  # the router never hears of it

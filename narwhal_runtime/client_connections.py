@@ -21,7 +21,7 @@ import socket
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from narwhal_core import ClientConnected, ClientData, ClientGone, Event
+from narwhal_core import ClientConnected, ClientData, ClientGone, ClientStalled, Event
 
 from .driver import HIGH_WATER, LINGER_S, keep_lingering
 from .slow_clients import log_send_timeout
@@ -49,18 +49,18 @@ class ClientIO(Protocol):
     def later(self, delay: float, callback: Callable[[], None]) -> Timer:
         """Call ``callback`` in ``delay`` seconds, unless cancelled."""
 
-    def read(self, conn: ClientConnection, read: bool) -> None:
+    def read(self, conn: Any, read: bool) -> None:
         """Call ``conn.readable()`` whenever its socket has bytes or EOF (``read``), or no longer.
 
-        While ``conn.held``, a runtime that stops reading a client it is far
-        behind with does not read it either.
+        Told ``False`` while ``conn.reading`` is still true, it pauses (until
+        told ``True`` again); else reading is over.
         """
 
     def write(self, conn: ClientConnection, wait: bool) -> None:
         """Call ``conn.writable()`` whenever its socket can take bytes (``wait``), or no longer."""
 
-    def stalled(self, conn: ClientConnection, stalled: bool) -> None:
-        """``conn`` went past :data:`HIGH_WATER` unsent bytes, or took them all (``conn.held``)."""
+    def soon(self, callback: Callable[..., object], *args: Any) -> object:
+        """Call ``callback(*args)`` from the loop, soon (not from inside the flush that is writing)."""
 
     def ended(self, conn: ClientConnection) -> None:
         """``conn`` is over: stop watching its socket, and close it."""
@@ -74,7 +74,7 @@ class ClientConnection:
 
     __slots__ = (
         "sock", "io", "closing", "out", "unsent", "close_after", "closed", "held", "lingering", "discarded",
-        "taken_at", "timer", "slot", "reading", "runtime",
+        "taken_at", "timer", "slot", "reading", "relays",
     )
 
     def __init__(self, sock: socket.socket, io: ClientIO) -> None:
@@ -89,7 +89,7 @@ class ClientConnection:
         self.close_after = False
         #: Narwhal closed its side (lingering) or the connection ended: the router is done with it.
         self.closed = False
-        #: More than HIGH_WATER unsent bytes: the runtime was told (:meth:`ClientIO.stalled`).
+        #: More than HIGH_WATER unsent bytes: neither it nor the legs relaying to it are read.
         self.held = False
         #: Narwhal's side is shut; what the client still sends is dropped until LINGER_S is over.
         self.lingering = False
@@ -101,8 +101,8 @@ class ClientConnection:
         self.slot = True
         #: The runtime calls :meth:`readable` (until EOF or the end), unless the connection is held.
         self.reading = False
-        #: The runtime's own state for this connection (trio: the event a reader waits on).
-        self.runtime: Any = None
+        #: The engine leg connections relaying to it (:meth:`~.legs.EngineLegs._link`), held with it.
+        self.relays: set[Any] = set()
 
     def start(self, closing: Callable[[Any], bool]) -> None:
         """Tell the router of the connection and start reading it; ``closing`` is ``driver.closing``."""
@@ -203,15 +203,28 @@ class ClientConnection:
             self.timer.cancel()
             self.timer = None
         if self.held:
-            self.held = False
-            self.io.stalled(self, False)
+            self._hold(False)
         if self.close_after:
             self._close()
 
     def _hold_if_far_behind(self) -> None:
         if not self.held and self.unsent > HIGH_WATER:
-            self.held = True
-            self.io.stalled(self, True)
+            self._hold(True)
+
+    def _hold(self, held: bool) -> None:
+        # Backpressure (slow_clients.py): the client's next request and the legs relaying to it wait.
+        self.held = held
+        if self.reading:
+            self.io.read(self, not held)
+        for leg in self.relays:
+            if held:
+                leg.pause()
+            else:
+                leg.resume()
+        if not self.closed:
+            # The legs wait for the client (and those started meanwhile start
+            # paused): their engines' silence is not their fault.
+            self.io.soon(self.io.feed, ClientStalled(self, held))
 
     def _send_timeout(self) -> None:
         # The send timeout (slow_clients.py): none of the bytes taken for send_timeout_s.
@@ -241,8 +254,7 @@ class ClientConnection:
         self.lingering = True
         self.timer = self.io.later(LINGER_S, self.end)
         if self.held:
-            self.held = False
-            self.io.stalled(self, False)  # (read again: the lingering reads what comes)
+            self._hold(False)  # (read again: the lingering reads what comes)
 
     def broken(self) -> None:
         """The socket failed, or the client went: end it, and tell the router unless it closed it."""
@@ -273,8 +285,7 @@ class ClientConnection:
             self.io.write(self, False)
         self.unsent = 0
         if self.held:
-            self.held = False
-            self.io.stalled(self, False)
+            self._hold(False)
         self.io.ended(self)
         self._release()
 

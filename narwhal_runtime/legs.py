@@ -26,7 +26,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 from narwhal_core import StartLeg, local_failure
 from narwhal_core.events import LegFailure
@@ -88,7 +88,7 @@ class LegConnection(PooledConnection):
         self.out: list[bytes | memoryview] = []
         #: The runtime calls :meth:`readable` (from the leg's request on, until the connection ends).
         self.reading = False
-        #: The client the answer is for, while the runtime holds legs for their clients (asyncio).
+        #: The client connection the answer is for (its ``relays`` holds this connection).
         self.client: Any = None
         self.paused = False
         #: The runtime's own state (the task opening it).
@@ -160,7 +160,7 @@ class LegConnection(PooledConnection):
         self.legs.io.write(self, False)
 
     def pause(self) -> None:
-        """Stop reading: the client this leg relays to is far behind (how asyncio holds a leg)."""
+        """Stop reading: the client this leg relays to is far behind."""
         if not self.paused and self.reading:
             self.paused = True
             self.legs.io.read(self, False)
@@ -194,8 +194,7 @@ class EngineLegs:
             return
         conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, cmd.fresh_connection)
         if conn is not None:
-            if self._link is not None:
-                self._link(conn, cmd)
+            self._link(conn, cmd)
             return
         conn = self._open(cmd)
         self._pool.attach(conn, cmd.leg)
@@ -254,19 +253,26 @@ class EngineLegs:
         """Close a socket no connection took (:class:`~.socket_io.SocketWaits`)."""
         raise NotImplementedError
 
-    #: What the adapter does when a connection starts carrying ``cmd``'s leg,
-    #: a pooled one (its request waits in the pool) or a new one just open:
-    #: ``_link(conn, cmd)``; ``None``: nothing (no call per leg for nothing).
-    _link: ClassVar[Callable[[Any, LegConnection, StartLeg], None] | None] = None
+    # the connections
+
+    def _link(self, conn: LegConnection, cmd: StartLeg) -> None:
+        """``conn`` carries ``cmd``'s leg: it relays to ``cmd.conn`` (if any), and is held with it."""
+        client: Any = cmd.conn  # a ClientConnection
+        if client is not None:
+            conn.client = client
+            client.relays.add(conn)
+            if client.held:
+                conn.pause()
 
     def _unlink(self, conn: LegConnection) -> None:
-        """``conn`` no longer carries the leg :attr:`_link` saw."""
+        client = conn.client
+        if client is not None:
+            conn.client = None
+            client.relays.discard(conn)
 
     def control_feed(self, event: Any) -> None:
         """Feed what a control request came to (:class:`~.control.ControlIO`)."""
         self._feed(event)
-
-    # the connections
 
     def write_unsent(self) -> None:
         """Write the requests of legs started on pooled connections since the last call."""
@@ -292,8 +298,7 @@ class EngineLegs:
             self.close_socket(sock)  # cancelled just as it opened
             return
         conn.sock = sock
-        if self._link is not None:
-            self._link(conn, cmd)
+        self._link(conn, cmd)
         conn.send(cmd.data)  # its journal line was flushed with the batch that started the leg
         conn.reading = True
         self.io.read(conn, True)

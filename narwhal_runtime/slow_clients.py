@@ -22,10 +22,9 @@ Both runtimes run the same client connection
 (:class:`~narwhal_runtime.client_connections.ClientConnection`), which
 sends the bytes itself and sees each byte the kernel takes: it drops a
 client ``send_timeout_s`` after the last one (a timer started with the
-first unsent byte, moved on when it finds some taken). How a runtime holds
-a client back differs, not the rule: asyncio stops reading the legs that
-relay to it (and the client itself); trio holds the task whose feed wrote
-to it. Either says why it drops a client in the same one log line
+first unsent byte, moved on when it finds some taken), and holds it back
+itself: neither it nor the legs relaying to it are read while it is held.
+Either runtime says why it drops a client in the same one log line
 (:func:`log_send_timeout`).
 """
 

@@ -54,29 +54,39 @@ class LegIO:
     """What trio lends connections (:class:`~narwhal_runtime.legs.LegIO`): tasks that wait for their sockets.
 
     A task per connection waits for its socket to be readable and calls it,
-    until it stops reading; then, if a client the call wrote to is far
-    behind, waits for that client (``server``'s, when one is given:
-    :meth:`narwhal_trio.server.Server.feed`). Another task, only while the
-    socket has not taken every byte, waits for it to be writable.
+    until it stops reading; while the connection is paused (a client it
+    relays to is far behind) the task waits to be resumed instead. Another
+    task, only while the socket has not taken every byte, waits for it to
+    be writable.
     """
 
-    def __init__(self, nursery: trio.Nursery, server: Any = None) -> None:
+    def __init__(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
-        self._server = server
+        #: The paused connections, and what resumes each.
+        self._paused: dict[Any, trio.Event] = {}
 
     def read(self, conn: Any, read: bool) -> None:
-        if read:  # (not: the task ends after the read that stopped it)
-            self._nursery.start_soon(self._read, conn)
+        paused = self._paused
+        if read:
+            if conn in paused:
+                paused.pop(conn).set()
+            else:
+                self._nursery.start_soon(self._read, conn)
+        elif conn.reading:
+            paused[conn] = trio.Event()
+        elif conn in paused:
+            paused.pop(conn).set()  # over: the task ends
 
     async def _read(self, conn: Any) -> None:
         sock = conn.sock
-        server = self._server
+        paused = self._paused
         try:
             while conn.reading:
                 await trio.lowlevel.wait_readable(sock)
-                conn.readable()
-                if server is not None and server._writers and server.driver.transmitted:
-                    await server._wait_for_clients(server.driver.transmitted)
+                if paused and conn in paused:
+                    await paused[conn].wait()
+                else:
+                    conn.readable()
         except (trio.ClosedResourceError, OSError):
             pass  # ended: whoever closed it told the router
         except BaseException:
@@ -100,17 +110,17 @@ class LegIO:
             conn.broken()  # cancelled (the server stops)
             raise
 
-    @staticmethod
-    def ended(conn: Any) -> None:
+    def ended(self, conn: Any) -> None:
+        if conn in self._paused:
+            self._paused.pop(conn).set()
         close_socket(conn.sock)  # wakes its tasks
 
 
 class Engines(Waits, EngineLegs):
     """Legs (:class:`~narwhal_runtime.legs.EngineLegs`) and control requests for one router, on one nursery."""
 
-    def __init__(self, nursery: trio.Nursery, feed: Callable[[Event], object], *, pool_size: int,
-                 io: LegIO | None = None) -> None:
-        super().__init__(feed, io or LegIO(nursery), pool_size)
+    def __init__(self, nursery: trio.Nursery, feed: Callable[[Event], object], *, pool_size: int) -> None:
+        super().__init__(feed, LegIO(nursery), pool_size)
         self._nursery = nursery
 
     def _start_opening(self, conn: LegConnection, cmd: StartLeg) -> None:

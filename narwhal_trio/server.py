@@ -8,9 +8,8 @@ once from each feed: writing just before the loop sleeps would make the
 engine's answer find the process asleep more often (benchmarks/README.md).
 Client connections are the ones both runtimes run
 (:mod:`narwhal_runtime.client_connections`), driven by tasks that wait for
-their sockets (:class:`_ClientIO`); a task whose feed wrote to a client
-more than ``HIGH_WATER`` behind waits for it (narwhal_runtime/slow_clients.py).
-Sockets are plain non-blocking ones (see :mod:`.engines`).
+their sockets (:class:`_ClientIO`). Sockets are plain non-blocking ones
+(see :mod:`.engines`).
 """
 
 from __future__ import annotations
@@ -23,10 +22,9 @@ from typing import Any
 
 import trio
 
-from narwhal_core import ClientStalled, Config, Event, Router
+from narwhal_core import Config, Event, Router
 from narwhal_runtime.app import Run
 from narwhal_runtime.client_connections import ClientConnection
-from narwhal_runtime.driver import HIGH_WATER
 from narwhal_runtime.listening import Listener
 from narwhal_runtime.serving import ServerBase
 
@@ -59,35 +57,19 @@ class _Later:
 class _ClientIO(LegIO):
     """What trio lends its client connections (:class:`~narwhal_runtime.client_connections.ClientIO`).
 
-    The tasks that wait for their sockets are the legs' (:class:`~.engines.LegIO`);
-    a task whose feed wrote to a client more than ``HIGH_WATER`` behind
-    waits for it (:meth:`Server.feed`), counting on the clients with unsent
-    bytes being counted here.
+    Its tasks wait for the sockets as for legs (:class:`~.engines.LegIO`).
     """
 
-    def __init__(self, server: Server, nursery: trio.Nursery, listener: Listener) -> None:
-        super().__init__(nursery, server)
+    def __init__(self, server: Server, nursery: trio.Nursery, listener: Listener, token: trio.lowlevel.TrioToken) -> None:
+        super().__init__(nursery)
         self.send_timeout_s = server.config.ingress.send_timeout_s
         self.feed = server.feed
         self.now = server._current_time
+        self.soon = token.run_sync_soon
         self.released = lambda conn: listener.release()
 
     def later(self, delay: float, callback: Callable[[], None]) -> _Later:
         return _Later(self._nursery, delay, callback)
-
-    def write(self, conn: Any, wait: bool) -> None:
-        server = self._server
-        if wait:
-            server._writers += 1
-            super().write(conn, wait)
-            return
-        server._writers -= 1
-        if conn.runtime is not None:
-            conn.runtime.set()  # the tasks waiting for it to catch up go on
-            conn.runtime = None
-
-    def stalled(self, conn: ClientConnection, stalled: bool) -> None:
-        pass  # trio holds the task that fed the router instead (Server.feed)
 
 
 class Server(ServerBase):
@@ -101,8 +83,6 @@ class Server(ServerBase):
                          lookup_in_thread=functools.partial(trio.to_thread.run_sync, abandon_on_cancel=True))
         #: ``trio.current_time``, one call instead of three (it asks the run's clock through two more).
         self._current_time: Callable[[], float] = trio.lowlevel.current_clock().current_time
-        #: Clients whose socket has not taken every byte (a task writes the rest).
-        self._writers = 0
         self._eager = True  # the last batch was light: perform each at once
         self._token: trio.lowlevel.TrioToken | None = None
         self._timer_wakeup = trio.Event()
@@ -122,9 +102,8 @@ class Server(ServerBase):
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                self.engines = Engines(nursery, self.feed, pool_size=self.config.engine.pool_connections_per_engine,
-                                       io=LegIO(nursery, self))
-                self._io = _ClientIO(self, nursery, listener)
+                self.engines = Engines(nursery, self.feed, pool_size=self.config.engine.pool_connections_per_engine)
+                self._io = _ClientIO(self, nursery, listener, self._token)
                 nursery.start_soon(self._timer_loop)
                 if self._busy.seconds:
                     nursery.start_soon(self._busy_poll_loop)
@@ -147,7 +126,7 @@ class Server(ServerBase):
     # ----------------------------------------------------------- the driver
 
     def feed(self, event: Event) -> None:
-        """Feed one event from a socket (the task that read it then waits if a client it fed is far behind)."""
+        """Feed one event from a socket."""
         driver = self.driver
         pending = driver.feed(event, self._current_time())
         # _after_drain(pending) and its _flush(), inlined: this runs once per event.
@@ -155,18 +134,6 @@ class Server(ServerBase):
             driver.flush(self)  # light load: perform now, while this task still has work to do
         if driver.rearm or driver.shutdown_complete:
             self._notice()  # (nothing of the flush waited for it: it only wakes tasks)
-
-    async def _wait_for_clients(self, transmitted: list[Any]) -> None:
-        """Wait while a client this task's feed wrote to is more than HIGH_WATER behind (slow_clients.py)."""
-        for conn in dict.fromkeys(transmitted):
-            if conn.out and conn.unsent + self.driver.pending_bytes(conn) > HIGH_WATER:
-                if conn.runtime is None:
-                    conn.runtime = trio.Event()
-                drained = conn.runtime
-                # The leg this task reads waits for the client: its engine's silence is not its fault.
-                self._feed_now(ClientStalled(conn, True))
-                await drained.wait()
-                self._feed_now(ClientStalled(conn, False))
 
     def _feed_now(self, event: Event) -> None:
         # For callers that must not block on a client socket (timer, cleanup).

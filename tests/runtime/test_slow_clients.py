@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from narwhal_core import ClientConnected, ClientData, ClientGone
+from narwhal_core import ClientConnected, ClientData, ClientGone, ClientStalled
 from narwhal_runtime.client_connections import ClientConnection
 from narwhal_runtime.driver import HIGH_WATER, LINGER_S
 
@@ -70,8 +70,8 @@ class _IO:
     def write(self, conn: ClientConnection, wait: bool) -> None:
         self.calls.append(("write", wait))
 
-    def stalled(self, conn: ClientConnection, stalled: bool) -> None:
-        self.calls.append(("stalled", stalled))
+    def soon(self, callback: Callable[..., object], *args: Any) -> None:
+        callback(*args)  # (the test's loop turn is now)
 
     def ended(self, conn: ClientConnection) -> None:
         self.ended_conns.append(conn)
@@ -163,19 +163,35 @@ def test_a_client_that_takes_everything_is_not_dropped_however_long_it_took(pair
     assert not conn.closed and not any(isinstance(e, ClientGone) for e in io.fed)
 
 
+class _Leg:
+    def __init__(self) -> None:
+        self.paused = False
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+
 def test_a_client_far_behind_is_held_until_it_took_every_byte(pair: Any) -> None:
     conn, io, theirs = pair
+    leg = _Leg()
+    conn.relays.add(leg)  # a leg relaying to it (legs.EngineLegs._link)
     _fill(conn)
-    assert ("stalled", True) not in io.calls
+    assert not conn.held and not any(isinstance(e, ClientStalled) for e in io.fed)
     while conn.unsent <= HIGH_WATER:
         conn.send(b"y" * 65536, False)
-    assert io.calls.count(("stalled", True)) == 1 and conn.held
+    # Held: the client is not read (no next request), nor is the leg; the router hears it.
+    assert conn.held and leg.paused and io.calls[-1] == ("read", False)
+    assert io.fed[-1] == ClientStalled(conn, True)
     conn.send(b"z" * 65536, False)
-    assert io.calls.count(("stalled", True)) == 1  # told once
+    assert [e for e in io.fed if isinstance(e, ClientStalled)] == [ClientStalled(conn, True)]  # told once
     while conn.out:
         _drain(theirs)
         conn.writable()
-    assert io.calls[-2:] == [("write", False), ("stalled", False)] and not conn.held
+    assert not conn.held and not leg.paused and ("read", True) in io.calls[-2:]
+    assert io.fed[-1] == ClientStalled(conn, False)
 
 
 def test_narwhals_close_waits_for_the_queued_bytes_then_lingers(pair: Any) -> None:
