@@ -36,24 +36,6 @@ __all__ = ["Server", "run", "RUNTIME"]
 RUNTIME = "trio"
 
 
-class _Later:
-    """A call in ``delay`` seconds, by a task of ``nursery``, unless cancelled first."""
-
-    __slots__ = ("scope",)
-
-    def __init__(self, nursery: trio.Nursery, delay: float, callback: Callable[[], None]) -> None:
-        self.scope = trio.CancelScope()
-        nursery.start_soon(self._run, delay, callback)
-
-    async def _run(self, delay: float, callback: Callable[[], None]) -> None:
-        with self.scope:
-            await trio.sleep(delay)
-            callback()
-
-    def cancel(self) -> None:
-        self.scope.cancel()
-
-
 class _ClientIO(LegIO):
     """What trio lends its client connections (:class:`~narwhal_runtime.client_connections.ClientIO`).
 
@@ -68,8 +50,17 @@ class _ClientIO(LegIO):
         self.soon = token.run_sync_soon
         self.released = lambda conn: listener.release()
 
-    def later(self, delay: float, callback: Callable[[], None]) -> _Later:
-        return _Later(self._nursery, delay, callback)
+    def later(self, delay: float, callback: Callable[[], None]) -> trio.CancelScope:
+        """Call ``callback`` in ``delay`` seconds from a task of its own, unless the scope is cancelled first."""
+        scope = trio.CancelScope()
+        self._nursery.start_soon(_call_later, scope, delay, callback)
+        return scope
+
+
+async def _call_later(scope: trio.CancelScope, delay: float, callback: Callable[[], None]) -> None:
+    with scope:
+        await trio.sleep(delay)
+        callback()
 
 
 class Server(ServerBase):
