@@ -1,9 +1,9 @@
 """Engine connections on trio: the shared legs (:mod:`narwhal_runtime.legs`) and control requests.
 
 A leg's connection is the shared :class:`~narwhal_runtime.legs.LegConnection`;
-the server's tasks wait for its socket (``_LegIO`` in :mod:`.server`), one
-per connection while it reads, also while idle, and one while a request
-waits for the socket to take it. A new connection is opened by a task of
+tasks wait for its socket (:class:`LegIO`, which client connections use
+too), one per connection while it reads, also while idle, and one while a
+request waits for the socket to take it. A new connection is opened by a task of
 its own, cancelled by a ``CancelLeg`` while it connects. Sockets are plain
 non-blocking ones driven with :func:`trio.lowlevel.wait_readable` /
 :func:`~trio.lowlevel.wait_writable`: a ``SocketStream`` call costs several
