@@ -1,14 +1,14 @@
 """Narwhal on asyncio: callbacks, the timer and signals around the driver (:mod:`narwhal_runtime.driver`).
 
-Client connections are the ones both runtimes run
-(:mod:`narwhal_runtime.client_connections`); the loop calls them when
-their sockets are ready (``add_reader``, ``add_writer``: :class:`_ClientIO`),
-and they feed the driver synchronously. Engine connections are transports
-(:mod:`.engines`). One ``call_soon`` callback per loop iteration performs
-the batch, before the loop waits for I/O again. No task runs per request
-(tasks only open engine connections and run control requests). Slow
-clients: see narwhal_runtime/slow_clients.py. uvloop runs the loop when
-installed.
+Client and engine connections are the ones both runtimes run
+(:mod:`narwhal_runtime.client_connections`, :mod:`narwhal_runtime.legs`);
+the loop calls them when their sockets are ready (``add_reader``,
+``add_writer``: :class:`_ClientIO`, :class:`~.engines.LegIO`), and they
+feed the driver synchronously. One ``call_soon`` callback per loop
+iteration performs the batch, before the loop waits for I/O again. No
+task runs per request (tasks only open engine connections and run control
+requests). Slow clients: see narwhal_runtime/slow_clients.py. uvloop runs
+the loop when installed.
 """
 
 from __future__ import annotations

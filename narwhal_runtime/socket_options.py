@@ -46,8 +46,7 @@ __all__ = ["set_up_client", "set_up_engine", "CLIENT_OPTIONS", "ENGINE_OPTIONS",
 #: Bytes written to a client that may wait unsent in its socket's kernel buffer, at most.
 CLIENT_NOTSENT_LOWAT: Final = 2**14
 
-#: Bytes asked of the kernel per read where an adapter reads a socket itself (every socket on trio; a
-#: control request's on asyncio, whose transports choose their own size for the rest).
+#: Bytes asked of the kernel per read (every connection reads its socket itself, on both runtimes).
 READ_SIZE: Final = 65536
 
 _LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", None)  # Linux and macOS have it
