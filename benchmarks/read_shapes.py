@@ -83,10 +83,16 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-async def _asyncio_protocol(rounds: int) -> tuple[float, int]:
+async def _echoed() -> tuple[asyncio.AbstractEventLoop, socket.socket, asyncio.BaseTransport]:
+    """The running loop, and the measured end of a socket pair whose other end a protocol echoes (its transport)."""
     loop = asyncio.get_running_loop()
     a, b = _pair()
     echo, _ = await loop.connect_accepted_socket(_Echo, b)
+    return loop, a, echo
+
+
+async def _asyncio_protocol(rounds: int) -> tuple[float, int]:
+    loop, a, echo = await _echoed()
     done: asyncio.Future[int] = loop.create_future()
     start = time.process_time()
     transport, _ = await loop.connect_accepted_socket(lambda: _Pinger(rounds, done), a)
@@ -98,9 +104,7 @@ async def _asyncio_protocol(rounds: int) -> tuple[float, int]:
 
 
 async def _asyncio_reader(rounds: int) -> tuple[float, int]:
-    loop = asyncio.get_running_loop()
-    a, b = _pair()
-    echo, _ = await loop.connect_accepted_socket(_Echo, b)
+    loop, a, echo = await _echoed()
     done: asyncio.Future[int] = loop.create_future()
     left, trips = rounds, 0
 
@@ -128,10 +132,8 @@ async def _asyncio_reader(rounds: int) -> tuple[float, int]:
 async def _asyncio_task(rounds: int) -> tuple[float, int]:
     from narwhal_asyncio.engines import Waits
 
-    loop = asyncio.get_running_loop()
+    loop, a, echo = await _echoed()
     waits = Waits(loop)
-    a, b = _pair()
-    echo, _ = await loop.connect_accepted_socket(_Echo, b)
     trips = 0
     start = time.process_time()
     for _ in range(rounds):

@@ -110,7 +110,6 @@ class ClientConnection:
         try:
             host, port = self.sock.getpeername()[:2]
         except OSError:  # gone before it was served: the router never hears of it
-            self.closed = True
             self.end()
             return
         self.io.feed(ClientConnected(self, str(host), int(port)))
@@ -259,7 +258,6 @@ class ClientConnection:
     def broken(self) -> None:
         """The socket failed, or the client went: end it, and tell the router unless it closed it."""
         tell = not self.router_closed()
-        self.closed = True
         self.end()
         if tell:
             self.io.feed(ClientGone(self))
