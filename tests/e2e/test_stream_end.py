@@ -62,44 +62,50 @@ class TailEngine:
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        buf = b""
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ")
-                headers = dict(line.split(":", 1) for line in lines[1:])
-                length = int({k.lower(): v for k, v in headers.items()}.get("content-length", "0"))
-                while len(buf) < length:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                body, buf = buf[:length], buf[length:]
-                if method == "GET":
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
-                    continue
-                request = json.loads(body)
-                with self._lock:
-                    self.completions += 1
-                # The head and every event at once, then the pause, then the body's end.
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                    + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in self._events(target, request))
-                )
-                time.sleep(TAIL_PAUSE_S)
-                try:
-                    conn.sendall(b"0\r\n\r\n")
-                except OSError:
+            try:
+                self._answer(conn)
+            except ConnectionResetError:
+                return  # the router closed the connection while bytes of ours were unread: it left, as a client may
+
+    def _answer(self, conn: socket.socket) -> None:
+        buf = b""
+        while True:
+            while b"\r\n\r\n" not in buf:
+                data = conn.recv(65536)
+                if not data:
                     return
-                with self._lock:
-                    self.tails_sent += 1
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, _ = lines[0].split(" ")
+            headers = dict(line.split(":", 1) for line in lines[1:])
+            length = int({k.lower(): v for k, v in headers.items()}.get("content-length", "0"))
+            while len(buf) < length:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+            body, buf = buf[:length], buf[length:]
+            if method == "GET":
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                continue
+            request = json.loads(body)
+            with self._lock:
+                self.completions += 1
+            # The head and every event at once, then the pause, then the body's end.
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in self._events(target, request))
+            )
+            time.sleep(TAIL_PAUSE_S)
+            try:
+                conn.sendall(b"0\r\n\r\n")
+            except OSError:
+                return
+            with self._lock:
+                self.tails_sent += 1
 
     @staticmethod
     def _events(target: str, request: dict[str, Any]) -> list[bytes]:
