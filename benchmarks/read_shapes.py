@@ -130,10 +130,10 @@ async def _asyncio_reader(rounds: int) -> tuple[float, int]:
 
 
 async def _asyncio_task(rounds: int) -> tuple[float, int]:
-    from narwhal_asyncio.engines import Waits
+    from narwhal_asyncio.io import IO
 
     loop, a, echo = await _echoed()
-    waits = Waits(loop)
+    waits = IO(loop)
     trips = 0
     start = time.process_time()
     for _ in range(rounds):

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from narwhal_build import core_build
 from narwhal_core import (

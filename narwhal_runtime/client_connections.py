@@ -4,7 +4,8 @@ A :class:`ClientConnection` is a plain non-blocking socket and what
 Narwhal does with it. The runtime only tells it when the socket is ready
 (:meth:`ClientConnection.readable`, :meth:`ClientConnection.writable`) and
 lends what it needs: its clock, a timer, the driver's feed, and how it
-watches and closes a socket (:class:`ClientIO`). asyncio watches the socket
+watches and closes a socket (:class:`Clients`, over the runtime's
+:class:`~.runtime_io.RuntimeIO`). asyncio watches the socket
 with its loop's ``add_reader``/``add_writer`` (on uvloop this costs what a
 transport's ``data_received`` does: benchmarks/README.md, stop 38); trio
 with a task that waits for it. The connection is its own handle in the
@@ -12,76 +13,103 @@ router's events and commands.
 
 What happens to bytes a client does not take (backpressure, the send
 timeout) is narwhal_runtime/slow_clients.py; the lingering close is
-:data:`~narwhal_runtime.driver.LINGER_S`.
+:data:`~narwhal_runtime.driver.LINGER_S`; what is still queued when the
+server stops gets :data:`EXIT_FLUSH_S` (:meth:`Clients.aclose`), on both
+runtimes.
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from narwhal_core import ClientConnected, ClientData, ClientGone, ClientStalled, Event
 
 from .driver import HIGH_WATER, LINGER_S, keep_lingering
+from .runtime_io import Handle, RuntimeIO
 from .slow_clients import log_send_timeout
 from .socket_options import READ_SIZE
 
-__all__ = ["ClientConnection", "ClientIO", "Timer"]
+__all__ = ["ClientConnection", "Clients", "EXIT_FLUSH_S"]
+
+#: Seconds the last client connections get to take their bytes when the server stops.
+EXIT_FLUSH_S = 1.0
 
 
-class Timer(Protocol):
-    def cancel(self) -> None: ...
+class Clients:
+    """A server's client connections: what each is lent, which are live, and their end.
 
+    Each :class:`ClientConnection` is lent the runtime's clock, timers and
+    socket callbacks (:class:`~.runtime_io.RuntimeIO`), the driver's feed and
+    ``closing``, ``ingress.send_timeout_s``, and its listener's connection
+    slot. :meth:`start` is the listener's ``start_client``; :meth:`aclose`
+    the exit flush.
+    """
 
-class ClientIO(Protocol):
-    """What a runtime lends its client connections."""
+    def __init__(self, io: RuntimeIO, feed: Callable[[Event], object], closing: Callable[[Any], bool], *,
+                 send_timeout_s: float, release: Callable[[], None]) -> None:
+        self._io = io
+        self.now, self.later, self.soon, self.read, self.write = io.now, io.later, io.soon, io.read, io.write
+        #: Feed the driver (synchronously).
+        self.feed = feed
+        #: ``driver.closing``: whether the router closed a connection, or is closing it.
+        self.closing = closing
+        self.send_timeout_s = send_timeout_s
+        self._release = release
+        #: Every connection not yet ended (holding its slot, or lingering after Narwhal closed it).
+        self.live: set[ClientConnection] = set()
+        #: Serving is over: a connection accepted now is closed unheard.
+        self.stopped = False
 
-    #: ``ingress.send_timeout_s``.
-    send_timeout_s: float
-
-    def feed(self, event: Event) -> object:
-        """Feed the driver (synchronously)."""
-
-    def now(self) -> float:
-        """The runtime's clock, in seconds."""
-
-    def later(self, delay: float, callback: Callable[[], None]) -> Timer:
-        """Call ``callback`` in ``delay`` seconds, unless cancelled."""
-
-    def read(self, conn: Any, read: bool) -> None:
-        """Call ``conn.readable()`` whenever its socket has bytes or EOF (``read``), or no longer.
-
-        Told ``False`` while ``conn.reading`` is still true, it pauses (until
-        told ``True`` again); else reading is over.
-        """
-
-    def write(self, conn: ClientConnection, wait: bool) -> None:
-        """Call ``conn.writable()`` whenever its socket can take bytes (``wait``), or no longer."""
-
-    def soon(self, callback: Callable[..., object], *args: Any) -> object:
-        """Call ``callback(*args)`` from the loop, soon (not from inside the flush that is writing)."""
+    def start(self, sock: socket.socket, listener: object = None) -> None:
+        """Serve the accepted ``sock`` (it holds a slot of ``listener``'s)."""
+        conn = ClientConnection(sock, self)
+        self.live.add(conn)
+        if self.stopped:
+            conn.end()  # the router never hears of it
+        else:
+            conn.start()
 
     def ended(self, conn: ClientConnection) -> None:
         """``conn`` is over: stop watching its socket, and close it."""
+        self._io.ended(conn)
+        self.live.discard(conn)
 
     def released(self, conn: ClientConnection) -> None:
         """Narwhal is done with ``conn``: its connection slot is free."""
+        self._release()
+
+    async def aclose(self) -> None:
+        """The exit flush: the last bytes get :data:`EXIT_FLUSH_S` to leave, then what is left is cut.
+
+        After a drain the router has closed every connection; if serving was
+        cancelled instead, each connection cut tells the router.
+        """
+        self.stopped = True
+        live = self.live
+        for conn in list(live):
+            if conn.lingering:
+                conn.end()
+        io = self._io
+        deadline = io.now() + EXIT_FLUSH_S
+        while any(conn.out for conn in live) and io.now() < deadline:
+            await io.sleep_until(min(deadline, io.now() + 0.01))
+        for conn in list(live):
+            conn.broken()
 
 
 class ClientConnection:
     """One client connection; see the module docstring."""
 
     __slots__ = (
-        "sock", "io", "closing", "out", "unsent", "close_after", "closed", "held", "lingering", "discarded",
+        "sock", "io", "out", "unsent", "close_after", "closed", "held", "lingering", "discarded",
         "taken_at", "timer", "slot", "reading", "relays",
     )
 
-    def __init__(self, sock: socket.socket, io: ClientIO) -> None:
+    def __init__(self, sock: socket.socket, io: Clients) -> None:
         self.sock = sock
         self.io = io
-        #: ``driver.closing``: whether the router closed it, or is closing it.
-        self.closing: Callable[[Any], bool] = _never
         #: Bytes the socket has still to take, in order, and how many.
         self.out: list[bytes | memoryview] = []
         self.unsent = 0
@@ -96,17 +124,16 @@ class ClientConnection:
         self.discarded = 0
         #: When the socket last took bytes, and the send timeout's or the linger's timer.
         self.taken_at = 0.0
-        self.timer: Timer | None = None
+        self.timer: Handle | None = None
         #: Holds a connection slot (``ingress.max_connections``) until released.
         self.slot = True
         #: The runtime calls :meth:`readable` (until EOF or the end), unless the connection is held.
         self.reading = False
-        #: The engine leg connections relaying to it (:meth:`~.legs.EngineLegs._link`), held with it.
+        #: The engine leg connections relaying to it (:meth:`~.legs.Engines._link`), held with it.
         self.relays: set[Any] = set()
 
-    def start(self, closing: Callable[[Any], bool]) -> None:
-        """Tell the router of the connection and start reading it; ``closing`` is ``driver.closing``."""
-        self.closing = closing
+    def start(self) -> None:
+        """Tell the router of the connection and start reading it."""
         try:
             host, port = self.sock.getpeername()[:2]
         except OSError:  # gone before it was served: the router never hears of it
@@ -264,7 +291,7 @@ class ClientConnection:
 
     def router_closed(self) -> bool:
         """The router is done with the connection (it closed it, maybe in the batch not yet performed)."""
-        return self.closed or self.close_after or self.closing(self)
+        return self.closed or self.close_after or self.io.closing(self)
 
     def _stop_reading(self) -> None:
         if self.reading:
@@ -292,6 +319,3 @@ class ClientConnection:
             self.slot = False
             self.io.released(self)
 
-
-def _never(conn: Any) -> bool:
-    return False

@@ -14,8 +14,9 @@ few dozen bytes, a decode release's is read for its verdict, an engine's
 
 :func:`run_control` runs one :class:`ControlExchange` per ``StartControl``,
 the same on both runtimes, with the primitives the adapter lends it
-(:class:`ControlIO`: its time limit, ``getaddrinfo``, a socket's readiness
-waits and close, and feed; the socket calls are :mod:`.socket_io`'s)::
+(:class:`~.runtime_io.RuntimeIO`: its time limit, ``getaddrinfo``, a
+socket's readiness waits and close; the socket calls are
+:mod:`.socket_io`'s)::
 
     exchange = ControlExchange(cmd)
     data = exchange.request()            # before connecting: may refuse
@@ -44,7 +45,7 @@ import functools
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from narwhal_core import ControlDone, Event, StartControl, local_failure
 from narwhal_core.errors import LocalProtocolError, RemoteProtocolError
@@ -53,11 +54,11 @@ from narwhal_core.http import NEED_DATA, BodyData, EngineConnection, ResponseEnd
 
 from . import socket_io
 from .engine_probe import addresses_of, describe_failure, shorten
-from .socket_io import SocketWaits
+from .runtime_io import RuntimeIO
 from .socket_options import set_up_engine
 
 __all__ = [
-    "ControlExchange", "ControlRefused", "TimeLimitExpired", "ControlIO", "CONTROL_HEADERS",
+    "ControlExchange", "ControlRefused", "TimeLimitExpired", "CONTROL_HEADERS",
     "run_control", "resolve", "connect_first",
 ]
 
@@ -76,7 +77,7 @@ class ControlRefused(Exception):
 
 
 class TimeLimitExpired(Exception):
-    """A time limit ran out: raised by the adapter's ``time_limit`` (:meth:`ControlIO.time_limit`).
+    """A time limit ran out: raised by the adapter's ``time_limit`` (:meth:`~.runtime_io.RuntimeIO.time_limit`).
 
     Not the runtime's own exception: trio's is ``TooSlowError``; asyncio's
     is a ``TimeoutError``, which a socket raises too for the kernel's
@@ -85,27 +86,11 @@ class TimeLimitExpired(Exception):
     """
 
 
-class ControlIO(SocketWaits, Protocol):
-    """What a runtime lends :func:`run_control` (each adapter's ``Engines``), beside its socket waits."""
+async def run_control(cmd: StartControl, io: RuntimeIO, feed: Callable[[Event], object]) -> None:
+    """Run one control request on ``io`` and ``feed`` what came of it (``EngineResolved`` first, if it resolves).
 
-    #: The runtime's own exceptions, beside ``OSError``, that say a connection broke.
-    CONTROL_BROKEN: tuple[type[BaseException], ...]
-
-    async def getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
-        """The runtime's ``getaddrinfo`` (in its resolver thread)."""
-        ...
-
-    def time_limit(self, seconds: float) -> AbstractAsyncContextManager[object]:
-        """A limit of ``seconds`` from now on what runs inside; raises :class:`TimeLimitExpired` when it runs out."""
-        ...
-
-    def control_feed(self, event: Event) -> object:
-        """Feed the router, synchronously (so it is heard while the runtime cancels the request too)."""
-        ...
-
-
-async def run_control(cmd: StartControl, io: ControlIO) -> None:
-    """Run one control request on ``io`` and feed what came of it (``EngineResolved`` first, if it resolves).
+    ``feed`` is synchronous, so the router hears a cancellation while the
+    runtime cancels the request.
 
     The request is encoded before connecting (a header the codec refuses
     costs no connection); the whole exchange runs under ``cmd.timeout``.
@@ -123,7 +108,7 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
             infos = await resolve(host, port, io.getaddrinfo)
             if cmd.resolve:
                 # Resolved at every probe: the addresses may name the KV side channel.
-                io.control_feed(exchange.resolved(infos))
+                feed(exchange.resolved(infos))
             sock = await connect_first(infos, io.writable, io.time_limit, cmd.timeout)
             try:
                 set_up_engine(sock)
@@ -139,9 +124,9 @@ async def run_control(cmd: StartControl, io: ControlIO) -> None:
     except failures as exc:
         done = exchange.failed(exc)
     except BaseException:
-        io.control_feed(exchange.cancelled())
+        feed(exchange.cancelled())
         raise
-    io.control_feed(done)
+    feed(done)
 
 
 async def resolve(host: str, port: int, getaddrinfo: Callable[..., Awaitable[Sequence[Any]]]) -> Sequence[Any]:
@@ -256,7 +241,7 @@ async def connect_first(infos: Sequence[Any], writable: socket_io.Wait,
     Each address is tried in turn. ``budget`` is the time the caller's
     deadline gives the whole connect: every address but the last gets at
     most its share, ``budget / len(infos)`` (``time_limit(seconds)``, the
-    runtime's: :meth:`ControlIO.time_limit`), so an address that drops the SYN
+    runtime's: :meth:`~.runtime_io.RuntimeIO.time_limit`), so an address that drops the SYN
     cannot hold the others off until that deadline; the last has what is
     left of it. If none takes the connection, the ``OSError`` raised keeps
     each address's own error (a refusal on every address is named as one

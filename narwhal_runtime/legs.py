@@ -2,7 +2,7 @@
 
 A leg starts on an idle pooled connection when there is one (its request
 then waits in the pool until the adapter writes it, after the batch's
-journal records: :meth:`EngineLegs.write_unsent`), else on a new connection
+journal records: :meth:`Engines.write_unsent`), else on a new connection
 opened in a task of the runtime's, attached to the leg at once so that a
 ``CancelLeg`` finds it while it is still connecting. A cancelled leg's
 connection is closed (the engine then aborts the request); a finished
@@ -11,35 +11,36 @@ leg's goes back to the pool or is closed, as
 
 Each connection is a :class:`LegConnection`: a plain non-blocking socket
 the runtime watches, calling :meth:`LegConnection.readable` and
-:meth:`LegConnection.writable` when it is ready (:class:`LegIO`: asyncio
+:meth:`LegConnection.writable` when it is ready
+(:class:`~.runtime_io.RuntimeIO`: asyncio
 with its loop's ``add_reader``/``add_writer``, trio with a task that waits
 for the socket), as it does for client connections
 (:mod:`.client_connections`). A new connection is opened the same way on
-both (:meth:`EngineLegs.connect`, with the adapter's ``getaddrinfo`` and
+both (:meth:`Engines.connect`, with the runtime's ``getaddrinfo`` and
 its wait for a writable socket), as a control request's is
-(:mod:`.control`), and a connect that failed is named by one rule
+(:mod:`.control`: :meth:`Engines.start_control`), and a connect that failed is named by one rule
 (:func:`connect_failure`).
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
-from narwhal_core import StartLeg, local_failure
+from narwhal_core import StartControl, StartLeg, local_failure
 from narwhal_core.events import LegFailure
 
-from .control import TimeLimitExpired, connect_first, resolve
+from .control import TimeLimitExpired, connect_first, resolve, run_control
 from .pool import Pool, PooledConnection
+from .runtime_io import RuntimeIO
 from .socket_options import READ_SIZE, set_up_engine
 
-__all__ = ["EngineLegs", "LegConnection", "LegIO", "connect_failure"]
+__all__ = ["Engines", "LegConnection", "connect_failure"]
 
 
 def connect_failure(exc: BaseException) -> LegFailure:
-    """Why a leg's new connection could not be opened (what :meth:`EngineLegs.connect` raised): one rule (docs/design.md).
+    """Why a leg's new connection could not be opened (what :meth:`Engines.connect` raised): one rule (docs/design.md).
 
     ``connect_timeout`` means the router's own limit (the leg's
     ``connect_timeout``, ``engine.connect_timeout_s``) ran out
@@ -55,19 +56,6 @@ def connect_failure(exc: BaseException) -> LegFailure:
     return "local_error" if local_failure(exc) else "connect_failed"
 
 
-class LegIO(Protocol):
-    """What a runtime lends engine connections (besides what :class:`EngineLegs` asks of it)."""
-
-    def read(self, conn: Any, read: bool) -> None:
-        """Call ``conn.readable()`` whenever its socket has bytes or EOF (``read``), or no longer."""
-
-    def write(self, conn: Any, wait: bool) -> None:
-        """Call ``conn.writable()`` whenever its socket can take bytes (``wait``), or no longer."""
-
-    def ended(self, conn: Any) -> None:
-        """``conn`` is over: stop watching its socket, and close it."""
-
-
 class LegConnection(PooledConnection):
     """One keep-alive connection to an engine, the same on both runtimes; the runtime says when its socket is ready.
 
@@ -79,7 +67,7 @@ class LegConnection(PooledConnection):
 
     __slots__ = ("sock", "legs", "out", "reading", "client", "paused", "runtime")
 
-    def __init__(self, url: str, legs: EngineLegs) -> None:
+    def __init__(self, url: str, legs: Engines) -> None:
         super().__init__(url)
         #: ``None`` while connecting.
         self.sock: socket.socket | None = None
@@ -91,7 +79,7 @@ class LegConnection(PooledConnection):
         #: The client connection the answer is for (its ``relays`` holds this connection).
         self.client: Any = None
         self.paused = False
-        #: The runtime's own state (the task opening it).
+        #: The task opening it (:meth:`~.runtime_io.RuntimeIO.spawn`), cancelled if its leg is meanwhile.
         self.runtime: Any = None
 
     def readable(self) -> None:
@@ -173,10 +161,10 @@ class LegConnection(PooledConnection):
                 self.legs.io.read(self, True)
 
 
-class EngineLegs:
-    """Start, cancel and finish legs on pooled engine connections (:class:`~.driver.EngineCommands`)."""
+class Engines:
+    """Start, cancel and finish legs on pooled engine connections, and run control requests (:class:`~.driver.EngineCommands`)."""
 
-    def __init__(self, feed: Callable[[Any], object], io: LegIO, pool_size: int) -> None:
+    def __init__(self, io: RuntimeIO, feed: Callable[[Any], object], pool_size: int) -> None:
         #: Where the connections' events go (the adapter's ``Server.feed``, synchronous).
         self._feed = feed
         self.io = io
@@ -185,12 +173,12 @@ class EngineLegs:
         #: :meth:`write_unsent` (non-empty: some wait). The pool's own list,
         #: read without a call: an adapter asks once per scheduler batch.
         self.unsent = self._pool.unsent
-        #: Closing (:meth:`aclose` began): no leg starts any more, the loop is about to end.
-        self._closed = False
+        #: The server ends: no leg or control request starts any more.
+        self.stopped = False
 
     def start_leg(self, cmd: StartLeg) -> None:
         """Queue the leg on an idle pooled connection, or open a new one for it."""
-        if self._closed:
+        if self.stopped:
             return
         conn = self._pool.take_idle(cmd.engine.url, cmd.leg, cmd.data, cmd.fresh_connection)
         if conn is not None:
@@ -221,37 +209,12 @@ class EngineLegs:
         :class:`~.control.TimeLimitExpired` when it runs out, else
         ``OSError`` (named by :func:`connect_failure`).
         """
-        async with self.time_limit(timeout):
-            infos = await resolve(host, port, self.getaddrinfo)
-            sock = await connect_first(infos, self.writable, self.time_limit, timeout)
+        io = self.io
+        async with io.time_limit(timeout):
+            infos = await resolve(host, port, io.getaddrinfo)
+            sock = await connect_first(infos, io.writable, io.time_limit, timeout)
         set_up_engine(sock)
         return sock
-
-    # what the adapter does
-
-    async def getaddrinfo(self, host: str, port: int, *, type: int) -> Sequence[Any]:
-        """The runtime's ``getaddrinfo`` (in its resolver thread)."""
-        raise NotImplementedError
-
-    async def writable(self, sock: socket.socket) -> None:
-        """Return once ``sock`` is writable (or its connect ended): :class:`~.socket_io.SocketWaits`."""
-        raise NotImplementedError
-
-    def time_limit(self, seconds: float) -> AbstractAsyncContextManager[object]:
-        """A limit of ``seconds`` from now on what runs inside; raises :class:`~.control.TimeLimitExpired`."""
-        raise NotImplementedError
-
-    def _start_opening(self, conn: LegConnection, cmd: StartLeg) -> None:
-        """Run :meth:`open_connection` for ``conn`` in a task that :meth:`_stop_opening` can cancel."""
-        raise NotImplementedError
-
-    def _stop_opening(self, conn: LegConnection) -> None:
-        """Cancel the task opening ``conn`` (its leg was cancelled)."""
-        raise NotImplementedError
-
-    def close_socket(self, sock: socket.socket) -> None:
-        """Close a socket no connection took (:class:`~.socket_io.SocketWaits`)."""
-        raise NotImplementedError
 
     # the connections
 
@@ -270,9 +233,10 @@ class EngineLegs:
             conn.client = None
             client.relays.discard(conn)
 
-    def control_feed(self, event: Any) -> None:
-        """Feed what a control request came to (:class:`~.control.ControlIO`)."""
-        self._feed(event)
+    def start_control(self, cmd: StartControl) -> None:
+        """Run a control request in a task of its own (:func:`~.control.run_control`)."""
+        if not self.stopped:
+            self.io.spawn(run_control, cmd, self.io, self._feed)
 
     def write_unsent(self) -> None:
         """Write the requests of legs started on pooled connections since the last call."""
@@ -281,7 +245,7 @@ class EngineLegs:
 
     def _open(self, cmd: StartLeg) -> LegConnection:
         conn = LegConnection(cmd.engine.url, self)
-        self._start_opening(conn, cmd)
+        conn.runtime = self.io.spawn(self.open_connection, conn, cmd)
         return conn
 
     async def open_connection(self, conn: LegConnection, cmd: StartLeg) -> None:
@@ -295,7 +259,7 @@ class EngineLegs:
             self._fail(conn, "dropped")  # shutdown (a CancelLeg detached the leg first: nothing to say)
             raise
         if conn.leg != cmd.leg or conn.closed:
-            self.close_socket(sock)  # cancelled just as it opened
+            self.io.close_socket(sock)  # cancelled just as it opened
             return
         conn.sock = sock
         self._link(conn, cmd)
@@ -305,7 +269,7 @@ class EngineLegs:
 
     def _cancelled(self, conn: LegConnection) -> None:
         if conn.sock is None:
-            self._stop_opening(conn)  # still connecting
+            conn.runtime.cancel()  # still connecting
         else:
             self._unlink(conn)
             self.close(conn)
@@ -334,9 +298,9 @@ class EngineLegs:
 
     def close_all(self) -> None:
         """Close every connection (at shutdown: the router knows)."""
-        self._closed = True
+        self.stopped = True
         for conn in self._pool.all_connections():
             if conn.sock is None:
-                self._stop_opening(conn)
+                conn.runtime.cancel()
             else:
                 self.close(conn)

@@ -20,8 +20,7 @@ again, and, when ``accept`` fails (:func:`accept_error`: one rule,
 docs/operate.md, "Ingress requirements", "Connections"), until when it
 stops. How it accepts is kept once too: the :class:`Listener` runs the
 same loop on both runtimes, one task per listening socket, waiting the
-way the adapter lends it (:class:`AcceptWaits`); the adapter only starts
-and cancels those tasks.
+way the runtime lends it (:class:`~.runtime_io.RuntimeIO`).
 """
 
 from __future__ import annotations
@@ -30,14 +29,13 @@ import errno
 import math
 import socket
 from collections.abc import Callable
-from typing import Any, Protocol
 
 from .log import log_event
-from .socket_io import SocketWaits
+from .runtime_io import Handle, RuntimeIO
 from .socket_options import set_up_client
 
 __all__ = [
-    "listening_sockets", "reserve_port", "accept_error", "AcceptGate", "AcceptWaits", "Listener", "BACKLOG",
+    "listening_sockets", "reserve_port", "accept_error", "AcceptGate", "Listener", "BACKLOG",
     "ACCEPT_RETRY_S",
 ]
 
@@ -174,26 +172,6 @@ class AcceptGate:
         return pause
 
 
-class AcceptWaits(SocketWaits, Protocol):
-    """What a runtime lends a :class:`Listener`: its socket waits, and an event, a sleep and its clock."""
-
-    def event(self) -> Any:
-        """A new one-shot event of the runtime's (``set()``, ``await wait()``)."""
-        ...
-
-    async def checkpoint(self) -> None:
-        """Let the other tasks run."""
-        ...
-
-    async def sleep_until(self, when: float) -> None:
-        """Return at ``when``, on :meth:`now`'s clock."""
-        ...
-
-    def now(self) -> float:
-        """The runtime's clock."""
-        ...
-
-
 #: What gets each accepted connection, with the listener whose slot it holds (``listener.release()`` frees it).
 StartClient = Callable[[socket.socket, "Listener"], object]
 
@@ -207,31 +185,40 @@ class Listener:
     time there), and trio's ``SocketListener`` drops a set of errors
     silently and hands the rest to its caller. Here one :class:`AcceptGate`
     decides, and each accepted socket is set up by one rule
-    (:func:`~.socket_options.set_up_client`). The adapter runs
-    :meth:`accept` in a task per socket and cancels those tasks to stop.
+    (:func:`~.socket_options.set_up_client`). :meth:`start` runs
+    :meth:`accept` in a task per socket; :meth:`close` cancels them.
     """
 
-    def __init__(self, sockets: list[socket.socket], *, limit: int, waits: AcceptWaits) -> None:
+    def __init__(self, sockets: list[socket.socket], *, limit: int, io: RuntimeIO) -> None:
         self.sockets = sockets
         self.gate = AcceptGate(limit)
-        self._waits = waits
+        self._io = io
         #: Set when a slot is given back while every slot was held (then a new one waits for the next).
-        self._slot_freed = waits.event()
+        self._slot_freed = io.event()
+        self._accepting: list[Handle] = []
+        self._closed = False
+
+    def start(self, start_client: StartClient) -> None:
+        """Accept from every socket, each in a task of its own, until :meth:`close`."""
+        self._accepting = [self._io.spawn(self.accept, sock, start_client) for sock in self.sockets]
 
     def release(self) -> None:
         """A connection accepted here no longer holds a slot: accept again if that was the limit."""
         if self.gate.released():
-            freed, self._slot_freed = self._slot_freed, self._waits.event()
+            freed, self._slot_freed = self._slot_freed, self._io.event()
             freed.set()
 
     def close(self) -> None:
-        """Stop listening (connections already accepted go on); cancel the :meth:`accept` tasks first."""
+        """Stop accepting, and close the sockets (connections already accepted go on)."""
+        self._closed = True
+        for task in self._accepting:
+            task.cancel()
         for sock in self.sockets:
-            self._waits.close_socket(sock)
+            self._io.close_socket(sock)
 
     async def accept(self, listening: socket.socket, start_client: StartClient) -> None:
         """Accept from ``listening`` until cancelled; ``start_client(sock, self)`` gets each connection, holding its slot."""
-        gate, waits = self.gate, self._waits
+        gate, waits = self.gate, self._io
         while True:
             await waits.checkpoint()  # a scheduling point per try: accepting never starves the connections
             if gate.full:
@@ -246,6 +233,8 @@ class Listener:
                 await waits.readable(listening)
                 continue
             except OSError as exc:
+                if self._closed:
+                    return  # closed while this task was about to run: not a failure
                 gate.failed(exc, waits.now())
                 continue
             gate.accepted()

@@ -69,7 +69,7 @@ class Pool(Generic[C]):
         self.idle: dict[str, list[C]] = {}
         self.legs: dict[str, C] = {}
         #: Leg requests for pooled connections, not written yet: (connection, leg, request).
-        #: (Always this list object: :attr:`.legs.EngineLegs.unsent` reads it.)
+        #: (Always this list object: :attr:`.legs.Engines.unsent` reads it.)
         self.unsent: list[tuple[C, str, bytes]] = []
 
     # a leg starts
@@ -103,7 +103,7 @@ class Pool(Generic[C]):
             # A leg cancelled, or a connection failed, before its request went out: nothing to write.
             if conn.leg == key and not conn.closed:
                 wanted.append((conn, data))
-        self.unsent.clear()  # emptied, never replaced: EngineLegs.unsent is this list
+        self.unsent.clear()  # emptied, never replaced: Engines.unsent is this list
         return wanted
 
     def attach(self, conn: C, key: str) -> None:

@@ -8,13 +8,13 @@ into the router's new authenticator. It binds the listening sockets
 (:mod:`.listening`).
 
 It also holds the start and the end of serving, the same on both runtimes:
-the tasks to run while serving (:meth:`ServerBase.background`), what
-happens once the loop serves (:meth:`ServerBase.started`) and, in order,
-what stops at the end (:meth:`ServerBase.stopping`, then
-:meth:`ServerBase.closed`); the busy-poll rule (each event fed opens the
-window); and which events go through ``_feed_now``. What is left in each
-adapter is its loop: accept, read, write, connect, sleep, signals, and the
-spawning and cancelling of its tasks.
+what starts once the loop serves (:meth:`ServerBase.begin`: the client and
+engine connections over the runtime's :class:`~.runtime_io.RuntimeIO`, the
+listener, the tasks of :meth:`ServerBase.background`, the threads) and, in
+order, what stops at the end (:meth:`ServerBase.end`); the busy-poll rule
+(each event fed opens the window); and which events go through
+``_feed_now``. What is left in each adapter is its ``IO``, the driver's
+timer, when a batch is performed, and signals.
 """
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ from narwhal_core.engine_config import EngineAddress
 from narwhal_core.ids import PREFILL
 
 from .app import StartupError, build_router, journal_failure, listen_failure, load_authenticator, log_listening
+from .client_connections import ClientConnection, Clients
 from .discovery import make_discovery
 from .driver import BusyPoll, Driver
 from .group_metrics import current_group
 from .journal_file import JournalFile
 from .kv_subscriber import kv_sources, make_kv_subscriber
-from .listening import listening_sockets
+from .legs import Engines
+from .listening import Listener, listening_sockets
 from .log import log_event
+from .runtime_io import RuntimeIO
 from .tokenize_worker import make_tokenize_worker
 
 __all__ = ["ServerBase", "start_tracer", "FLEET_CHANGES"]
@@ -65,8 +68,12 @@ def start_tracer(config: Config) -> Any:
 class ServerBase:
     """Router, driver, journal and the loop-independent effects of one server."""
 
-    #: Set by the adapter once serving (its engine connections).
-    engines: Any
+    #: Set once serving (:meth:`begin`): the engine connections, the client connections, the listener.
+    engines: Engines | None
+    clients: Clients
+    listener: Listener
+    #: What the runtime lends the connections (set by :meth:`begin`).
+    io: RuntimeIO
     #: The runtime's name in the ``listening`` and ``stopped`` log lines (``"trio"``, ``"asyncio"``).
     runtime: str
 
@@ -136,8 +143,9 @@ class ServerBase:
             tasks.append(functools.partial(self.discovery.run, self._feed_now, self._sleep, self._lookup_in_thread))
         return tasks
 
-    def started(self, call_soon_threadsafe: Callable[..., object], loop: str) -> None:
-        """The loop serves (engines set, :meth:`background` running): start the threads, drain, say so.
+    def begin(self, io: RuntimeIO, sockets: list[socket.socket], call_soon_threadsafe: Callable[..., object],
+              loop: str) -> None:
+        """The loop serves: connections over ``io``, accepting on ``sockets``, the :meth:`background` tasks, the threads.
 
         ``call_soon_threadsafe`` is how the KV-event subscriber's and the
         tokenizer's threads hand over to the loop (trio: the trio token's
@@ -146,6 +154,14 @@ class ServerBase:
         takes what the router queued on its own (the first health probes).
         A :meth:`shutdown` asked for while starting begins now.
         """
+        self.io = io
+        ingress = self.config.ingress
+        self.engines = Engines(io, self.feed, self.config.engine.pool_connections_per_engine)
+        self.listener = Listener(sockets, limit=ingress.max_connections, io=io)
+        self.clients = Clients(io, self.feed, self.driver.closing, send_timeout_s=ingress.send_timeout_s,
+                               release=self.listener.release)
+        for task in self.background():
+            io.spawn(task)
         # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
         self.start_kv_events(call_soon_threadsafe)
         # routing.policy = "kv": large prompts are tokenized by a thread of their own (docs/routing.md).
@@ -154,34 +170,45 @@ class ServerBase:
         self.write_legs = self.engines.write_unsent  # type: ignore[method-assign]
         self.driver.drain()
         self._after_drain()
+        self.listener.start(self.clients.start)
         host, port = self.address  # type: ignore[misc]
         log_listening(self.config, host, port, self.runtime, loop)
         if self._shutdown_asked:
             self._shutdown_asked = False
             self.shutdown()
 
-    def stopping(self) -> None:
-        """Serving ends: stop the threads that feed the loop, and busy polling (before the last flush)."""
+    async def end(self) -> None:
+        """Serving ends, drained or cancelled. In order, each once:
+
+        the threads that feed the loop and busy polling stop; the last
+        drain's effects are performed; accepting stops; every task cancelled
+        (each reports its cancellation: a leg still connecting, a control
+        request); the engine connections close; the client connections get
+        the exit flush (:meth:`~.client_connections.Clients.aclose`); the
+        journal, then the tracer, close.
+        """
         self.stop_kv_events()
         self.stop_tokenizer()
         self._busy.stop()
-
-    async def closed(self) -> None:
-        """After the last flush: close the engine connections, then the clients, the journal, the tracer."""
+        self._flush()
         if self.engines is not None:
-            await self.engines.aclose()
-        await self._close_clients()
+            self.listener.close()
+            self.clients.stopped = self.engines.stopped = True
+            await self.io.cancel_tasks()
+            self.engines.close_all()
+            await self.clients.aclose()
         await self.journal.aclose()
         await self.close_tracer()
         log_event("stopped", runtime=self.runtime)
 
-    async def _close_clients(self) -> None:
-        """The adapter's last word to the client connections still open (trio: none, its tasks are cancelled)."""
+    def _flush(self) -> None:
+        """The adapter's: perform what the driver has pending."""
+        raise NotImplementedError
 
     def shutdown(self) -> None:
         """Begin a graceful drain (docs/operate.md: new requests get 503 ``shutting_down``); again: cut it short.
 
-        Asked for before serving began, it begins once it does (:meth:`started`).
+        Asked for before serving began, it begins once it does (:meth:`begin`).
         """
         if self.engines is None:
             self._shutdown_asked = True
@@ -273,9 +300,8 @@ class ServerBase:
         for event in events:
             self._feed_now(event)
 
-    def send(self, conn: Any, data: bytes, close: bool) -> None:
-        """The adapter's client write (:meth:`narwhal_runtime.driver.Effects.send`)."""
-        raise NotImplementedError
+    #: The driver's client write (:meth:`~.driver.Effects.send`): the connection is the driver's handle.
+    send = staticmethod(ClientConnection.send)
 
     def _listen(self) -> list[socket.socket]:
         """Bind the listening sockets (:mod:`.listening`; a failure is a start-up error), set :attr:`address`."""
@@ -318,5 +344,5 @@ class ServerBase:
     def write_legs(self) -> None:
         # The driver calls this only after starting legs, so there are engines;
         # write_unsent finds out itself whether a request waits. (Replaced by
-        # the engines' own write_unsent once serving: :meth:`started`.)
-        self.engines.write_unsent()
+        # the engines' own write_unsent once serving: :meth:`begin`.)
+        self.engines.write_unsent()  # type: ignore[union-attr]

@@ -1,12 +1,13 @@
 """A non-blocking socket's connect, send and receive, written once for both runtimes.
 
 Each call tries the socket at once and, when it would block, waits for it
-the runtime's way (:class:`SocketWaits`: trio's ``wait_readable`` and
+the runtime's way (:meth:`~.runtime_io.RuntimeIO.readable`,
+:meth:`~.runtime_io.RuntimeIO.writable`: trio's ``wait_readable`` and
 ``wait_writable``; asyncio's event loop watching the descriptor until it
 is ready), then tries again. Control requests, a leg's new connection and
-the listener use them alike on both runtimes; trio's engine connections
-send with :func:`send_all` too. (Client connections are driven by their
-readiness instead: :mod:`.client_connections`.)
+the listener use them alike on both runtimes. (Client and engine
+connections are driven by their readiness instead:
+:mod:`.client_connections`, :mod:`.legs`.)
 """
 
 from __future__ import annotations
@@ -14,30 +15,14 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from .socket_options import READ_SIZE
 
-__all__ = ["SocketWaits", "Wait", "connect", "send_all", "receive"]
+__all__ = ["Wait", "connect", "send_all", "receive"]
 
 #: Wait until a socket is ready (to read, or to write).
 Wait = Callable[[socket.socket], Awaitable[object]]
-
-
-class SocketWaits(Protocol):
-    """What a runtime lends the socket calls: its readiness waits, and how it closes a socket."""
-
-    async def readable(self, sock: socket.socket) -> None:
-        """Return once ``sock`` is readable (bytes, EOF or an error wait; for a listening socket, a connection)."""
-        ...
-
-    async def writable(self, sock: socket.socket) -> None:
-        """Return once ``sock`` is writable (or its connect ended)."""
-        ...
-
-    def close_socket(self, sock: socket.socket) -> None:
-        """Close ``sock``, waking a task that waits on it if the runtime needs telling; nothing if it is closed."""
-        ...
 
 
 async def connect(sock: socket.socket, address: Any, writable: Wait) -> None:

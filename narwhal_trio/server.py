@@ -6,16 +6,13 @@ writes the journal once per batch and the sockets in one burst; under light
 load (the driver's :meth:`~narwhal_runtime.driver.Driver.batch_ended`), at
 once from each feed: writing just before the loop sleeps would make the
 engine's answer find the process asleep more often (benchmarks/README.md).
-Client connections are the ones both runtimes run
-(:mod:`narwhal_runtime.client_connections`), driven by tasks that wait for
-their sockets (:class:`_ClientIO`). Sockets are plain non-blocking ones
-(see :mod:`.engines`).
+Connections, the listener and control requests are the ones both runtimes
+run, over trio's :class:`~.io.IO`: tasks that wait for their sockets.
 """
 
 from __future__ import annotations
 
 import functools
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,49 +21,18 @@ import trio
 
 from narwhal_core import Config, Event, Router
 from narwhal_runtime.app import Run
-from narwhal_runtime.client_connections import ClientConnection
-from narwhal_runtime.listening import Listener
 from narwhal_runtime.serving import ServerBase
 
-from .engines import Engines, LegIO
-from .listener import listener as make_listener, serve as serve_listener
+from .io import IO
 
 __all__ = ["Server", "run", "RUNTIME"]
 
 RUNTIME = "trio"
 
 
-class _ClientIO(LegIO):
-    """What trio lends its client connections (:class:`~narwhal_runtime.client_connections.ClientIO`).
-
-    Its tasks wait for the sockets as for legs (:class:`~.engines.LegIO`).
-    """
-
-    def __init__(self, server: Server, nursery: trio.Nursery, listener: Listener, token: trio.lowlevel.TrioToken) -> None:
-        super().__init__(nursery)
-        self.send_timeout_s = server.config.ingress.send_timeout_s
-        self.feed = server.feed
-        self.now = server._current_time
-        self.soon = token.run_sync_soon
-        self.released = lambda conn: listener.release()
-
-    def later(self, delay: float, callback: Callable[[], None]) -> trio.CancelScope:
-        """Call ``callback`` in ``delay`` seconds from a task of its own, unless the scope is cancelled first."""
-        scope = trio.CancelScope()
-        self._nursery.start_soon(_call_later, scope, delay, callback)
-        return scope
-
-
-async def _call_later(scope: trio.CancelScope, delay: float, callback: Callable[[], None]) -> None:
-    with scope:
-        await trio.sleep(delay)
-        callback()
-
-
 class Server(ServerBase):
     """One router serving on trio. Use :meth:`serve` inside a nursery (``nursery.start``)."""
 
-    engines: Engines | None
     runtime = RUNTIME
 
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
@@ -78,7 +44,6 @@ class Server(ServerBase):
         self._token: trio.lowlevel.TrioToken | None = None
         self._timer_wakeup = trio.Event()
         self._drained = trio.Event()
-        self._nursery: trio.Nursery | None = None
         self._poll_wakeup = trio.Event()
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -86,33 +51,26 @@ class Server(ServerBase):
 
         ``task_status.started`` receives the bound ``(host, port)``.
         """
-        listener = make_listener(self._listen(), limit=self.config.ingress.max_connections)
+        sockets = self._listen()
         self._token = trio.lowlevel.current_trio_token()
         end_of_batch = _EndOfBatch(self._end_of_batch)
         trio.lowlevel.add_instrument(end_of_batch)
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                self.engines = Engines(nursery, self.feed, pool_size=self.config.engine.pool_connections_per_engine)
-                self._io = _ClientIO(self, nursery, listener, self._token)
-                nursery.start_soon(self._timer_loop)
-                if self._busy.seconds:
-                    nursery.start_soon(self._busy_poll_loop)
-                for task in self.background():
-                    nursery.start_soon(task)
-                self.started(self._token.run_sync_soon, "trio")
-                accepting = await nursery.start(serve_listener, listener, self._start_client)
-                task_status.started(self.address)
-                await self._drained.wait()
-                accepting.cancel()
-                nursery.cancel_scope.cancel()
+                io = IO(nursery)
+                try:
+                    io.spawn(self._timer_loop)
+                    if self._busy.seconds:
+                        io.spawn(self._busy_poll_loop)
+                    self.begin(io, sockets, self._token.run_sync_soon, "trio")
+                    task_status.started(self.address)
+                    await self._drained.wait()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self.end()  # (the connections' tasks still run: the exit flush needs them)
+                    nursery.cancel_scope.cancel()
         finally:
-            self.stopping()
-            listener.close()
             trio.lowlevel.remove_instrument(end_of_batch)
-            self._flush()  # what the last drain produced
-            with trio.CancelScope(shield=True):
-                await self.closed()
 
     # ----------------------------------------------------------- the driver
 
@@ -182,11 +140,6 @@ class Server(ServerBase):
     def _flush(self) -> None:
         if self.driver.flush(self):  # (at once if a flush runs: that one performs what was added)
             self._notice()  # an effect fed the driver
-
-    send = staticmethod(ClientConnection.send)  # type: ignore[assignment]  # the connection is the driver's handle
-
-    def _start_client(self, sock: socket.socket, listener: Listener) -> None:
-        ClientConnection(sock, self._io).start(self.driver.closing)
 
 
 class _EndOfBatch(trio.abc.Instrument):

@@ -366,3 +366,35 @@ class RouterWrapper:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def on_runtime(runtime: str, body: Callable[[Any, Any], Any]) -> None:
+    """Run ``await body(io, event)`` on ``runtime`` (``"trio"``, ``"asyncio"``), then cancel the tasks it left.
+
+    ``io`` is the adapter's :class:`IO` (on trio over a nursery of its own),
+    ``event`` a new event of the runtime's.
+    """
+    if runtime == "trio":
+        import trio
+
+        from narwhal_trio.io import IO as TrioIO
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                io = TrioIO(nursery)
+                await body(io, trio.Event())
+                await io.cancel_tasks()
+                nursery.cancel_scope.cancel()  # what is left: the connections' own tasks
+
+        trio.run(main)
+    else:
+        import asyncio
+
+        from narwhal_asyncio.io import IO as AsyncioIO
+
+        async def amain() -> None:
+            io = AsyncioIO(asyncio.get_running_loop())
+            await body(io, asyncio.Event())
+            await io.cancel_tasks()
+
+        asyncio.run(amain())

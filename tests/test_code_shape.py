@@ -28,6 +28,8 @@ PACKAGES = (*code_shape.PRODUCT, *code_shape.ALSO)
 ADAPTERS = code_shape.ADAPTERS
 MAX_CORE_MODULE = 600
 MAX_CLASS = 400
+#: Lines of each adapter, every module of it counted (comments and docstrings too): its ``IO`` and its server.
+MAX_ADAPTER = 400
 MAX_FUNCTION = 60
 #: Functions longer than MAX_FUNCTION on purpose, and why (docs/design.md, "Sizes and layers").
 LONG_ON_PURPOSE = {
@@ -101,3 +103,10 @@ def test_modules_classes_and_functions_stay_within_their_sizes() -> None:
                     too_long.append((kind, where, lines))
     assert too_long == []
     assert seen == set(LONG_ON_PURPOSE)  # an exception that is no longer needed leaves the list
+
+
+def test_each_adapter_stays_within_its_size() -> None:
+    # What the runtimes share lives in narwhal_runtime: an adapter that grows past this has taken some back.
+    sizes = {adapter: sum(code_shape.line_count(path) for _, path in code_shape.modules(REPO, (adapter,)))
+             for adapter in ADAPTERS}
+    assert all(0 < size <= MAX_ADAPTER for size in sizes.values()), sizes

@@ -524,3 +524,56 @@ def test_a_client_that_reads_slowly_but_reads_is_not_dropped(runtime: str, uvloo
         assert time.monotonic() - started > 2 * timeout  # longer than one timeout, in all
         assert head.startswith(b"HTTP/1.1 200") and router.statistics().connections == 1
     assert [e for e in log.events() if e["event"] == "client_send_timeout"] == []
+
+
+# ------------------------------------------------------------ the exit flush
+
+
+@pytest.mark.parametrize("reads", [True, False], ids=["reads", "never-reads"])
+@pytest.mark.parametrize("runtime, uvloop", [("trio", False), ("asyncio", False), ("asyncio", True)])
+def test_an_answer_still_queued_at_shutdown_gets_the_exit_flush_then_is_cut(
+    runtime: str, uvloop: bool, reads: bool, tmp_path: Path
+) -> None:
+    """One end on every runtime (narwhal_runtime/client_connections.py, ``Clients.aclose``): the drain is
+    over once every answer is written, but what a client has not yet taken waits in the router. A client
+    that reads gets all of it after the drain ended, then the router's close; one that reads nothing is
+    cut after ``EXIT_FLUSH_S``, and the router stops all the same. (trio used to drop the bytes at once.)"""
+    if uvloop:
+        pytest.importorskip("uvloop")
+    journal = tmp_path / "journal.jsonl"
+    body = json.dumps({"model": MODEL, "prompt": "Read later", "max_tokens": 30000, "ignore_eos": True}).encode()
+    with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=0) as decode, \
+            socket.socket() as client:  # fmt: skip
+        router = RouterThread(make_config(journal, prefill=(prefill.url,), decode=(decode.url,),
+                                          health={"probe_interval_s": 600.0}), runtime, uvloop=uvloop).start()
+        try:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: ~130 KB cannot fit
+            client.connect(router.address)
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            [record] = [r for r in wait_for_terminals(journal, 1) if r["terminal"] is not None]
+            assert (record["terminal"], record["status"]) == ("completed", 200), record
+            assert router.call(lambda: sum(len(c.out) for c in router.server.clients.live)) > 0  # still queued
+            stopping = time.monotonic()
+            router.call_soon(lambda: router.server.shutdown())
+            if not reads:
+                router._thread.join(10)  # type: ignore[union-attr]
+                assert not router.alive
+                assert 0.9 <= time.monotonic() - stopping < 5.0  # EXIT_FLUSH_S, then the cut
+            client.settimeout(10.0)
+            received = bytearray()
+            try:
+                while data := client.recv(65536):
+                    received += data
+            except ConnectionResetError:
+                pass
+        finally:
+            router.stop()
+    head, _, rest = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    if reads:
+        assert len(rest) == length and time.monotonic() - stopping < 5.0  # all of it, then the router's close
+    else:
+        assert len(rest) < length  # cut
+    assert [r for r in read_journal(journal) if r["terminal"] is not None] == [record]  # its one record

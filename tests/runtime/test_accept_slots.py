@@ -4,20 +4,20 @@
 address may resolve to IPv4 and IPv6). With one slot and two sockets, a
 connection to either is accepted; once it holds the slot, the next waits
 in the backlog until it is released (the shared loop,
-narwhal_runtime/listening.py, with each runtime's waits: narwhal_trio/listener.py,
-narwhal_asyncio/listener.py).
+narwhal_runtime/listening.py, with each runtime's waits and tasks:
+narwhal_trio/io.py, narwhal_asyncio/io.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from typing import Any
 
 import pytest
-import trio
 
-from narwhal_runtime.listening import listening_sockets
+from narwhal_runtime.listening import Listener, listening_sockets
+
+from ..helpers import on_runtime
 
 RUNTIMES = ("trio", "asyncio")
 
@@ -43,58 +43,32 @@ def _accepted_in_order(runtime: str, sockets: list[socket.socket]) -> list[str]:
         client.connect(address)  # the kernel completes it: accepting is the listener's
         clients.append(client)
 
+    async def body(io: Any, _: Any) -> None:
+        listener = Listener(sockets, limit=1, io=io)
+        held: list[Listener] = []
+
+        async def sleep(seconds: float) -> None:
+            await io.sleep_until(io.now() + seconds)
+
+        def start_client(sock: socket.socket, slots: Listener) -> None:
+            order.append("v6" if sock.family == socket.AF_INET6 else "v4")
+            held.append(slots)
+            sock.close()  # its slot stays held until the test releases it
+
+        listener.start(start_client)
+        for address in (second, second, first):
+            connect(address)
+            if held:
+                await sleep(0.2)  # no slot: not accepted
+                order.append("released")
+                held.pop().release()
+            async with io.time_limit(5):
+                while len(order) < 2 * len(clients) - 1:
+                    await sleep(0.005)
+        listener.close()
+
     try:
-        if runtime == "trio":
-            from narwhal_runtime.listening import Listener
-            from narwhal_trio.listener import listener as trio_listener, serve
-
-            async def main() -> None:
-                listener = trio_listener(sockets, limit=1)
-                held: list[Listener] = []
-
-                def start_client(sock: socket.socket, slots: Listener) -> None:
-                    order.append("v6" if sock.family == socket.AF_INET6 else "v4")
-                    held.append(slots)
-                    sock.close()  # its slot stays held until the test releases it
-
-                async with trio.open_nursery() as nursery:
-                    scope = await nursery.start(serve, listener, start_client)
-                    for address in (second, second, first):
-                        connect(address)
-                        if held:
-                            await trio.sleep(0.2)  # no slot: not accepted
-                            order.append("released")
-                            held.pop().release()
-                        with trio.fail_after(5):
-                            while len(order) < 2 * len(clients) - 1:
-                                await trio.sleep(0.005)
-                    scope.cancel()
-
-            trio.run(main)
-        else:
-            from narwhal_asyncio.listener import Listener as AsyncioListener
-
-            async def amain() -> None:
-                held: list[Any] = []
-
-                def start_client(sock: socket.socket, slots: Any) -> None:
-                    order.append("v6" if sock.family == socket.AF_INET6 else "v4")
-                    held.append(slots)
-                    sock.close()  # its slot stays held until the test releases it
-
-                listener = AsyncioListener(asyncio.get_running_loop(), sockets, start_client, limit=1)
-                for address in (second, second, first):
-                    connect(address)
-                    if held:
-                        await asyncio.sleep(0.2)  # no slot: not accepted
-                        order.append("released")
-                        held.pop().release()
-                    async with asyncio.timeout(5):
-                        while len(order) < 2 * len(clients) - 1:
-                            await asyncio.sleep(0.005)
-                listener.close()
-
-            asyncio.run(amain())
+        on_runtime(runtime, body)
     finally:
         for client in clients:
             client.close()

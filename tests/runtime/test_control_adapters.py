@@ -1,4 +1,4 @@
-"""Both adapters run a control request the same way (narwhal_trio/engines.py, narwhal_asyncio/engines.py).
+"""Both adapters run a control request the same way (narwhal_runtime/control.py, over narwhal_trio/io.py, narwhal_asyncio/io.py).
 
 Against real loopback sockets: an answer, a refusal (also on a name with
 several addresses, and a first address that drops the SYN), a silent
@@ -21,8 +21,9 @@ import trio
 from narwhal_core import ControlDone, Event, StartControl
 from narwhal_core.config import parse_engine_url
 from narwhal_core.events import EngineResolved
+from narwhal_runtime.legs import Engines
 
-from ..helpers import tcp_options_in_process
+from ..helpers import on_runtime, tcp_options_in_process
 
 RUNTIMES = ("trio", "asyncio")
 
@@ -33,45 +34,20 @@ def run_control(runtime: str, cmd: StartControl, getaddrinfo: Any = None) -> lis
     ``getaddrinfo``, if given, stands in for the runtime's resolver.
     """
     events: list[Event] = []
-    if runtime == "trio":
-        from narwhal_trio.engines import Engines as TrioEngines
 
-        async def main() -> None:
-            done = trio.Event()
+    async def body(io: Any, done: Any) -> None:
+        def feed(event: Event) -> None:  # synchronous, as the server's
+            events.append(event)
+            if isinstance(event, ControlDone):
+                done.set()
 
-            def feed(event: Event) -> None:  # synchronous, as the server's
-                events.append(event)
-                if isinstance(event, ControlDone):
-                    done.set()
+        engines = Engines(io, feed, 1)
+        if getaddrinfo is not None:
+            io.getaddrinfo = getaddrinfo
+        engines.start_control(cmd)
+        await done.wait()
 
-            async with trio.open_nursery() as nursery:
-                engines = TrioEngines(nursery, feed, pool_size=1)
-                if getaddrinfo is not None:
-                    engines.getaddrinfo = getaddrinfo  # type: ignore[method-assign]
-                engines.start_control(cmd)
-                await done.wait()
-                await engines.aclose()
-
-        trio.run(main)
-    else:
-        from narwhal_asyncio.engines import Engines as AsyncioEngines
-
-        async def amain() -> None:
-            done = asyncio.Event()
-
-            def feed(event: Event) -> None:
-                events.append(event)
-                if isinstance(event, ControlDone):
-                    done.set()
-
-            engines = AsyncioEngines(asyncio.get_running_loop(), feed, pool_size=1)
-            if getaddrinfo is not None:
-                engines.getaddrinfo = getaddrinfo  # type: ignore[method-assign]
-            engines.start_control(cmd)
-            await done.wait()
-            await engines.aclose()
-
-        asyncio.run(amain())
+    on_runtime(runtime, body)
     return events
 
 
@@ -273,7 +249,7 @@ def test_a_probe_goes_on_to_the_next_address_when_one_drops_the_syn(runtime: str
 
 def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
     # Python 3.11's create_connection would say "Multiple exceptions: ..." without an errno.
-    from narwhal_asyncio.engines import Waits as AsyncioWaits
+    from narwhal_asyncio.io import IO as AsyncioWaits
     from narwhal_runtime.control import connect_first
     from narwhal_runtime.engine_probe import describe_failure
 
@@ -291,7 +267,7 @@ def test_asyncio_names_a_refusal_on_every_address_as_one() -> None:
 
 
 def test_a_resolver_answer_without_an_address_is_a_failed_connect() -> None:
-    from narwhal_asyncio.engines import Waits as AsyncioWaits
+    from narwhal_asyncio.io import IO as AsyncioWaits
     from narwhal_runtime.control import connect_first
 
     async def main() -> None:
@@ -303,28 +279,14 @@ def test_a_resolver_answer_without_an_address_is_a_failed_connect() -> None:
 def run_until_shutdown(runtime: str, cmd: StartControl, reached: threading.Event) -> list[Event]:
     """The events a control request feeds when the runtime shuts down once the engine has its request."""
     events: list[Event] = []
-    if runtime == "trio":
-        from narwhal_trio.engines import Engines as TrioEngines
 
-        feed = events.append  # synchronous, as the server's: it needs no checkpoint in a cancelled scope
+    async def body(io: Any, _: Any) -> None:
+        Engines(io, events.append, 1).start_control(cmd)  # feeds synchronously, as the server's
+        in_thread = trio.to_thread.run_sync if runtime == "trio" else asyncio.to_thread
+        await in_thread(reached.wait, 5)
+        # then the tasks are cancelled, as at the server's end (narwhal_runtime/serving.py)
 
-        async def main() -> None:
-            async with trio.open_nursery() as nursery:
-                TrioEngines(nursery, feed, pool_size=1).start_control(cmd)
-                await trio.to_thread.run_sync(reached.wait, 5)
-                nursery.cancel_scope.cancel()  # the server's nursery, at shutdown
-
-        trio.run(main)
-    else:
-        from narwhal_asyncio.engines import Engines as AsyncioEngines
-
-        async def amain() -> None:
-            engines = AsyncioEngines(asyncio.get_running_loop(), events.append, pool_size=1)
-            engines.start_control(cmd)
-            await asyncio.to_thread(reached.wait, 5)
-            await engines.aclose()
-
-        asyncio.run(amain())
+    on_runtime(runtime, body)
     return events
 
 

@@ -13,7 +13,6 @@ for one port, since a real ``ETIMEDOUT`` takes the kernel minutes.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import socket
@@ -22,12 +21,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import trio
 
 from narwhal_core import Event, LegData, LegFailed, StartLeg
 from narwhal_core.config import parse_engine_url
 from narwhal_runtime.control import TimeLimitExpired
-from narwhal_runtime.legs import connect_failure
+from narwhal_runtime.legs import Engines, connect_failure
+
+from ..helpers import on_runtime
 
 RUNTIMES = ("trio", "asyncio")
 
@@ -37,7 +37,7 @@ def _oserror(code: int) -> OSError:
 
 
 @pytest.mark.parametrize(("exc", "reason"), [
-    (TimeLimitExpired(), "connect_timeout"),  # the router's own limit (EngineLegs.connect)
+    (TimeLimitExpired(), "connect_timeout"),  # the router's own limit (Engines.connect)
     (TimeoutError(), "connect_failed"),  # asyncio's type for the kernel's ETIMEDOUT
     (_oserror(errno.ETIMEDOUT), "connect_failed"),  # the kernel's: a TimeoutError, yet the engine's
     (_oserror(errno.ECONNREFUSED), "connect_failed"),
@@ -72,46 +72,22 @@ def open_leg(runtime: str, port: int, *, connect_timeout: float = 5.0, host: str
     address = parse_engine_url(f"http://{host}:{port}", key="engine.decode")
     cmd = StartLeg("leg-1", address, b"GET / HTTP/1.1\r\nhost: e\r\n\r\n", None, connect_timeout)
     events: list[Event] = []
-    if runtime == "trio":
-        from narwhal_trio.engines import Engines as TrioEngines
 
-        async def main() -> None:
-            failed = trio.Event()
+    async def body(io: Any, failed: Any) -> None:
+        def feed(event: Event) -> None:  # synchronous, as the server's
+            events.append(event)
+            if isinstance(event, (LegFailed, LegData)):
+                failed.set()
 
-            def feed(event: Event) -> None:  # synchronous, as the server's
-                events.append(event)
-                if isinstance(event, (LegFailed, LegData)):
-                    failed.set()
+        engines = Engines(io, feed, 1)
+        if getaddrinfo is not None:
+            io.getaddrinfo = getaddrinfo
+        engines.start_leg(cmd)
+        async with io.time_limit(10):
+            await failed.wait()
+        engines.close_all()
 
-            async with trio.open_nursery() as nursery:
-                engines = TrioEngines(nursery, feed, pool_size=1)
-                if getaddrinfo is not None:
-                    engines.getaddrinfo = getaddrinfo  # type: ignore[method-assign]
-                engines.start_leg(cmd)
-                with trio.fail_after(10):
-                    await failed.wait()
-                await engines.aclose()
-
-        trio.run(main)
-    else:
-        from narwhal_asyncio.engines import Engines as AsyncioEngines
-
-        async def amain() -> None:
-            failed = asyncio.Event()
-
-            def feed(event: Event) -> None:
-                events.append(event)
-                if isinstance(event, (LegFailed, LegData)):
-                    failed.set()
-
-            engines = AsyncioEngines(asyncio.get_running_loop(), feed, pool_size=1)
-            if getaddrinfo is not None:
-                engines.getaddrinfo = getaddrinfo  # type: ignore[method-assign]
-            engines.start_leg(cmd)
-            await asyncio.wait_for(failed.wait(), 10)
-            await engines.aclose()
-
-        asyncio.run(amain())
+    on_runtime(runtime, body)
     return events
 
 
@@ -173,7 +149,7 @@ def test_the_legs_own_deadline_is_a_connect_timeout(runtime: str) -> None:
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_a_named_engine_is_resolved_once_and_its_addresses_tried_in_turn(runtime: str, kernel_says: Any) -> None:
-    # The connect both runtimes share (narwhal_runtime/legs.py, EngineLegs.connect): the adapter's
+    # The connect both runtimes share (narwhal_runtime/legs.py, Engines.connect): the adapter's
     # resolver, once, then each address it gave (trio's legs used to resolve by trio's own resolver).
     port, tries = kernel_says(errno.ECONNREFUSED)
     asked: list[str] = []
@@ -190,7 +166,7 @@ def test_a_named_engine_is_resolved_once_and_its_addresses_tried_in_turn(runtime
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_an_address_that_drops_the_syn_gives_way_to_the_next_within_the_deadline(runtime: str) -> None:
-    # EngineLegs.connect: each address but the last gets its share of connect_timeout
+    # Engines.connect: each address but the last gets its share of connect_timeout
     # (control.connect_first). Before, the first address held the connect until the
     # deadline: connect_timeout, the second address never tried.
     with socket.socket() as dropping, socket.socket() as filler, socket.create_server(("127.0.0.1", 0)) as good:

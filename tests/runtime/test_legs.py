@@ -1,8 +1,8 @@
 """The legs both adapters share (narwhal_runtime/legs.py): commands and connections, over real socket pairs.
 
-The runtime's side is a recording stand-in (how it opens a connection in a
-task, and how it watches and closes sockets); the end-to-end suites run the
-same code on trio and asyncio.
+The runtime's side is a recording stand-in (how it spawns the task that
+opens a connection, and how it watches and closes sockets); the end-to-end
+suites run the same code on trio and asyncio.
 """
 
 from __future__ import annotations
@@ -15,15 +15,34 @@ import pytest
 
 from narwhal_core import LegData, LegFailed, StartLeg
 from narwhal_core.config import parse_engine_url
-from narwhal_runtime.legs import EngineLegs, LegConnection
+from narwhal_runtime.legs import Engines, LegConnection
 
 URL = "http://127.0.0.1:9001"
 REQUEST = b"GET / HTTP/1.1\r\n\r\n"
 
 
+class _Task:
+    def __init__(self, calls: list[tuple[str, Any]], conn: LegConnection) -> None:
+        self.calls = calls
+        self.conn = conn
+
+    def cancel(self) -> None:
+        self.calls.append(("stop opening", self.conn))
+
+
 class _IO:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, bool | None]] = []
+        #: The tasks spawned: ("open", leg key).
+        self.spawned: list[tuple[str, Any]] = []
+
+    def spawn(self, function: Any, conn: LegConnection, cmd: StartLeg) -> _Task:
+        assert function.__name__ == "open_connection"
+        self.spawned.append(("open", cmd.leg))
+        return _Task(self.spawned, conn)
+
+    def close_socket(self, sock: socket.socket) -> None:
+        sock.close()
 
     def read(self, conn: Any, read: bool) -> None:
         self.calls.append(("read", conn, read))
@@ -36,22 +55,13 @@ class _IO:
         conn.sock.close()
 
 
-class Recording(EngineLegs):
+class Recording(Engines):
     def __init__(self, pool_size: int = 2) -> None:
         self.fed: list[Any] = []
         self.io_: _IO = _IO()
-        super().__init__(self.fed.append, self.io_, pool_size)
-        self.calls: list[tuple[str, Any]] = []
+        super().__init__(self.io_, self.fed.append, pool_size)  # type: ignore[arg-type]
+        self.calls = self.io_.spawned
         self.peers: list[socket.socket] = []
-
-    def _start_opening(self, conn: LegConnection, cmd: StartLeg) -> None:
-        self.calls.append(("open", cmd.leg))
-
-    def _stop_opening(self, conn: LegConnection) -> None:
-        self.calls.append(("stop opening", conn))
-
-    def close_socket(self, sock: socket.socket) -> None:
-        sock.close()
 
     def opened(self, key: str) -> tuple[LegConnection, socket.socket]:
         """Leg ``key``'s connection, now open over a socket pair: what the runtime's task does once connected."""
@@ -118,7 +128,7 @@ def test_cancel_and_finish_reach_the_connection_only_for_a_running_leg() -> None
 
 
 def test_no_leg_starts_once_closing(legs: Recording) -> None:
-    legs._closed = True
+    legs.stopped = True
     legs.start_leg(start("a"))
     assert legs.calls == [] and not legs._pool.legs
 

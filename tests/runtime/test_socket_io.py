@@ -1,7 +1,7 @@
 """The socket calls both runtimes share (narwhal_runtime/socket_io.py), with each runtime's waits.
 
 Real socket pairs and a real listening socket on 127.0.0.1; each runtime
-lends its own waits (``Waits`` in each adapter's ``engines.py``).
+lends its own waits (its ``IO``, in each adapter's ``io.py``).
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ RUNTIMES = ("trio", "asyncio")
 
 
 def _run(runtime: str, body: Callable[[Any], Awaitable[Any]]) -> Any:
-    """``body(waits)`` on ``runtime``, with that runtime's socket waits."""
+    """``body(waits)`` on ``runtime``, with that runtime's socket waits (its ``IO``)."""
     if runtime == "trio":
-        from narwhal_trio.engines import Waits as TrioWaits
+        from narwhal_trio.io import IO as TrioIO
 
-        return trio.run(body, TrioWaits())
-    from narwhal_asyncio.engines import Waits as AsyncioWaits
+        async def trio_main() -> Any:
+            async with trio.open_nursery() as nursery:
+                return await body(TrioIO(nursery))
+
+        return trio.run(trio_main)
+    from narwhal_asyncio.io import IO as AsyncioIO
 
     async def main() -> Any:
-        return await body(AsyncioWaits(asyncio.get_running_loop()))
+        return await body(AsyncioIO(asyncio.get_running_loop()))
 
     return asyncio.run(main())
 
@@ -98,7 +102,7 @@ def test_a_refused_connect_raises_the_kernels_errno_and_an_open_one_connects(run
 
 def test_asyncios_wait_cancelled_after_its_socket_closed_leaves_the_next_sockets_watch_alone() -> None:
     """A closed socket's number is soon another's: the cancelled wait must not stop watching the new one."""
-    from narwhal_asyncio.engines import Waits as AsyncioWaits
+    from narwhal_asyncio.io import IO as AsyncioWaits
 
     async def main() -> bytes:
         waits = AsyncioWaits(asyncio.get_running_loop())
