@@ -3,9 +3,9 @@
 A :class:`ClientConnection` is a plain non-blocking socket and what
 Narwhal does with it. The runtime only tells it when the socket is ready
 (:meth:`ClientConnection.readable`, :meth:`ClientConnection.writable`) and
-lends what it needs: its clock, a timer, the driver's feed, and how it
-watches and closes a socket (:class:`Clients`, over the runtime's
-:class:`~.runtime_io.RuntimeIO`). asyncio watches the socket
+lends what it needs: its clock, a timer, and how it watches and closes a
+socket (:class:`~.runtime_io.RuntimeIO`); :class:`ClientConnections` adds
+the driver's feed and the listener's slots. asyncio watches the socket
 with its loop's ``add_reader``/``add_writer`` (on uvloop this costs what a
 transport's ``data_received`` does: benchmarks/README.md, stop 38); trio
 with a task that waits for it. The connection is its own handle in the
@@ -14,8 +14,8 @@ router's events and commands.
 What happens to bytes a client does not take (backpressure, the send
 timeout) is narwhal_runtime/slow_clients.py; the lingering close is
 :data:`~narwhal_runtime.driver.LINGER_S`; what is still queued when the
-server stops gets :data:`EXIT_FLUSH_S` (:meth:`Clients.aclose`), on both
-runtimes.
+server stops gets :data:`EXIT_FLUSH_S` (:meth:`ClientConnections.aclose`),
+on both runtimes.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from .runtime_io import Handle, RuntimeIO
 from .slow_clients import log_send_timeout
 from .socket_options import READ_SIZE
 
-__all__ = ["ClientConnection", "Clients", "EXIT_FLUSH_S"]
+__all__ = ["ClientConnection", "ClientConnections", "EXIT_FLUSH_S"]
 
 #: Seconds the last client connections get to take their bytes when the server stops.
 EXIT_FLUSH_S = 1.0
 
 
-class Clients:
+class ClientConnections:
     """A server's client connections: what each is lent, which are live, and their end.
 
     Each :class:`ClientConnection` is lent the runtime's clock, timers and
@@ -107,7 +107,7 @@ class ClientConnection:
         "taken_at", "timer", "slot", "reading", "relays",
     )
 
-    def __init__(self, sock: socket.socket, io: Clients) -> None:
+    def __init__(self, sock: socket.socket, io: ClientConnections) -> None:
         self.sock = sock
         self.io = io
         #: Bytes the socket has still to take, in order, and how many.

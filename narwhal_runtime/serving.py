@@ -32,7 +32,7 @@ from narwhal_core.engine_config import EngineAddress
 from narwhal_core.ids import PREFILL
 
 from .app import StartupError, build_router, journal_failure, listen_failure, load_authenticator, log_listening
-from .client_connections import ClientConnection, Clients
+from .client_connections import ClientConnection, ClientConnections
 from .discovery import make_discovery
 from .driver import BusyPoll, Driver
 from .group_metrics import current_group
@@ -70,7 +70,7 @@ class ServerBase:
 
     #: Set once serving (:meth:`begin`): the engine connections, the client connections, the listener.
     engines: Engines | None
-    clients: Clients
+    clients: ClientConnections
     listener: Listener
     #: What the runtime lends the connections (set by :meth:`begin`).
     io: RuntimeIO
@@ -158,8 +158,8 @@ class ServerBase:
         ingress = self.config.ingress
         self.engines = Engines(io, self.feed, self.config.engine.pool_connections_per_engine)
         self.listener = Listener(sockets, limit=ingress.max_connections, io=io)
-        self.clients = Clients(io, self.feed, self.driver.closing, send_timeout_s=ingress.send_timeout_s,
-                               release=self.listener.release)
+        self.clients = ClientConnections(io, self.feed, self.driver.closing,
+                                         send_timeout_s=ingress.send_timeout_s, release=self.listener.release)
         for task in self.background():
             io.spawn(task)
         # engine.kv_events: the subscriber's thread feeds this loop (docs/operate.md, "KV events").
@@ -184,7 +184,7 @@ class ServerBase:
         drain's effects are performed; accepting stops; every task cancelled
         (each reports its cancellation: a leg still connecting, a control
         request); the engine connections close; the client connections get
-        the exit flush (:meth:`~.client_connections.Clients.aclose`); the
+        the exit flush (:meth:`~.client_connections.ClientConnections.aclose`); the
         journal, then the tracer, close.
         """
         self.stop_kv_events()

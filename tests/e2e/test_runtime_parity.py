@@ -534,10 +534,10 @@ def test_a_client_that_reads_slowly_but_reads_is_not_dropped(runtime: str, uvloo
 def test_an_answer_still_queued_at_shutdown_gets_the_exit_flush_then_is_cut(
     runtime: str, uvloop: bool, reads: bool, tmp_path: Path
 ) -> None:
-    """One end on every runtime (narwhal_runtime/client_connections.py, ``Clients.aclose``): the drain is
-    over once every answer is written, but what a client has not yet taken waits in the router. A client
-    that reads gets all of it after the drain ended, then the router's close; one that reads nothing is
-    cut after ``EXIT_FLUSH_S``, and the router stops all the same. (trio used to drop the bytes at once.)"""
+    """One end on every runtime (narwhal_runtime/client_connections.py, ``ClientConnections.aclose``): the
+    drain is over once every answer is written, but what a client has not yet taken waits in the router. A
+    client that reads gets all of it after the drain ended, then the router's close; one that reads nothing
+    is cut after ``EXIT_FLUSH_S``, and the router stops all the same. (trio used to drop the bytes at once.)"""
     if uvloop:
         pytest.importorskip("uvloop")
     journal = tmp_path / "journal.jsonl"

@@ -1,6 +1,6 @@
 """The client connection both runtimes run (narwhal_runtime/client_connections.py), over real socket pairs.
 
-What the connection is lent (:class:`Clients`) is a stand-in here: its clock is
+What the connection is lent (:class:`ClientConnections`) is a stand-in here: its clock is
 set by the test and its timers fire when the test says, so each rule is
 checked at the exact second it must act (slow_clients.py, the lingering
 close). The end-to-end suites run the same connection on trio and asyncio.
