@@ -17,6 +17,7 @@ import pytest
 
 from narwhal_runtime.listening import Listener, listening_sockets
 
+from ..harness import LogCapture
 from ..helpers import on_runtime
 
 RUNTIMES = ("trio", "asyncio")
@@ -80,3 +81,21 @@ def _accepted_in_order(runtime: str, sockets: list[socket.socket]) -> list[str]:
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_one_slot_serves_whichever_socket_a_connection_comes_to(runtime: str) -> None:
     assert _accepted_in_order(runtime, _two_sockets()) == ["v6", "released", "v6", "released", "v4"]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_an_accept_that_runs_after_the_listener_closed_ends_without_a_word(runtime: str) -> None:
+    # At shutdown the listener cancels its tasks and closes its sockets at once; a task already
+    # scheduled to run then finds its socket closed (EBADF): that is the close, not a failed accept.
+    sockets = listening_sockets("127.0.0.1", 0)
+    accepted: list[socket.socket] = []
+
+    async def body(io: Any, _: Any) -> None:
+        listener = Listener(sockets, limit=4, io=io)
+        listener.close()
+        async with io.time_limit(5):
+            await listener.accept(sockets[0], lambda sock, slots: accepted.append(sock))
+
+    with LogCapture() as log:
+        on_runtime(runtime, body)
+    assert accepted == [] and [e for e in log.events() if e["event"] == "accept_failed"] == []
