@@ -471,14 +471,7 @@ def test_a_client_that_takes_none_of_its_bytes_is_dropped_after_the_send_timeout
         else:
             assert (record["terminal"], record["status"]) == ("completed", 200), record
         # The client's side ends too, its answer cut short.
-        client.settimeout(5.0)
-        received = bytearray()
-        try:
-            while data := client.recv(65536):
-                received += data
-        except ConnectionResetError:
-            pass
-        head, _, rest = bytes(received).partition(b"\r\n\r\n")
+        head, rest = _read_to_end(client, 5.0)
         assert head.startswith(b"HTTP/1.1 200"), head[:200]
         if stream:
             assert not rest.endswith(b"\r\n0\r\n\r\n")
@@ -489,6 +482,19 @@ def test_a_client_that_takes_none_of_its_bytes_is_dropped_after_the_send_timeout
     assert line["level"] == "warning" and line["send_timeout_s"] == SEND_TIMEOUT_S, line
     assert line["unsent_bytes"] > 0 and set(line) == {"ts", "level", "event", "send_timeout_s", "unsent_bytes",
                                                        "consequence"}, line
+
+
+def _read_to_end(client: socket.socket, timeout: float) -> tuple[bytes, bytes]:
+    """What ``client`` receives until the router closes (or resets) it: the answer's head and the rest."""
+    client.settimeout(timeout)
+    received = bytearray()
+    try:
+        while data := client.recv(65536):
+            received += data
+    except ConnectionResetError:
+        pass
+    head, _, rest = bytes(received).partition(b"\r\n\r\n")
+    return head, rest
 
 
 @pytest.mark.parametrize("runtime, uvloop", [("trio", False), ("asyncio", False), ("asyncio", True)])
@@ -560,16 +566,9 @@ def test_an_answer_still_queued_at_shutdown_gets_the_exit_flush_then_is_cut(
                 router._thread.join(10)  # type: ignore[union-attr]
                 assert not router.alive
                 assert 0.9 <= time.monotonic() - stopping < 5.0  # EXIT_FLUSH_S, then the cut
-            client.settimeout(10.0)
-            received = bytearray()
-            try:
-                while data := client.recv(65536):
-                    received += data
-            except ConnectionResetError:
-                pass
+            head, rest = _read_to_end(client, 10.0)
         finally:
             router.stop()
-    head, _, rest = bytes(received).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head[:200]
     length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
     if reads:
