@@ -245,6 +245,21 @@ class Proc:
         cls.registry.clear()
 
 
+def exit_on_sigterm() -> None:
+    """On SIGTERM exit with status 143, the ``finally`` of :func:`main` stopping every process started.
+
+    Later SIGTERMs are ignored: a second one (``timeout`` passing one on
+    beside the sender's own) must not cut :meth:`Proc.stop_all` short, or
+    the engines are left running.
+    """
+
+    def on_term(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def _strip_ansi(text: str) -> str:
     out, i = [], 0
     while i < len(text):
@@ -1634,7 +1649,7 @@ def main(argv: list[str] | None = None) -> int:
     args.soft_stop_at = started + 0.6 * args.time_limit
     args.stop_at = started + 0.85 * args.time_limit
     signal.signal(signal.SIGALRM, on_alarm)
-    signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))
+    exit_on_sigterm()
     signal.alarm(int(args.time_limit))
     try:
         if args.scenario == "slow-streams":
