@@ -50,6 +50,7 @@ class ClientConnections:
     def __init__(self, io: RuntimeIO, feed: Callable[[Event], object], closing: Callable[[Any], bool], *,
                  send_timeout_s: float, release: Callable[[], None]) -> None:
         self._io = io
+        # The runtime's own bound methods, so a connection's call goes straight to them.
         self.now, self.later, self.soon, self.read, self.write = io.now, io.later, io.soon, io.read, io.write
         #: Feed the driver (synchronously).
         self.feed = feed

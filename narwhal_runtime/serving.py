@@ -193,7 +193,7 @@ class ServerBase:
         self._flush()
         if self.engines is not None:
             self.listener.close()
-            self.clients.stopped = self.engines.stopped = True
+            self.engines.stopped = True  # no leg or control request starts while the tasks are cancelled
             await self.io.cancel_tasks()
             self.engines.close_all()
             await self.clients.aclose()

@@ -398,3 +398,26 @@ def on_runtime(runtime: str, body: Callable[[Any, Any], Any]) -> None:
             await io.cancel_tasks()
 
         asyncio.run(amain())
+
+
+def read_request(conn: socket.socket, buf: bytes) -> tuple[str, dict[str, str], bytes, bytes] | None:
+    """The next HTTP/1.1 request a fake engine reads from ``conn``, ``buf`` holding what came before it.
+
+    Returns its request line, its headers (names lower-cased), its body and
+    the bytes after it; ``None`` when the peer closes first.
+    """
+    while b"\r\n\r\n" not in buf:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        buf += data
+    head, _, buf = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(buf) < length:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        buf += data
+    return lines[0], headers, buf[:length], buf[length:]

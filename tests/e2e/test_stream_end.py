@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from ..harness import RouterThread, make_config
-from ..helpers import MODEL, poll, read_journal
+from ..helpers import MODEL, poll, read_journal, read_request
 
 #: The engine's pause between ``[DONE]`` and the end of its body.
 TAIL_PAUSE_S = 0.025
@@ -71,23 +71,9 @@ class TailEngine:
 
     def _answer(self, conn: socket.socket) -> None:
         buf = b""
-        while True:
-            while b"\r\n\r\n" not in buf:
-                data = conn.recv(65536)
-                if not data:
-                    return
-                buf += data
-            head, _, buf = buf.partition(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, _ = lines[0].split(" ")
-            headers = dict(line.split(":", 1) for line in lines[1:])
-            length = int({k.lower(): v for k, v in headers.items()}.get("content-length", "0"))
-            while len(buf) < length:
-                data = conn.recv(65536)
-                if not data:
-                    return
-                buf += data
-            body, buf = buf[:length], buf[length:]
+        while (next_request := read_request(conn, buf)) is not None:
+            line, _, body, buf = next_request
+            method, target, _ = line.split(" ")
             if method == "GET":
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
                 continue

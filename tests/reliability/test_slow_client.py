@@ -22,7 +22,7 @@ import pytest
 
 
 from ..harness import Fleet, RouterThread
-from ..helpers import MODEL, journal_terminal
+from ..helpers import MODEL, journal_terminal, read_request
 from ..rawhttp import RawClient, request_bytes
 from .support import WAIT
 
@@ -65,23 +65,9 @@ class StreamingEngine:
     def _serve(self, conn: socket.socket) -> None:
         buf = b""
         try:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                lines = head.split(b"\r\n")
-                length = 0
-                for line in lines[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                while len(buf) < length:
-                    buf += conn.recv(65536)
-                body, buf = buf[:length], buf[length:]
-                if lines[0].startswith(b"GET "):  # the router's health probes
+            while (next_request := read_request(conn, buf)) is not None:
+                line, _, body, buf = next_request
+                if line.startswith("GET "):  # the router's health probes
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
                     continue
                 request = json.loads(body)
