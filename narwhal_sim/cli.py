@@ -71,8 +71,8 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
 
     v = p.add_argument_group("vLLM version (docs/simulator.md, 'vLLM versions')")
     v.add_argument("--vllm-version", default=None, metavar="VERSION",
-                   help="the vLLM modelled: a family (0.9, 0.11, 0.14, 0.18, lease) or a release like 0.14.1 "
-                        "(default: lease, current vLLM)")  # fmt: skip
+                   help="the vLLM modelled: a family (0.9, 0.11, 0.14, 0.18, lease, 0.28) or a release like "
+                        "0.14.1 (default: 0.28, current vLLM)")  # fmt: skip
     v.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="fill usage.prompt_tokens_details (else null, as vLLM without this flag)")  # fmt: skip
     v.add_argument("--tokens-only", action="store_true",
@@ -88,6 +88,13 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
     v.add_argument("--incomplete-kv-params", choices=("reject", "recompute", "crash"), default=d.incomplete_kv_params,
                    help="a decode request whose kv_transfer_params lack a needed field: 400, recompute, "
                         "or the engine dies (500 on every later completion)")  # fmt: skip
+    v.add_argument("--bidirectional-kv", action="store_true",
+                   help="vLLM's bidirectional_kv_xfer on a decode engine (0.28 family): each finished "
+                        "decode answers its own kv_transfer_params and holds its blocks for "
+                        "--decoder-kv-blocks-ttl")  # fmt: skip
+    v.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl_s, metavar="S",
+                   help="vLLM's decoder_kv_blocks_ttl: seconds a bidirectional decode engine holds a finished "
+                        "request's blocks")  # fmt: skip
     p.add_argument("--log", default="stderr",
                    help="request log of JSON lines: FILE, '-' (stdout, after the startup line), "
                         "'stderr', or 'none'")  # fmt: skip
@@ -200,6 +207,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         dev_mode=args.dev_mode,
         abort_request_route=args.abort_request_route,
         incomplete_kv_params=args.incomplete_kv_params,
+        bidirectional_kv=args.bidirectional_kv,
+        decoder_kv_blocks_ttl_s=args.decoder_kv_blocks_ttl,
         pre_admission_ms=args.pre_admission_ms,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,

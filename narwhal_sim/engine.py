@@ -332,6 +332,9 @@ class EngineRequest:
     #: After its last token the request keeps its slot and blocks until :meth:`EngineCore.abort`
     #: (the server's stalled answers).
     linger: bool = False
+    #: Its blocks stay pinned after its end, like a :data:`PREFILL_REMOTE` request's, until
+    #: :meth:`EngineCore.free_held` (a decode engine's bidirectional hold, docs/simulator.md).
+    hold: bool = False
 
 
 @attrs.define(slots=True)
@@ -362,8 +365,8 @@ class Tokens:
 class Finished:
     """The request generated its last token at ``at``.
 
-    For a :data:`PREFILL_REMOTE` request ``block_ids`` are the blocks now held
-    (pinned) for the remote decode until :meth:`EngineCore.free_held`.
+    For a :data:`PREFILL_REMOTE` request (or one with ``hold``) ``block_ids`` are
+    the blocks now held (pinned) until :meth:`EngineCore.free_held`.
     """
 
     request_id: str
@@ -527,7 +530,7 @@ class EngineCore:
         return True
 
     def free_held(self, request_id: str, *, now: float) -> tuple[int, ...] | None:
-        """Unpin the KV a finished :data:`PREFILL_REMOTE` request holds (pulled, released or expired)."""
+        """Unpin the KV a finished :data:`PREFILL_REMOTE` (or ``hold``) request holds (pulled, released or expired)."""
         seq = self._held.pop(request_id, None)
         if seq is None:
             return None
@@ -660,7 +663,7 @@ class EngineCore:
             seq.generated += count
             self.generation_tokens += count
             out.append(Tokens(rid, count, t, dur))
-        if seq.kind == PREFILL_REMOTE:
+        if seq.kind == PREFILL_REMOTE or seq.req.hold:
             seq.state = "held"
             self._held[rid] = seq
             out.append(Finished(rid, t, "length", tuple(seq.blocks)))
@@ -928,7 +931,7 @@ class EngineCore:
 
     def _finish(self, seq: _Seq, at: float) -> None:
         rid = seq.req.request_id
-        if seq.kind == PREFILL_REMOTE:
+        if seq.kind == PREFILL_REMOTE or seq.req.hold:
             self._running.remove(seq)
             del self._seqs[rid]
             seq.state = "held"

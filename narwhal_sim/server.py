@@ -115,7 +115,7 @@ class SimConfig:
     #: ``tp_size`` reported in ``kv_transfer_params``.
     tp_size: int = 1
     #: The vLLM version family modelled (docs/simulator.md, "vLLM versions"): a family name
-    #: (``0.9``, ``0.11``, ``0.14``, ``0.18``, ``lease``) or a release like ``0.14.1``; ``None``: ``lease``.
+    #: (``0.9``, ``0.11``, ``0.14``, ``0.18``, ``lease``, ``0.28``) or a release like ``0.14.1``; ``None``: ``0.28``.
     vllm_version: str | None = None
     #: ``usage.prompt_tokens_details`` is filled (vLLM's ``--enable-prompt-tokens-details``); else ``null``.
     enable_prompt_tokens_details: bool = False
@@ -149,6 +149,12 @@ class SimConfig:
     #: Seconds a prefill engine holds unpulled KV before freeing it as *expired* (wall clock);
     #: ``None``: the version family's (120 s, 480 s, or the 30 s lease).
     kv_lease_s: float | None = None
+    #: vLLM's ``kv_connector_extra_config.bidirectional_kv_xfer`` on a decode engine (``0.28`` family on):
+    #: a finished decode request's answer carries the engine's own ``kv_transfer_params`` and its
+    #: blocks stay held for ``decoder_kv_blocks_ttl_s`` (docs/simulator.md, "vLLM versions").
+    bidirectional_kv: bool = False
+    #: vLLM's ``decoder_kv_blocks_ttl`` (480 s by default): how long a decode engine holds those blocks.
+    decoder_kv_blocks_ttl_s: float = 480.0
     #: Whether prompts hit the prefix cache (full blocks kept in the KV pool until evicted).
     prefix_caching: bool = True
     #: Step time: ``step_base_ms + prefill tokens × prefill_per_token_ms + decoding sequences ×
@@ -207,7 +213,11 @@ class SimConfig:
                 raise ValueError(f"{name} must be tcp://HOST:PORT, got {value!r}")
         if self.kv_pull_grace_ms is not None and self.kv_pull_grace_ms < 0:
             raise ValueError("kv_pull_grace_ms must be >= 0")
-        resolve_version(self.vllm_version)  # ValueError naming the accepted forms
+        family, _ = resolve_version(self.vllm_version)  # ValueError naming the accepted forms
+        if self.bidirectional_kv and not family.bidirectional_expiry:
+            raise ValueError(f"bidirectional_kv is modelled from the 0.28 family on, not {family.name}")
+        if self.decoder_kv_blocks_ttl_s <= 0:
+            raise ValueError("decoder_kv_blocks_ttl_s must be > 0")
         if self.abort_request_route not in (False, True, "json", "bare"):
             raise ValueError("abort_request_route must be json or bare")
         if self.pre_admission_ms < 0:
@@ -358,6 +368,9 @@ class SimEngine:
         )
         self.publisher: KvEventPublisher | None = None
         self.ledger = KvLedger(config.kv_lease_s if config.kv_lease_s is not None else family.hold_s)
+        #: A decode engine's own finished requests' KV, held for ``decoder_kv_blocks_ttl`` (bidirectional).
+        self.decoder_ledger = KvLedger(config.decoder_kv_blocks_ttl_s)
+        self._decoder_timer: asyncio.TimerHandle | None = None
         self._flows: dict[str, _Flow] = {}
         self._core_t0 = time.monotonic()
         self._step_timer: asyncio.TimerHandle | None = None
@@ -448,6 +461,8 @@ class SimEngine:
         """Stop serving; held KV is forgotten with the process."""
         if self._lease_timer is not None:
             self._lease_timer.cancel()
+        if self._decoder_timer is not None:
+            self._decoder_timer.cancel()
         if self._step_timer is not None:
             self._step_timer.cancel()
         await self._http.close()
@@ -497,6 +512,9 @@ class SimEngine:
             "kv_pulled_blocks": ledger.block_counts["pulled"],
             "kv_released_blocks": ledger.block_counts["released"],
             "kv_expired_blocks": ledger.block_counts["expired"],
+            "decoder_kv_held": len(self.decoder_ledger),
+            "decoder_kv_held_blocks": self.decoder_ledger.held_blocks,
+            "decoder_kv_expired": self.decoder_ledger.counts["expired"],
         }
         out.update(self.counters)
         return out
@@ -515,6 +533,7 @@ class SimEngine:
         for key in self.counters:
             self.counters[key] = 0
         self.ledger.reset_counts()
+        self.decoder_ledger.reset_counts()
         core = self.core
         core.prefix_cache_queries = core.prefix_cache_hits = core.steps = 0
         core.prompt_tokens_computed = core.generation_tokens = 0
@@ -896,6 +915,54 @@ class SimEngine:
             params["remote_blocks_expiry_time"] = None
             params["transfer_mode"] = "pull"
         return params
+
+    def _hold_decoded(self, owner: str, flow: _Flow, computed: int, prompt: Prompt, record: _Record) -> dict[str, Any]:
+        """Hold a finished decode request's blocks for ``decoder_kv_blocks_ttl`` (bidirectional transfer).
+
+        vLLM's ``NixlPullConnectorScheduler.request_finished`` (nixl/pull_scheduler.py, commit
+        0050936b): on a decode engine with ``bidirectional_kv_xfer`` a request that finished
+        (length or stop) keeps its blocks for ``decoder_kv_blocks_ttl`` (base_scheduler.py, 480 s
+        by default; no lease renewal) so that the next turn's prefill can read them, and answers
+        the engine's own ``kv_transfer_params``: ``do_remote_decode: true``, the blocks, and
+        ``remote_blocks_expiry_time``, the deadline on the engine's clock (PR 47021), and
+        ``remote_num_tokens``, the tokens whose KV it computed (``computed``: the prompt and the
+        output but its last token). Only a prefill request carrying these params would read them:
+        nothing here does, so they expire.
+        """
+        entry = self.decoder_ledger.hold(owner, flow.block_ids, now=self.loop.time(),
+                                         prompt_tokens=computed, prompt_digest=prompt.digest)  # fmt: skip
+        flow.block_ids = []
+        if record.kv is not None:
+            record.kv["decoder_held_blocks"] = len(entry.block_ids)
+        if self._decoder_timer is None:
+            self._arm_decoder_timer()
+        return {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            "remote_block_ids": [entry.block_ids],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": owner,
+            "remote_host": self.advertise_host,
+            "remote_port": self.port,
+            "tp_size": self.config.tp_size,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": entry.prompt_tokens,
+            "remote_blocks_expiry_time": entry.expires_at,
+            "transfer_mode": "pull",
+        }
+
+    def _arm_decoder_timer(self) -> None:
+        deadline = self.decoder_ledger.next_deadline()
+        if deadline is not None:
+            self._decoder_timer = self.loop.call_at(deadline, self._expire_decoded)
+
+    def _expire_decoded(self) -> None:
+        self._decoder_timer = None
+        for entry in self.decoder_ledger.expire_due(self.loop.time() + 0.001):
+            self.core.free_held(entry.owner, now=self._core_now())
+        self._pump()
+        self._arm_decoder_timer()
 
     def _unrecognized(self, notify_id: Any, entry: KvEntry | None) -> None:
         """A notification naming no held request: logged and ignored, as vLLM's prefill side does."""
@@ -1292,6 +1359,7 @@ class SimEngine:
                 block_hashes=self._block_hashes(prompt) if step.prefix_caching else (),
                 token_ids=prompt.block_token_ids(step.block_size) if events_on else None,
                 linger=plan.stall_after is not None,
+                hold=decode_kv is not None and self.config.bidirectional_kv,
             )
             if self.config.speed == 0:
                 self._dispatch(self.core.serve_now(engine_request, now=self.core.now))
@@ -1350,10 +1418,14 @@ class SimEngine:
             if job.stream:
                 await self._stream(conn, request, job, plan, flow, tokens, answer_usage, response_id, chat_mode,
                                    finish_reason)  # fmt: skip
+                if decode_kv is not None and self.config.bidirectional_kv and flow.finished:
+                    self._hold_decoded(core_id, flow, prompt_tokens + out_tokens - 1, prompt, record)
             else:
                 if not flow.finished:
                     await flow.wait_for(lambda: flow.finished)
                     flow.check_aborted(external)
+                if decode_kv is not None and self.config.bidirectional_kv:
+                    kv_params = self._hold_decoded(core_id, flow, prompt_tokens + out_tokens - 1, prompt, record)
                 body = self._whole_body(job, response_id, tokens, chat_mode, answer_usage, kv_params, finish_reason)
                 await self._send_whole(conn, request, plan, body)
             done = True

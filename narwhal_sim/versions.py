@@ -51,6 +51,10 @@ class VllmFamily:
     notify_on_rejection: bool
     #: ``POST /abort_requests`` exists with ``--tokens-only`` (and in dev mode).
     abort_requests_route: bool
+    #: With ``bidirectional_kv_xfer`` a decode engine answers its own ``kv_transfer_params``
+    #: (``do_remote_decode: true``, its blocks, ``remote_blocks_expiry_time`` a number) and holds
+    #: those blocks for ``decoder_kv_blocks_ttl`` (``NixlPullConnectorScheduler.request_finished``).
+    bidirectional_expiry: bool = False
 
 
 FAMILIES: dict[str, VllmFamily] = {
@@ -77,21 +81,29 @@ FAMILIES: dict[str, VllmFamily] = {
             lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=True,
         ),
         VllmFamily(
-            name="lease", releases="0.21 and later", version="0.27.1", nested_errors=True,
+            name="lease", releases="0.21 - 0.27.x", version="0.27.1", nested_errors=True,
             request_id_suffix=True, connector=2, block_groups=True, lease_keys=True, hold_s=30.0,
             lease_renewal=True, null_params_on_stop=False, notify_on_rejection=True, abort_requests_route=True,
         ),
+        VllmFamily(
+            name="0.28", releases="0.28 and later", version="0.33.0", nested_errors=True,
+            request_id_suffix=True, connector=2, block_groups=True, lease_keys=True, hold_s=30.0,
+            lease_renewal=True, null_params_on_stop=False, notify_on_rejection=True, abort_requests_route=True,
+            bidirectional_expiry=True,
+        ),
     )
 }
-DEFAULT_FAMILY = "lease"
+DEFAULT_FAMILY = "0.28"
 
 #: (first release of the next family, family): a version below the bound belongs to the family.
-_BOUNDS = (((0, 10, 1), "0.9"), ((0, 14, 0), "0.11"), ((0, 17, 0), "0.14"), ((0, 21, 0), "0.18"))
+_BOUNDS = (
+    ((0, 10, 1), "0.9"), ((0, 14, 0), "0.11"), ((0, 17, 0), "0.14"), ((0, 21, 0), "0.18"), ((0, 28, 0), "lease"),
+)  # fmt: skip
 _VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:[.+\-_a-zA-Z0-9]*)?")
 
 
 def family_for(version: str) -> VllmFamily:
-    """The family of a family name (``0.14``, ``lease``) or a release (``0.14.1``, ``v0.18.0rc1``).
+    """The family of a family name (``0.14``, ``lease``, ``0.28``) or a release (``0.14.1``, ``v0.18.0rc1``).
 
     ``ValueError`` naming the accepted forms when it is neither.
     """

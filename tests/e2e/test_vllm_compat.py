@@ -329,3 +329,27 @@ def test_vllms_default_remote_host_localhost_is_accepted(routers: list[RouterThr
         assert exact_json(decode_rec["body"])["kv_transfer_params"]["remote_host"] == "localhost"
         assert journal_record(journal, rid_of(answer))["legs"][0]["kv"]["outcome"] == "pulled"
         assert (p.stats()["kv_pulled"], p.stats()["kv_held"]) == (1, 0)
+
+
+# ---------------------------------------------------------------------------- bidirectional transfer (0.28 on)
+
+
+def test_a_bidirectional_decode_engines_own_params_stay_off_the_client_and_its_blocks_held(
+    routers: list[RouterThread], journal: Path
+) -> None:
+    # vLLM's bidirectional_kv_xfer: each decode answer names the decode engine's own blocks, held for
+    # decoder_kv_blocks_ttl for a next turn that Narwhal never sends (docs/operate.md, "vLLM compatibility").
+    with SimThread("prefill", speed=0, vllm_version="0.28") as p, \
+            SimThread("decode", speed=0, vllm_version="0.28", bidirectional_kv=True) as d:  # fmt: skip
+        router = start(routers, journal, Fleet(prefill=[p], decode=[d]))
+        answer = httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": "hello " * 20,
+                                                            "max_tokens": 3}, timeout=10)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        assert "kv_transfer_params" not in answer.json()
+        (engine_answer,) = d.requests("/v1/completions")
+        assert engine_answer["kv"]["decoder_held_blocks"] >= 1  # the engine did answer its own params
+        record = journal_record(journal, rid_of(answer))
+        assert record["terminal"] == "completed" and record["legs"][0]["kv"]["outcome"] == "pulled"
+        assert p.stats()["kv_held"] == 0  # the prefill engine's KV was pulled and freed as ever
+        stats = d.stats()
+        assert stats["decoder_kv_held"] == 1 and stats["free_blocks"] < stats["total_blocks"]

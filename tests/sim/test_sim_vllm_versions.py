@@ -39,7 +39,8 @@ def prefill(client: httpx.Client, url: str, rid: str, **extra: Any) -> httpx.Res
     [
         ("0.9", "0.9"), ("0.9.2", "0.9"), ("0.10.0", "0.9"), ("0.10.1", "0.11"), ("0.11", "0.11"),
         ("0.13.0", "0.11"), ("0.14.1", "0.14"), ("v0.16.0", "0.14"), ("0.17.1", "0.18"), ("0.18.0rc1", "0.18"),
-        ("0.20.2", "0.18"), ("0.21.0", "lease"), ("0.27.1", "lease"), ("1.0.0", "lease"), ("lease", "lease"),
+        ("0.20.2", "0.18"), ("0.21.0", "lease"), ("0.27.1", "lease"), ("v0.27.9rc2", "lease"), ("lease", "lease"),
+        ("0.28.0", "0.28"), ("0.29.0", "0.28"), ("0.33.0", "0.28"), ("1.0.0", "0.28"), ("0.28", "0.28"),
     ],
 )  # fmt: skip
 def test_a_release_maps_to_its_family(version: str, name: str) -> None:
@@ -55,8 +56,9 @@ def test_bad_versions_are_refused_with_the_accepted_forms() -> None:
         config_from_args(args)
 
 
-def test_default_is_the_lease_family_and_version_reports_the_string(client: httpx.Client) -> None:
-    assert DEFAULT_FAMILY == "lease" and resolve_version(None)[0].name == "lease"
+def test_default_is_the_newest_family_and_version_reports_the_string(client: httpx.Client) -> None:
+    assert DEFAULT_FAMILY == "0.28" and resolve_version(None) == (FAMILIES["0.28"], "0.33.0")
+    assert config_from_args(build_parser().parse_args([])).vllm_version is None  # the command line's default
     config = config_from_args(build_parser().parse_args(["--vllm-version", "0.14.1"]))
     assert config.vllm_version == "0.14.1"
     with SimThread("prefill", speed=0, vllm_version="0.14.1") as p:
@@ -64,7 +66,8 @@ def test_default_is_the_lease_family_and_version_reports_the_string(client: http
         assert answer.status_code == 200 and answer.json() == {"version": "0.14.1"}
         assert p.stats()["vllm_family"] == "0.14"
     with SimThread("prefill", speed=0) as p:
-        assert client.get(p.url + "/version").json() == {"version": FAMILIES["lease"].version}
+        assert client.get(p.url + "/version").json() == {"version": "0.33.0"}
+        assert p.stats()["vllm_family"] == "0.28"
 
 
 # ---------------------------------------------------------------------------- routes
@@ -192,7 +195,7 @@ def test_which_decode_frees_the_prefill_blocks(client: httpx.Client, family: Vll
 def test_hold_timeout_per_family(client: httpx.Client, family: VllmFamily) -> None:
     with SimThread("prefill", speed=0, vllm_version=family.name) as p:
         assert p.stats()["kv_lease_s"] == family.hold_s == {"0.9": 120, "0.11": 480, "0.14": 480, "0.18": 480,
-                                                              "lease": 30}[family.name]  # fmt: skip
+                                                              "lease": 30, "0.28": 30}[family.name]  # fmt: skip
     with SimThread("prefill", speed=0, vllm_version=family.name, lease_s=0.2) as p:
         prefill(client, p.url, "t1")
         stats = p.wait_for(lambda s: s["kv_expired"] == 1, timeout=5)
@@ -391,3 +394,61 @@ def test_a_failed_pull_leaves_the_blocks_held(client: httpx.Client, family: Vllm
             assert answer.status_code == 500
         assert d.stats()["kv_pull_failures"] == 1 and p.requests("/kv/pull") == []
         assert (p.stats()["kv_held"], p.stats()["kv_pulled"]) == (1, 0)
+
+
+# ---------------------------------------------------------------------------- bidirectional transfer (0.28 on)
+
+
+def test_a_bidirectional_decode_engine_answers_and_holds_its_own_kv(client: httpx.Client, family: VllmFamily) -> None:
+    """``bidirectional_kv_xfer``: the decode answer names the decode engine's blocks, held for their TTL."""
+    if not family.bidirectional_expiry:
+        with pytest.raises(ValueError, match="bidirectional_kv is modelled from the 0.28 family on"):
+            SimThread("decode", speed=0, vllm_version=family.name, bidirectional_kv=True).start()
+        return
+    with SimThread("prefill", speed=0, vllm_version=family.name) as p, \
+            SimThread("decode", speed=0, vllm_version=family.name, bidirectional_kv=True,
+                      decoder_kv_blocks_ttl_s=0.4) as d:  # fmt: skip
+        kv = prefill(client, p.url, "bi").json()["kv_transfer_params"]
+        answer = client.post(d.url + "/v1/completions", json=decode_body(kv, max_tokens=6),
+                             headers={"X-Request-Id": "bi"})  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        own = answer.json()["kv_transfer_params"]
+        assert list(own) == expected_keys(family)
+        assert (own["do_remote_prefill"], own["do_remote_decode"]) == (False, True)
+        assert re.fullmatch(r"cmpl-bi-0-[0-9a-f]{8}", own["remote_request_id"])  # the decode engine's request ID
+        assert own["remote_engine_id"] == d.stats()["engine_id"] and own["remote_port"] == d.port
+        # 50 prompt tokens and 6 sampled (the last one's KV never computed): 4 blocks of 16.
+        assert own["remote_num_tokens"] == 55 and len(own["remote_block_ids"][0]) == 4
+        assert isinstance(own["remote_blocks_expiry_time"], float)
+        stats = d.stats()
+        assert (stats["decoder_kv_held"], stats["decoder_kv_held_blocks"]) == (1, 4)
+        assert stats["free_blocks"] == stats["total_blocks"] - 4
+        # A streamed decode holds its blocks the same way; nobody reads them, so they expire.
+        kv = prefill(client, p.url, "bi-s").json()["kv_transfer_params"]
+        streamed = client.post(d.url + "/v1/completions", json=decode_body(kv, max_tokens=6, stream=True),
+                               headers={"X-Request-Id": "bi-s"})  # fmt: skip
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        assert d.stats()["decoder_kv_held"] == 2
+        stats = d.wait_for(lambda s: s["decoder_kv_expired"] == 2, timeout=5)
+        assert stats["decoder_kv_held"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+        assert p.stats()["kv_pulled"] == 2  # the prefill engine's own KV was pulled as ever
+
+
+def test_without_bidirectional_transfer_a_decode_answer_holds_nothing(client: httpx.Client, family: VllmFamily) -> None:
+    with SimThread("prefill", speed=0, vllm_version=family.name) as p, \
+            SimThread("decode", speed=0, vllm_version=family.name) as d:  # fmt: skip
+        kv = prefill(client, p.url, "plain").json()["kv_transfer_params"]
+        answer = client.post(d.url + "/v1/completions", json=decode_body(kv), headers={"X-Request-Id": "plain"})
+        assert answer.status_code == 200 and answer.json()["kv_transfer_params"] is None
+        stats = d.stats()
+        assert stats["decoder_kv_held"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_the_bidirectional_options_on_the_command_line() -> None:
+    args = build_parser().parse_args(["--bidirectional-kv", "--decoder-kv-blocks-ttl", "60"])
+    config = config_from_args(args)
+    assert (config.bidirectional_kv, config.decoder_kv_blocks_ttl_s) == (True, 60.0)
+    defaults = config_from_args(build_parser().parse_args([]))
+    assert (defaults.bidirectional_kv, defaults.decoder_kv_blocks_ttl_s) == (False, 480.0)  # vLLM's default TTL
+    with pytest.raises(ValueError, match="bidirectional_kv is modelled from the 0.28 family on, not lease"):
+        config_from_args(build_parser().parse_args(["--bidirectional-kv", "--vllm-version", "0.27.1"]))
