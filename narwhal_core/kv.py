@@ -143,6 +143,28 @@ class KvLedger:
                             "X-Request-Id, so that the decode engine names blocks this engine holds",
             )
 
+    def refuse_mode(self, leg: Leg, handoff: KvHandoff, mode: str) -> None:
+        """A prefill answer in a KV transfer mode Narwhal does not drive (vLLM's push): its KV, journalled.
+
+        No decode request will carry it, and no release can reach it without
+        one, so the blocks stay on the engine until its lease ends: the
+        leg's KV record says ``held_until_lease`` and why. Logged once per
+        engine and mode, counted per answer (docs/operate.md, "vLLM compatibility").
+        """
+        kv = leg.kv = Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
+        kv.outcome, kv.method = "held_until_lease", "lease"
+        kv.error = f"transfer_mode {mode!r} is not supported: no decode request carried the KV"
+        url = leg.engine.url
+        counts = self.ctx.stats.kv_modes_refused
+        counts[(url, mode)] += 1
+        if counts[(url, mode)] == 1:
+            self.ctx.log(
+                "kv_transfer_mode_unsupported", level="error", engine=url, mode=mode,
+                consequence="every request prefilled on it fails with 502 unsupported_kv_transfer_mode; its "
+                            "KV is held until the engine's lease ends",
+                fix="run the NIXL connector in pull mode on every engine",
+            )
+
     # ---------------------------------------------------------------- releases
 
     def release(self, req: Request, short: str = LEASE_SHORT) -> None:

@@ -93,6 +93,12 @@ class _RouterCollector:
         for url, version in sorted(stats.kv_connector.items()):
             connector.add_metric([url], version)
         yield connector
+        yield _counter(
+            "narwhal_engine_kv_transfer_mode_refused",
+            "Prefill answers refused for a KV transfer_mode Narwhal does not drive (vLLM's push), by engine "
+            "and mode: each request failed 502 unsupported_kv_transfer_mode, its KV held until the engine's lease.",
+            ["engine", "mode"], stats.kv_modes_refused,
+        )
         kv_live = GaugeMetricFamily(
             "narwhal_engine_kv_events_live",
             "1 while a prefill engine is weighed from its own KV events (routing.policy = \"kv\"); 0 while it "

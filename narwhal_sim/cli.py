@@ -88,6 +88,9 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
     v.add_argument("--incomplete-kv-params", choices=("reject", "recompute", "crash"), default=d.incomplete_kv_params,
                    help="a decode request whose kv_transfer_params lack a needed field: 400, recompute, "
                         "or the engine dies (500 on every later completion)")  # fmt: skip
+    v.add_argument("--kv-transfer-mode", choices=("pull", "push"), default=d.kv_transfer_mode,
+                   help="the NIXL connector's transfer_mode in prefill answers (push: vLLM's push scheduler; "
+                        "lease family only)")  # fmt: skip
     p.add_argument("--log", default="stderr",
                    help="request log of JSON lines: FILE, '-' (stdout, after the startup line), "
                         "'stderr', or 'none'")  # fmt: skip
@@ -200,6 +203,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         dev_mode=args.dev_mode,
         abort_request_route=args.abort_request_route,
         incomplete_kv_params=args.incomplete_kv_params,
+        kv_transfer_mode=args.kv_transfer_mode,
         pre_admission_ms=args.pre_admission_ms,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,

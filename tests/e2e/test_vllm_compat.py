@@ -392,3 +392,46 @@ def test_vllms_default_remote_host_localhost_is_accepted(routers: list[RouterThr
         assert exact_json(decode_rec["body"])["kv_transfer_params"]["remote_host"] == "localhost"
         assert journal_record(journal, rid_of(answer))["legs"][0]["kv"]["outcome"] == "pulled"
         assert (p.stats()["kv_pulled"], p.stats()["kv_held"]) == (1, 0)
+
+
+# ---------------------------------------------------------------------------- push mode refused
+
+
+def test_a_push_mode_answer_is_refused_clearly_and_its_kv_journalled(routers: list[RouterThread], journal: Path) -> None:
+    """vLLM's push scheduler (transfer_mode "push"): 502 naming the mode, never a decode leg, nothing unjournalled."""
+    with SimThread("prefill", speed=0, kv_transfer_mode="push") as p1, \
+            SimThread("prefill", speed=0, kv_transfer_mode="push") as p2, \
+            SimThread("decode", speed=0) as d, LogCapture() as log:  # fmt: skip
+        router = start(routers, journal, Fleet(prefill=[p1, p2], decode=[d]), retry={"max_attempts": 3})
+        answers = [
+            httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": f"push {i} " * 20, "max_tokens": 3,
+                                                       "stream": i % 2 == 1}, timeout=10)  # fmt: skip
+            for i in range(4)
+        ]
+        for answer in answers:
+            assert answer.status_code == 502, answer.text
+            error = answer.json()["error"]
+            assert (error["type"], error["code"]) == ("server_error", "unsupported_kv_transfer_mode")
+            assert "'push'" in error["message"] and "pull" in error["message"]
+        holders = {}
+        for answer in answers:
+            record = journal_record(journal, rid_of(answer))
+            assert record["terminal"] == "failed" and record["error"]["code"] == "unsupported_kv_transfer_mode"
+            (leg,) = record["legs"]  # refused at the first answer: no retry, no decode leg
+            assert (leg["phase"], leg["outcome"]) == ("prefill", "bad_kv")
+            kv = leg["kv"]
+            assert (kv["outcome"], kv["method"]) == ("held_until_lease", "lease") and "push" in kv["error"]
+            holders.setdefault(kv["engine"], set()).add(kv["owner"])
+        assert len(holders) == 2  # (distinct prompts: the prefill legs went to both engines in turn)
+        assert completion_records([d]) == []
+        # The prefill engines' own ledgers hold exactly the KV the journal names.
+        for engine in (p1, p2):
+            held = {r["kv"]["owner"] for r in engine.requests() if r["kv"] is not None and r["kv"]["outcome"] == "held"}
+            assert held == holders.get(engine.url, set())
+            assert engine.stats()["kv_held"] == len(held)
+        events = [e for e in log.events() if e.get("event") == "kv_transfer_mode_unsupported"]
+        assert sorted(e["engine"] for e in events) == sorted(holders)  # one line per engine
+        assert all(e["mode"] == "push" and e["level"] == "error" for e in events)
+        for url, owners in holders.items():
+            assert metric_value(router, "narwhal_engine_kv_transfer_mode_refused_total", engine=url,
+                                mode="push") == len(owners)  # fmt: skip
