@@ -86,8 +86,8 @@ class _RouterCollector:
         yield from _engine_reports(live.engine_reports)
         connector = GaugeMetricFamily(
             "narwhal_engine_kv_connector",
-            "NIXL connector version a prefill engine's answers show: 1 (no remote_request_id; its KV is "
-            "held until the engine's timeout unless the legs' request IDs match; vLLM before 0.14) or 2.",
+            "NIXL connector version a prefill engine's answers show: 1 (no remote_request_id, vLLM before 0.14: "
+            "decode requests carrying its KV are sent the prefill leg's X-Request-Id) or 2.",
             labels=["engine"],
         )
         for url, version in sorted(stats.kv_connector.items()):
