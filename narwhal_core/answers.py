@@ -20,7 +20,10 @@ from .events import CancelLeg, FinishLeg
 from .http import NEED_DATA, BodyData, ResponseEnd, ResponseHead
 from .ids import DECODE, PREFILL
 from .journal import LegOutcome
-from .planning import PrefillAnswerError, check_prefill_answer, engine_error, normalise_answer
+from .planning import (
+    PrefillAnswerError, check_prefill_answer, engine_error, normalise_answer, transfer_mode_error,
+    unsupported_transfer_mode,
+)
 from .relay import SseRelay
 from .states import Input, LegAnswer, LegFailure, LegRefusal, State
 
@@ -219,6 +222,14 @@ class Answers:
             return
         if handoff.params is not None:
             self.kv.note_connector(leg.engine.url, handoff.params)
+            mode = unsupported_transfer_mode(handoff.params)
+            if mode is not None:
+                # Refused at once, never retried: another engine of the fleet would answer the same
+                # (docs/operate.md, "vLLM compatibility").
+                self.kv.refuse_mode(leg, handoff, mode)
+                self.legs.record_end(leg, "bad_kv")
+                self.lifecycle.fire(req, Input.LEG_FAILED, LegFailure("bad_kv", leg, transfer_mode_error(mode), True))
+                return
         self.legs.record_end(leg, "ok")
         if handoff.params is None:
             self.kv.no_handoff(req, leg, handoff)
@@ -285,10 +296,15 @@ class Answers:
             except PrefillAnswerError:
                 self.legs.record_end(leg, "bad_kv", failed=True)
             else:
-                self.legs.record_end(leg, "ok")
-                if handoff.params is None:
+                mode = None if handoff.params is None else unsupported_transfer_mode(handoff.params)
+                if mode is not None:
+                    self.kv.refuse_mode(leg, handoff, mode)  # never carried by a decode request: held, journalled
+                    self.legs.record_end(leg, "bad_kv")
+                elif handoff.params is None:
+                    self.legs.record_end(leg, "ok")
                     self.kv.no_handoff(req, leg, handoff)  # nothing held: nothing to release
                 else:
+                    self.legs.record_end(leg, "ok")
                     self.kv.handed_off(req, leg, handoff)
                     self.kv.release(req)
         else:

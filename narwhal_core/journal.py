@@ -98,7 +98,7 @@ class LegRecord:
     phase: str
     #: 1-based attempt number within the phase.
     attempt: int
-    #: The leg's backend ID, sent as its ``X-Request-Id``.
+    #: The leg's backend ID, sent as its ``X-Request-Id`` unless ``request_id`` says otherwise.
     backend_id: str
     #: The engine's base URL.
     engine: str
@@ -115,12 +115,17 @@ class LegRecord:
     #: For a batch of prompts: the index of the prompt the leg served
     #: (absent from the JSON of a one-prompt request's legs).
     prompt: int | None = None
+    #: The ``X-Request-Id`` the leg was sent when it is not ``backend_id``: a
+    #: decode leg carrying NIXL connector 1 KV gets its prefill leg's
+    #: (docs/operate.md, "vLLM compatibility"); absent from the JSON otherwise.
+    request_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object."""
         return leg_json(
             self.phase, self.attempt, self.backend_id, self.engine, self.status, self.outcome,
             self.started, self.duration_ms, None if self.kv is None else self.kv.to_json(), self.prompt,
+            self.request_id,
         )
 
 
@@ -287,6 +292,7 @@ def kv_json(
 def leg_json(
     phase: str, attempt: int, backend_id: str, engine: str, status: int | None, outcome: LegOutcome,
     started: float, duration_ms: float, kv: dict[str, Any] | None, prompt: int | None = None,
+    request_id: str | None = None,
 ) -> dict[str, Any]:
     """A :class:`LegRecord` as a JSON object, from its fields in order (``kv`` from :func:`kv_json`)."""
     out = {
@@ -296,6 +302,8 @@ def leg_json(
     }
     if prompt is not None:
         out["prompt"] = prompt
+    if request_id is not None:
+        out["request_id"] = request_id
     return out
 
 

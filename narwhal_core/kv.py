@@ -61,6 +61,19 @@ class Kv:
         #: its lease may run out before it gets there (see Legs.may_resend).
         self.start_by = math.inf
 
+    def decode_request_id(self) -> str | None:
+        """The ``X-Request-Id`` every decode request carrying this KV needs; ``None``: its own backend ID.
+
+        Params without ``remote_request_id`` (vLLM's NIXL connector version 1,
+        before 0.14): the decode engine names the blocks to free by its own
+        request ID, which the prefill engine knows only when both legs were
+        sent the same ``X-Request-Id`` (docs/operate.md, "vLLM compatibility").
+        """
+        params = self.handoff.params
+        if params is None or isinstance(params.get("remote_request_id"), str):
+            return None
+        return self.leg
+
 
 class KvLedger:
     """Handoffs, pulls and releases of prefilled KV; settles each release from its control answer."""
@@ -124,12 +137,32 @@ class KvLedger:
         stats.kv_connector[url] = version
         if version == 1 and known != 1:
             self.ctx.log(
-                "kv_connector_v1", level="warning", engine=url,
-                consequence="its answers carry no remote_request_id (NIXL connector version 1): the decode "
-                            "engine asks it to free the blocks by the decode leg's own request ID, which differs "
-                            "from the prefill leg's, so every request's KV stays held until the engine's timeout "
-                            "(VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 120 s or 480 s)",
-                fix="run vLLM 0.14 or later (connector version 2, remote_request_id) on every engine",
+                "kv_connector_v1", level="info", engine=url,
+                consequence="its answers carry no remote_request_id (NIXL connector version 1, vLLM before "
+                            "0.14): every decode request carrying its KV is sent with the prefill leg's "
+                            "X-Request-Id, so that the decode engine names blocks this engine holds",
+            )
+
+    def refuse_mode(self, leg: Leg, handoff: KvHandoff, mode: str) -> None:
+        """A prefill answer in a KV transfer mode Narwhal does not drive (vLLM's push): its KV, journalled.
+
+        No decode request will carry it, and no release can reach it without
+        one, so the blocks stay on the engine until its lease ends: the
+        leg's KV record says ``held_until_lease`` and why. Logged once per
+        engine and mode, counted per answer (docs/operate.md, "vLLM compatibility").
+        """
+        kv = leg.kv = Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
+        kv.outcome, kv.method = "held_until_lease", "lease"
+        kv.error = f"transfer_mode {mode!r} is not supported: no decode request carried the KV"
+        url = leg.engine.url
+        counts = self.ctx.stats.kv_modes_refused
+        counts[(url, mode)] += 1
+        if counts[(url, mode)] == 1:
+            self.ctx.log(
+                "kv_transfer_mode_unsupported", level="error", engine=url, mode=mode,
+                consequence="every request prefilled on it fails with 502 unsupported_kv_transfer_mode; its "
+                            "KV is held until the engine's lease ends",
+                fix="run the NIXL connector in pull mode on every engine",
             )
 
     # ---------------------------------------------------------------- releases
@@ -197,13 +230,8 @@ class KvLedger:
             return None
         params = kv.handoff.params
         assert params is not None  # (a prefill that handed off nothing holds nothing: never req.kv)
-        if not isinstance(params.get("remote_request_id"), str):
-            # Params without remote_request_id (vLLM's NIXL connector before
-            # version 2): the decode engine names the KV to the prefill
-            # engine by its own request ID, which matches the prefill's
-            # only when both were sent the same X-Request-Id.
-            bid = kv.leg
-        else:
+        bid = kv.decode_request_id()  # connector 1: the prefill leg's own ID (see Kv.decode_request_id)
+        if bid is None:
             attempt = req.attempts[DECODE] + 1
             req.attempts[DECODE] = attempt
             bid = backend_id(req.rid, DECODE, attempt)

@@ -43,7 +43,7 @@ class Leg:
     __slots__ = (
         "bid", "phase", "attempt", "engine", "codec", "rid", "started", "data", "deadline", "timer", "armed",
         "status", "body", "outcome", "ended", "kv", "open", "streaming", "got_bytes", "fresh_retry", "orphan",
-        "held", "prompt", "tokens",
+        "held", "prompt", "tokens", "request_id",
     )
 
     def __init__(
@@ -80,6 +80,9 @@ class Leg:
         self.prompt: int | None = None
         #: A prefill leg: its prompt's estimated tokens, counted in its engine's queue while it runs.
         self.tokens = 0
+        #: The ``X-Request-Id`` sent when it is not ``bid``: a decode leg carrying
+        #: connector-1 KV is sent the prefill leg's (see Kv.decode_request_id).
+        self.request_id: str | None = None
 
 
 class Legs:
@@ -111,6 +114,7 @@ class Legs:
         req.attempts[phase] = attempt
         bid = backend_id(req.rid, phase, attempt)
         tokens = 0
+        sent_id = None
         if phase == PREFILL:
             body = wire.dumps(prefill_body(req.accepted.body))
             plan = req.plan
@@ -120,10 +124,14 @@ class Legs:
                     ctx.fleet.policy.sent(engine, plan)  # the prefix index learns where the prompt went
         else:
             kv = req.kv
-            body = wire.dumps(req.accepted.body if kv is None else decode_body(req.accepted.body, kv.handoff.params))
+            if kv is None:
+                body = wire.dumps(req.accepted.body)
+            else:
+                body = wire.dumps(decode_body(req.accepted.body, kv.handoff.params))
+                sent_id = kv.decode_request_id()
         timeout = self.limit(phase, False)
         codec = ctx.codec.engine_connection(max_body_bytes=ctx.config.engine.max_response_bytes)
-        headers = ctx.engine_headers(engine.address, bid)
+        headers = ctx.engine_headers(engine.address, bid if sent_id is None else sent_id)
         if req.trace is not None:
             headers += req.trace.leg_headers(bid)  # each leg a child span (docs/contract.md)
         data = codec.send_request("POST", req.route, headers, body)
@@ -140,6 +148,7 @@ class Legs:
         if req.prompts is not None:
             leg.prompt = req.prompt
         leg.tokens = tokens
+        leg.request_id = sent_id
         ctx.fleet.leg_started(engine, tokens)
         ctx.out.append(StartLeg(
             bid, engine.address, data, None if req.conn is None else req.conn.handle,

@@ -333,6 +333,8 @@ class Lifecycle:
     def retry_or_fail(self, req: Request, failure: LegFailure) -> State:
         """LEG_FAILED before the first byte: retry after a backoff while attempts and engines last, else fail."""
         leg = failure.leg
+        if failure.final and failure.error is not None:
+            return self.fail_request(req, failure.error, leg=leg)
         phase = leg.phase
         if phase == DECODE:
             self.kv.release(req)  # the decode leg failed before the handoff

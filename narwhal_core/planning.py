@@ -32,6 +32,8 @@ __all__ = [
     "KvHandoff",
     "PrefillAnswerError",
     "check_prefill_answer",
+    "unsupported_transfer_mode",
+    "transfer_mode_error",
     "normalise_answer",
     "engine_error",
     "openai_error_type",
@@ -222,7 +224,9 @@ def check_prefill_answer(
     compatibility"). ``remote_request_id`` may be absent only from a connector
     1 engine: not when the params carry a later connector's keys, a block list
     per KV-cache group, or ``require_request_id`` (the engine sent it before).
-    Every field that is kept goes on verbatim.
+    Every field that is kept goes on verbatim. Params in a transfer mode
+    Narwhal does not drive (:func:`unsupported_transfer_mode`) are returned
+    unchecked: the caller refuses them.
     """
     try:
         # Exact decoding: the KV params go on to the decode leg verbatim.
@@ -240,6 +244,13 @@ def check_prefill_answer(
         )
     if not isinstance(params, dict):
         raise PrefillAnswerError("prefill answer's kv_transfer_params is not an object")
+    if unsupported_transfer_mode(params) is not None:
+        # Refused whatever else it holds (answers.py) and never forwarded: only its owner matters.
+        owner = params.get("remote_request_id")
+        return KvHandoff(
+            params=params, owner=owner if isinstance(owner, str) and owner else backend_id,
+            cached_tokens=_cached_tokens(answer),
+        )
     if params.get("do_remote_prefill") is not True:
         raise PrefillAnswerError("kv_transfer_params.do_remote_prefill is not true")
     engine_id = params.get("remote_engine_id")
@@ -267,6 +278,35 @@ def check_prefill_answer(
     if not isinstance(owner, str) or not owner:
         owner = backend_id  # connector 1: the engine names its blocks by the leg's own request ID
     return KvHandoff(params=params, owner=owner, cached_tokens=_cached_tokens(answer))
+
+
+#: The KV transfer modes Narwhal drives: the decode engine pulls the blocks (vLLM's
+#: NIXL ``transfer_mode: "pull"``; absent before the KV lease: pull is all there was).
+_TRANSFER_MODES: Final = frozenset({"pull"})
+
+
+def unsupported_transfer_mode(params: dict[str, Any]) -> str | None:
+    """The prefill answer's ``transfer_mode`` if Narwhal does not drive it, else ``None``.
+
+    vLLM's push scheduler answers ``transfer_mode: "push"``: its prefill
+    engine writes the KV into blocks a decode engine registered, so a decode
+    leg sent after the prefill answer (as Narwhal sends it) waits for a push
+    that was never arranged (docs/operate.md, "vLLM compatibility"). The
+    value is cut to 40 characters (it goes into the log and the error).
+    """
+    mode = params.get("transfer_mode", "pull")
+    if mode in _TRANSFER_MODES:
+        return None
+    return mode[:40] if isinstance(mode, str) else wire.dumps(mode)[:40].decode("utf-8", "replace")
+
+
+def transfer_mode_error(mode: str) -> NarwhalError:
+    """The 502 a request gets when its prefill answer's KV ``transfer_mode`` is not one Narwhal drives."""
+    return NarwhalError(
+        f"The prefill engine answered kv_transfer_params.transfer_mode {mode!r}; Narwhal drives only the "
+        "'pull' mode (run the NIXL connector in pull mode on every engine).",
+        status=502, code="unsupported_kv_transfer_mode",
+    )
 
 
 def normalise_usage(usage: Any, cached_tokens: int | None) -> None:

@@ -454,7 +454,7 @@ class Requests:
         self.ctx.stats.observe_leg(leg.phase, outcome, leg.attempt, duration, kv_counted)
         return journal.leg_json(
             leg.phase, leg.attempt, leg.bid, leg.engine.url, leg.status, outcome,
-            leg.started + ctx.wall_offset, duration, kv_line, leg.prompt,
+            leg.started + ctx.wall_offset, duration, kv_line, leg.prompt, leg.request_id,
         )
 
     # ------------------------------------------------------- clients and shutdown

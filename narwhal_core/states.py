@@ -96,6 +96,8 @@ class LegFailure:
     reason: str
     leg: Leg
     error: NarwhalError | None = None
+    #: Not worth a retry: every engine of the fleet would answer the same (the request fails with ``error``).
+    final: bool = False
 
 
 #: What an input carries to its handler (``TOKENIZED``: the :class:`~narwhal_core.events.PromptTokenized` itself).

@@ -64,6 +64,8 @@ class Stats:
     #: NIXL connector version each prefill engine's answers show, by engine URL: 1 (no
     #: ``remote_request_id``: blocks freed only when the legs' request IDs match) or 2.
     kv_connector: dict[str, int] = attrs.field(factory=dict)
+    #: Prefill answers refused for their KV ``transfer_mode`` (vLLM's push), by (engine URL, mode).
+    kv_modes_refused: Counter[tuple[str, str]] = attrs.field(factory=Counter)
 
     def observe(self, record: TerminalRecord) -> None:
         """Account for one terminal record."""

@@ -86,13 +86,19 @@ class _RouterCollector:
         yield from _engine_reports(live.engine_reports)
         connector = GaugeMetricFamily(
             "narwhal_engine_kv_connector",
-            "NIXL connector version a prefill engine's answers show: 1 (no remote_request_id; its KV is "
-            "held until the engine's timeout unless the legs' request IDs match; vLLM before 0.14) or 2.",
+            "NIXL connector version a prefill engine's answers show: 1 (no remote_request_id, vLLM before 0.14: "
+            "decode requests carrying its KV are sent the prefill leg's X-Request-Id) or 2.",
             labels=["engine"],
         )
         for url, version in sorted(stats.kv_connector.items()):
             connector.add_metric([url], version)
         yield connector
+        yield _counter(
+            "narwhal_engine_kv_transfer_mode_refused",
+            "Prefill answers refused for a KV transfer_mode Narwhal does not drive (vLLM's push), by engine "
+            "and mode: each request failed 502 unsupported_kv_transfer_mode, its KV held until the engine's lease.",
+            ["engine", "mode"], stats.kv_modes_refused,
+        )
         kv_live = GaugeMetricFamily(
             "narwhal_engine_kv_events_live",
             "1 while a prefill engine is weighed from its own KV events (routing.policy = \"kv\"); 0 while it "

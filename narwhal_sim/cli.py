@@ -95,6 +95,9 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
     v.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl_s, metavar="S",
                    help="vLLM's decoder_kv_blocks_ttl: seconds a bidirectional decode engine holds a finished "
                         "request's blocks")  # fmt: skip
+    v.add_argument("--kv-transfer-mode", choices=("pull", "push"), default=d.kv_transfer_mode,
+                   help="the NIXL connector's transfer_mode in prefill answers (push: vLLM's push scheduler; "
+                        "lease family only)")  # fmt: skip
     p.add_argument("--log", default="stderr",
                    help="request log of JSON lines: FILE, '-' (stdout, after the startup line), "
                         "'stderr', or 'none'")  # fmt: skip
@@ -209,6 +212,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         incomplete_kv_params=args.incomplete_kv_params,
         bidirectional_kv=args.bidirectional_kv,
         decoder_kv_blocks_ttl_s=args.decoder_kv_blocks_ttl,
+        kv_transfer_mode=args.kv_transfer_mode,
         pre_admission_ms=args.pre_admission_ms,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,

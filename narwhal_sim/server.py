@@ -134,6 +134,10 @@ class SimConfig:
     #: ``recompute`` (warn and recompute, what the connector's validity check does) or ``crash`` (the
     #: engine dies: 500 on every later completion, as CVE-2026-94622 describes).
     incomplete_kv_params: str = "reject"
+    #: The NIXL connector's ``transfer_mode`` (lease family only): ``pull`` (the decode engine reads the
+    #: blocks) or ``push`` (vLLM's push scheduler: prefill answers say ``transfer_mode: "push"``; see
+    #: docs/simulator.md, "vLLM versions").
+    kv_transfer_mode: str = "pull"
     #: Tokens per KV block.
     block_size: int = 16
     #: KV blocks of the engine (28,000 x 16 tokens ~ an H100 80 GB serving Llama-3.1-8B).
@@ -224,6 +228,10 @@ class SimConfig:
             raise ValueError("pre_admission_ms must be >= 0")
         if self.incomplete_kv_params not in ("reject", "recompute", "crash"):
             raise ValueError("incomplete_kv_params must be reject, recompute or crash")
+        if self.kv_transfer_mode not in ("pull", "push"):
+            raise ValueError("kv_transfer_mode must be pull or push")
+        if self.kv_transfer_mode == "push" and not resolve_version(self.vllm_version)[0].lease_keys:
+            raise ValueError("kv_transfer_mode push needs the lease family (vLLM's push scheduler came with it)")
         if (self.kv_lease_s is not None and self.kv_lease_s <= 0) or self.kv_pull_timeout_s <= 0:
             raise ValueError("kv_lease_s and kv_pull_timeout_s must be > 0")
         if self.kv_load_failure not in ("recompute", "fail"):
@@ -908,7 +916,13 @@ class SimEngine:
         params["remote_host"] = self.advertise_host
         params["remote_port"] = self.port
         params["tp_size"] = self.config.tp_size
-        if family.lease_keys:
+        if self.config.kv_transfer_mode == "push":
+            # vLLM's push scheduler (nixl/push_scheduler.py, NixlPushConnectorScheduler.request_finished,
+            # commit 0316d25a): the pull answer's keys without dcp_size and remote_blocks_expiry_time.
+            params["pp_size"] = 1
+            params["remote_num_tokens"] = prompt.num_tokens
+            params["transfer_mode"] = "push"
+        elif family.lease_keys:
             params["dcp_size"] = 1
             params["pp_size"] = 1
             params["remote_num_tokens"] = prompt.num_tokens

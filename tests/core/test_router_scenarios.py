@@ -34,7 +34,9 @@ from .router_driver import (
     SentRequest,
     chat_body,
     completion_body,
+    http_response,
     json_request,
+    prefill_answer,
 )
 
 TRUSTED = {"auth": "trusted_header", "trusted_proxies": ("127.0.0.0/8",)}
@@ -1210,3 +1212,26 @@ def test_unfinished_requests_past_max_buffered_bytes_get_503_and_the_rest_go_on(
     assert [c.last.status for c in (first, third)] == [200, 200]
     assert d.router.statistics().buffered_bytes == 0
     finish(d)
+
+
+def test_a_push_mode_answer_to_an_orphaned_prefill_is_journalled_not_released() -> None:
+    # docs/operate.md, "vLLM compatibility": a push answer's KV is never carried
+    # by a decode request, a release included; its client left while the answer
+    # arrived, so the record says where the blocks are: held until the lease.
+    d = Driver()
+    client = d.post(COMPLETIONS, completion_body())
+    prefill = d.leg("prefill")
+    answer = prefill_answer(prefill, transfer_mode="push")
+    raw = http_response(200, json.dumps(answer).encode())
+    d.send_leg(prefill.bid, raw[:40])
+    client.leave()
+    d.send_leg(prefill.bid, raw[40:])
+    assert d.pending_controls("release") == []
+    record = d.terminal(prefill.rid)
+    assert record["terminal"] == "cancelled"
+    (leg,) = record["legs"]
+    assert leg["outcome"] == "bad_kv"
+    kv = leg["kv"]
+    assert (kv["outcome"], kv["method"], kv["owner"]) == ("held_until_lease", "lease", prefill.bid + "-0")
+    assert "'push'" in kv["error"]
+    d.check_invariants(final=True)

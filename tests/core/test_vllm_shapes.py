@@ -14,6 +14,7 @@ from narwhal_core.planning import (
     engine_error,
     normalise_answer,
     openai_error_type,
+    unsupported_transfer_mode,
 )
 from narwhal_core.relay import SseRelay
 from narwhal_core.contract import COMPLETIONS
@@ -52,6 +53,26 @@ def test_every_era_is_accepted_and_passed_on_byte_for_byte(shape: str) -> None:
     out = wire.dumps(decode_body({"model": MODEL, "prompt": "hi"}, handoff.params))
     assert out.endswith(b'"kv_transfer_params":' + SHAPES[shape].encode() + b"}")
     assert handoff.owner == ("r-p1" if shape == "connector-1" else "cmpl-r-p1-0-9c0e51a2")
+
+
+#: vLLM's push scheduler's answer (nixl/push_scheduler.py, NixlPushConnectorScheduler.request_finished).
+PUSH = (
+    '{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[3,4,5]],"remote_engine_id":"e1",'
+    '"remote_request_id":"cmpl-r-p1-0-9c0e51a2","remote_host":"10.0.0.5","remote_port":5600,"tp_size":1,'
+    '"pp_size":1,"remote_num_tokens":50,"transfer_mode":"push"}'
+)
+
+
+@pytest.mark.parametrize(
+    ("params", "mode"),
+    [*((SHAPES[shape], None) for shape in SHAPES), (PUSH, "push"), (PUSH.replace('"push"', '"' + "x" * 60 + '"'), "x" * 40),
+     (PUSH.replace('"push"', "7"), "7"), (PUSH.replace('"remote_block_ids":[[3,4,5]],', ""), "push")],
+)  # fmt: skip
+def test_only_the_pull_mode_is_driven(params: str, mode: str | None) -> None:
+    """A push answer names a mode Narwhal does not drive: handed back (for its owner) whatever else it holds."""
+    handoff = check_prefill_answer(answer(params), "r-p1", lambda host: host == "10.0.0.5")
+    assert handoff.params is not None
+    assert unsupported_transfer_mode(handoff.params) == mode
 
 
 def drop(text: str, key: str) -> str:

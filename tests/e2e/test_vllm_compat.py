@@ -75,7 +75,7 @@ def start(routers: list[RouterThread], journal: Path, fleet: Fleet, runtime: str
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_connector_version_is_detected_warned_once_and_exposed(
+def test_connector_version_is_detected_said_once_and_exposed(
     routers: list[RouterThread], journal: Path, version: str
 ) -> None:
     family = FAMILIES[version]
@@ -87,21 +87,84 @@ def test_connector_version_is_detected_warned_once_and_exposed(
                                                                 "max_tokens": 3}, timeout=10)  # fmt: skip
             assert answer.status_code == 200, answer.text
         assert metric_value(router, "narwhal_engine_kv_connector", engine=p.url) == family.connector
-        warnings = [e for e in log.events() if e.get("event") == "kv_connector_v1"]
+        notes = [e for e in log.events() if e.get("event") == "kv_connector_v1"]
         if family.connector == 1:
-            (warning,) = warnings  # once per engine, not per request
-            assert warning["engine"] == p.url and warning["level"] == "warning"
-            assert "held until the engine's timeout" in warning["consequence"]
-            assert "0.14" in warning["fix"]
-            # What the warning says happens: each request's blocks stay held on the prefill engine
-            # (the decode legs' IDs differ from the prefill legs'), until the timeout.
-            stats = p.stats()
-            assert stats["kv_held"] == 3 and stats["kv_notifs_unrecognized"] == 3
+            (note,) = notes  # once per engine, not per request
+            assert note["engine"] == p.url and note["level"] == "info"
+            assert "prefill leg's X-Request-Id" in note["consequence"]
         else:
-            assert warnings == []
-            assert p.stats()["kv_held"] == 0
+            assert notes == []
+        # Every version: the decode engine named blocks the prefill engine held, and they are free.
+        stats = p.stats()
+        assert (stats["kv_held"], stats["kv_held_blocks"], stats["kv_notifs_unrecognized"]) == (0, 0, 0)
 
 
+# ---------------------------------------------------------------------------- connector 1 frees its KV
+
+
+def _connector_1_request(router: RouterThread, stream: bool) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "hello " * 20, "max_tokens": 3, "stream": stream}
+    answer = httpx.post(router.url + COMPLETIONS, json=body, timeout=10)
+    assert answer.status_code == 200, answer.text
+    if stream:
+        assert answer.text.rstrip().endswith("data: [DONE]")
+    return answer
+
+
+def _nothing_held(prefill: SimThread) -> None:
+    """The prefill engine's own counters: no blocks held, no notification naming a request it never had."""
+    stats = prefill.stats()
+    assert (stats["kv_held"], stats["kv_held_blocks"], stats["kv_notifs_unrecognized"]) == (0, 0, 0), stats
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("version", ["0.9", "0.11"])
+def test_a_connector_1_fleet_frees_every_requests_kv(
+    routers: list[RouterThread], journal: Path, version: str, stream: bool
+) -> None:
+    """vLLM before 0.14: the decode leg carries the prefill leg's X-Request-Id, so its pull frees the blocks."""
+    with SimThread("prefill", speed=0, vllm_version=version) as p, \
+            SimThread("decode", speed=0, vllm_version=version) as d:  # fmt: skip
+        router = start(routers, journal, Fleet(prefill=[p], decode=[d]), engine={"kv_release": "lease"})
+        answers = [_connector_1_request(router, stream) for _ in range(2)]
+        _nothing_held(p)
+        prefill_ids = []
+        for answer in answers:
+            prefill_leg, decode_leg = journal_record(journal, rid_of(answer))["legs"]
+            # The journal keeps each attempt's backend ID and says what the decode leg was sent.
+            assert decode_leg["backend_id"] == rid_of(answer) + "-d1"
+            assert decode_leg["request_id"] == prefill_leg["backend_id"] == rid_of(answer) + "-p1"
+            assert prefill_leg["kv"]["outcome"] == "pulled"
+            prefill_ids.append(prefill_leg["backend_id"])
+        sent = [dict((n.lower(), v) for n, v in r["headers"])["x-request-id"] for r in completion_records([d])]
+        assert sent == prefill_ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("version", ["0.9", "0.11"])
+def test_a_connector_1_decode_retry_leaves_nothing_held(
+    routers: list[RouterThread], journal: Path, version: str, stream: bool
+) -> None:
+    """The first decode attempt fails (503 before admission); the release and the retry both free what they carry."""
+    with SimThread("prefill", speed=0, vllm_version=version) as p, \
+            SimThread("decode", speed=0, vllm_version=version, faults={"error_rate": 1.0}) as bad, \
+            SimThread("decode", speed=0, vllm_version=version) as good:  # fmt: skip
+        # The first decode leg goes to the first engine (turn order); the retry and the release avoid it.
+        router = start(routers, journal, Fleet(prefill=[p], decode=[bad, good]),
+                       engine={"kv_release": "decode_pull"}, retry={"max_attempts": 2})  # fmt: skip
+        answer = _connector_1_request(router, stream)
+        record = journal_record(journal, rid_of(answer))  # (written once every release is settled)
+        _nothing_held(p)
+        rid = rid_of(answer)
+        legs = [(leg["phase"], leg["backend_id"], leg.get("request_id"), leg["outcome"]) for leg in record["legs"]]
+        assert legs == [
+            ("prefill", f"{rid}-p1", None, "ok"), ("decode", f"{rid}-d1", f"{rid}-p1", "http_error"),
+            ("prefill", f"{rid}-p2", None, "ok"), ("decode", f"{rid}-d2", f"{rid}-p2", "ok"),
+        ]
+        first, second = record["legs"][0]["kv"], record["legs"][2]["kv"]
+        assert (first["outcome"], first["method"], first["release_id"]) == ("released", "decode_pull", f"{rid}-p1")
+        assert second["outcome"] == "pulled"
+        assert bad.stats()["faults_error"] == 1
 # ---------------------------------------------------------------------------- item 6: shapes
 
 
@@ -353,3 +416,46 @@ def test_a_bidirectional_decode_engines_own_params_stay_off_the_client_and_its_b
         assert p.stats()["kv_held"] == 0  # the prefill engine's KV was pulled and freed as ever
         stats = d.stats()
         assert stats["decoder_kv_held"] == 1 and stats["free_blocks"] < stats["total_blocks"]
+
+
+# ---------------------------------------------------------------------------- push mode refused
+
+
+def test_a_push_mode_answer_is_refused_clearly_and_its_kv_journalled(routers: list[RouterThread], journal: Path) -> None:
+    """vLLM's push scheduler (transfer_mode "push"): 502 naming the mode, never a decode leg, nothing unjournalled."""
+    with SimThread("prefill", speed=0, kv_transfer_mode="push") as p1, \
+            SimThread("prefill", speed=0, kv_transfer_mode="push") as p2, \
+            SimThread("decode", speed=0) as d, LogCapture() as log:  # fmt: skip
+        router = start(routers, journal, Fleet(prefill=[p1, p2], decode=[d]), retry={"max_attempts": 3})
+        answers = [
+            httpx.post(router.url + COMPLETIONS, json={"model": MODEL, "prompt": f"push {i} " * 20, "max_tokens": 3,
+                                                       "stream": i % 2 == 1}, timeout=10)  # fmt: skip
+            for i in range(4)
+        ]
+        for answer in answers:
+            assert answer.status_code == 502, answer.text
+            error = answer.json()["error"]
+            assert (error["type"], error["code"]) == ("server_error", "unsupported_kv_transfer_mode")
+            assert "'push'" in error["message"] and "pull" in error["message"]
+        holders = {}
+        for answer in answers:
+            record = journal_record(journal, rid_of(answer))
+            assert record["terminal"] == "failed" and record["error"]["code"] == "unsupported_kv_transfer_mode"
+            (leg,) = record["legs"]  # refused at the first answer: no retry, no decode leg
+            assert (leg["phase"], leg["outcome"]) == ("prefill", "bad_kv")
+            kv = leg["kv"]
+            assert (kv["outcome"], kv["method"]) == ("held_until_lease", "lease") and "push" in kv["error"]
+            holders.setdefault(kv["engine"], set()).add(kv["owner"])
+        assert len(holders) == 2  # (distinct prompts: the prefill legs went to both engines in turn)
+        assert completion_records([d]) == []
+        # The prefill engines' own ledgers hold exactly the KV the journal names.
+        for engine in (p1, p2):
+            held = {r["kv"]["owner"] for r in engine.requests() if r["kv"] is not None and r["kv"]["outcome"] == "held"}
+            assert held == holders.get(engine.url, set())
+            assert engine.stats()["kv_held"] == len(held)
+        events = [e for e in log.events() if e.get("event") == "kv_transfer_mode_unsupported"]
+        assert sorted(e["engine"] for e in events) == sorted(holders)  # one line per engine
+        assert all(e["mode"] == "push" and e["level"] == "error" for e in events)
+        for url, owners in holders.items():
+            assert metric_value(router, "narwhal_engine_kv_transfer_mode_refused_total", engine=url,
+                                mode="push") == len(owners)  # fmt: skip

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from narwhal_sim.cli import build_parser, config_from_args
+from narwhal_sim.server import SimConfig
 from narwhal_sim.testing import SimThread
 from narwhal_sim.versions import DEFAULT_FAMILY, FAMILIES, VllmFamily, family_for, resolve_version
 
@@ -166,6 +167,22 @@ def test_default_remote_host_is_localhost(client: httpx.Client, family: VllmFami
     with SimThread("prefill", speed=0, vllm_version=family.name, advertise_host="10.0.0.7") as p:
         assert prefill(client, p.url, "h2").json()["kv_transfer_params"]["remote_host"] == "10.0.0.7"
     assert config_from_args(build_parser().parse_args([])).advertise_host is None  # the command line: localhost
+
+
+def test_push_mode_answers_the_push_schedulers_shape(client: httpx.Client) -> None:
+    """--kv-transfer-mode push: the prefill answer's params as vLLM's push scheduler writes them (lease family only)."""
+    with SimThread("prefill", speed=0, kv_transfer_mode="push") as p:
+        kv = prefill(client, p.url, "push1").json()["kv_transfer_params"]
+        assert list(kv) == [
+            "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
+            "remote_host", "remote_port", "tp_size", "pp_size", "remote_num_tokens", "transfer_mode",
+        ]
+        assert kv["transfer_mode"] == "push" and p.stats()["kv_held"] == 1
+    assert config_from_args(build_parser().parse_args(["--kv-transfer-mode", "push"])).kv_transfer_mode == "push"
+    with pytest.raises(ValueError, match="kv_transfer_mode push needs the lease family"):
+        SimConfig(vllm_version="0.18", kv_transfer_mode="push").check()
+    with pytest.raises(ValueError, match="kv_transfer_mode must be pull or push"):
+        SimConfig(kv_transfer_mode="both").check()
 
 
 @pytest.mark.parametrize("same_ids", [True, False])
