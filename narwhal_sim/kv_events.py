@@ -121,6 +121,11 @@ class KvEventPublisher:
         if replay_endpoint is not None:
             replay_endpoint = offset_port(replay_endpoint, data_parallel_rank)
         self._rank, self._map_events, self._map_batch = data_parallel_rank, map_events, map_batch
+        #: What the batches look like (``/sim/stats``): the rank they carry, and whether events and batch are maps.
+        self.encoding = {
+            "data_parallel_rank": data_parallel_rank, "events": "map" if map_events else "array",
+            "batch": "map" if map_batch else "array",
+        }
 
         self._zmq = zmq
         self._ctx: Any = zmq.Context.instance()

@@ -496,6 +496,8 @@ class SimEngine:
             "steps": self.core.steps,
             "kv_events_endpoint": self.publisher.endpoint if self.publisher is not None else None,
             "kv_events_replay_endpoint": self.publisher.replay_endpoint if self.publisher is not None else None,
+            "kv_events_published": self.publisher.published if self.publisher is not None else 0,
+            "kv_events_encoding": self.publisher.encoding if self.publisher is not None else None,
             "connections": len(self._http.connections),
             "kv_held": len(ledger),
             "kv_held_blocks": ledger.held_blocks,
