@@ -150,6 +150,9 @@ def as_maps(payload: bytes) -> bytes:
     batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     events = []
     for e in batch[1]:
+        if isinstance(e, dict):  # (a simulated family that sends maps already, from 0.24.0 on)
+            events.append(e)
+            continue
         tag, fields = e[0], list(e[1:])
         if tag == "BlockStored":
             names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")

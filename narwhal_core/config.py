@@ -506,6 +506,12 @@ class Config:
     def __attrs_post_init__(self) -> None:
         self.discovery.check(self.engine.discovery)
         self._check_kv_policy()
+        if self.engine.kv_events_socket == "bind" and self.ingress.workers != 1 and self.engine.kv_events is not None:
+            raise ConfigError(
+                "engine.kv_events_socket",
+                '"bind" needs ingress.workers = 1: each worker subscribes on its own, and only one can bind an '
+                "endpoint (docs/operate.md, \"KV events\")",
+            )
         set_derived(self, "model_names", frozenset((self.model.name, *self.model.aliases)))
 
     def _check_kv_policy(self) -> None:

@@ -36,9 +36,13 @@ from .config_fields import (
 from .discovery_config import DiscoveryMode
 from .errors import ConfigError
 
-__all__ = ["EngineAddress", "EngineConfig", "KvRelease", "kv_endpoint", "kv_endpoint_problem", "parse_engine_url"]
+__all__ = [
+    "EngineAddress", "EngineConfig", "KvEventsSocket", "KvRelease", "kv_endpoint", "kv_endpoint_problem",
+    "kv_rank_endpoint", "parse_engine_url",
+]
 
 KvRelease = Literal["decode_pull", "abort_endpoint", "decode_abort", "lease"]
+KvEventsSocket = Literal["connect", "bind"]
 
 # -- engine addresses ---------------------------------------------------------------
 
@@ -98,6 +102,18 @@ def kv_endpoint(template: str, address: EngineAddress) -> str:
     :meth:`str.format`: a template is an address, never a format language.
     """
     return template.replace("{host}", bracketed(address.host)).replace("{port}", str(address.port))
+
+
+def kv_rank_endpoint(endpoint: str, rank: int) -> str:
+    """A data-parallel rank's endpoint: ``tcp://HOST:PORT`` with the port + ``rank``.
+
+    vLLM's ``ZmqEventPublisher.offset_endpoint_port``
+    (``vllm/distributed/kv_events.py``): each rank of an engine started with
+    ``--data-parallel-size`` publishes on the endpoint's port + its rank, and
+    its replay socket on the replay port + its rank.
+    """
+    base, _, port = endpoint.rpartition(":")
+    return endpoint if rank == 0 else f"{base}:{int(port) + rank}"
 
 
 def kv_endpoint_problem(endpoint: str) -> str | None:
@@ -206,6 +222,22 @@ class EngineConfig:
         ),
     )
 
+    kv_events_socket: KvEventsSocket = attrs.field(
+        default="connect",
+        validator=one_of(KvEventsSocket),
+        metadata=doc(
+            "connect: Narwhal connects to each engine's kv_events endpoint (the engine binds, vLLM's tcp://*:5557); "
+            "bind: Narwhal binds it and the engine connects (vLLM's endpoint tcp://NARWHAL_HOST:PORT)."
+        ),
+    )
+    data_parallel_size: int = count(
+        1,
+        "Data-parallel ranks behind each engine URL (vLLM's --data-parallel-size): the KV events of rank r "
+        "are read on the kv_events and kv_events_replay ports + r.",
+        minimum=1,
+        maximum=64,
+    )
+
     prefill_engines: tuple[EngineAddress, ...] = attrs.field(
         init=False, eq=False, repr=False, metadata=doc("prefill, parsed.")
     )
@@ -261,9 +293,30 @@ class EngineConfig:
             if template is None:
                 continue
             for address in engines:
-                problem = kv_endpoint_problem(kv_endpoint(template, address))
+                endpoint = kv_endpoint(template, address)
+                problem = kv_endpoint_problem(endpoint) or kv_endpoint_problem(
+                    kv_rank_endpoint(endpoint, self.data_parallel_size - 1)
+                )
                 if problem is not None:
                     raise ConfigError(f"engine.{name}", f"for {address.url}: {problem}")
+        if self.kv_events_socket == "bind" and self.kv_events is not None:
+            self._check_kv_binds(self.prefill_engines)  # (decode engines' streams are not read)
+
+    def _check_kv_binds(self, engines: tuple[EngineAddress, ...]) -> None:
+        """Bound, each engine's stream needs an endpoint of its own: one socket cannot tell two streams apart."""
+        assert self.kv_events is not None
+        owner: dict[str, str] = {}
+        for address in engines:
+            endpoint = kv_endpoint(self.kv_events, address)
+            for rank in range(self.data_parallel_size):
+                bound = kv_rank_endpoint(endpoint, rank)
+                other = owner.setdefault(bound, address.url)
+                if other != address.url:
+                    raise ConfigError(
+                        "engine.kv_events",
+                        f'with kv_events_socket = "bind" every engine needs an endpoint of its own; {bound} '
+                        f"is both {other}'s and {address.url}'s",
+                    )
 
     def kv_host_allowed(self, host: str) -> bool:
         """Whether a prefill answer's ``remote_host`` names a host of this fleet, as configured.

@@ -10,10 +10,13 @@ big-endian, from 0) and the msgpack payload ``[ts, [event, ...], dp_rank]``
 (docs/routing.md, "KV events"). Later vLLM versions append fields to the
 arrays (``medium``, ``lora_name``, ``extra_keys``, ``group_idx``); they are
 read when present and ignored otherwise. Since vLLM dropped ``array_like``
-from its event structs (vllm-project/vllm#42892), each event is a map of its
-fields by name with its tag under ``"type"``; both layouts are read. An event
-of a kind this module does not know (a later vLLM's) is skipped, not fatal
-to its batch.
+from its event structs (vllm-project/vllm#42892, first released in 0.24.0),
+each event is a map of its fields by name with its tag under ``"type"``; and
+at vLLM commit ``0181ea3173e5`` the batch's own struct (``EventBatch``) is no
+longer ``array_like`` either, so the batch is the map ``{"ts": ..., "events":
+[...], "data_parallel_rank": ...}``. Every combination is read. An event of
+a kind this module does not know (a later vLLM's) is skipped, not fatal to
+its batch.
 
 This module is pure: the runtime's subscriber owns the sockets and feeds the
 frames to a :class:`KvStream`, which decodes them and says when the
@@ -167,13 +170,18 @@ def decode_batch(payload: bytes) -> tuple[float, tuple[KvEvent, ...]]:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several types for bad input
         raise KvEventError(f"payload is not msgpack: {type(exc).__name__}") from None
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise KvEventError("payload is not [ts, [event, ...], ...]")
-    ts = batch[0]
-    if not isinstance(ts, int | float):
+    if isinstance(batch, dict):
+        ts, events = batch.get("ts"), batch.get("events")
+        if not isinstance(events, list):
+            raise KvEventError("a batch map has no 'events' array")
+    elif isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list):
+        ts, events = batch[0], batch[1]
+    else:
+        raise KvEventError("payload is not [ts, [event, ...], ...] or {ts, events, ...}")
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise KvEventError("the batch's ts is not a number")
-    events = [_event(e) for e in batch[1]]
-    return float(ts), tuple(e for e in events if e is not None)
+    decoded = [_event(e) for e in events]
+    return float(ts), tuple(e for e in decoded if e is not None)
 
 
 def decode_seq(frame: bytes) -> int:

@@ -62,6 +62,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from narwhal_core import Config, EngineAddress, Event, KvEventsReceived, KvStreamChanged
 from narwhal_core.config import kv_endpoint, kv_endpoint_problem
+from narwhal_core.engine_config import kv_rank_endpoint
 from narwhal_core.kv_events import REPLAY_END, RESTARTED, KvEventError, KvStream, StreamStep, decode_seq
 
 from .log import log_event
@@ -84,6 +85,9 @@ RCVHWM: Final = 100_000
 #: Longest pause between two reconnection attempts to an engine that went away (ZMQ backs off up to it).
 RECONNECT_MAX_MS: Final = 2_000
 
+#: The monitor events that say an engine's PUB socket reached the SUB socket (connected, or accepted when bound).
+_UP: Final = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
+
 #: The adapter's thread-safe hand-over: called on the subscriber's thread with the events of one wake-up.
 Feed = Callable[[Sequence[Event]], object]
 
@@ -98,31 +102,43 @@ class KvSource:
     endpoint: str
     #: Its replay ROUTER socket (``None``: no replay).
     replay: str | None = None
+    #: Its data-parallel rank: the endpoints are the configured ones' ports + the rank (``engine.data_parallel_size``).
+    rank: int = 0
+    #: Narwhal binds ``endpoint`` and the engine connects (``engine.kv_events_socket = "bind"``).
+    bind: bool = False
 
 
 def kv_sources(config: Config, addresses: Iterable[EngineAddress]) -> tuple[KvSource, ...]:
-    """The endpoints ``engine.kv_events`` and ``engine.kv_events_replay`` give each engine (once per URL).
+    """The endpoints ``engine.kv_events`` and ``engine.kv_events_replay`` give each engine (once per URL and rank).
 
-    An engine added at run time whose filled-in template is not
-    ``tcp://HOST:PORT`` (the configured ones were checked at load) is left
-    out, with a ``kv_events_endpoint_invalid`` log line.
+    Rank *r* of ``engine.data_parallel_size`` is on both ports + *r*
+    (vLLM's ``ZmqEventPublisher.offset_endpoint_port``,
+    ``vllm/distributed/kv_events.py``). An engine added at run time whose
+    filled-in template is not ``tcp://HOST:PORT`` for every rank (the
+    configured ones were checked at load) is left out, with a
+    ``kv_events_endpoint_invalid`` log line.
     """
-    events, replay = config.engine.kv_events, config.engine.kv_events_replay
+    engine = config.engine
+    events, replay = engine.kv_events, engine.kv_events_replay
     if events is None:
         return ()
-    sources: dict[str, KvSource] = {}
+    sources: dict[tuple[str, int], KvSource] = {}
     for address in addresses:
-        if address.url in sources:
+        if (address.url, 0) in sources:
             continue  # a mixed engine: one stream
-        endpoint = kv_endpoint(events, address)
-        replay_endpoint = None if replay is None else kv_endpoint(replay, address)
-        problem = kv_endpoint_problem(endpoint) or (
-            None if replay_endpoint is None else kv_endpoint_problem(replay_endpoint)
-        )
+        ranks = [
+            KvSource(address.url, kv_rank_endpoint(kv_endpoint(events, address), rank),
+                     None if replay is None else kv_rank_endpoint(kv_endpoint(replay, address), rank),
+                     rank, engine.kv_events_socket == "bind")
+            for rank in range(engine.data_parallel_size)
+        ]  # fmt: skip
+        problem = next(filter(None, (
+            kv_endpoint_problem(endpoint) for s in ranks for endpoint in (s.endpoint, s.replay) if endpoint
+        )), None)  # fmt: skip
         if problem is not None:
             log_event("kv_events_endpoint_invalid", level="warning", engine=address.url, problem=problem)
             continue
-        sources[address.url] = KvSource(address.url, endpoint, replay_endpoint)
+        sources.update(((s.url, s.rank), s) for s in ranks)
     return tuple(sources.values())
 
 
@@ -158,6 +174,9 @@ class _Sockets:
         self.ctx: Any = zmq.Context()
         self.poller = zmq.Poller()
         self.owner: dict[Any, _Engine] = {}
+        #: Each engine URL's streams, by data-parallel rank, and whether the router was last told they are live.
+        self.ranks: dict[str, dict[int, _Engine]] = {}
+        self.told: dict[str, bool] = {}
 
     def open(self, kind: int, endpoint: str) -> Any:
         sock = self.ctx.socket(kind)
@@ -214,16 +233,19 @@ class _Engine:
         self.replay: Any = None
         try:
             self.sub = sockets.open(zmq.SUB, source.endpoint)
-            # The monitor first, so that it sees the first connection too.
-            self.monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            # The monitor first, so that it sees the first connection too. Bound, an engine's connection
+            # is ACCEPTED, and attached (its subscription sent) when the thread next polls the socket.
+            self.monitor = self.sub.get_monitor_socket(_UP | zmq.EVENT_DISCONNECTED)
             sockets.watch(self.monitor, self)
-            self.sub.connect(source.endpoint)
+            (self.sub.bind if source.bind else self.sub.connect)(source.endpoint)
             sockets.watch(self.sub, self)
             self._open_replay()
         except zmq.ZMQError:
             self.close()
             raise
-        log_event("kv_events_subscribed", engine=self.url, endpoint=source.endpoint, replay=source.replay)
+        sockets.ranks.setdefault(self.url, {})[source.rank] = self
+        log_event("kv_events_subscribed", engine=self.url, endpoint=source.endpoint, replay=source.replay,
+                  rank=source.rank, socket="bind" if source.bind else "connect")  # fmt: skip
 
     def _open_replay(self) -> None:
         if self.source.replay is not None:
@@ -240,6 +262,12 @@ class _Engine:
 
     def close(self) -> None:
         sockets = self.sockets
+        ranks = sockets.ranks.get(self.url, {})
+        if ranks.get(self.source.rank) is self:
+            del ranks[self.source.rank]
+            if not ranks:
+                sockets.ranks.pop(self.url, None)
+                sockets.told.pop(self.url, None)
         if self.monitor is not None:
             try:
                 self.sub.disable_monitor()
@@ -270,7 +298,7 @@ class _Engine:
 
     def _monitor_event(self, message: dict[str, Any], out: list[Event]) -> None:
         event = message["event"]
-        if event == zmq.EVENT_CONNECTED and not self.connected:
+        if event & _UP and not self.connected:
             self.connected = True
             if self.ever_connected:
                 # What was published while away is a gap: the next message asks for it.
@@ -365,7 +393,15 @@ class _Engine:
     # ------------------------------------------------------------- telling
 
     def _tell(self, live: bool, reason: str, out: list[Event]) -> None:
+        """Tell the router the engine's stream is up or down: with several ranks, up while every rank heard is."""
         self.live = live
+        ranks = self.sockets.ranks.get(self.url, {})
+        if len(ranks) > 1:
+            heard = [e for e in ranks.values() if e.ever_connected]
+            live = bool(heard) and all(e.live for e in heard)
+            if self.sockets.told.get(self.url) == live:
+                return
+            self.sockets.told[self.url] = live
         out.append(KvStreamChanged(self.url, live, reason))
 
     def _malformed(self, problem: str) -> None:
@@ -447,7 +483,7 @@ class KvSubscriber:
 
     def _run(self, feed: Feed) -> None:
         sockets = _Sockets()
-        engines: dict[str, _Engine] = {}
+        engines: dict[tuple[str, int], _Engine] = {}
         sockets.poller.register(self._wake_in, zmq.POLLIN)
         try:
             self._apply(self._sources, engines, sockets)
@@ -501,17 +537,19 @@ class KvSubscriber:
                 return True, latest
             latest = command
 
-    def _apply(self, sources: tuple[KvSource, ...], engines: dict[str, _Engine], sockets: _Sockets) -> None:
-        wanted = {s.url: s for s in sources}
-        for url, engine in list(engines.items()):
-            if wanted.get(url) != engine.source:
+    def _apply(self, sources: tuple[KvSource, ...], engines: dict[tuple[str, int], _Engine],
+               sockets: _Sockets) -> None:  # fmt: skip
+        wanted = {(s.url, s.rank): s for s in sources}
+        for key, engine in list(engines.items()):
+            if wanted.get(key) != engine.source:
                 engine.close()
-                del engines[url]
-                log_event("kv_events_unsubscribed", engine=url)
-        for url, source in wanted.items():
-            if url not in engines:
+                del engines[key]
+                log_event("kv_events_unsubscribed", engine=key[0], rank=key[1])
+        for key, source in wanted.items():
+            if key not in engines:
                 try:
-                    engines[url] = _Engine(source, sockets, self.counters, self._replay_timeout, self._clock)
-                except zmq.ZMQError as exc:  # (an endpoint ZMQ refuses: the others go on)
-                    log_event("kv_events_endpoint_invalid", level="warning", engine=url, problem=str(exc))
-        self.subscribed = frozenset(engines)
+                    engines[key] = _Engine(source, sockets, self.counters, self._replay_timeout, self._clock)
+                except zmq.ZMQError as exc:  # (an endpoint ZMQ refuses, a port bound already: the others go on)
+                    log_event("kv_events_endpoint_invalid", level="warning", engine=key[0], problem=str(exc),
+                              endpoint=source.endpoint)  # fmt: skip
+        self.subscribed = frozenset(url for url, _ in engines)

@@ -146,6 +146,10 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
     t.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT", default=None,
                    help="the replay ROUTER socket (default: the PUB port + 1)")
     t.add_argument("--kv-events-topic", default="", help="topic frame of the KV event messages")
+    t.add_argument("--kv-events-batch-map", action="store_true",
+                   help="encode each KV event batch as a map, not an array (vLLM's EventBatch without array_like)")
+    t.add_argument("--data-parallel-rank", type=int, default=0, metavar="R",
+                   help="publish KV events as data-parallel rank R: on the endpoints' ports + R, as vLLM does")
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--keep-alive-s", type=float, default=d.keep_alive_s, help="idle keep-alive timeout")
@@ -241,6 +245,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
+        kv_events_batch_map=args.kv_events_batch_map,
+        data_parallel_rank=args.data_parallel_rank,
     )
     config.check()
     return config

@@ -57,7 +57,7 @@ from narwhal_sim.model import (
     generate_tokens,
     owner_key,
 )
-from narwhal_sim.versions import VllmFamily, resolve_version
+from narwhal_sim.versions import VllmFamily, kv_event_maps, resolve_version
 from narwhal_sim.protocol import (
     ApiError,
     CompletionJob,
@@ -194,6 +194,11 @@ class SimConfig:
     kv_events_replay_endpoint: str | None = None
     #: Topic frame of every published batch.
     kv_events_topic: str = ""
+    #: The engine's data-parallel rank (vLLM's ``--data-parallel-rank``): its KV events go to the
+    #: endpoints' ports + the rank, and every batch says it (docs/simulator.md, "KV events").
+    data_parallel_rank: int = 0
+    #: The KV-event batch as a map, not an array (``EventBatch`` without ``array_like``; docs/simulator.md).
+    kv_events_batch_map: bool = False
     #: A Hugging Face ``tokenizer.json`` (or its directory): counts and hashes prompts by its ids.
     tokenizer: str | None = None
     #: A jinja2 chat template file (default: the tokenizer's; none: chat is refused, as vLLM refuses it).
@@ -215,6 +220,8 @@ class SimConfig:
             value = getattr(self, name)
             if value is not None and not _tcp_endpoint(value):
                 raise ValueError(f"{name} must be tcp://HOST:PORT, got {value!r}")
+        if self.data_parallel_rank < 0:
+            raise ValueError("data_parallel_rank must be >= 0")
         if self.kv_pull_grace_ms is not None and self.kv_pull_grace_ms < 0:
             raise ValueError("kv_pull_grace_ms must be >= 0")
         family, _ = resolve_version(self.vllm_version)  # ValueError naming the accepted forms
@@ -454,12 +461,15 @@ class SimEngine:
         config = self.config
         if config.kv_events_endpoint is not None:
             replay = config.kv_events_replay_endpoint
-            if replay is None:
-                # vLLM names no default either; ours is the PUB port + 1 on the same host.
+            if replay is None and config.data_parallel_rank == 0:
+                # vLLM names no default either; ours is the PUB port + 1 on the same host (none for a rank
+                # past 0: rank 1 publishes on that port, docs/simulator.md).
                 pub_host, _, pub_port = config.kv_events_endpoint.rpartition(":")
                 replay = f"{pub_host}:{int(pub_port) + 1}" if pub_port.isdigit() and int(pub_port) else None
             self.publisher = KvEventPublisher(
-                config.kv_events_endpoint, replay_endpoint=replay, topic=config.kv_events_topic
+                config.kv_events_endpoint, replay_endpoint=replay, topic=config.kv_events_topic,
+                data_parallel_rank=config.data_parallel_rank, map_batch=config.kv_events_batch_map,
+                map_events=kv_event_maps(self.family, self.vllm_version),
             )
         if on_listening is not None:
             on_listening(self)
@@ -509,6 +519,8 @@ class SimEngine:
             "steps": self.core.steps,
             "kv_events_endpoint": self.publisher.endpoint if self.publisher is not None else None,
             "kv_events_replay_endpoint": self.publisher.replay_endpoint if self.publisher is not None else None,
+            "kv_events_published": self.publisher.published if self.publisher is not None else 0,
+            "kv_events_encoding": self.publisher.encoding if self.publisher is not None else None,
             "connections": len(self._http.connections),
             "kv_held": len(ledger),
             "kv_held_blocks": ledger.held_blocks,

@@ -15,7 +15,7 @@ import re
 
 import attrs
 
-__all__ = ["VllmFamily", "FAMILIES", "DEFAULT_FAMILY", "family_for", "resolve_version"]
+__all__ = ["VllmFamily", "FAMILIES", "DEFAULT_FAMILY", "family_for", "resolve_version", "kv_event_maps"]
 
 
 @attrs.frozen(kw_only=True)
@@ -55,6 +55,9 @@ class VllmFamily:
     #: (``do_remote_decode: true``, its blocks, ``remote_blocks_expiry_time`` a number) and holds
     #: those blocks for ``decoder_kv_blocks_ttl`` (``NixlPullConnectorScheduler.request_finished``).
     bidirectional_expiry: bool = False
+    #: KV events are maps of their fields by name, tag under ``"type"`` (vLLM PR #42892 dropped
+    #: ``array_like`` from ``KVCacheEvent``; first released in 0.24.0): see :func:`kv_event_maps`.
+    kv_event_maps: bool = True
 
 
 FAMILIES: dict[str, VllmFamily] = {
@@ -64,21 +67,25 @@ FAMILIES: dict[str, VllmFamily] = {
             name="0.9", releases="0.9.1 - 0.10.0", version="0.9.2", nested_errors=False,
             request_id_suffix=False, connector=1, block_groups=False, lease_keys=False, hold_s=120.0,
             lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=False,
+            kv_event_maps=False,
         ),
         VllmFamily(
             name="0.11", releases="0.10.1 - 0.13.x", version="0.11.2", nested_errors=True,
             request_id_suffix=False, connector=1, block_groups=False, lease_keys=False, hold_s=480.0,
             lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=False,
+            kv_event_maps=False,
         ),
         VllmFamily(
             name="0.14", releases="0.14 - 0.16.x", version="0.14.1", nested_errors=True,
             request_id_suffix=True, connector=2, block_groups=False, lease_keys=False, hold_s=480.0,
             lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=True,
+            kv_event_maps=False,
         ),
         VllmFamily(
             name="0.18", releases="0.17 - 0.20.x", version="0.18.1", nested_errors=True,
             request_id_suffix=True, connector=2, block_groups=True, lease_keys=False, hold_s=480.0,
             lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=True,
+            kv_event_maps=False,
         ),
         VllmFamily(
             name="lease", releases="0.21 - 0.27.x", version="0.27.1", nested_errors=True,
@@ -127,3 +134,19 @@ def resolve_version(version: str | None) -> tuple[VllmFamily, str]:
     if version is None or version in FAMILIES:
         return family, family.version
     return family, version.strip().lstrip("v")
+
+
+#: The first release whose KV events are maps (vLLM PR #42892; 0.23.x still sends arrays).
+KV_EVENT_MAPS_SINCE = (0, 24, 0)
+
+
+def kv_event_maps(family: VllmFamily, version: str) -> bool:
+    """Whether ``version`` (a ``/version`` string of ``family``) sends its KV events as maps.
+
+    A family that spans the change (``lease``: 0.21 and later) sends maps
+    from :data:`KV_EVENT_MAPS_SINCE` on, arrays for a release named below it.
+    """
+    match = _VERSION.fullmatch(version.strip())
+    if not family.kv_event_maps or match is None:
+        return family.kv_event_maps
+    return (int(match[1]), int(match[2]), int(match[3] or 0)) >= KV_EVENT_MAPS_SINCE

@@ -216,6 +216,8 @@ DEFAULTS: dict[str, object] = {
     "engine.discovery": "static",
     "engine.kv_events": None,
     "engine.kv_events_replay": None,
+    "engine.kv_events_socket": "connect",
+    "engine.data_parallel_size": 1,
     "discovery.prefill": None,
     "discovery.decode": None,
     "discovery.record": "A",
@@ -400,6 +402,30 @@ def test_the_kv_policy_needs_a_tokenizer_and_the_engines_kv_events() -> None:
         data = with_values(routing={"policy": "kv"}, model={"tokenizer": "/models/llama"},
                            engine={"kv_events": "tcp://{host}:5557"})  # fmt: skip
         assert config_from_dict(data, env={}).routing.policy == "kv"
+
+
+def test_data_parallel_ranks_and_the_bound_kv_event_sockets() -> None:
+    # Rank r's events are on the port + r (vLLM's offset_endpoint_port): the last rank's must be a port too.
+    two = {"kv_events": "tcp://{host}:5557", "data_parallel_size": 2}
+    assert config_from_dict(with_values(engine=two), env={}).engine.data_parallel_size == 2
+    error = error_of(with_values(engine={**two, "kv_events": "tcp://{host}:65535"}))
+    assert error.key == "engine.kv_events" and "65536" in str(error), str(error)
+    assert error_of(with_values(engine={"data_parallel_size": 0})).key == "engine.data_parallel_size"
+    # Bound, each prefill engine needs endpoints of its own; decode engines' streams are not read.
+    bound = {"kv_events": "tcp://127.0.0.1:7000", "kv_events_socket": "bind"}
+    error = error_of(with_values(engine={**bound, "prefill": ["http://p1:8000", "http://p2:8000"]}))
+    assert str(error) == (
+        'engine.kv_events: with kv_events_socket = "bind" every engine needs an endpoint of its own; '
+        "tcp://127.0.0.1:7000 is both http://p1:8000's and http://p2:8000's"
+    )
+    ranks = {**bound, "kv_events": "tcp://127.0.0.1:{port}", "data_parallel_size": 2}
+    error = error_of(with_values(engine={**ranks, "prefill": ["http://p1:8000", "http://p2:8001"]}))
+    assert "tcp://127.0.0.1:8001 is both http://p1:8000's and http://p2:8001's" in str(error)
+    config = config_from_dict(with_values(engine={**bound, "prefill": ["http://p1:8000"]}), env={})
+    assert config.engine.kv_events_socket == "bind"
+    error = error_of(with_values(engine={**bound, "prefill": ["http://p1:8000"]}, ingress={"workers": 2}))
+    assert error.key == "engine.kv_events_socket" and "ingress.workers = 1" in str(error)
+    assert error_of(with_values(engine={**bound, "kv_events_socket": "listen"})).key == "engine.kv_events_socket"
 
 
 def test_model_names() -> None:
@@ -688,6 +714,7 @@ def test_minimums_table_covers_every_integer_key() -> None:
         "ingress.max_batch_prompts",  # 1..1024: tests/core/test_router_prompts.py
         "discovery.port",  # 1..65535: tests/core/test_dynamic_fleet.py
         "routing.kv_block_size",  # 1..4096: tests/core/test_kv_policy.py
+        "engine.data_parallel_size",  # 1..64: test_data_parallel_ranks_and_the_bound_kv_event_sockets
     } == ints
 
 

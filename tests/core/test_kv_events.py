@@ -1,9 +1,11 @@
 """vLLM's KV events decoded, and the order of an engine's stream kept (docs/routing.md, "KV events").
 
 The shapes are vLLM's (``vllm/distributed/kv_events.py``): ``KVEventBatch``
-``[ts, [event, ...], dp_rank]``; each event a tagged array (``array_like``
-structs, older versions sending fewer trailing fields) or, since
-vllm-project/vllm#42892, a map of its fields with the tag under ``"type"``.
+``[ts, [event, ...], dp_rank]``, or the map ``{ts, events, data_parallel_rank}``
+where ``EventBatch`` is not ``array_like`` (vLLM commit ``0181ea3173e5``);
+each event a tagged array (``array_like`` structs, older versions sending
+fewer trailing fields) or, since vllm-project/vllm#42892, a map of its
+fields with the tag under ``"type"``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from narwhal_core.kv_events import (
     REPLAY_END,
@@ -96,6 +100,53 @@ def test_map_encoded_events_as_vllm_sends_them_since_42892() -> None:
     )
 
 
+def test_a_map_batch_as_vllm_encodes_it_once_event_batch_is_not_array_like() -> None:
+    # vLLM commit 0181ea3173e5: EventBatch without array_like, omit_defaults; the rank always set by publish().
+    stored = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": TOKENS,
+              "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip
+    batch = {"ts": 1789095808.8, "events": [stored, {"type": "AllBlocksCleared"}], "data_parallel_rank": 1}
+    assert decode_batch(msgpack.packb(batch)) == (1789095808.8, (
+        BlockStored((7,), None, tuple(TOKENS), 16, "GPU"), AllBlocksCleared(),
+    ))
+    # Array events in a map batch, a map without its rank, and keys a later vLLM adds: all read.
+    later = {"events": [["BlockRemoved", [7]]], "ts": 2, "extra": {"x": 1}}
+    assert decode_batch(msgpack.packb(later)) == (2.0, (BlockRemoved((7,)),))
+
+
+_hashes = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=3)
+_stored = st.builds(lambda h, p, m: BlockStored(tuple(h), p, tuple(range(16 * len(h))), 16, m),
+                    _hashes, st.none() | st.integers(0, 2**64 - 1), st.sampled_from([None, "GPU"]))  # fmt: skip
+_removed = st.builds(lambda h, m: BlockRemoved(tuple(h), m), _hashes, st.sampled_from([None, "GPU", "CPU"]))
+_events = st.lists(_stored | _removed | st.just(AllBlocksCleared()), max_size=5)
+
+
+def _as_array(event: Any) -> list[Any]:
+    if isinstance(event, BlockStored):
+        return ["BlockStored", list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
+                event.block_size, None, event.medium, None]  # fmt: skip
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", list(event.block_hashes), event.medium]
+    return ["AllBlocksCleared"]
+
+
+def _as_map(event: Any) -> dict[str, Any]:
+    fields = _as_array(event)
+    names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                             "lora_name"), "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}  # fmt: skip
+    # (omit_defaults: a None field with a default is left out; these have none, so they are all sent.)
+    return {"type": fields[0], **dict(zip(names[fields[0]], fields[1:], strict=True))}
+
+
+@settings(max_examples=60, deadline=None)
+@given(_events, st.booleans(), st.booleans(), st.randoms(use_true_random=False))
+def test_every_encoding_of_a_batch_decodes_to_the_same_events(
+    events: list[Any], map_events: bool, map_batch: bool, rng: Any
+) -> None:
+    wire = [(_as_map if map_events and rng.random() < 0.8 else _as_array)(e) for e in events]
+    batch = {"ts": 1.0, "events": wire, "data_parallel_rank": 0} if map_batch else [1.0, wire, 0]
+    assert decode_batch(msgpack.packb(batch)) == (1.0, tuple(events))
+
+
 def test_a_lower_tiers_blocks_may_come_without_their_tokens() -> None:
     # vLLM's offloading connector sends placeholders for a lower tier's blocks, with no tokens.
     assert one(["BlockStored", [1, 2], None, [], 16, None, "CPU"]) == BlockStored((1, 2), None, (), 16, "CPU")
@@ -110,19 +161,30 @@ def test_a_batch_without_its_rank_and_with_an_integer_ts() -> None:
     assert decode_batch(pack([], 3)) == (3.0, ())
 
 
-def test_the_simulators_encoding_decodes() -> None:
-    payload = encode_batch([sim.BlockStored((5,), None, tuple(TOKENS), 16), sim.BlockRemoved((5,))], 2.0)
+@pytest.mark.parametrize(("map_events", "map_batch"), [(False, False), (True, False), (True, True)])
+def test_the_simulators_encodings_decode(map_events: bool, map_batch: bool) -> None:
+    events = [sim.BlockStored((5,), None, tuple(TOKENS), 16), sim.BlockRemoved((5,)), sim.AllBlocksCleared()]
+    payload = encode_batch(events, 2.0, 1, map_events=map_events, map_batch=map_batch)
+    assert isinstance(msgpack.unpackb(payload), dict) is map_batch
     assert decode_batch(payload) == (2.0, (
-        BlockStored((5,), None, tuple(TOKENS), 16, "GPU"), BlockRemoved((5,), "GPU"),
+        BlockStored((5,), None, tuple(TOKENS), 16, "GPU"), BlockRemoved((5,), "GPU"), AllBlocksCleared(),
     ))
 
 
 @pytest.mark.parametrize(("payload", "message"), [
     (b"\xc1", "payload is not msgpack"),
-    (msgpack.packb({"ts": 1}), "payload is not [ts, [event, ...], ...]"),
-    (msgpack.packb([1.0]), "payload is not [ts, [event, ...], ...]"),
-    (msgpack.packb([1.0, {}]), "payload is not [ts, [event, ...], ...]"),
+    (msgpack.packb({"ts": 1}), "a batch map has no 'events' array"),
+    (msgpack.packb({"ts": 1, "events": {}}), "a batch map has no 'events' array"),
+    (msgpack.packb({"events": []}), "the batch's ts is not a number"),
+    (msgpack.packb({"ts": "1", "events": []}), "the batch's ts is not a number"),
+    (msgpack.packb({"ts": 1, "events": [{"type": 5}]}), "an event map has no string 'type'"),
+    (msgpack.packb({"ts": 1, "events": [{"type": "BlockStored", "block_hashes": [1]}]}),
+     "BlockStored.token_ids is not an array of ints"),
+    (msgpack.packb("x"), "payload is not [ts, [event, ...], ...] or {ts, events, ...}"),
+    (msgpack.packb([1.0]), "payload is not [ts, [event, ...], ...] or {ts, events, ...}"),
+    (msgpack.packb([1.0, {}]), "payload is not [ts, [event, ...], ...] or {ts, events, ...}"),
     (msgpack.packb(["x", []]), "the batch's ts is not a number"),
+    (msgpack.packb([True, []]), "the batch's ts is not a number"),
     (pack([5]), "an event is not a tagged array or map"),
     (pack([[]]), "an event is not a tagged array or map"),
     (pack([[1, 2]]), "an event is not a tagged array or map"),

@@ -118,7 +118,7 @@ def tok(tokenizer_dir: Path) -> EngineTokenizer:
     return load_tokenizer(str(tokenizer_dir))
 
 
-def start_prefills(tokenizer: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[SimThread]]:
+def start_prefills(tokenizer: Path, monkeypatch: pytest.MonkeyPatch, **options: Any) -> tuple[int, list[SimThread]]:
     """The prefill engines, on their addresses, all publishing on one port (another one if it was taken meanwhile)."""
     for _ in range(5):
         port = shared_port(PREFILL_HOSTS)
@@ -129,7 +129,7 @@ def start_prefills(tokenizer: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[in
                 for host in PREFILL_HOSTS:
                     started.append(SimThread(
                         "prefill", speed=0, host=host, tokenizer=str(tokenizer), num_gpu_blocks=GPU_BLOCKS,
-                        block_size=BLOCK, kv_events_endpoint=f"tcp://{host}:{port}",
+                        block_size=BLOCK, kv_events_endpoint=f"tcp://{host}:{port}", **options,
                     ).start())  # fmt: skip
             return port, started
         except SimError:  # (the port went to someone else between the probe and the bind)

@@ -435,6 +435,19 @@ def test_the_templates_are_filled_in_per_engine() -> None:
     assert sources == () and log.events()[0]["event"] == "kv_events_endpoint_invalid"
 
 
+def test_every_data_parallel_rank_is_a_source_on_the_ports_plus_its_rank() -> None:
+    # vLLM's ZmqEventPublisher.offset_endpoint_port: rank r on the port + r, for the replay socket too.
+    c = config(prefill=[URL], kv_events="tcp://{host}:5557", kv_events_replay="tcp://{host}:5567",
+               data_parallel_size=3, kv_events_socket="bind")  # fmt: skip
+    assert kv_sources(c, c.engine.prefill_engines) == tuple(
+        KvSource(URL, f"tcp://127.0.0.1:{5557 + r}", f"tcp://127.0.0.1:{5567 + r}", r, True) for r in range(3)
+    )
+    with LogCapture() as log:  # an engine joining at run time whose last rank's port is past 65535: left out
+        sources = kv_sources(config(kv_events="tcp://{host}:{port}", data_parallel_size=3),
+                             [parse_engine_url("http://10.0.0.1:65534", key="t")])  # fmt: skip
+    assert sources == () and log.events()[0]["event"] == "kv_events_endpoint_invalid"
+
+
 @pytest.mark.parametrize(("engine", "key", "problem"), [
     ({"kv_events": "{host}:5557"}, "engine.kv_events", "must be tcp://HOST:PORT"),
     ({"kv_events": "ipc:///tmp/kv"}, "engine.kv_events", "must be tcp://HOST:PORT"),

@@ -1,9 +1,11 @@
 """KV events on the wire, read by a subscriber written from vLLM's format (docs/simulator.md, "KV events").
 
 The subscriber below uses only pyzmq and msgpack and vLLM's layout: frames
-(topic, 8-byte big-endian sequence, payload); payload ``[ts, events, dp_rank]``;
+(topic, 8-byte big-endian sequence, payload); payload ``[ts, events, dp_rank]``
+or ``{"ts", "events", "data_parallel_rank"}``;
 ``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name]``,
-``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``; replay on a
+``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``, or the same
+fields by name with the tag under ``"type"`` (vLLM PR #42892); replay on a
 ROUTER socket: send the start sequence (8 bytes big-endian), receive
 ``(seq, payload)`` frames until sequence -1. Nothing of the simulator's own
 event classes is used to decode.
@@ -12,6 +14,7 @@ event classes is used to decode.
 from __future__ import annotations
 
 import hashlib
+import socket
 import time
 from typing import Any
 
@@ -26,21 +29,46 @@ from narwhal_sim.testing import SimThread
 END = (-1).to_bytes(8, "big", signed=True)
 
 
+#: vLLM's field names after the tag (``vllm/distributed/kv_events.py``, commit 0181ea3173e5).
+NAMES = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def positional(event: Any) -> list[Any]:
+    """A map-encoded event as the array layout; every field without a default is sent (omit_defaults)."""
+    if isinstance(event, list):
+        return event
+    assert set(event) == {"type", *NAMES[event["type"]]}, event
+    return [event["type"], *(event[name] for name in NAMES[event["type"]])]
+
+
 class Subscriber:
     """What a router keeps from vLLM KV events: the set of cached block hashes, and the raw events."""
 
     def __init__(self) -> None:
         self.cached: set[int] = set()
         self.events: list[list[Any]] = []
+        #: Per batch: (whether the batch was a map, whether its events were, its data_parallel_rank).
+        self.shapes: set[tuple[bool, bool | None, int]] = set()
         self.last_seq = -1
 
     def apply(self, seq: int, payload: bytes) -> None:
         assert seq == self.last_seq + 1, f"sequence gap: {self.last_seq} then {seq}"
         self.last_seq = seq
         batch = msgpack.unpackb(payload, raw=False)
-        ts, events = batch[0], batch[1]
+        if isinstance(batch, dict):
+            assert set(batch) == {"ts", "events", "data_parallel_rank"}, batch
+            ts, wire, rank = batch["ts"], batch["events"], batch["data_parallel_rank"]
+        else:
+            ts, wire, rank = batch
         assert isinstance(ts, float) and abs(ts - time.time()) < 60
-        for event in events:
+        maps = {isinstance(e, dict) for e in wire}
+        assert len(maps) <= 1
+        self.shapes.add((isinstance(batch, dict), maps.pop() if maps else None, rank))
+        for event in map(positional, wire):
             self.events.append(event)
             tag = event[0]
             if tag == "BlockStored":
@@ -156,3 +184,64 @@ def test_block_stored_names_blocks_a_router_can_recompute(ctx: zmq.Context[Any])
         assert parent is None and block_size == 16
         assert token_ids == tokens["tokens"][:64]
         assert hashes == recipe_hashes(tokens["tokens"], 16)
+
+
+def replayed(ctx: zmq.Context[Any], sim: SimThread, client: httpx.Client) -> Subscriber:
+    """One prompt sent to ``sim``; its events, read back from the replay socket."""
+    answer = client.post(sim.url + "/v1/completions", json={"prompt": "narwhal tusk " * 12, "max_tokens": 1})
+    assert answer.status_code == 200, answer.text
+    deadline = time.monotonic() + 5
+    while True:
+        sub = Subscriber()
+        replay(ctx, sim.engine.publisher.replay_endpoint, 0, sub)
+        if sub.events:
+            return sub
+        assert time.monotonic() < deadline, "no events replayed"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(("version", "batch_map", "shape"), [
+    ("0.18", False, (False, False)),  # arrays (array_like structs)
+    ("0.23.1", False, (False, False)),  # the lease family, before PR #42892 shipped
+    ("0.24.0", False, (False, True)),  # the first release with map events
+    (None, False, (False, True)),  # the default family's 0.27.1
+    (None, True, (True, True)),  # EventBatch without array_like (vLLM commit 0181ea3173e5)
+])
+def test_each_family_encodes_its_events_as_vllm_does(
+    ctx: zmq.Context[Any], version: str | None, batch_map: bool, shape: tuple[bool, bool]
+) -> None:
+    with SimThread("prefill", speed=0, vllm_version=version, kv_events_batch_map=batch_map,
+                   kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0") as sim, \
+            httpx.Client(timeout=10) as client:  # fmt: skip
+        sub = replayed(ctx, sim, client)
+        assert sub.shapes == {(*shape, 0)}
+        assert sub.cached == pool_cached(sim) and sub.cached
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free on every address."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = int(probe.getsockname()[1])
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("", port))
+                b.bind(("", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+def test_a_data_parallel_rank_publishes_on_the_port_plus_its_rank(ctx: zmq.Context[Any]) -> None:
+    # vLLM's ZmqEventPublisher.offset_endpoint_port: rank r on the endpoint's port + r, replay port + r too.
+    port = free_port_pair()
+    with SimThread("prefill", speed=0, data_parallel_rank=1, kv_events_endpoint=f"tcp://*:{port - 1}",
+                   kv_events_replay_endpoint=f"tcp://*:{port}") as sim, \
+            httpx.Client(timeout=10) as client:  # fmt: skip
+        publisher = sim.engine.publisher
+        assert publisher.endpoint.endswith(f":{port}") and publisher.replay_endpoint.endswith(f":{port + 1}")
+        sub = replayed(ctx, sim, client)
+        assert {rank for *_, rank in sub.shapes} == {1}
+        assert sim.stats()["kv_events_endpoint"] == publisher.endpoint

@@ -162,8 +162,8 @@ def test_process_with_kv_events_and_without_chunked_prefill() -> None:
                     _, seq, payload = dealer.recv_multipart()
                     if seq == (-1).to_bytes(8, "big", signed=True):
                         break
-                    for event in msgpack.unpackb(payload)[1]:
-                        hashes += event[1] if event[0] == "BlockStored" else []
+                    for event in msgpack.unpackb(payload)[1]:  # the default family's map events (vLLM PR #42892)
+                        hashes += event["block_hashes"] if event["type"] == "BlockStored" else []
             assert len(hashes) == 3  # 50 tokens: 3 full blocks
             dealer.close()
         finally:

@@ -127,7 +127,9 @@ class Engine:
                     return
                 assert int.from_bytes(seq, "big") == self.next_seq
                 self.next_seq += 1
-                self.events.extend(msgpack.unpackb(payload, raw=False)[1])
+                for event in msgpack.unpackb(payload, raw=False)[1]:  # map events from 0.24.0 on (vLLM PR #42892)
+                    self.events.append(event if isinstance(event, list) else
+                                       [event["type"], event.get("block_hashes"), None, event.get("token_ids")])
         finally:
             dealer.close()
 
