@@ -51,6 +51,9 @@ class VllmFamily:
     notify_on_rejection: bool
     #: ``POST /abort_requests`` exists with ``--tokens-only`` (and in dev mode).
     abort_requests_route: bool
+    #: The lease reaper walks the held entries in insertion order and stops at the
+    #: first unexpired one, so entries behind a renewed one are not freed (vLLM issue 58222).
+    reaper_stops_at_first_live: bool = False
 
 
 FAMILIES: dict[str, VllmFamily] = {
@@ -62,7 +65,12 @@ FAMILIES: dict[str, VllmFamily] = {
             lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=False,
         ),
         VllmFamily(
-            name="0.11", releases="0.10.1 - 0.13.x", version="0.11.2", nested_errors=True,
+            name="0.10", releases="0.10.1 - 0.11.0", version="0.10.2", nested_errors=True,
+            request_id_suffix=False, connector=1, block_groups=False, lease_keys=False, hold_s=120.0,
+            lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=False,
+        ),
+        VllmFamily(
+            name="0.11", releases="0.11.1 - 0.13.x", version="0.11.2", nested_errors=True,
             request_id_suffix=False, connector=1, block_groups=False, lease_keys=False, hold_s=480.0,
             lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=False,
         ),
@@ -80,13 +88,16 @@ FAMILIES: dict[str, VllmFamily] = {
             name="lease", releases="0.21 and later", version="0.27.1", nested_errors=True,
             request_id_suffix=True, connector=2, block_groups=True, lease_keys=True, hold_s=30.0,
             lease_renewal=True, null_params_on_stop=False, notify_on_rejection=True, abort_requests_route=True,
+            reaper_stops_at_first_live=True,
         ),
     )
 }
 DEFAULT_FAMILY = "lease"
 
 #: (first release of the next family, family): a version below the bound belongs to the family.
-_BOUNDS = (((0, 10, 1), "0.9"), ((0, 14, 0), "0.11"), ((0, 17, 0), "0.14"), ((0, 21, 0), "0.18"))
+_BOUNDS = (
+    ((0, 10, 1), "0.9"), ((0, 11, 1), "0.10"), ((0, 14, 0), "0.11"), ((0, 17, 0), "0.14"), ((0, 21, 0), "0.18"),
+)  # fmt: skip
 _VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:[.+\-_a-zA-Z0-9]*)?")
 
 
