@@ -34,6 +34,16 @@ NOTHING_HELD: Final = (
 )
 #: A KV record's ``error`` when its lease ran short before a decode request could carry it.
 LEASE_SHORT: Final = "its lease was running short before a decode request could carry it"
+#: Appended to a ``held_until_lease`` / ``lease`` record whose prefill answer
+#: shows vLLM's KV lease (its lease-era keys): that reaper stops at the first
+#: unexpired entry, so the blocks may stay held past the lease (vLLM issue
+#: 58222; docs/operate.md, "KV release in operation").
+REAPER_STUCK: Final = (
+    "a vLLM engine with KV leases (0.21 on; vLLM issue 58222, open at 0.27.1) may hold it past its lease: "
+    "its reaper frees nothing behind an entry still renewed"
+)
+#: Keys only a prefill answer of vLLM's lease era carries (docs/simulator.md, "vLLM versions").
+_LEASE_ERA_KEYS: Final = ("transfer_mode", "remote_blocks_expiry_time")
 #: A decode leg (or a release carried by a decode request) starts only within
 #: this share of ``engine.kv_lease_s`` after the prefill's answer; the rest
 #: covers its way to the decode engine's scheduler and, on vLLM with KV
@@ -184,14 +194,14 @@ class KvLedger:
         req.kv = None
         mode = self.ctx.config.engine.kv_release
         if mode == "lease":
-            kv.outcome, kv.method = "held_until_lease", "lease"
+            self._held_until_lease(kv, None)
             return
         key = f"release-{kv.leg}"
         if mode == "abort_endpoint":
             command = self._abort(key, kv)
         else:
             if self.ctx.now >= kv.start_by:
-                kv.outcome, kv.method, kv.error = "held_until_lease", "lease", short
+                self._held_until_lease(kv, short)
                 return
             decode = self._decode_release(key, req, kv, mode)
             if decode is None:
@@ -202,6 +212,14 @@ class KvLedger:
         req.pending_releases += 1
         self.releases[key] = (req, kv)
         self.ctx.out.append(command)
+
+    @staticmethod
+    def _held_until_lease(kv: Kv, error: str | None) -> None:
+        """Nothing will free the KV but the engine's lease; say so when that lease's reaper may not."""
+        params = kv.handoff.params or {}
+        if any(key in params for key in _LEASE_ERA_KEYS):
+            error = REAPER_STUCK if error is None else f"{error}; {REAPER_STUCK}"
+        kv.outcome, kv.method, kv.error = "held_until_lease", "lease", error
 
     def release_before_lease_ends(self, req: Request) -> None:
         """Release the request's KV now: no decode engine had room before its ``start_by``."""

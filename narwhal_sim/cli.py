@@ -71,7 +71,7 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
 
     v = p.add_argument_group("vLLM version (docs/simulator.md, 'vLLM versions')")
     v.add_argument("--vllm-version", default=None, metavar="VERSION",
-                   help="the vLLM modelled: a family (0.9, 0.11, 0.14, 0.18, lease, 0.28) or a release like "
+                   help="the vLLM modelled: a family (0.9, 0.10, 0.11, 0.14, 0.18, lease, 0.28) or a release like "
                         "0.14.1 (default: 0.28, current vLLM)")  # fmt: skip
     v.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="fill usage.prompt_tokens_details (else null, as vLLM without this flag)")  # fmt: skip

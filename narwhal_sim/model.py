@@ -263,6 +263,8 @@ class KvEntry:
 
 
 _KV_OUTCOMES = ("held", "pulled", "released", "expired")
+#: How many expired entries a ledger remembers for late pulls.
+_EXPIRED_KEPT = 1024
 
 
 class KvLedger:
@@ -273,10 +275,16 @@ class KvLedger:
     should have prevented (docs/simulator.md, "The PD protocol").
     """
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, *, reaper_stops_at_first_live: bool = False) -> None:
         self.lease_s = lease_s
-        # One lease length for all entries: insertion order is deadline order.
+        #: The reaper of vLLM's lease era: it stops at the first unexpired entry in
+        #: insertion order (vLLM issue 58222), so entries behind a renewed one stay held.
+        self.reaper_stops_at_first_live = reaper_stops_at_first_live
+        # Insertion order, as vLLM's ``_reqs_to_send`` dict: a renewal updates in place.
         self._entries: OrderedDict[str, KvEntry] = OrderedDict()
+        # Recently expired entries: their blocks are free (maybe reused), but a late
+        # pull still reads them, and vLLM tells nobody (vLLM issue 21570).
+        self._expired: OrderedDict[str, KvEntry] = OrderedDict()
         self.held_blocks = 0
         self.counts = dict.fromkeys(_KV_OUTCOMES, 0)
         self.block_counts = dict.fromkeys(_KV_OUTCOMES, 0)
@@ -318,24 +326,28 @@ class KvLedger:
         return entry
 
     def renew(self, owner: str, now: float) -> bool:
-        """Extend ``owner``'s lease to ``now + lease_s`` (a decode engine's heartbeat); ``False`` when not held.
+        """Extend ``owner``'s lease to ``now`` + two thirds of a lease (a heartbeat); ``False`` when not held.
 
-        An entry already expired (or pulled, released) is not brought back. The
-        extension is one whole lease, so insertion order stays deadline order.
+        vLLM's ``_handle_heartbeat`` (``nixl/base_worker.py``) sets the expiry to
+        ``max(old, now + kv_lease_duration * 2 // 3)`` in place, keeping the entry's
+        position. An entry already expired (or pulled, released) is not brought back.
         """
         entry = self._entries.get(owner)
         if entry is None:
             return False
-        entry.expires_at = max(entry.expires_at, now + self.lease_s)
-        self._entries.move_to_end(owner)
+        entry.expires_at = max(entry.expires_at, now + self.lease_s * 2.0 / 3.0)
         return True
 
-    def find_blocks(self, block_ids: list[int]) -> KvEntry | None:
-        """The held entry whose blocks are ``block_ids`` (a connector-1 decode engine names no owner)."""
-        for entry in self._entries.values():
+    def find_blocks(self, block_ids: list[int], *, expired: bool = False) -> KvEntry | None:
+        """The held (``expired``: recently expired) entry whose blocks are ``block_ids`` (connector 1 names no owner)."""
+        for entry in (self._expired if expired else self._entries).values():
             if entry.block_ids == block_ids:
                 return entry
         return None
+
+    def expired_entry(self, owner: str) -> KvEntry | None:
+        """``owner``'s entry if its lease ran out recently: a pull now reads freed blocks."""
+        return self._expired.get(owner)
 
     def pull(self, owner: str) -> KvEntry | None:
         """A decode engine took the KV of ``owner``; ``None`` when nothing is held."""
@@ -346,21 +358,28 @@ class KvLedger:
         return self._end(owner, "released")
 
     def expire_due(self, now: float) -> list[KvEntry]:
-        """End every entry whose lease ran out at ``now``."""
-        expired = []
-        entries = self._entries
-        while entries:
-            entry = next(iter(entries.values()))
+        """End every entry whose lease ran out at ``now`` (with the lease-era reaper: up to the first live one)."""
+        due = []
+        for entry in self._entries.values():
             if entry.expires_at > now:
-                break
-            expired.append(self._end(entry.owner, "expired"))
+                if self.reaper_stops_at_first_live:
+                    break
+                continue
+            due.append(entry)
+        expired = [self._end(entry.owner, "expired") for entry in due]
+        for entry in due:
+            self._expired[entry.owner] = entry
+            if len(self._expired) > _EXPIRED_KEPT:
+                self._expired.popitem(last=False)
         return [e for e in expired if e is not None]
 
     def next_deadline(self) -> float | None:
-        """When the oldest lease runs out, or ``None`` when nothing is held."""
-        for entry in self._entries.values():
-            return entry.expires_at
-        return None
+        """When the reaper frees the next entry, or ``None`` when nothing is held."""
+        if self.reaper_stops_at_first_live:
+            for entry in self._entries.values():
+                return entry.expires_at
+            return None
+        return min((entry.expires_at for entry in self._entries.values()), default=None)
 
     def reset_counts(self) -> None:
         """Zero the cumulative counters (held entries stay held)."""

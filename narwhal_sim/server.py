@@ -115,7 +115,7 @@ class SimConfig:
     #: ``tp_size`` reported in ``kv_transfer_params``.
     tp_size: int = 1
     #: The vLLM version family modelled (docs/simulator.md, "vLLM versions"): a family name
-    #: (``0.9``, ``0.11``, ``0.14``, ``0.18``, ``lease``, ``0.28``) or a release like ``0.14.1``; ``None``: ``0.28``.
+    #: (``0.9``, ``0.10``, ``0.11``, ``0.14``, ``0.18``, ``lease``, ``0.28``) or a release like ``0.14.1``; ``None``: ``0.28``.
     vllm_version: str | None = None
     #: ``usage.prompt_tokens_details`` is filled (vLLM's ``--enable-prompt-tokens-details``); else ``null``.
     enable_prompt_tokens_details: bool = False
@@ -342,7 +342,7 @@ _COUNTERS = (
     "requests", "completions", "completions_ok", "errors", "client_gone", "auth_failures", "bad_requests",
     "prompt_tokens", "generation_tokens", "cached_tokens", "recomputed",
     "kv_pulls", "kv_pull_failures", "kv_prompt_mismatch", "kv_releases_sent", "kv_release_failures",
-    "kv_params_invalid", "kv_notifs_unrecognized", "kv_heartbeats", "aborted",
+    "kv_params_invalid", "kv_notifs_unrecognized", "kv_heartbeats", "kv_stale_reads", "aborted",
     "faults_error", "faults_drop", "faults_delay", "faults_stall", "faults_drop_after_chunks",
     "faults_omit_kv_params", "faults_malformed_json", "faults_unhealthy", "faults_pull_fail",
 )  # fmt: skip
@@ -382,7 +382,10 @@ class SimEngine:
             ThreadPoolExecutor(1, thread_name_prefix="narwhal-sim-tokenize") if self.tokenizer is not None else None
         )
         self.publisher: KvEventPublisher | None = None
-        self.ledger = KvLedger(config.kv_lease_s if config.kv_lease_s is not None else family.hold_s)
+        self.ledger = KvLedger(
+            config.kv_lease_s if config.kv_lease_s is not None else family.hold_s,
+            reaper_stops_at_first_live=family.reaper_stops_at_first_live,
+        )
         #: A decode engine's own finished requests' KV, held for ``decoder_kv_blocks_ttl`` (bidirectional).
         self.decoder_ledger = KvLedger(config.decoder_kv_blocks_ttl_s)
         self._decoder_timer: asyncio.TimerHandle | None = None
@@ -862,8 +865,10 @@ class SimEngine:
         ``remote_request_id`` (connector 2) finds the entry by owner; without it (connector 1)
         the blocks are found by their ids. The blocks are freed only when ``notify_id`` names
         the owner; any other name is an "unrecognized request": the data was read but the
-        blocks stay held until the timeout (docs/simulator.md, "vLLM versions").
+        blocks stay held until the timeout. A pull after the hold ran out reads the freed
+        blocks all the same: it answers 200 marked ``stale`` (docs/simulator.md, "vLLM versions").
         """
+        stale = False
         try:
             data = self._json_body(request)
             owner = data.get("remote_request_id")
@@ -876,19 +881,27 @@ class SimEngine:
             if owner is None:
                 entry = self.ledger.find_blocks(block_ids)
                 if entry is None:
+                    entry = self.ledger.find_blocks(block_ids, expired=True)
+                    stale = entry is not None
+                if entry is None:
                     raise ApiError(404, "no KV held in blocks " + str(block_ids[:8]))
                 owner = entry.owner
             else:
                 entry = self.ledger.get(owner)
                 if entry is None:
-                    raise ApiError(404, f"no KV held for {owner} (never held, or pulled, released or expired)")
+                    entry = self.ledger.expired_entry(owner)
+                    stale = entry is not None
+                if entry is None:
+                    raise ApiError(404, f"no KV held for {owner} (never held, or pulled or released)")
                 if data.get("remote_block_ids") is not None and block_ids != entry.block_ids:
                     raise ApiError(409, f"remote_block_ids do not match the blocks held for {owner}")
         except ApiError as exc:
             self._answer(conn, request, exc.status, exc.body(flat=self._flat_errors))
             return
         notify_id = data.get("notify_id", owner)
-        if notify_id == owner:
+        if stale:
+            self._stale_read(entry)
+        elif notify_id == owner:
             self.ledger.pull(owner)
             self._kv_ended(entry)
         else:
@@ -898,8 +911,22 @@ class SimEngine:
             "num_blocks": len(entry.block_ids),
             "prompt_tokens": entry.prompt_tokens,
             "prompt_digest": entry.prompt_digest,
+            "stale": stale,
         }
         self._answer(conn, request, 200, orjson.dumps(answer))
+
+    def _stale_read(self, entry: KvEntry) -> None:
+        """A READ of blocks freed at the hold's end: vLLM's prefill side only logs the late notification.
+
+        ``NixlConnectorWorker._get_new_notifs`` (``nixl/base_worker.py``) warns of
+        "potentially invalid KV blocks for unrecognized request"; the decode engine
+        is told nothing (vLLM issue 21570). The simulator counts it and marks the record.
+        """
+        self.counters["kv_stale_reads"] += 1
+        record: _Record | None = entry.tag
+        if record is not None and record.kv is not None:
+            record.kv["stale_read"] = True
+        self._log({"ts": time.time(), "event": "kv_stale_read", "engine_id": self.engine_id, "owner": entry.owner})
 
     def _hold(self, owner: str, block_ids: list[int], prompt: Prompt, record: _Record) -> dict[str, Any]:
         """Lease a finished prefill's blocks (pinned in the core) to ``owner``; the ``kv_transfer_params``."""
@@ -1079,6 +1106,11 @@ class SimEngine:
     def _kv_ended(self, entry: KvEntry) -> None:
         self.core.free_held(entry.owner, now=self._core_now())
         self._pump()
+        if entry.outcome != "expired" and self._lease_timer is not None:
+            # The reaper's next deadline may have moved (the head of the lease era's reaper).
+            self._lease_timer.cancel()
+            self._lease_timer = None
+            self._arm_lease_timer()
         record: _Record | None = entry.tag
         if record is not None and record.kv is not None:
             record.kv["outcome"] = entry.outcome
@@ -1676,6 +1708,11 @@ class SimEngine:
         self.counters["kv_pulls"] += 1
         kv_record["outcome"] = "pulled"
         kv_record["blocks"] = data.get("num_blocks")
+        if data.get("stale"):
+            # The blocks were freed before this read: vLLM's decode engine cannot tell and
+            # answers normally (vLLM issue 21570); only the simulator's counters say so.
+            self.counters["kv_stale_reads"] += 1
+            kv_record["stale_read"] = True
         if data.get("prompt_digest") != job.prompt.digest:
             # The router changed the prompt between the legs: this KV is for another prompt.
             self.counters["kv_prompt_mismatch"] += 1

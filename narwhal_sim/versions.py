@@ -58,6 +58,9 @@ class VllmFamily:
     #: KV events are maps of their fields by name, tag under ``"type"`` (vLLM PR #42892 dropped
     #: ``array_like`` from ``KVCacheEvent``; first released in 0.24.0): see :func:`kv_event_maps`.
     kv_event_maps: bool = True
+    #: The lease reaper walks the held entries in insertion order and stops at the
+    #: first unexpired one, so entries behind a renewed one are not freed (vLLM issue 58222).
+    reaper_stops_at_first_live: bool = False
 
 
 FAMILIES: dict[str, VllmFamily] = {
@@ -70,7 +73,13 @@ FAMILIES: dict[str, VllmFamily] = {
             kv_event_maps=False,
         ),
         VllmFamily(
-            name="0.11", releases="0.10.1 - 0.13.x", version="0.11.2", nested_errors=True,
+            name="0.10", releases="0.10.1 - 0.11.0", version="0.10.2", nested_errors=True,
+            request_id_suffix=False, connector=1, block_groups=False, lease_keys=False, hold_s=120.0,
+            lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=False,
+            kv_event_maps=False,
+        ),
+        VllmFamily(
+            name="0.11", releases="0.11.1 - 0.13.x", version="0.11.2", nested_errors=True,
             request_id_suffix=False, connector=1, block_groups=False, lease_keys=False, hold_s=480.0,
             lease_renewal=False, null_params_on_stop=True, notify_on_rejection=False, abort_requests_route=False,
             kv_event_maps=False,
@@ -91,6 +100,7 @@ FAMILIES: dict[str, VllmFamily] = {
             name="lease", releases="0.21 - 0.27.x", version="0.27.1", nested_errors=True,
             request_id_suffix=True, connector=2, block_groups=True, lease_keys=True, hold_s=30.0,
             lease_renewal=True, null_params_on_stop=False, notify_on_rejection=True, abort_requests_route=True,
+            reaper_stops_at_first_live=True,
         ),
         VllmFamily(
             name="0.28", releases="0.28 and later", version="0.33.0", nested_errors=True,
@@ -104,7 +114,8 @@ DEFAULT_FAMILY = "0.28"
 
 #: (first release of the next family, family): a version below the bound belongs to the family.
 _BOUNDS = (
-    ((0, 10, 1), "0.9"), ((0, 14, 0), "0.11"), ((0, 17, 0), "0.14"), ((0, 21, 0), "0.18"), ((0, 28, 0), "lease"),
+    ((0, 10, 1), "0.9"), ((0, 11, 1), "0.10"), ((0, 14, 0), "0.11"), ((0, 17, 0), "0.14"), ((0, 21, 0), "0.18"),
+    ((0, 28, 0), "lease"),
 )  # fmt: skip
 _VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:[.+\-_a-zA-Z0-9]*)?")
 

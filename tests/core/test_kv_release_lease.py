@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from narwhal_core.kv import REAPER_STUCK
 from narwhal_core.router import LEASE_SHORT
 from tests.core.router_driver import (
     COMPLETIONS,
@@ -197,6 +198,19 @@ def test_decode_abort_never_claims_released(error: str | None, outcome: str) -> 
     kv = first_kv(d, rid)
     assert (kv["outcome"], kv["method"], kv["error"]) == (outcome, "decode_abort", error)
     finish(d)
+
+
+@pytest.mark.parametrize("lease_era", [True, False], ids=["lease-era-answer", "older-answer"])
+def test_lease_release_says_when_the_engines_reaper_may_keep_the_kv(lease_era: bool) -> None:
+    """vLLM issue 58222: a lease-era reaper stops at the first unexpired entry; the record says so for such answers."""
+    d = Driver(engine={"kv_release": "lease"}, retry={"max_attempts": 1}, **ONE_EACH)
+    era = {"dcp_size": 1, "pp_size": 1, "remote_num_tokens": 230, "remote_blocks_expiry_time": None,
+           "transfer_mode": "pull"} if lease_era else {}  # fmt: skip
+    rid, _ = failed_decode(d, **era)
+    finish(d)
+    kv = first_kv(d, rid)
+    assert (kv["outcome"], kv["method"]) == ("held_until_lease", "lease")
+    assert kv["error"] == (REAPER_STUCK if lease_era else None)
 
 
 def test_shutdown_before_a_release_is_confirmed_says_release_sent() -> None:

@@ -90,6 +90,39 @@ def test_ledger_outcomes_and_counters() -> None:
         ledger.hold("d", [], now=0.0, prompt_tokens=1, prompt_digest="d")
 
 
+def test_a_renewal_extends_to_two_thirds_of_a_lease_in_place() -> None:
+    # vLLM's _handle_heartbeat: expiry = max(old, now + kv_lease_duration * 2 // 3), position kept.
+    ledger = KvLedger(lease_s=30.0)
+    ledger.hold("a", [1], now=0.0, prompt_tokens=5, prompt_digest="d")
+    assert ledger.renew("a", now=5.0) and ledger.get("a").expires_at == 30.0  # type: ignore[union-attr]
+    assert ledger.renew("a", now=15.0) and ledger.get("a").expires_at == 35.0  # type: ignore[union-attr]
+    assert not ledger.renew("unknown", now=15.0)
+
+
+def test_the_lease_era_reaper_stops_at_the_first_live_entry() -> None:
+    """vLLM issue 58222: an entry behind a renewed one is not freed; a full scan frees it."""
+    for stops, due_at_40 in ((True, []), (False, ["b"])):
+        ledger = KvLedger(lease_s=30.0, reaper_stops_at_first_live=stops)
+        ledger.hold("a", [1], now=0.0, prompt_tokens=5, prompt_digest="d")
+        ledger.hold("b", [2], now=1.0, prompt_tokens=5, prompt_digest="d")
+        ledger.renew("a", now=25.0)  # a: 45.0, still first
+        assert [e.owner for e in ledger.expire_due(40.0)] == due_at_40
+        assert ledger.next_deadline() == (45.0 if stops else 45.0)
+        if stops:
+            assert len(ledger) == 2 and ledger.get("b").expires_at == 31.0  # type: ignore[union-attr]
+            ledger.pull("a")
+            assert [e.owner for e in ledger.expire_due(40.0)] == ["b"]
+
+
+def test_an_expired_entry_stays_readable_by_a_late_pull() -> None:
+    ledger = KvLedger(lease_s=1.0)
+    ledger.hold("a", [7, 8], now=0.0, prompt_tokens=20, prompt_digest="d")
+    ledger.expire_due(2.0)
+    assert ledger.get("a") is None and ledger.held_blocks == 0
+    assert ledger.expired_entry("a") is not None and ledger.find_blocks([7, 8], expired=True) is not None
+    assert ledger.find_blocks([7, 8]) is None
+
+
 def test_fault_decisions_are_pure_functions_of_seed_rid_and_name() -> None:
     faults = Faults(error_rate=0.5)
     plans = [faults.plan(7, f"rid-{i}") for i in range(200)]
