@@ -87,7 +87,7 @@ BLOCK_TOKENS = 16
 MAX_MODEL_LEN = 131072
 
 #: Narwhal's configurations: name -> extra config sections. ``narwhal`` is the
-#: shipped default (today: the engine with the fewest outstanding legs); the
+#: shipped default (``prefix``, ``mode = "always"``: docs/configure.md, "Why these defaults"); the
 #: others set ``[routing]`` (docs/configure.md), and a router that does not
 #: know a key refuses to start: that run is reported as refused.
 NARWHAL_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {

@@ -397,10 +397,12 @@ class RoutingConfig:
 
     SECTION: ClassVar[str] = "routing"
 
+    # prefix by default: it wins on every workload and rate the routing benchmarks replay
+    # (benchmarks/README.md, "Defaults that win"; docs/configure.md, "[routing]").
     policy: RoutingPolicy = attrs.field(
-        default="least_loaded",
+        default="prefix",
         validator=one_of(RoutingPolicy),
-        metadata=doc("How a leg's engine is chosen: least_loaded, round_robin or prefix (prefix-cache aware)."),
+        metadata=doc("How a leg's engine is chosen: prefix (prefix-cache aware), least_loaded, round_robin or kv."),
     )
     mode: RoutingMode = attrs.field(
         default="always",

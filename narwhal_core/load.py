@@ -17,7 +17,11 @@ rotation, and Narwhal logs it once (``engine_metrics_unavailable``), and
 once more when the figures come back (``engine_metrics_available``). An
 engine's ``vllm:cache_config_info`` says how many tokens of KV it holds:
 the prefix index of that engine is bounded by it from then on
-(docs/configure.md, ``[routing]``).
+(docs/configure.md, ``[routing]``). A prefill engine that does not say it
+(no such sample, no ``/metrics``, or scraping off) is bounded by
+``routing.kv_capacity_tokens``, and Narwhal logs that once per engine
+(``kv_capacity_assumed``: the bound, why, and the key that sets it;
+docs/operate.md, "Engine load").
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Final
 
 from .engine_metrics import EngineLoad, MetricsError, parse_engine_metrics
 from .events import ControlDone, StartControl
+from .ids import PREFILL
 
 if TYPE_CHECKING:
     from .context import Context
@@ -50,7 +55,7 @@ class LoadReports:
     """Scrapes every engine's ``/metrics`` and keeps what they report (docs/operate.md, "Engine load")."""
 
     __slots__ = ("ctx", "interval", "timeout", "max_age", "scrapes", "seq", "next_scrape", "unavailable",
-                 "capacity_learned")
+                 "capacity_learned", "capacity_assumed")
 
     def __init__(self, ctx: Context) -> None:
         self.ctx: Final = ctx
@@ -68,12 +73,37 @@ class LoadReports:
         self.unavailable: set[EngineState] = set()
         #: The capacity each engine reported, in tokens, once known (the routing policy sizes its index by it).
         self.capacity_learned: dict[EngineState, int] = {}
+        #: Prefill engines whose index is bounded by ``routing.kv_capacity_tokens``, as logged (``None``: the
+        #: policy keeps no prefix index, nothing to log).
+        self.capacity_assumed: set[EngineState] | None = set() if ctx.fleet.policy.keyed else None
 
     def scrape_all(self) -> None:
         """Scrape every engine at once (at start), unless scraping is off."""
         if self.interval > 0:
             for engine in self.ctx.fleet.all():
                 self.scrape(engine)
+        else:
+            for engine in self.ctx.fleet.all():
+                self.assume_capacity(engine, "routing.metrics_interval_s = 0: engines' /metrics are not read")
+
+    def forget(self, engine: EngineState) -> None:
+        """``engine`` left the fleet: what was learned or logged of its capacity goes with it."""
+        self.capacity_learned.pop(engine, None)
+        if self.capacity_assumed is not None:
+            self.capacity_assumed.discard(engine)
+
+    def assume_capacity(self, engine: EngineState, reason: str) -> None:
+        """Log, once, that ``engine``'s prefix index is bounded by ``routing.kv_capacity_tokens`` (and why)."""
+        assumed = self.capacity_assumed
+        if assumed is None or engine.phase != PREFILL or engine in assumed or engine in self.capacity_learned:
+            return
+        assumed.add(engine)
+        self.ctx.log(
+            "kv_capacity_assumed", engine=engine.url, kv_capacity_tokens=self.ctx.config.routing.kv_capacity_tokens,
+            reason=reason,
+            fix="set routing.kv_capacity_tokens to the engine's KV cache size in tokens (vLLM logs it at start: "
+            "'GPU KV cache size: N tokens'), or let the engine report vllm:cache_config_info on /metrics",
+        )  # fmt: skip
 
     def scrape(self, engine: EngineState) -> None:
         """Ask ``engine`` for its ``/metrics``."""
@@ -125,6 +155,7 @@ class LoadReports:
                 reason = "no vllm: load figures in the answer"
             ctx.log("engine_metrics_unavailable", level="warning", engine=engine.url, phase=engine.phase,
                     reason=reason)
+            self.assume_capacity(engine, f"no figures from its /metrics ({reason})")
         if not ctx.draining and not engine.draining:
             self.next_scrape[engine] = ctx.timers.arm(ctx.now + self.interval, self.scrape, engine)
         return True
@@ -142,7 +173,9 @@ class LoadReports:
             self.unavailable.discard(engine)
             ctx.log("engine_metrics_available", engine=engine.url, phase=engine.phase)
         capacity = load.kv_capacity_tokens
-        if capacity is not None and self.capacity_learned.get(engine) != capacity:
+        if capacity is None:
+            self.assume_capacity(engine, "its /metrics has no vllm:cache_config_info with num_gpu_blocks")
+        elif self.capacity_learned.get(engine) != capacity:
             self.capacity_learned[engine] = capacity
             ctx.fleet.policy.capacity(engine, capacity)
 

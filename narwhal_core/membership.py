@@ -76,6 +76,8 @@ class Membership:
         self.health.probe(engine)
         if self.load.interval > 0:
             self.load.scrape(engine)
+        else:
+            self.load.assume_capacity(engine, "routing.metrics_interval_s = 0: engines' /metrics are not read")
         return engine
 
     def drain(self, engine: EngineState, source: str) -> None:
@@ -126,7 +128,7 @@ class Membership:
                 continue
             fleet.remove(engine)
             self.load.unavailable.discard(engine)
-            self.load.capacity_learned.pop(engine, None)
+            self.load.forget(engine)
             fleet.policy.drop(engine)
             ctx.log("engine_removed", engine=engine.url, phase=engine.phase)
         if left:

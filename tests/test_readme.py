@@ -80,3 +80,52 @@ def test_demo_answers_the_curl_it_prints(tmp_path: Path) -> None:
         if demo.poll() is None:
             demo.kill()
             demo.wait(5)
+
+
+def test_the_demo_shows_prefix_routing_and_where_to_read_it(tmp_path: Path) -> None:
+    """Its second curl, sent twice, is routed by ``prefix`` (the default) and the second prefill hits the cache;
+    the ``narwhal journal`` line it prints shows that request's routing record."""
+    narwhal = shutil.which("narwhal", path=os.path.dirname(sys.executable)) or shutil.which("narwhal")
+    command = [narwhal] if narwhal else [sys.executable, "-m", "narwhal.cli"]
+    journal = tmp_path / "journal.jsonl"
+    demo = subprocess.Popen([*command, "demo", "--port", "0", "--speed", "0", "--journal", str(journal)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 30
+        assert demo.stdout is not None
+        while not any(line.startswith("narwhal journal ") for line in lines) and time.monotonic() < deadline:
+            line = demo.stdout.readline()
+            if not line:
+                break
+            lines.append(line.strip())
+        curls = [shlex.split(line) for line in lines if line.startswith("curl ")]
+        assert len(curls) == 2, lines
+        long_curl = curls[1]
+        prefill = re.search(r"prefill engine (http://\S+),", "\n".join(lines))
+        assert prefill, lines
+        url = next(w for w in long_curl if w.startswith("http://"))
+        body = Path(long_curl[long_curl.index("-d") + 1].removeprefix("@")).read_bytes()
+        assert len(body) > 4096, len(body)  # more than two blocks of the prefix index
+        answers = [httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=10)
+                   for _ in range(2)]  # fmt: skip
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        # The engine's own counters: the second prefill found the first one's blocks.
+        stats = httpx.get(prefill.group(1) + "/sim/stats", timeout=5).json()
+        assert stats["completions"] == 2 and stats["prefix_cache_hits"] > 0, stats
+        rid = answers[1].headers["x-request-id"]
+        shown = [w.replace("ID", rid) if w == "ID" else w for w in shlex.split(lines[-1])]
+        assert shown[:2] == ["narwhal", "journal"] and Path(shown[2]) == journal, shown
+        printed = subprocess.run([*command, *shown[1:]], capture_output=True, text=True, timeout=20, cwd=tmp_path)
+        assert printed.returncode == 0, printed
+        (record,) = [json.loads(x) for x in printed.stdout.splitlines() if '"terminal":"completed"' in x.replace(" ", "")]
+        routing = record["routing"]
+        assert (record["rid"], routing["policy"], routing["mode"]) == (rid, "prefix", "pd"), routing
+        (candidate,) = routing["candidates"]
+        assert candidate["uncached_tokens"] < len(body) // 4 // 2, routing  # most of the prompt was held there
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=20) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(5)

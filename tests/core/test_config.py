@@ -202,7 +202,7 @@ DEFAULTS: dict[str, object] = {
     "journal.fsync": "interval",
     "journal.fsync_interval_s": 1.0,
     "shutdown.grace_s": 30.0,
-    "routing.policy": "least_loaded",
+    "routing.policy": "prefix",
     "routing.mode": "always",
     "routing.disaggregate_min_uncached_tokens": 512,
     "routing.metrics_interval_s": 1.0,

@@ -90,6 +90,47 @@ def test_the_capacity_an_engine_reports_bounds_its_prefix_index() -> None:
     assert policy.capacities[url] == tokens_to_blocks(16000) < tokens_to_blocks(10_000_000)
 
 
+def assumed(d: Driver) -> dict[str, dict[str, object]]:
+    """The ``kv_capacity_assumed`` lines logged, by engine."""
+    return {str(log.fields["engine"]): dict(log.fields) for log in d.logs if log.event == "kv_capacity_assumed"}
+
+
+def test_a_prefill_engine_that_does_not_report_its_capacity_is_logged_with_the_bound_used() -> None:
+    d = Driver(routing={"kv_capacity_tokens": 123_456})  # the default policy: prefix
+    silent, bare = PREFILL_URLS
+    for _ in range(2):
+        d.complete_control(scrapes(d)[silent], status=404)
+        report(d, bare)  # load figures, but no vllm:cache_config_info
+        for url in DECODE_URLS:  # a decode engine's capacity bounds no index: nothing to say
+            d.complete_control(scrapes(d)[url], status=404)
+        d.advance(1.0)
+    logged = assumed(d)
+    assert sorted(logged) == sorted(PREFILL_URLS), logged  # once per engine
+    assert d.log_events().count("kv_capacity_assumed") == 2
+    for url, line in logged.items():
+        assert line["kv_capacity_tokens"] == 123_456 and "routing.kv_capacity_tokens" in str(line["fix"]), line
+    assert "HTTP 404" in str(logged[silent]["reason"]), logged
+    assert "vllm:cache_config_info" in str(logged[bare]["reason"]), logged
+    policy = d.router.fleet.policy
+    assert policy.capacities == {}  # both bounded by the configured figure
+    # Engines that report their capacity, or a policy that keeps no index: nothing to say.
+    told = Driver()
+    for url in PREFILL_URLS + DECODE_URLS:
+        told.complete_control(scrapes(told)[url], status=200, body=METRICS)
+    assert assumed(told) == {}
+    blind = Driver(routing={"policy": "least_loaded"})
+    for url in PREFILL_URLS:
+        blind.complete_control(scrapes(blind)[url], status=404)
+    assert assumed(blind) == {}
+
+
+def test_with_scraping_off_the_bound_is_logged_at_start() -> None:
+    d = Driver(routing={"metrics_interval_s": 0})
+    logged = assumed(d)
+    assert sorted(logged) == sorted(PREFILL_URLS), logged
+    assert all("metrics_interval_s = 0" in str(line["reason"]) for line in logged.values()), logged
+
+
 def test_no_scrapes_when_turned_off_or_once_draining() -> None:
     assert not Driver(routing={"metrics_interval_s": 0}).pending_controls("metrics")
     d = Driver(routing={"metrics_interval_s": 1.0})

@@ -483,7 +483,7 @@ def test_prefix_choice_is_a_pure_function_of_the_history(ops: list[tuple[int, bo
 
 def test_a_single_request_retries_its_decode_leg_and_holds_no_kv() -> None:
     """mode never: a failed decode leg is retried as a decode leg (no prefill); nothing to release."""
-    d = Driver(routing={"mode": "never"}, retry={"backoff_base_s": 0.01, "backoff_max_s": 0.01})
+    d = Driver(routing={"policy": "least_loaded", "mode": "never"}, retry={"backoff_base_s": 0.01, "backoff_max_s": 0.01})
     client = d.post(COMPLETIONS, completion_body())
     assert d.open_legs("prefill") == []
     first = d.leg("decode")

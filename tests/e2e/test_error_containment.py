@@ -141,7 +141,7 @@ def _run(runtime: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[
     journal = tmp_path / f"journal-{runtime}.jsonl"
     with SimThread(role="prefill", speed=0) as prefill, SimThread(role="decode", speed=1) as decode:
         config = make_config(journal, prefill=(prefill.url,), decode=(decode.url,),
-                             health={"probe_interval_s": 600.0})
+                             health={"probe_interval_s": 600.0}, routing={"policy": "least_loaded"})
         with LogCapture() as log, RouterThread(config, runtime) as router:
             assert isinstance(router.server.router, FaultyRouter)
             rids = _scenario(router, log)

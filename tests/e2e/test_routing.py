@@ -14,6 +14,7 @@ from typing import Any
 import openai
 import pytest
 
+from narwhal_core.config import parse_config
 from narwhal_sim.testing import SimThread
 
 from ..harness import Fleet, RouterThread
@@ -43,7 +44,7 @@ def routing_of(journal_path: Any, rid: str) -> dict[str, Any]:
 
 
 def test_mode_never_sends_no_prefill_leg_and_moves_no_kv(start_router, fleet, journal_path) -> None:
-    router = start_router(routing={"mode": "never"})
+    router = start_router(routing={"policy": "least_loaded", "mode": "never"})
     (prefill,), (decode,) = fleet.prefill, fleet.decode
     with client_of(router) as client:
         whole = client.completions.create(model=MODEL, prompt=LONG, max_tokens=5)
@@ -76,7 +77,7 @@ def test_mode_never_sends_no_prefill_leg_and_moves_no_kv(start_router, fleet, jo
 
 
 def test_mode_always_is_disaggregated_as_before(start_router, fleet, journal_path) -> None:
-    router = start_router()  # the defaults: least_loaded, always
+    router = start_router(routing={"policy": "least_loaded"})  # the routing before prefix became the default
     (prefill,), (decode,) = fleet.prefill, fleet.decode
     with client_of(router) as client:
         completion = client.completions.create(model=MODEL, prompt=SHORT, max_tokens=3)
@@ -155,3 +156,34 @@ def test_the_policy_switch_changes_the_choice(
         assert first["engine"] == chosen[0] and first["uncached_tokens"] < len(LONG) // 4 // 2
     for rid in rids:
         assert routing_of(journal_path, str(rid))["routing"]["policy"] == policy
+
+
+def test_a_config_without_routing_routes_by_prefix(runtime: str, two_prefills: Fleet, journal_path: Any) -> None:
+    """Only ``[model]`` and ``[engine]`` (and where to listen and journal): ``prefix``, disaggregated.
+
+    The same long prompt three times returns to the engine that cached it;
+    ``policy = "least_loaded"``, one line away, takes turns instead
+    (``test_the_policy_switch_changes_the_choice``).
+    """
+    toml = (
+        f'[model]\nname = "{MODEL}"\n'
+        f"[engine]\nprefill = {list(two_prefills.prefill_urls)!r}\ndecode = {list(two_prefills.decode_urls)!r}\n"
+        '[ingress]\nlisten = "127.0.0.1:0"\n'
+        f'[journal]\npath = "{journal_path}"\nfsync = "never"\n'
+    ).replace("'", '"')
+    config = parse_config(toml, env={})
+    with RouterThread(config, runtime).start() as router, client_of(router) as client:
+        rids = [client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)._request_id for _ in range(3)]
+    records = [routing_of(journal_path, str(rid))["routing"] for rid in rids]
+    urls = [p.url for p in two_prefills.prefill]
+    chosen = records[0]["prefill"]
+    assert [r["prefill"] for r in records] == [chosen] * 3, records
+    assert all((r["policy"], r["mode"], r["reason"]) == ("prefix", "pd", "configured") for r in records), records
+    # Both engines weighed each time; by the last request the chosen one holds the prompt.
+    assert all(sorted(c["engine"] for c in r["candidates"]) == sorted(urls) for r in records), records
+    last = records[-1]["candidates"][0]
+    assert last["engine"] == chosen and last["uncached_tokens"] < len(LONG) // 4 // 2, records[-1]
+    # The engines' own counters: every prefill on the holder, and it served the repeats from its cache.
+    holder = two_prefills.prefill[urls.index(chosen)]
+    assert sorted(p.stats()["completions"] for p in two_prefills.prefill) == [0, 3]
+    assert holder.stats()["prefix_cache_hits"] > 0
