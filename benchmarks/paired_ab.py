@@ -208,8 +208,11 @@ def paired_mode(rb: ModuleType, args: argparse.Namespace, work: Path) -> int:
          f"decode {engines['decode']['url']}")  # fmt: skip
     sides: dict[str, dict[str, Any]] = {}
     for runtime in runtimes:
-        sides[runtime] = {"A": rb.start_target(f"narwhal-{runtime}", args.router_core, work, engines, None, ""),
-                          "B": rb.start_target(f"narwhal-{runtime}-base", args.router_core, work, engines, None, "")}  # fmt: skip
+        # --policy: both sides route alike (a change of the default policy is not a change of cost).
+        at = f"@{args.policy}" if args.policy else ""
+        sides[runtime] = {"A": rb.start_target(f"narwhal-{runtime}{at}", args.router_core, work, engines, None, ""),
+                          "B": rb.start_target(f"narwhal-{runtime}-base{at}", args.router_core, work, engines, None,
+                                               "")}  # fmt: skip
     errors: dict[str, str] = {}
     for runtime, both in sides.items():
         for side, t in both.items():

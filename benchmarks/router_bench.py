@@ -1589,6 +1589,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--order", choices=("abba", "random"), default="abba",
                         help="paired: which side of a pair goes first (abba: alternating; random: from --seed)")
     parser.add_argument("--seed", type=int, default=1, help="paired: seed of the order and of the bootstrap")
+    parser.add_argument("--policy", default="", choices=("",) + NARWHAL_POLICIES,
+                        help="paired: the routing.policy both trees run (default: each tree's own default)")
     parser.add_argument("--bound", type=float, default=0.05, help="paired: the cost bound, this tree / baseline - 1")
     parser.add_argument("--resamples", type=int, default=10_000, help="paired: bootstrap resamples")
     parser.add_argument("--connect-parallel", type=int, default=256, help="slow-streams: connects in flight")
