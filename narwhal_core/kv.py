@@ -162,8 +162,7 @@ class KvLedger:
         engine and mode, counted per answer (docs/operate.md, "vLLM compatibility").
         """
         kv = leg.kv = Kv(handoff=handoff, engine=leg.engine, leg=leg.bid)
-        kv.outcome, kv.method = "held_until_lease", "lease"
-        kv.error = f"transfer_mode {mode!r} is not supported: no decode request carried the KV"
+        self._held_until_lease(kv, f"transfer_mode {mode!r} is not supported: no decode request carried the KV")
         url = leg.engine.url
         counts = self.ctx.stats.kv_modes_refused
         counts[(url, mode)] += 1
