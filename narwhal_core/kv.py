@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .legs import Leg
     from .requests import Request
 
-__all__ = ["Kv", "KvLedger", "LEASE_SHORT", "NOTHING_HELD"]
+__all__ = ["HOLD_UNREAD", "Kv", "KvLedger", "LEASE_SHORT", "NOTHING_HELD"]
 
 #: A KV record's ``error`` when the abort endpoint found nothing to free.
 NOTHING_HELD: Final = (
@@ -34,6 +34,11 @@ NOTHING_HELD: Final = (
 )
 #: A KV record's ``error`` when its lease ran short before a decode request could carry it.
 LEASE_SHORT: Final = "its lease was running short before a decode request could carry it"
+#: Appended to :data:`LEASE_SHORT` when a decode leg had not read KV nothing renews by its ``hold_ends``.
+HOLD_UNREAD: Final = (
+    ": the decode engine had not read it as its hold was ending (nothing renews it before vLLM's KV leases),"
+    " so the decode leg was cancelled"
+)
 #: Appended to a ``held_until_lease`` / ``lease`` record whose prefill answer
 #: shows vLLM's KV lease (its lease-era keys): that reaper stops at the first
 #: unexpired entry, so the blocks may stay held past the lease (vLLM issue
@@ -50,14 +55,32 @@ _LEASE_ERA_KEYS: Final = ("transfer_mode", "remote_blocks_expiry_time")
 #: leases, the decode engine's first lease renewal, sent every sixth of the
 #: lease (docs/operate.md, "KV leases").
 _LEASE_START_SHARE: Final = 2.0 / 3.0
+#: KV no decode engine renews (vLLM before KV leases, or params without
+#: ``tp_size``) must be read within ``engine.kv_lease_s``: a decode leg that
+#: has shown no sign of it by this share of the lease is cancelled, as the
+#: decode engine may be queueing it (docs/operate.md, "KV leases").
+_HOLD_WATCH_SHARE: Final = 0.95
 #: Failures that mean a control request never reached the engine (nothing was sent).
 _NOT_SENT: Final = ("connection refused", "DNS failure", "connection failed", "connect timeout")
+
+
+def _renewed(params: dict[str, Any] | None) -> bool:
+    """Whether a decode engine renews this KV's hold while the decode request waits in its queue.
+
+    vLLM with KV leases does, by its heartbeat, when the params carry
+    ``tp_size``; before the lease nothing renews it, and a read after
+    ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` finds freed blocks (vLLM issue 21570;
+    docs/operate.md, "KV leases").
+    """
+    if params is None:
+        return False
+    return any(key in params for key in _LEASE_ERA_KEYS) and params.get("tp_size") is not None
 
 
 class Kv:
     """One prefill's handoff and what became of it (the ``kv`` of the leg's record)."""
 
-    __slots__ = ("handoff", "engine", "leg", "outcome", "method", "error", "release_id", "start_by")
+    __slots__ = ("handoff", "engine", "leg", "outcome", "method", "error", "release_id", "start_by", "hold_ends")
 
     def __init__(self, handoff: KvHandoff, engine: EngineState, leg: str) -> None:
         self.handoff = handoff
@@ -70,6 +93,9 @@ class Kv:
         #: No decode request (leg or release) carries this KV from then on:
         #: its lease may run out before it gets there (see Legs.may_resend).
         self.start_by = math.inf
+        #: When nothing renews the KV's hold: a decode leg that has not read
+        #: it by then is cancelled (Lifecycle.hold_ending); ``inf`` otherwise.
+        self.hold_ends = math.inf
 
     def decode_request_id(self) -> str | None:
         """The ``X-Request-Id`` every decode request carrying this KV needs; ``None``: its own backend ID.
@@ -108,7 +134,10 @@ class KvLedger:
 
     def start_lease(self, kv: Kv) -> None:
         """The prefill answered: its KV's lease runs from now (docs/operate.md, "KV leases")."""
-        kv.start_by = self.ctx.now + self.ctx.config.engine.kv_lease_s * _LEASE_START_SHARE
+        lease = self.ctx.config.engine.kv_lease_s
+        kv.start_by = self.ctx.now + lease * _LEASE_START_SHARE
+        if not _renewed(kv.handoff.params):
+            kv.hold_ends = self.ctx.now + lease * _HOLD_WATCH_SHARE
 
     def pulled(self, req: Request, kv: Kv) -> None:
         """The decode engine had the request's KV (it answered, or sampled a token)."""
@@ -220,9 +249,9 @@ class KvLedger:
             error = REAPER_STUCK if error is None else f"{error}; {REAPER_STUCK}"
         kv.outcome, kv.method, kv.error = "held_until_lease", "lease", error
 
-    def release_before_lease_ends(self, req: Request) -> None:
-        """Release the request's KV now: no decode engine had room before its ``start_by``."""
-        self.release(req, LEASE_SHORT + ": no decode engine had room in time")
+    def release_before_lease_ends(self, req: Request, *, read: bool = False) -> None:
+        """Release the request's KV now: no decode engine had room before its ``start_by`` (``read``: or read it)."""
+        self.release(req, LEASE_SHORT + (HOLD_UNREAD if read else ": no decode engine had room in time"))
 
     def _abort(self, key: str, kv: Kv) -> StartControl:
         """The prefill engine's abort endpoint, asked to free the KV (``abort_endpoint``)."""

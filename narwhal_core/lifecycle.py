@@ -27,6 +27,7 @@ still in flight; the terminal record waits for their outcome.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -172,17 +173,22 @@ class Lifecycle:
                 f"No healthy {phase} engine is available.", status=503, code="engine_unavailable"
             ))
         req.waiting_for_slot = False
-        if phase == DECODE and "lease" in req.timers:
-            self.requests.disarm(req, "lease")
+        if phase == DECODE:
+            kv = req.kv
+            if kv is not None and kv.hold_ends != math.inf:
+                self.requests.arm(req, "lease", kv.hold_ends)  # nothing renews it: watch its hold (hold_ending)
+            elif "lease" in req.timers:
+                self.requests.disarm(req, "lease")
         self.legs.start(req, phase, engine)
         return State.PREFILL if phase == PREFILL else State.DECODE
 
-    def _lease_ran_short(self, req: Request, kv: Kv) -> State:
+    def _lease_ran_short(self, req: Request, kv: Kv, *, read: bool = False) -> State:
         """No decode engine had room before the KV's ``start_by``: prefill again (a new attempt), or fail 503.
 
         Never decode from KV whose lease may have run out: the prefill
         engine may have handed its blocks to another request
-        (docs/operate.md, "KV leases").
+        (docs/operate.md, "KV leases"). ``read``: a decode leg had started
+        but not read the KV by its ``hold_ends`` (:meth:`hold_ending`).
         """
         ctx = self.ctx
         req.waiting_for_slot = False
@@ -190,15 +196,32 @@ class Lifecycle:
         retry = req.attempts[PREFILL] < ctx.config.retry.max_attempts
         ctx.log(
             "kv_lease_short", level="warning", rid=req.rid, engine=kv.engine.url, owner=kv.handoff.owner,
-            kv_lease_s=ctx.config.engine.kv_lease_s, then="prefill again" if retry else "fail 503",
+            kv_lease_s=ctx.config.engine.kv_lease_s, waited="decode_engine" if read else "decode_slot",
+            then="prefill again" if retry else "fail 503",
         )
-        self.kv.release_before_lease_ends(req)
+        self.kv.release_before_lease_ends(req, read=read)
         if retry:
             return self.start_phase(req, PREFILL)
         return self.fail_request(req, NarwhalError(
+            "No decode engine read the prefilled KV before its lease ran short; try again later." if read else
             "No decode engine had room before the prefilled KV's lease ran short; try again later.",
             status=503, code="kv_lease_expired",
         ))
+
+    def hold_ending(self, req: Request, _: None) -> State:
+        """KV_HOLD_ENDING: the decode leg has not read KV that nothing renews: cancel it, prefill again or 503.
+
+        Before vLLM's KV leases a decode engine that queues the request
+        pulls whenever a sequence slot frees, and a read after the prefill
+        engine's hold finds freed blocks and answers normally (vLLM issue
+        21570; docs/operate.md, "KV leases"). Closing the leg aborts the
+        request on the decode engine before it reads.
+        """
+        kv = req.kv
+        assert kv is not None  # (Requests fires this only while the KV is unread)
+        if req.leg is not None:
+            self.legs.cancel(req.leg)
+        return self._lease_ran_short(req, kv, read=True)
 
     # ------------------------------------------- handlers: each returns the next state
 
@@ -499,6 +522,7 @@ TRANSITIONS: Final[Mapping[tuple[State, Input], tuple[Handler, frozenset[State]]
     (S.DECODE, I.LEG_REFUSED): (L.refused, _END),
     (S.DECODE, I.LEG_FAILED): (L.retry_or_fail, frozenset({S.PREFILL_WAIT, S.DECODE_WAIT}) | _END),
     (S.DECODE, I.FIRST_BYTES): (L.first_bytes, frozenset({S.STREAMING})),
+    (S.DECODE, I.KV_HOLD_ENDING): (L.hold_ending, frozenset({S.PREFILL, S.PREFILL_WAIT}) | _END),
     # (PREFILL/PREFILL_WAIT: the KV's lease ran short before a decode engine had room: prefilled again.)
     (S.DECODE_WAIT, I.WAKE): (L.resume, frozenset({S.DECODE, S.DECODE_WAIT, S.PREFILL, S.PREFILL_WAIT}) | _END),
     (S.STREAMING, I.LEG_OK): (L.decode_ok, _NEXT_PROMPT | _END),

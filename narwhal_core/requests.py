@@ -257,8 +257,11 @@ class Requests:
 
     def _lease_running_short(self, req: Request) -> None:
         del req.timers["lease"]
-        if req.state is State.DECODE_WAIT:
+        state = req.state
+        if state is State.DECODE_WAIT:
             self.lifecycle.fire(req, Input.WAKE)  # its KV's lease runs short: start_phase prefills it again
+        elif state is State.DECODE and req.kv is not None and self.ctx.now >= req.kv.hold_ends:
+            self.lifecycle.fire(req, Input.KV_HOLD_ENDING)  # its decode leg has not read the KV yet
 
     # ---------------------------------------------------------------- answers
 

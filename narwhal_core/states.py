@@ -59,6 +59,8 @@ class Input(enum.Enum):
     LEG_FAILED = "leg_failed"
     #: The first bytes of a streamed answer went to the client.
     FIRST_BYTES = "first_bytes"
+    #: The decode leg has not read the prefilled KV, and nothing renews its hold, which is ending.
+    KV_HOLD_ENDING = "kv_hold_ending"
     #: A retry's backoff ended, or an engine slot freed up.
     WAKE = "wake"
     #: The request waited in the admission queue too long.

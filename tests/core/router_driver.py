@@ -1401,6 +1401,21 @@ class Driver:
             if prefill is not None and prefill.kv_at is not None and at > prefill.kv_at + window + 1e-9:
                 problems.append(f"{what} carried {prefill.bid}'s KV at {at:g}, past {prefill.kv_at + window:g} "
                                 f"(two thirds of its {self.config.engine.kv_lease_s:g} s lease)")
+        # KV nothing renews (no lease-era key, or no tp_size: vLLM before KV
+        # leases) must be read by its hold's end: a decode leg the engine has
+        # sent nothing on may still be queued there, and is cancelled first.
+        hold = self.config.engine.kv_lease_s * 0.95
+        for leg in self.leg_history:
+            params = leg.body.get("kv_transfer_params") if leg.phase == "decode" and isinstance(leg.body, dict) else None
+            if not isinstance(params, dict) or not leg.open or leg.sent:
+                continue
+            renewed = ("transfer_mode" in params or "remote_blocks_expiry_time" in params) and \
+                params.get("tp_size") is not None
+            prefill = source.get(params.get("remote_request_id"))
+            if not renewed and prefill is not None and prefill.kv_at is not None and \
+                    self.now > prefill.kv_at + hold + 1e-9:
+                problems.append(f"{leg.bid} is still open and unread at {self.now:g}, past the hold of "
+                                f"{prefill.bid}'s unrenewed KV ({prefill.kv_at + hold:g})")
         return problems
 
     def _release_problems(self, leg: EngineLeg, release: Control, mode: str) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from narwhal_core.kv import REAPER_STUCK
+from narwhal_core.kv import HOLD_UNREAD, REAPER_STUCK
 from narwhal_core.router import LEASE_SHORT
 from tests.core.router_driver import (
     COMPLETIONS,
@@ -348,3 +348,93 @@ def test_a_stale_pooled_connection_late_in_the_lease_is_not_retried_with_that_kv
     assert d.leg("prefill").bid == f"{prefill.rid}-p2"
     finish(d)
     assert client.last.status == 200
+
+
+# ------------------------------------------------- holds nothing renews
+
+#: Keys of a prefill answer from vLLM with KV leases (docs/simulator.md, "vLLM versions").
+LEASE_ERA = {"transfer_mode": "pull", "remote_blocks_expiry_time": None}
+
+
+def unread_decode(d: Driver, *, stream: bool = False, **prefill: Any) -> tuple[Any, str, str]:
+    """A request whose decode leg the engine has not answered yet (it may queue it): client, rid, decode leg."""
+    client = d.post(COMPLETIONS, completion_body(stream=stream))
+    leg = d.leg("prefill")
+    d.answer_prefill(leg.bid, **prefill)
+    return client, leg.rid, d.leg("decode").bid
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_leg_that_has_not_read_unrenewed_kv_as_its_hold_ends_is_cancelled_and_prefilled_again(
+    stream: bool,
+) -> None:
+    # Before vLLM's KV leases nothing renews the prefill's hold while the decode
+    # engine queues the request: a read after it finds freed blocks and answers
+    # normally (vLLM issue 21570). At 95 % of kv_lease_s (28.5 s of 30) the leg
+    # that shows no token yet is cancelled, which aborts it on the engine.
+    d = Driver(**ONE_EACH, engine={"decode_timeout_s": 100.0})
+    _, rid, decode = unread_decode(d, stream=stream)
+    if stream:
+        d.stream_head(decode)  # vLLM sends a stream's head before the request reaches its engine
+    d.advance(28.499)
+    assert d.legs[decode].open and [leg.phase for leg in d.open_legs()] == ["decode"]
+    d.advance(0.002)
+    assert d.legs[decode].state == "cancelled"
+    again = d.leg("prefill")
+    assert again.bid == f"{rid}-p2"
+    (log,) = [log for log in d.logs if log.event == "kv_lease_short"]
+    assert (log.fields["waited"], log.fields["then"]) == ("decode_engine", "prefill again")
+    d.answer_prefill(again.bid)
+    d.answer_decode(d.leg("decode", rid=rid).bid)
+    legs = d.terminal(rid)["legs"]
+    assert [(leg["phase"], leg["attempt"], leg["outcome"]) for leg in legs] == [
+        ("prefill", 1, "ok"), ("decode", 1, "cancelled"), ("prefill", 2, "ok"), ("decode", 2, "ok"),
+    ]
+    assert (legs[0]["kv"]["outcome"], legs[0]["kv"]["error"]) == ("held_until_lease", LEASE_SHORT + HOLD_UNREAD)
+    assert legs[2]["kv"]["outcome"] == "pulled"
+    assert d.terminal(rid)["terminal"] == "completed"
+    finish(d)
+
+
+def test_a_streamed_decode_leg_that_sent_a_token_has_read_the_kv_and_runs_on() -> None:
+    d = Driver(**ONE_EACH, engine={"decode_timeout_s": 100.0})
+    _, rid, decode = unread_decode(d, stream=True)
+    d.stream_next(decode)
+    d.stream_next(decode)  # the head and a first token: the engine read the KV
+    d.advance(40)
+    assert d.legs[decode].open
+    d.answer_decode(decode)
+    assert [leg["outcome"] for leg in d.terminal(rid)["legs"]] == ["ok", "ok"]
+    finish(d)
+
+
+@pytest.mark.parametrize(
+    ("keys", "cut"), [(LEASE_ERA, False), ({**LEASE_ERA, "tp_size": None}, True)], ids=["renewed", "no-tp_size"],
+)
+def test_kv_a_lease_era_decode_engine_renews_is_not_watched(keys: dict[str, Any], cut: bool) -> None:
+    # vLLM with KV leases renews the hold by its heartbeat while the decode
+    # request waits, when the params carry tp_size (docs/operate.md, "KV leases").
+    d = Driver(**ONE_EACH, engine={"decode_timeout_s": 100.0})
+    _, rid, decode = unread_decode(d, **keys)
+    d.advance(40)
+    assert (d.legs[decode].state == "cancelled") is cut
+    if cut:
+        d.answer_prefill(d.leg("prefill").bid, **keys)
+        decode = d.leg("decode", rid=rid).bid
+    d.answer_decode(decode)
+    assert d.terminal(rid)["terminal"] == "completed"
+    finish(d)
+
+
+def test_an_unread_decode_leg_with_no_attempt_left_fails_503() -> None:
+    d = Driver(**ONE_EACH, engine={"decode_timeout_s": 100.0, "kv_lease_s": 10.0}, retry={"max_attempts": 1})
+    client, rid, decode = unread_decode(d)
+    d.advance(9.501)
+    assert d.legs[decode].state == "cancelled"
+    response = client.last
+    assert response.status == 503 and response.json()["error"]["code"] == "kv_lease_expired"
+    assert "read" in response.json()["error"]["message"]
+    record = d.terminal(rid)
+    assert (record["terminal"], record["status"]) == ("failed", 503)
+    assert record["legs"][0]["kv"]["error"] == LEASE_SHORT + HOLD_UNREAD
+    finish(d)

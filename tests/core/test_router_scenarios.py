@@ -848,8 +848,9 @@ def test_a_stream_whose_client_caught_up_times_out_when_the_engine_is_silent() -
 def test_a_leg_started_for_a_stalled_client_waits_for_it() -> None:
     # A request the client pipelined behind an answer it is not reading: its
     # legs start held (the adapter does not read them), and get their whole
-    # limit once the client catches up.
-    d = Driver(engine={"prefill_timeout_s": 5.0, "decode_timeout_s": 5.0, "kv_release": "lease"},
+    # limit once the client catches up. (A lease longer than the test's 60 s:
+    # the watch on an unrenewed hold, tested apart, would cut the decode leg.)
+    d = Driver(engine={"prefill_timeout_s": 5.0, "decode_timeout_s": 5.0, "kv_release": "lease", "kv_lease_s": 120.0},
                retry={"max_attempts": 1})
     client = d.post(COMPLETIONS, completion_body())
     prefill = d.leg("prefill")

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal_core.kv import REAPER_STUCK
+from narwhal_core.kv import HOLD_UNREAD, REAPER_STUCK
 from narwhal_sim.testing import SimThread
 from narwhal_sim.versions import FAMILIES
 
@@ -261,3 +261,63 @@ def test_no_decode_leg_reads_kv_whose_lease_has_passed(bench: Any, router_lease:
     # The KV left behind is freed by the engine's lease, none of it read.
     prefill_stats = b.prefill.wait_for(lambda s: s["kv_held"] == 0, timeout=5)
     assert (prefill_stats["kv_expired"], prefill_stats["kv_pulled"]) == (len(prefills) - 1, 2)
+
+
+@pytest.mark.parametrize("lease", [0.4, 0.7])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_no_decode_leg_reads_expired_kv_while_the_decode_engine_queues_it(
+    tmp_path: Path, version: str, lease: float
+) -> None:
+    """The decode engine has one sequence slot and queues the second request past the prefill's hold.
+
+    Narwhal lets eight requests in flight per engine, so the waiter's decode
+    leg reaches the decode engine at once and waits in its queue. Before the
+    lease (0.9 - 0.20) nothing renews the prefill's hold meanwhile: Narwhal
+    cancels the unread leg at 95 % of ``engine.kv_lease_s`` and prefills
+    again; with the lease (0.21 on) the decode engine's heartbeat renews it
+    and the one leg waits. The oracle is the simulators' own stale-read
+    counters: a read of freed blocks answers 200 as vLLM does (vLLM issue
+    21570).
+    """
+    journal = tmp_path / "journal.jsonl"
+    prefill = SimThread(role="prefill", speed=0, vllm_version=version, lease_s=lease).start()
+    # (Both engines configured with one lease, as a fleet is: the decode engine's heartbeat period is its own.)
+    decode = SimThread(role="decode", speed=1, vllm_version=version, max_num_seqs=1, lease_s=lease).start()
+    config = make_config(
+        journal, prefill=(prefill.url,), decode=(decode.url,),
+        engine={"max_inflight_per_engine": 8, "kv_lease_s": lease, "decode_timeout_s": 20.0},
+        retry={"max_attempts": 20, "backoff_base_s": 0.01},
+    )
+    router = RouterThread(config, "trio").start()
+    try:
+        with httpx.Client(base_url=router.url, timeout=30) as client:
+            results: dict[str, httpx.Response] = {}
+
+            def holder() -> None:  # streamed: its tokens show the KV was read, so it is never cut
+                results["holder"] = client.post(COMPLETIONS, json={
+                    "prompt": "hold the decode slot " * 8, "max_tokens": HOLD_TOKENS, "stream": True,
+                })
+
+            thread = threading.Thread(target=holder, daemon=True)
+            thread.start()
+            decode.wait_for(lambda s: s["running"] >= 1 and s["kv_pulls"] >= 1, timeout=10)
+            waiter = client.post(COMPLETIONS, json={"prompt": "queued on the decode engine " * 10, "max_tokens": 4})
+            thread.join(timeout=20)
+        assert waiter.status_code == 200, waiter.text
+        assert results["holder"].status_code == 200
+        stale = (prefill.stats()["kv_stale_reads"], decode.stats()["kv_stale_reads"])
+        assert stale == (0, 0)
+        assert [r["kv"].get("stale_read") for r in decode.requests("/v1/completions") if r["kv"]].count(True) == 0
+        (record,) = [r for r in read_journal(journal)
+                     if r.get("terminal") is not None and r["rid"] == waiter.headers["x-request-id"]]
+        prefills = [leg for leg in record["legs"] if leg["phase"] == "prefill"]
+        if FAMILIES[version].lease_renewal:
+            assert len(prefills) == 1 and decode.stats()["kv_heartbeats"] >= 1  # renewed while it waited
+        else:
+            assert len(prefills) >= 2  # its first KV's hold ended before the decode engine read it
+            assert all(leg["kv"]["error"].endswith(HOLD_UNREAD) for leg in prefills[:-1])
+            assert prefills[-1]["kv"]["outcome"] == "pulled"
+    finally:
+        decode.stop()
+        router.stop()
+        prefill.stop()
