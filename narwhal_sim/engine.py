@@ -2,8 +2,8 @@
 
 Pure: no sockets, clocks, threads or randomness. Time is an argument
 (``now``, seconds of modelled GPU time, never decreasing from call to
-call). Two drivers run the same core: the asyncio server
-(:mod:`narwhal_sim.server`, real time scaled by ``--speed``, or instantly
+call). Two drivers run the same core: the asyncio server's
+(:mod:`narwhal_sim.driving`, real time scaled by ``--speed``, or instantly
 at speed 0) and a discrete-event loop in virtual time. See
 docs/simulator.md, "The engine core".
 
