@@ -15,7 +15,8 @@ from typing import Any
 import orjson
 
 from narwhal_sim.driving import CoreDriver, Flow
-from narwhal_sim.http1 import EngineClient, ServerConnection
+from narwhal_sim.http1 import ServerConnection
+from narwhal_sim.http_client import EngineClient
 from narwhal_sim.model import KvLedger, Prompt
 from narwhal_sim.protocol import ApiError, CompletionJob, KvParams
 from narwhal_sim.serving import KV_HEARTBEAT_PATH, KV_NOTIFY_PATH, KV_PULL_PATH, ClientGone, Record, Serving
