@@ -5,7 +5,9 @@
 * :mod:`narwhal_sim.model` — prompts, text, KV leases, fault decisions.
 * :mod:`narwhal_sim.tokens` — block hashes, pseudo token ids, the tokenizer.
 * :mod:`narwhal_sim.protocol` — OpenAI request/answer shapes as vLLM writes them.
-* :mod:`narwhal_sim.server` — :class:`SimEngine`, the HTTP engine on asyncio.
+* :mod:`narwhal_sim.config` — :class:`SimConfig`, every setting of one engine.
+* :mod:`narwhal_sim.server` — :class:`SimEngine`, the HTTP engine on asyncio: a dispatcher
+  over one module per flow (completion, prefill, decode, KV pull, control; docs/simulator.md).
 * :mod:`narwhal_sim.testing` — :class:`SimThread` and :class:`SimProcess` for tests,
   the demo and benchmarks.
 * :mod:`narwhal_sim.cli` — ``narwhal sim`` / ``python -m narwhal_sim``.
@@ -22,11 +24,11 @@ _HOMES = {
     "EngineCore": "narwhal_sim.engine",
     "StepConfig": "narwhal_sim.engine",
     "Faults": "narwhal_sim.model",
-    "SimConfig": "narwhal_sim.server",
+    "SimConfig": "narwhal_sim.config",
     "SimEngine": "narwhal_sim.server",
     "KV_PULL_PATH": "narwhal_sim.server",
     "ABORT_PATH": "narwhal_sim.server",
-    "DEFAULT_MODEL": "narwhal_sim.server",
+    "DEFAULT_MODEL": "narwhal_sim.config",
 }
 
 

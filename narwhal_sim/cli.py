@@ -188,15 +188,8 @@ _FAULT_FIELDS = tuple(attrs.fields_dict(Faults))
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> SimConfig:
     """Turn parsed flags into a :class:`SimConfig`; ``ValueError`` with a clear message when bad."""
     host, port = parse_listen(args.listen)
-    api_key = None
-    if args.api_key_env is not None:
-        api_key = environ.get(args.api_key_env)
-        if not api_key:
-            raise ValueError(f"--api-key-env: environment variable {args.api_key_env} is not set")
-    try:
-        faults = Faults.from_json({name: getattr(args, name) for name in _FAULT_FIELDS})
-    except FaultsError as exc:
-        raise ValueError(str(exc)) from None
+    api_key = _api_key(args.api_key_env, environ)
+    faults = _faults(args)
     config = SimConfig(
         role=args.role,
         host=host,
@@ -250,6 +243,22 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
     )
     config.check()
     return config
+
+
+def _api_key(variable: str | None, environ: Mapping[str, str]) -> str | None:
+    if variable is None:
+        return None
+    api_key = environ.get(variable)
+    if not api_key:
+        raise ValueError(f"--api-key-env: environment variable {variable} is not set")
+    return api_key
+
+
+def _faults(args: argparse.Namespace) -> Faults:
+    try:
+        return Faults.from_json({name: getattr(args, name) for name in _FAULT_FIELDS})
+    except FaultsError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def loop_factory(kind: str = "auto") -> Callable[[], asyncio.AbstractEventLoop]:

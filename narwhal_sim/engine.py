@@ -2,17 +2,20 @@
 
 Pure: no sockets, clocks, threads or randomness. Time is an argument
 (``now``, seconds of modelled GPU time, never decreasing from call to
-call). Two drivers run the same core: the asyncio server
-(:mod:`narwhal_sim.server`, real time scaled by ``--speed``, or instantly
+call). Two drivers run the same core: the asyncio server's
+(:mod:`narwhal_sim.driving`, real time scaled by ``--speed``, or instantly
 at speed 0) and a discrete-event loop in virtual time. See
 docs/simulator.md, "The engine core".
 
 * :class:`StepConfig` — scheduler limits, pool size and the step-time formula
-  ``step_base_ms + prefill_tokens × prefill_per_token_ms + decode_seqs × decode_per_seq_ms``.
+  ``step_base_ms + prefill_tokens × prefill_per_token_ms + decode_seqs × decode_per_seq_ms``
+  (:mod:`narwhal_sim.engine_io`, with the requests and outputs).
 * :class:`BlockPool` — vLLM's KV block pool: reference-counted blocks, a
   hash → block map of cached full blocks, and an LRU queue of free blocks
-  (a freed full block stays cached until the queue hands it out again).
-* :class:`EngineCore` — requests in, steps, outputs out.
+  (a freed full block stays cached until the queue hands it out again;
+  :mod:`narwhal_sim.block_pool`).
+* :class:`EngineCore` — requests in, steps, outputs out; a request inside it
+  and the step in flight are :mod:`narwhal_sim.steps`'.
 
 One engine step (vLLM V1's ``Scheduler.schedule``, simplified): running
 requests first — each decoding request one token, each partly prefilled
@@ -27,13 +30,25 @@ the step in flight), so a long decode costs the simulator O(1) work.
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
-from itertools import islice
+from collections import deque
 
-import attrs
+from narwhal_sim.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KvEvent
+from narwhal_sim.engine_io import (
+    DECODE_REMOTE,
+    KINDS,
+    PLAIN,
+    PREFILL_REMOTE,
+    EngineMetrics,
+    EngineOutput,
+    EngineRequest,
+    Finished,
+    Started,
+    StepConfig,
+    Tokens,
+)
+from narwhal_sim.steps import Seq, Step, next_step, run_alone, running_work
 
+# The values and the pool live in narwhal_sim.engine_io and narwhal_sim.block_pool; they are named here too.
 __all__ = [
     "PLAIN",
     "PREFILL_REMOTE",
@@ -54,379 +69,7 @@ __all__ = [
     "EngineCore",
 ]
 
-#: Prefill and decode both here.
-PLAIN = "plain"
-#: A prefill leg: one token, then the prompt's KV stays pinned for a remote decode.
-PREFILL_REMOTE = "prefill_remote"
-#: A decode leg whose prompt KV comes from another engine (the driver moves it).
-DECODE_REMOTE = "decode_remote"
-KINDS = (PLAIN, PREFILL_REMOTE, DECODE_REMOTE)
-
 _EPS = 1e-12
-
-
-@attrs.frozen(kw_only=True)
-class StepConfig:
-    """Scheduler limits, pool size and the step-time model (defaults: Llama-3.1-8B on one H100)."""
-
-    #: Tokens per KV block.
-    block_size: int = 16
-    #: KV blocks of the engine (28,000 × 16 tokens at 128 KiB per token ≈ 56 GiB).
-    num_gpu_blocks: int = 28_000
-    #: Requests running at once (slots).
-    max_num_seqs: int = 256
-    #: Token budget of one step (decode tokens plus prefill tokens).
-    max_num_batched_tokens: int = 8192
-    #: Split a prompt that does not fit the budget over several steps.
-    chunked_prefill: bool = True
-    #: Look prompts up in (and add them to) the cache of full blocks.
-    prefix_caching: bool = True
-    #: Fixed time of one step (a forward pass of the weights: ~16 GB read at ~3.35 TB/s, plus overhead).
-    step_base_ms: float = 7.0
-    #: Time per prefill token in a step (0.08 ms ≈ 12,500 prompt tokens/s).
-    prefill_per_token_ms: float = 0.08
-    #: Time per decoding sequence in a step (attention over its KV, sampling).
-    decode_per_seq_ms: float = 0.05
-    #: Fixed time of a KV transfer to a decode engine.
-    kv_transfer_base_ms: float = 2.0
-    #: Transfer time per block (2 MiB per 16-token block for Llama-3.1-8B over RDMA).
-    kv_transfer_per_block_ms: float = 0.05
-
-    def check(self) -> None:
-        """Raise ``ValueError`` naming the first bad setting."""
-        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        for name in ("step_base_ms", "prefill_per_token_ms", "decode_per_seq_ms", "kv_transfer_base_ms",
-                     "kv_transfer_per_block_ms"):  # fmt: skip
-            value = getattr(self, name)
-            if not 0 <= value < math.inf:
-                raise ValueError(f"{name} must be a non-negative number")
-
-    def step_s(self, prefill_tokens: int, decode_seqs: int) -> float:
-        """Seconds one step takes."""
-        return (
-            self.step_base_ms + self.prefill_per_token_ms * prefill_tokens + self.decode_per_seq_ms * decode_seqs
-        ) / 1000.0
-
-    def transfer_s(self, blocks: int) -> float:
-        """Seconds to move ``blocks`` KV blocks from a prefill engine."""
-        return (self.kv_transfer_base_ms + self.kv_transfer_per_block_ms * blocks) / 1000.0
-
-    def blocks_for(self, tokens: int) -> int:
-        """Blocks that hold ``tokens`` tokens."""
-        return -(-tokens // self.block_size)
-
-
-# --------------------------------------------------------------------------- KV events (values)
-
-
-@attrs.frozen
-class BlockStored:
-    """Full blocks became cached (vLLM's ``BlockStored``); ``parent_block_hash`` is ``None`` for a first block."""
-
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-
-
-@attrs.frozen
-class BlockRemoved:
-    """Cached blocks were evicted (vLLM's ``BlockRemoved``)."""
-
-    block_hashes: tuple[int, ...]
-
-
-@attrs.frozen
-class AllBlocksCleared:
-    """The whole prefix cache was dropped (vLLM's ``AllBlocksCleared``)."""
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-# --------------------------------------------------------------------------- block pool
-
-
-class BlockPool:
-    """vLLM's block pool: ref-counted blocks, cached full blocks by hash, an LRU free queue.
-
-    * A block with a reference count above 0 is pinned: never handed out, never evicted.
-    * :meth:`free` drops one reference; at 0 the block joins the tail of the
-      free queue. If it is cached (has a hash) it stays cached there.
-    * :meth:`allocate` takes blocks from the head of the free queue (least
-      recently freed first); a cached block taken this way is evicted.
-    * :meth:`lookup` finds only cached blocks (resident, pinned or in the queue).
-    """
-
-    __slots__ = ("num_blocks", "block_size", "ref", "block_hash", "cached", "free_queue", "events",
-                 "record_events")  # fmt: skip
-
-    def __init__(self, num_blocks: int, *, block_size: int = 16, record_events: bool = False) -> None:
-        if num_blocks < 1:
-            raise ValueError("num_blocks must be at least 1")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.ref = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        #: Chained block hash → the block holding it.
-        self.cached: dict[int, int] = {}
-        #: Free blocks, head = next handed out (and evicted, if cached): an OrderedDict used
-        #: as an insertion-ordered set. Not a plain dict: deleting at a dict's head leaves
-        #: slots that every later read of the head walks past, so each allocation would
-        #: cost in proportion to the blocks freed since the dict last resized.
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        #: Events since the last :meth:`take_events` (only when ``record_events``).
-        self.events: list[KvEvent] = []
-        self.record_events = record_events
-
-    @property
-    def num_free(self) -> int:
-        """Blocks not pinned (free or cached-and-evictable), like vLLM's ``get_num_free_blocks``."""
-        return len(self.free_queue)
-
-    @property
-    def usage(self) -> float:
-        """``1 - free / total``: vLLM's ``kv_cache_usage_perc`` (1 means 100 percent)."""
-        return 1.0 - len(self.free_queue) / self.num_blocks
-
-    def lookup(self, hashes: Sequence[int]) -> list[int]:
-        """Blocks of the longest cached prefix of ``hashes``."""
-        cached = self.cached
-        out: list[int] = []
-        for h in hashes:
-            block = cached.get(h)
-            if block is None:
-                break
-            out.append(block)
-        return out
-
-    def available_with(self, hits: Sequence[int]) -> int:
-        """Blocks :meth:`allocate` could hand out after :meth:`touch` of ``hits``."""
-        ref = self.ref
-        return len(self.free_queue) - sum(1 for b in hits if ref[b] == 0)
-
-    def touch(self, blocks: Sequence[int]) -> None:
-        """Take one more reference on each of ``blocks`` (cache hits), pinning them."""
-        ref = self.ref
-        queue = self.free_queue
-        for b in blocks:
-            if ref[b] == 0:
-                del queue[b]
-            ref[b] += 1
-
-    def allocate(self, count: int) -> list[int] | None:
-        """``count`` blocks from the head of the free queue (evicting cached ones), or ``None``."""
-        queue = self.free_queue
-        if count > len(queue):
-            return None
-        # The head of the queue in one read (popping one by one costs several times more).
-        out = list(islice(queue, count))
-        ref = self.ref
-        block_hash = self.block_hash
-        cached = self.cached
-        removed: list[int] | None = [] if self.record_events else None
-        for b in out:
-            del queue[b]
-            ref[b] = 1
-            h = block_hash[b]
-            if h is not None:
-                # Evicted: block_hash[b] == h exactly when cached[h] == b (cache() keeps both).
-                block_hash[b] = None
-                del cached[h]
-                if removed is not None:
-                    removed.append(h)
-        if removed:
-            self.events.append(BlockRemoved(tuple(removed)))
-        return out
-
-    def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference on each block, in order; unpinned blocks join the queue's tail."""
-        ref = self.ref
-        queue = self.free_queue
-        for b in blocks:
-            n = ref[b] - 1
-            ref[b] = n
-            if not n:
-                queue[b] = None
-
-    def cache(
-        self, blocks: Sequence[int], hashes: Sequence[int], parent: int | None, token_ids: Sequence[int] | None
-    ) -> None:
-        """Register full ``blocks`` under ``hashes`` (``parent``: the hash before the first).
-
-        A hash already cached in another block keeps that block (the new one
-        stays uncached, as vLLM does). ``token_ids`` are the tokens of these
-        blocks (``block_size`` each), for the ``BlockStored`` event.
-        """
-        if len(blocks) != len(hashes):
-            raise ValueError("cache() needs one hash per block")
-        cached = self.cached
-        block_hash = self.block_hash
-        if not self.record_events:
-            for b, h in zip(blocks, hashes):
-                if h not in cached and block_hash[b] is None:
-                    cached[h] = b
-                    block_hash[b] = h
-            return
-        # With events: each run of newly cached blocks is one BlockStored naming its parent.
-        run_start = -1
-        run_parent = parent
-        prev = parent
-        for i, (b, h) in enumerate(zip(blocks, hashes)):
-            if h in cached or block_hash[b] is not None:
-                if run_start >= 0:
-                    self._stored(hashes, run_start, i, run_parent, token_ids)
-                    run_start = -1
-            else:
-                cached[h] = b
-                block_hash[b] = h
-                if run_start < 0:
-                    run_start, run_parent = i, prev
-            prev = h
-        if run_start >= 0:
-            self._stored(hashes, run_start, len(hashes), run_parent, token_ids)
-
-    def _stored(
-        self, hashes: Sequence[int], start: int, end: int, parent: int | None, token_ids: Sequence[int] | None
-    ) -> None:
-        size = self.block_size
-        tokens = tuple(token_ids[start * size : end * size]) if token_ids is not None else ()
-        self.events.append(BlockStored(tuple(hashes[start:end]), parent, tokens, size))
-
-    def clear_cache(self) -> None:
-        """Forget every cached hash (blocks in use stay in use): vLLM's ``reset_prefix_cache``."""
-        for b in self.cached.values():
-            self.block_hash[b] = None
-        self.cached.clear()
-        if self.record_events:
-            self.events.append(AllBlocksCleared())
-
-    def take_events(self) -> list[KvEvent]:
-        """The events recorded since the last call."""
-        events = self.events
-        self.events = []
-        return events
-
-
-# --------------------------------------------------------------------------- requests and outputs
-
-
-@attrs.define(slots=True, kw_only=True, eq=False)
-class EngineRequest:
-    """One request as the core sees it."""
-
-    #: Unique among the core's requests and held KV (the server uses the KV owner key for prefill legs).
-    request_id: str
-    #: :data:`PLAIN`, :data:`PREFILL_REMOTE` or :data:`DECODE_REMOTE`.
-    kind: str = PLAIN
-    #: Prompt length in tokens (at least 1).
-    prompt_tokens: int
-    #: Tokens to generate (a prefill leg generates one whatever this says).
-    max_tokens: int = 16
-    #: Chained hashes of the prompt's full blocks (docs/simulator.md, "Block hashes"); may be empty.
-    block_hashes: Sequence[int] = ()
-    #: The prompt's token ids, for ``BlockStored`` events (only read when events are on).
-    token_ids: Sequence[int] | None = None
-    #: After its last token the request keeps its slot and blocks until :meth:`EngineCore.abort`
-    #: (the server's stalled answers).
-    linger: bool = False
-    #: Its blocks stay pinned after its end, like a :data:`PREFILL_REMOTE` request's, until
-    #: :meth:`EngineCore.free_held` (a decode engine's bidirectional hold, docs/simulator.md).
-    hold: bool = False
-
-
-@attrs.define(slots=True)
-class Started:
-    """The request was admitted at ``at``: it has a slot and its blocks.
-
-    ``cached_tokens`` are its prefix-cache hits. For a :data:`DECODE_REMOTE`
-    request this is when the driver starts moving its KV (then calls
-    :meth:`EngineCore.kv_loaded`).
-    """
-
-    request_id: str
-    at: float
-    cached_tokens: int
-
-
-@attrs.define(slots=True)
-class Tokens:
-    """``count`` tokens were generated; the last at ``at``, each earlier one ``step_s`` before the next."""
-
-    request_id: str
-    count: int
-    at: float
-    step_s: float
-
-
-@attrs.define(slots=True)
-class Finished:
-    """The request generated its last token at ``at``.
-
-    For a :data:`PREFILL_REMOTE` request (or one with ``hold``) ``block_ids`` are
-    the blocks now held (pinned) until :meth:`EngineCore.free_held`.
-    """
-
-    request_id: str
-    at: float
-    reason: str
-    block_ids: tuple[int, ...] = ()
-
-
-EngineOutput = Started | Tokens | Finished
-
-
-@attrs.frozen(kw_only=True)
-class EngineMetrics:
-    """What ``/metrics`` reports, as vLLM names it (docs/simulator.md)."""
-
-    num_requests_running: int
-    num_requests_waiting: int
-    kv_cache_usage_perc: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_free_blocks: int
-    num_gpu_blocks: int
-    held_requests: int
-    held_blocks: int
-    steps: int
-    prompt_tokens_computed: int
-    generation_tokens: int
-
-
-class _Seq:
-    """A request inside the core."""
-
-    __slots__ = ("req", "rid", "prompt_tokens", "state", "blocks", "computed", "num_cached_blocks", "generated",
-                 "max_tokens", "cached_tokens", "kind")  # fmt: skip
-
-    def __init__(self, req: EngineRequest) -> None:
-        self.req = req
-        self.rid = req.request_id
-        self.prompt_tokens = req.prompt_tokens
-        self.kind = req.kind
-        #: waiting → running (or loading → running) → done | held | lingering.
-        self.state = "waiting"
-        self.blocks: list[int] = []
-        self.computed = 0
-        self.num_cached_blocks = 0
-        self.generated = 0
-        self.max_tokens = 1 if req.kind == PREFILL_REMOTE else max(req.max_tokens, 1)
-        self.cached_tokens = 0
-
-
-class _Step:
-    __slots__ = ("start", "dur", "count", "end", "prefills", "decodes")
-
-    def __init__(self, start: float, dur: float, count: int, prefills: list[tuple[_Seq, int]], decodes: list[_Seq]):
-        self.start = start
-        self.dur = dur
-        self.count = count
-        self.end = start + dur * count
-        self.prefills = prefills
-        self.decodes = decodes
 
 
 class EngineCore:
@@ -446,12 +89,12 @@ class EngineCore:
         #: Run identical decode-only steps as one (a real-time driver that paces every token turns it off).
         self.coalesce = coalesce
         self.pool = BlockPool(config.num_gpu_blocks, block_size=config.block_size, record_events=kv_events)
-        self._seqs: dict[str, _Seq] = {}
-        self._waiting: deque[_Seq] = deque()
+        self._seqs: dict[str, Seq] = {}
+        self._waiting: deque[Seq] = deque()
         #: Admitted requests in admission order (prefilling, decoding, loading KV, lingering).
-        self._running: list[_Seq] = []
-        self._held: dict[str, _Seq] = {}
-        self._step: _Step | None = None
+        self._running: list[Seq] = []
+        self._held: dict[str, Seq] = {}
+        self._step: Step | None = None
         self._out: list[EngineOutput] = []
         self._now = 0.0
         self.prefix_cache_queries = 0
@@ -469,18 +112,7 @@ class EngineCore:
 
     def add_request(self, request: EngineRequest, *, now: float) -> None:
         """Queue ``request`` (admitted at the next step start). ``ValueError`` if it can never fit."""
-        if request.request_id in self._seqs or request.request_id in self._held:
-            raise ValueError(f"request id {request.request_id!r} is in use")
-        if request.kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}")
-        if request.prompt_tokens < 1:
-            raise ValueError("prompt_tokens must be >= 1")
-        seq = _Seq(request)
-        if self._blocks_needed(seq) > self.config.num_gpu_blocks:
-            raise ValueError("request needs more KV blocks than the engine has")
-        if (not self.config.chunked_prefill and request.kind != DECODE_REMOTE
-                and request.prompt_tokens > self.config.max_num_batched_tokens):  # fmt: skip
-            raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
+        seq = self._new_seq(request)
         self._catch_up(now)
         self._seqs[request.request_id] = seq
         self._waiting.append(seq)
@@ -499,7 +131,7 @@ class EngineCore:
             self._waiting.remove(seq)
         else:
             self._running.remove(seq)
-            self._release_blocks(seq)
+            seq.release_blocks(self.pool)
         seq.state = "done"
         self._changed(now)
         return True
@@ -517,11 +149,11 @@ class EngineCore:
             seq.state = "running"
             seq.computed = req.prompt_tokens
             seq.cached_tokens = req.prompt_tokens
-            self._cache_blocks(seq)
+            seq.cache_blocks(self.pool, self.config)
         else:
             # Recompute: back to the head of the queue as a plain request.
             self._running.remove(seq)
-            self._release_blocks(seq)
+            seq.release_blocks(self.pool)
             seq.blocks = []
             seq.kind = PLAIN
             seq.state = "waiting"
@@ -536,7 +168,7 @@ class EngineCore:
             return None
         self._catch_up(now)
         blocks = tuple(seq.blocks)
-        self._release_blocks(seq)
+        seq.release_blocks(self.pool)
         seq.state = "done"
         self._changed(now)
         return blocks
@@ -600,77 +232,25 @@ class EngineCore:
         ):
             self.add_request(request, now=now)
             return self.run_until_idle()
-        rid = request.request_id
-        if rid in self._seqs or rid in self._held:
-            raise ValueError(f"request id {rid!r} is in use")
-        if request.kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}")
+        seq = self._new_seq(request)
         config = self.config
-        prompt_tokens = request.prompt_tokens
-        if prompt_tokens < 1:
-            raise ValueError("prompt_tokens must be >= 1")
-        seq = _Seq(request)
-        needed = self._blocks_needed(seq)
-        if needed > config.num_gpu_blocks:
-            raise ValueError("request needs more KV blocks than the engine has")
-        budget = config.max_num_batched_tokens
-        if not config.chunked_prefill and prompt_tokens > budget:
-            raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
         pool = self.pool
-        size = config.block_size
-        hits: list[int] = []
-        if config.prefix_caching and request.block_hashes:
-            hits = pool.lookup(request.block_hashes)
-            limit = (prompt_tokens - 1) // size
-            if len(hits) > limit:
-                hits = hits[:limit]
-        if needed - len(hits) > pool.available_with(hits):
+        prompt_tokens = request.prompt_tokens
+        hits = pool.prefix_hits(request.block_hashes, prompt_tokens) if config.prefix_caching else []
+        blocks = pool.take(seq.blocks_needed(config.block_size), hits)
+        if blocks is None:
             self.add_request(request, now=now)  # it waits for blocks held for remote decodes
             return self.run_until_idle()
         t = now if now > self._now else self._now
-        pool.touch(hits)
-        fresh = pool.allocate(needed - len(hits))
-        assert fresh is not None
-        seq.blocks = hits + fresh if hits else fresh
-        seq.num_cached_blocks = len(hits)
-        cached = len(hits) * size
-        seq.computed = seq.cached_tokens = cached
-        seq.state = "running"
+        cached = seq.start(blocks, len(hits), config.block_size)
         if config.prefix_caching:
             self.prefix_cache_queries += prompt_tokens
             self.prefix_cache_hits += cached
-        out: list[EngineOutput] = [Started(rid, t, cached)]
-        left = prompt_tokens - cached
-        dur = 0.0
-        while left > 0:
-            n = left if left <= budget else budget
-            dur = config.step_s(n, 0)
-            t = t + dur
-            self.steps += 1
-            seq.computed += n
-            self.prompt_tokens_computed += n
-            left -= n
-            if seq.num_cached_blocks * size + size <= seq.computed:
-                self._cache_blocks(seq)
-        seq.generated = 1
-        self.generation_tokens += 1
-        out.append(Tokens(rid, 1, t, dur))
-        if seq.max_tokens > 1:
-            count = seq.max_tokens - 1
-            dur = (config.step_base_ms + config.decode_per_seq_ms * 1) / 1000.0
-            t = t + dur * count
-            self.steps += count
-            seq.generated += count
-            self.generation_tokens += count
-            out.append(Tokens(rid, count, t, dur))
-        if seq.kind == PREFILL_REMOTE or seq.req.hold:
-            seq.state = "held"
-            self._held[rid] = seq
-            out.append(Finished(rid, t, "length", tuple(seq.blocks)))
-        else:
-            self._release_blocks(seq)
-            seq.state = "done"
-            out.append(Finished(rid, t, "length"))
+        out, t, steps, computed = run_alone(seq, t, config, pool)
+        self.steps += steps
+        self.prompt_tokens_computed += computed
+        self.generation_tokens += seq.generated
+        out.append(self._ended(seq, t))
         self._now = t
         return out
 
@@ -729,9 +309,22 @@ class EngineCore:
 
     # ------------------------------------------------------------------ internals
 
-    def _blocks_needed(self, seq: _Seq) -> int:
-        tokens = seq.req.prompt_tokens + (0 if seq.kind == PREFILL_REMOTE else seq.max_tokens)
-        return self.config.blocks_for(tokens)
+    def _new_seq(self, request: EngineRequest) -> Seq:
+        """``request`` inside the core; ``ValueError`` if its ID is in use or it can never fit."""
+        if request.request_id in self._seqs or request.request_id in self._held:
+            raise ValueError(f"request id {request.request_id!r} is in use")
+        if request.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}")
+        if request.prompt_tokens < 1:
+            raise ValueError("prompt_tokens must be >= 1")
+        seq = Seq(request)
+        config = self.config
+        if seq.blocks_needed(config.block_size) > config.num_gpu_blocks:
+            raise ValueError("request needs more KV blocks than the engine has")
+        if (not config.chunked_prefill and request.kind != DECODE_REMOTE
+                and request.prompt_tokens > config.max_num_batched_tokens):  # fmt: skip
+            raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
+        return seq
 
     def _catch_up(self, now: float) -> None:
         step = self._step
@@ -747,18 +340,11 @@ class EngineCore:
         if now > self._now:
             self._now = now
 
-    def _split_run(self, step: _Step, done: int) -> None:
+    def _split_run(self, step: Step, done: int) -> None:
         """The first ``done`` steps of a decode run ended: their tokens, then the rest runs on."""
-        at = step.start + step.dur * done
+        at, generated = step.split(done, self._out)
         self.steps += done
-        out = self._out
-        for seq in step.decodes:
-            if seq.state == "running":
-                seq.generated += done
-                self.generation_tokens += done
-                out.append(Tokens(seq.rid, done, at, step.dur))
-        step.start = at
-        step.count -= done
+        self.generation_tokens += generated
         if at > self._now:
             self._now = at
 
@@ -773,131 +359,67 @@ class EngineCore:
             step.count = 1
             step.end = step.start + step.dur
 
-    def _release_blocks(self, seq: _Seq) -> None:
-        # Last blocks first, so a prefix outlives its tail in the free queue (vLLM frees in reverse).
-        blocks = seq.blocks
-        if blocks:
-            self.pool.free(reversed(blocks))
-        seq.blocks = []
-
-    def _cache_blocks(self, seq: _Seq) -> None:
-        """Cache the full prompt blocks computed so far that are not cached yet."""
-        if not self.config.prefix_caching:
-            return
-        req = seq.req
-        hashes = req.block_hashes
-        size = self.config.block_size
-        full = min(seq.computed // size, len(hashes), len(seq.blocks))
-        start = seq.num_cached_blocks
-        if full <= start:
-            return
-        tokens = None
-        if self.pool.record_events and req.token_ids is not None:
-            tokens = req.token_ids[start * size : full * size]
-            if len(tokens) != (full - start) * size:
-                tokens = None
-        parent = hashes[start - 1] if start > 0 else None
-        self.pool.cache(seq.blocks[start:full], hashes[start:full], parent, tokens)
-        seq.num_cached_blocks = full
-
     def _plan(self, now: float) -> None:
         """Schedule the step starting at ``now`` (or stay idle)."""
         config = self.config
-        budget = config.max_num_batched_tokens
-        chunked = config.chunked_prefill
-        prefills: list[tuple[_Seq, int]] = []
-        decodes: list[_Seq] = []
-        prefill_tokens = 0
-        running = self._running
-        for seq in running:
-            if budget <= 0:
-                break
-            if seq.state != "running":
-                continue
-            remaining = seq.prompt_tokens - seq.computed
-            if remaining > 0:
-                n = remaining if remaining <= budget else (budget if chunked else 0)
-                if n:
-                    prefills.append((seq, n))
-                    prefill_tokens += n
-                    budget -= n
-            else:
-                decodes.append(seq)
-                budget -= 1
-        waiting = self._waiting
-        if waiting:
-            pool = self.pool
-            size = config.block_size
-            caching = config.prefix_caching
-            max_seqs = config.max_num_seqs
-            out = self._out
-            while waiting and budget > 0 and len(running) < max_seqs:
-                seq = waiting[0]
-                req = seq.req
-                prompt_tokens = seq.prompt_tokens
-                tokens = prompt_tokens if seq.kind == PREFILL_REMOTE else prompt_tokens + seq.max_tokens
-                needed = -(-tokens // size)
-                if seq.kind == DECODE_REMOTE:
-                    blocks = pool.allocate(needed)
-                    if blocks is None:
-                        break
-                    waiting.popleft()
-                    seq.blocks = blocks
-                    seq.state = "loading"
-                    running.append(seq)
-                    out.append(Started(seq.rid, now, 0))
-                    continue
-                hits: list[int] = []
-                if caching and req.block_hashes:
-                    hits = pool.lookup(req.block_hashes)
-                    if hits:
-                        limit = (prompt_tokens - 1) // size
-                        if len(hits) > limit:
-                            hits = hits[:limit]
-                cached = len(hits) * size
-                to_compute = prompt_tokens - cached
-                if not chunked and to_compute > budget:
-                    break
-                if hits:
-                    if needed - len(hits) > pool.available_with(hits):
-                        break
-                    pool.touch(hits)
-                    fresh = pool.allocate(needed - len(hits))
-                    assert fresh is not None
-                    seq.blocks = hits + fresh
-                else:
-                    fresh = pool.allocate(needed)
-                    if fresh is None:
-                        break
-                    seq.blocks = fresh
-                waiting.popleft()
-                seq.num_cached_blocks = len(hits)
-                seq.computed = cached
-                seq.cached_tokens = cached
-                seq.state = "running"
-                running.append(seq)
-                if caching:
-                    self.prefix_cache_queries += prompt_tokens
-                    self.prefix_cache_hits += cached
-                out.append(Started(seq.rid, now, cached))
-                n = to_compute if to_compute <= budget else budget
-                prefills.append((seq, n))
-                prefill_tokens += n
-                budget -= n
-        if not prefills:
-            if not decodes:
-                self._step = None
-                return
-            count = 1
-            if self.coalesce:
-                # Decode-only: identical steps until the first of the batch finishes.
-                count = min([s.max_tokens - s.generated for s in decodes])
-            dur = (config.step_base_ms + config.decode_per_seq_ms * len(decodes)) / 1000.0
-            self._step = _Step(now, dur, count if count > 1 else 1, prefills, decodes)
-            return
-        self._step = _Step(now, config.step_s(prefill_tokens, len(decodes)), 1, prefills, decodes)
+        prefills, decodes, prefill_tokens, budget = running_work(
+            self._running, config.max_num_batched_tokens, config.chunked_prefill
+        )
+        if self._waiting:
+            prefill_tokens += self._admit_waiting(now, prefills, budget)
+        self._step = next_step(now, config, prefills, prefill_tokens, decodes, self.coalesce)
 
-    def _end_step(self, step: _Step) -> None:
+    def _admit_waiting(self, now: float, prefills: list[tuple[Seq, int]], budget: int) -> int:
+        """Admit waiting requests in arrival order while the budget, the slots and the pool allow.
+
+        Each admitted request's first prefill chunk joins ``prefills``; their tokens are returned.
+        """
+        config = self.config
+        pool = self.pool
+        size = config.block_size
+        chunked = config.chunked_prefill
+        caching = config.prefix_caching
+        max_seqs = config.max_num_seqs
+        waiting = self._waiting
+        running = self._running
+        out = self._out
+        prefill_tokens = 0
+        while waiting and budget > 0 and len(running) < max_seqs:
+            seq = waiting[0]
+            needed = seq.blocks_needed(size)
+            if seq.kind == DECODE_REMOTE:
+                blocks = pool.allocate(needed)
+                if blocks is None:
+                    break
+                waiting.popleft()
+                seq.blocks = blocks
+                seq.state = "loading"
+                running.append(seq)
+                out.append(Started(seq.rid, now, 0))
+                continue
+            prompt_tokens = seq.prompt_tokens
+            hits = pool.prefix_hits(seq.req.block_hashes, prompt_tokens) if caching else []
+            cached = len(hits) * size
+            to_compute = prompt_tokens - cached
+            if not chunked and to_compute > budget:
+                break
+            blocks = pool.take(needed, hits)
+            if blocks is None:
+                break
+            waiting.popleft()
+            seq.start(blocks, len(hits), size)
+            running.append(seq)
+            if caching:
+                self.prefix_cache_queries += prompt_tokens
+                self.prefix_cache_hits += cached
+            out.append(Started(seq.rid, now, cached))
+            n = to_compute if to_compute <= budget else budget
+            prefills.append((seq, n))
+            prefill_tokens += n
+            budget -= n
+        return prefill_tokens
+
+    def _end_step(self, step: Step) -> None:
         at = step.end
         count = step.count
         self.steps += count
@@ -919,7 +441,7 @@ class EngineCore:
             seq.computed += n
             self.prompt_tokens_computed += n
             if seq.num_cached_blocks * self.config.block_size + self.config.block_size <= seq.computed:
-                self._cache_blocks(seq)
+                seq.cache_blocks(self.pool, self.config)
             if seq.computed >= seq.prompt_tokens:
                 seq.generated = 1
                 self.generation_tokens += 1
@@ -929,20 +451,22 @@ class EngineCore:
         self._step = None
         self._plan(at)
 
-    def _finish(self, seq: _Seq, at: float) -> None:
-        rid = seq.req.request_id
+    def _finish(self, seq: Seq, at: float) -> None:
+        if seq.req.linger and not (seq.kind == PREFILL_REMOTE or seq.req.hold):
+            seq.state = "lingering"
+            self._out.append(Finished(seq.rid, at, "length"))
+            return
+        self._running.remove(seq)
+        del self._seqs[seq.rid]
+        self._out.append(self._ended(seq, at))
+
+    def _ended(self, seq: Seq, at: float) -> Finished:
+        """A request out of the running set at its end: its blocks held (a prefill leg, ``hold``) or freed."""
+        rid = seq.rid
         if seq.kind == PREFILL_REMOTE or seq.req.hold:
-            self._running.remove(seq)
-            del self._seqs[rid]
             seq.state = "held"
             self._held[rid] = seq
-            self._out.append(Finished(rid, at, "length", tuple(seq.blocks)))
-        elif seq.req.linger:
-            seq.state = "lingering"
-            self._out.append(Finished(rid, at, "length"))
-        else:
-            self._running.remove(seq)
-            del self._seqs[rid]
-            self._release_blocks(seq)
-            seq.state = "done"
-            self._out.append(Finished(rid, at, "length"))
+            return Finished(rid, at, "length", tuple(seq.blocks))
+        seq.release_blocks(self.pool)
+        seq.state = "done"
+        return Finished(rid, at, "length")

@@ -2,7 +2,7 @@
 
 Everything here is a plain value or a small state machine that takes the
 current time as an argument (``now``), in the style of the router core:
-the server in :mod:`narwhal_sim.server` feeds it and acts on its answers.
+the server's flows (:mod:`narwhal_sim.server` composes them) feed it and act on its answers.
 
 * :class:`Prompt` — token ids (a tokenizer's, or the documented
   4-characters-per-token approximation), the prompt digest and the chained

@@ -248,13 +248,7 @@ def parse_completion(
     require_request_id: bool = True,
 ) -> CompletionJob:
     """Validate a ``/v1/completions`` or ``/v1/chat/completions`` body; :class:`ApiError` when bad."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise ApiError(400, "request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-
+    data = _json_object(body)
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", param="model")
@@ -277,32 +271,8 @@ def parse_completion(
     field = "messages" if chat else "prompt"
     if data.get(field) is None:
         raise ApiError(400, f"{field} is required", param=field)
-    tool_name = None
-    truncate = _truncation(data, max_model_len)
-    try:
-        if chat:
-            prompt = Prompt.from_chat_body(data, tokenizer, truncate=truncate)
-            tool_name = _forced_tool(data.get("tools"), data.get("tool_choice"))
-        else:
-            add_special_tokens = _bool_field(data, "add_special_tokens")
-            prompt = Prompt.from_completion(data["prompt"], tokenizer, truncate=truncate,
-                                            add_special_tokens=add_special_tokens is not False)  # fmt: skip
-    except PromptError as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
-
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    elif max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-    if prompt.num_tokens + max_tokens > max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt.num_tokens + max_tokens} tokens ({prompt.num_tokens} in the "
-            f"messages, {max_tokens} in the completion). Please reduce the length of the "
-            "messages or completion.",
-            param="max_tokens",
-        )
+    prompt, tool_name = _prompt(data, chat, tokenizer, _truncation(data, max_model_len))
+    max_tokens = _output_tokens(max_tokens, prompt.num_tokens, max_model_len)
 
     min_tokens = _int_field(data, "min_tokens")
     options = data.get("stream_options")
@@ -317,6 +287,51 @@ def parse_completion(
         tool_name=tool_name,
         min_tokens=min_tokens or 0,
     )
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ApiError(400, "request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return data
+
+
+def _prompt(data: dict[str, Any], chat: bool, tokenizer: Tokenizer | None,
+            truncate: int) -> tuple[Prompt, str | None]:  # fmt: skip
+    """The request's prompt, and the tool a chat request forces (if any)."""
+    tool_name = None
+    try:
+        if chat:
+            prompt = Prompt.from_chat_body(data, tokenizer, truncate=truncate)
+            tool_name = _forced_tool(data.get("tools"), data.get("tool_choice"))
+        else:
+            add_special_tokens = _bool_field(data, "add_special_tokens")
+            prompt = Prompt.from_completion(data["prompt"], tokenizer, truncate=truncate,
+                                            add_special_tokens=add_special_tokens is not False)  # fmt: skip
+    except PromptError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    return prompt, tool_name
+
+
+def _output_tokens(max_tokens: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    """The tokens to generate (the default when unset), within the context length."""
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    elif max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+            f"messages, {max_tokens} in the completion). Please reduce the length of the "
+            "messages or completion.",
+            param="max_tokens",
+        )
+    return max_tokens
 
 
 def _forced_tool(tools: Any, choice: Any) -> str | None:

@@ -1,0 +1,128 @@
+"""The prefill engine's internal KV routes a decode engine calls: pull, notify, heartbeat.
+
+``POST /kv/pull`` is NIXL's READ with its notification, ``POST /kv/notify`` the
+notification alone (a decode engine that will not read the blocks), and
+``POST /kv/heartbeat`` the lease family's renewal (docs/simulator.md, "vLLM versions").
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from narwhal_sim.http1 import HttpRequest, ServerConnection
+from narwhal_sim.model import KvEntry
+from narwhal_sim.prefill import PrefillKv
+from narwhal_sim.protocol import ApiError, flat_block_ids
+from narwhal_sim.serving import KV_HEARTBEAT_PATH, KV_NOTIFY_PATH, KV_PULL_PATH, Routes, Serving, json_body
+
+__all__ = ["KvPullRoutes"]
+
+
+class KvPullRoutes:
+    """Answers a decode engine's reads, notifications and lease renewals from the prefill side's ledger."""
+
+    def __init__(self, serving: Serving, prefill: PrefillKv) -> None:
+        self.serving = serving
+        self.prefill = prefill
+        self.routes: Routes = {
+            KV_PULL_PATH: {"POST": self._kv_pull},
+            KV_NOTIFY_PATH: {"POST": self._kv_notify},
+            KV_HEARTBEAT_PATH: {"POST": self._kv_heartbeat},
+        }
+
+    def _kv_pull(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """A decode engine reads held blocks (NIXL's READ) and names the request to free (its notification).
+
+        ``remote_request_id`` (connector 2) finds the entry by owner; without it (connector 1)
+        the blocks are found by their ids. The blocks are freed only when ``notify_id`` names
+        the owner; any other name is an "unrecognized request": the data was read but the
+        blocks stay held until the timeout. A pull after the hold ran out reads the freed
+        blocks all the same: it answers 200 marked ``stale`` (docs/simulator.md, "vLLM versions").
+        """
+        try:
+            data = json_body(request)
+            entry, stale = self._find(data)
+        except ApiError as exc:
+            self.serving.answer_error(conn, request, exc)
+            return
+        owner = entry.owner
+        notify_id = data.get("notify_id", owner)
+        if stale:
+            self.prefill.stale_read(entry)
+        elif notify_id == owner:
+            self.prefill.ledger.pull(owner)
+            self.prefill.kv_ended(entry)
+        else:
+            self.prefill.unrecognized(notify_id, entry)
+        answer = {
+            "remote_request_id": owner,
+            "num_blocks": len(entry.block_ids),
+            "prompt_tokens": entry.prompt_tokens,
+            "prompt_digest": entry.prompt_digest,
+            "stale": stale,
+        }
+        self.serving.answer(conn, request, 200, orjson.dumps(answer))
+
+    def _find(self, data: dict[str, object]) -> tuple[KvEntry, bool]:
+        """The entry a pull reads, and whether its hold already ran out (a stale read)."""
+        ledger = self.prefill.ledger
+        stale = False
+        owner = data.get("remote_request_id")
+        if owner is not None and not isinstance(owner, str):
+            raise ApiError(400, "remote_request_id must be a string", param="remote_request_id")
+        expected = data.get("remote_engine_id")
+        engine_id = self.serving.engine_id
+        if expected is not None and expected != engine_id:
+            raise ApiError(409, f"this is engine {engine_id}, not {expected}", param="remote_engine_id")
+        block_ids = flat_block_ids(data.get("remote_block_ids"))
+        if owner is None:
+            entry = ledger.find_blocks(block_ids)
+            if entry is None:
+                entry = ledger.find_blocks(block_ids, expired=True)
+                stale = entry is not None
+            if entry is None:
+                raise ApiError(404, "no KV held in blocks " + str(block_ids[:8]))
+        else:
+            entry = ledger.get(owner)
+            if entry is None:
+                entry = ledger.expired_entry(owner)
+                stale = entry is not None
+            if entry is None:
+                raise ApiError(404, f"no KV held for {owner} (never held, or pulled or released)")
+            if data.get("remote_block_ids") is not None and block_ids != entry.block_ids:
+                raise ApiError(409, f"remote_block_ids do not match the blocks held for {owner}")
+        return entry, stale
+
+    def _kv_notify(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """A decode engine that will not read the blocks tells the prefill engine to free them."""
+        try:
+            data = json_body(request)
+            notify_id = data.get("notify_id")
+            if not isinstance(notify_id, str):
+                raise ApiError(400, "notify_id must be a string", param="notify_id")
+        except ApiError as exc:
+            self.serving.answer_error(conn, request, exc)
+            return
+        ledger = self.prefill.ledger
+        entry = ledger.release(notify_id)
+        if entry is not None:
+            self.prefill.kv_ended(entry)
+        else:
+            self.prefill.unrecognized(notify_id, ledger.find_blocks(flat_block_ids(data.get("remote_block_ids"))))
+        self.serving.answer(conn, request, 200, orjson.dumps({"freed": entry is not None}))
+
+    def _kv_heartbeat(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """Renew the leases a decode engine names (lease family); expired entries stay gone."""
+        try:
+            ids = json_body(request).get("remote_request_ids")
+            if not isinstance(ids, list):
+                raise ApiError(400, "remote_request_ids must be an array", param="remote_request_ids")
+        except ApiError as exc:
+            self.serving.answer_error(conn, request, exc)
+            return
+        ledger = self.prefill.ledger
+        now = self.prefill.loop.time()
+        renewed = sum(1 for owner in ids if isinstance(owner, str) and ledger.renew(owner, now))
+        if renewed:
+            self.prefill.renewed()
+        self.serving.answer(conn, request, 200, orjson.dumps({"renewed": renewed}))
