@@ -25,7 +25,7 @@ from .planning import (
     unsupported_transfer_mode,
 )
 from .relay import SseRelay
-from .states import Input, LegAnswer, LegFailure, LegRefusal, State
+from .states import WAKE, Input, LegAnswer, LegFailure, LegRefusal, State
 
 if TYPE_CHECKING:
     from .context import Context
@@ -287,7 +287,7 @@ class Answers:
             leg.timer = None
         self.ctx.fleet.leg_ended(leg.engine, leg.tokens)
         if self.slots.waiting[leg.phase]:
-            self.slots.wake(leg.phase)
+            self.ctx.followups.append(WAKE[leg.phase])  # the lifecycle wakes a waiter once the event is handled
 
     def orphan_answered(self, req: Request, leg: Leg, status: int, body: bytes) -> None:
         if 200 <= status < 300:

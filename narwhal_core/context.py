@@ -27,6 +27,7 @@ from .http import CodecLike
 from .ids import DECODE, PREFILL, Phase
 from .journal import ErrorRecord
 from .routing import Routing, make_policy
+from .states import FollowUp
 from .stats import Stats
 from .timers import Timers
 
@@ -43,7 +44,7 @@ class Context:
     """The parts' common ground: read by all, and the one queue of commands they append to."""
 
     __slots__ = (
-        "config", "out", "timers", "stats", "fleet", "admission", "now", "wall_offset", "model", "mode", "pd",
+        "config", "out", "followups", "timers", "stats", "fleet", "admission", "now", "wall_offset", "model", "mode", "pd",
         "first_phase", "routing", "phases", "codec", "new_rid", "auth_header", "secret", "draining", "journal_ok",
         "journal_problem", "shortages", "shortage_logged",
     )
@@ -55,6 +56,9 @@ class Context:
         self.config: Final = config
         #: The commands for the adapter, in order (:meth:`Router.next_output` drains them).
         self.out: Final[deque[Command]] = deque()
+        #: Work an event leaves for other requests, done once the event is handled
+        #: (:meth:`Router.receive` and :meth:`Router.handle_deadline` drain it; docs/design.md, "Follow-up work").
+        self.followups: Final[deque[FollowUp]] = deque()
         self.timers: Final = Timers()
         self.stats: Final = Stats()
         e = config.engine

@@ -22,6 +22,7 @@ from .engine_metrics import EngineLoad
 from .events import ControlDone, StartControl
 from .ids import DECODE, PREFILL, Phase
 from .policies import LeastLoaded, Plan, Policy
+from .states import WAKE
 
 if TYPE_CHECKING:
     from .context import Context
@@ -440,19 +441,19 @@ class Health:
     every ``health.probe_interval_s`` until shutdown begins. A probe's answer,
     like a leg's outcome, counts for or against its engine
     (:meth:`Fleet.record_success`, :meth:`engine_failed`); an engine coming
-    back into rotation wakes a request waiting for a slot (``engine_up``).
+    back into rotation queues the follow-up that wakes a request waiting for
+    a slot of its phase (docs/design.md, "Follow-up work").
     """
 
-    __slots__ = ("ctx", "probes", "probe_seq", "next_probe", "engine_up")
+    __slots__ = ("ctx", "probes", "probe_seq", "next_probe")
 
-    def __init__(self, ctx: Context, engine_up: Callable[[Phase], None]) -> None:
+    def __init__(self, ctx: Context) -> None:
         self.ctx: Final = ctx
         #: Probes in flight, by control key.
         self.probes: dict[str, EngineState] = {}
         self.probe_seq = 0
         #: Each engine's next probe (cancelled when shutdown begins).
         self.next_probe: dict[EngineState, Timer] = {}
-        self.engine_up: Final = engine_up
 
     def probe_all(self) -> None:
         """Probe every engine at once."""
@@ -504,7 +505,7 @@ class Health:
             self.next_probe[engine] = ctx.timers.arm(ctx.now + ctx.config.health.probe_interval_s, self.probe, engine)
         if change == "up":
             ctx.log("engine_up", engine=engine.url, phase=engine.phase)
-            self.engine_up(engine.phase)
+            ctx.followups.append(WAKE[engine.phase])
         return True
 
     def engine_failed(self, engine: EngineState, reason: str | None = None) -> HealthChange:

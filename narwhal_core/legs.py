@@ -19,7 +19,7 @@ from .http import EngineCodec
 from .ids import DECODE, PREFILL, Phase, backend_id
 from .journal import LegOutcome
 from .planning import decode_body, prefill_body
-from .states import Input, LegFailure
+from .states import WAKE, Input, LegFailure
 
 if TYPE_CHECKING:
     from .answers import Answers
@@ -232,7 +232,7 @@ class Legs:
         if req is not None and req.leg is leg:
             req.leg = None
         if self.slots.waiting[leg.phase]:
-            self.slots.wake(leg.phase)
+            self.ctx.followups.append(WAKE[leg.phase])  # the lifecycle wakes a waiter once the event is handled
 
     def cancel(self, leg: Leg) -> None:
         """Stop the leg: close its connection; its outcome, if it has none yet, is ``cancelled``."""

@@ -37,7 +37,7 @@ from .errors import NarwhalError, TransitionError
 from .events import PromptTokenized, TokenizePrompt
 from .ids import DECODE, PREFILL, Phase
 from .planning import merge_answers
-from .states import Input, InputData, LegAnswer, LegFailure, LegRefusal, State
+from .states import FollowUp, Input, InputData, LegAnswer, LegFailure, LegRefusal, State
 
 if TYPE_CHECKING:
     from .context import Context
@@ -123,7 +123,7 @@ class Lifecycle:
                 self.ctx.admission.leave_queue(req.rid, req.client)
             requests.record_end(req, "failed", error, sent=req.bytes_sent)
             requests.answer_internal_error(req)
-            requests.mark_answered(req)
+            self.mark_answered(req)
         elif req.terminal is None:
             requests.record_end(req, "failed", error)
         req.pending_releases = 0
@@ -131,6 +131,25 @@ class Lifecycle:
         requests.write_record(req)
 
     # ---------------------------------------------------- stopping and failing
+
+    def mark_answered(self, req: Request) -> State:
+        """The client has its answer (or is gone): free the slot; the record waits for KV.
+
+        The freed admission slot and a decode backlog that may be gone are
+        follow-up work for other requests (docs/design.md, "Follow-up work").
+        """
+        req.answered = True
+        req.waiting_for_slot = False
+        followups = self.ctx.followups
+        if req.admitted:
+            req.admitted = False
+            self.ctx.admission.release(req.client)
+            followups.append(FollowUp.ADMIT)
+        req.conn = None
+        self.requests.disarm(req, "deadline", "queue", "wake", "lease")
+        if self.slots.waiting[PREFILL]:
+            followups.append(FollowUp.WAKE_PREFILLS)  # it may have been the last one waiting for a decode engine
+        return State.RELEASING
 
     def stop_request(self, req: Request) -> None:
         """Stop whatever the request is doing and release its unpulled KV."""
@@ -144,7 +163,7 @@ class Lifecycle:
         requests = self.requests
         requests.record_end(req, "failed", error, leg=leg, sent=req.bytes_sent)
         requests.answer_error(req, retry_after=error.status == 503)
-        return requests.mark_answered(req)
+        return self.mark_answered(req)
 
     # -------------------------------------------------------- starting legs
 
@@ -296,7 +315,7 @@ class Lifecycle:
         else:
             assert answer is not None
             self.requests.answer(req, answer)
-        return self.requests.mark_answered(req)
+        return self.mark_answered(req)
 
     def _next_prompt(self, req: Request) -> State:
         """The current batch prompt is answered: the next one gets its own legs (docs/operate.md, "Batch prompts")."""
@@ -328,7 +347,7 @@ class Lifecycle:
             error.message, status=400, type="invalid_request_error", param=error.param, code=error.code,
         ), leg=refusal.leg, sent=req.bytes_sent)  # (sent: a batch's earlier prompts streamed already)
         self.requests.answer_error(req)
-        return self.requests.mark_answered(req)
+        return self.mark_answered(req)
 
     def retry_or_fail(self, req: Request, failure: LegFailure) -> State:
         """LEG_FAILED before the first byte: retry after a backoff while attempts and engines last, else fail."""
@@ -386,7 +405,7 @@ class Lifecycle:
             "The client closed the connection.", status=_CLIENT_GONE_STATUS, type="client_error",
             code="client_disconnected",
         ), status=_CLIENT_GONE_STATUS)
-        return self.requests.mark_answered(req)
+        return self.mark_answered(req)
 
     def expire(self, req: Request, _: None) -> State:
         """DEADLINE: the request did not finish in ``admission.request_timeout_s``: 504."""
@@ -414,7 +433,7 @@ class Lifecycle:
             "The fleet is at capacity; the request waited too long for a slot.", status=503, code="overloaded"
         ))
         self.requests.answer_error(req, retry_after=True)
-        return self.requests.mark_answered(req)
+        return self.mark_answered(req)
 
     def released(self, req: Request, _: None) -> State:
         """RELEASED: every KV release is settled: the terminal record."""

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from .clients import Clients, Conn
     from .kv import Kv
     from .legs import Leg
-    from .slots import SlotQueue
     from .lifecycle import Lifecycle
     from .relay import SseRelay
     from .policies import Plan
@@ -118,7 +117,7 @@ class Request:
 class Requests:
     """The completion requests not yet terminal, by rid; their admission, timers, answers and records."""
 
-    __slots__ = ("ctx", "active", "timer_actions", "shutdown_reported", "clients", "lifecycle", "slots")
+    __slots__ = ("ctx", "active", "timer_actions", "shutdown_reported", "clients", "lifecycle")
 
     def __init__(self, ctx: Context) -> None:
         self.ctx: Final = ctx
@@ -130,11 +129,10 @@ class Requests:
         }
         self.shutdown_reported = False
 
-    def connect(self, *, clients: Clients, lifecycle: Lifecycle, slots: SlotQueue) -> None:
+    def connect(self, *, clients: Clients, lifecycle: Lifecycle) -> None:
         """The parts this one calls."""
         self.clients = clients
         self.lifecycle = lifecycle
-        self.slots = slots
 
     # -------------------------------------------------------------- admission
 
@@ -205,16 +203,6 @@ class Requests:
             ctx.wall(), req.rid, "admitted", req.route, req.client, req.client_rid,
             ctx.mode if plan is None else "pd" if plan.pd else "single", req.stream,
         ), False))
-
-    def admit_from_queue(self) -> None:
-        """Admit queued requests while slots are free."""
-        while True:
-            rid = self.ctx.admission.next_from_queue()
-            if rid is None:
-                return
-            req = self.active[rid]
-            self.disarm(req, "queue")
-            self.lifecycle.fire(req, Input.ADMIT)
 
     def tokenized(self, event: PromptTokenized) -> None:
         """A prompt's token ids came back (docs/routing.md, "Tokenizing off the event loop").
@@ -375,20 +363,6 @@ class Requests:
             req.status = 200 if sent else error.status
         else:
             req.status = status
-
-    def mark_answered(self, req: Request) -> State:
-        """The client has its answer (or is gone): free the slot; the record waits for KV."""
-        req.answered = True
-        req.waiting_for_slot = False
-        if req.admitted:
-            req.admitted = False
-            self.ctx.admission.release(req.client)
-            self.admit_from_queue()
-        req.conn = None
-        self.disarm(req, "deadline", "queue", "wake", "lease")
-        if self.slots.waiting[PREFILL]:
-            self.slots.wake_prefills()  # it may have been the last one waiting for a decode engine
-        return State.RELEASING
 
     def release_settled(self, req: Request) -> None:
         """One of the request's KV releases (or orphaned prefills) is settled; the last one ends it."""

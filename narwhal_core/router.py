@@ -54,7 +54,7 @@ from .events import (
     ShutdownRequested,
 )
 from .fleet import Health
-from .ids import PREFILL
+from .ids import DECODE, PREFILL, Phase
 from .http import Codec, CodecLike
 from .kv import LEASE_SHORT, NOTHING_HELD, KvLedger
 from .engine_metrics import EngineLoad
@@ -64,6 +64,7 @@ from .membership import Membership
 from .slots import SlotQueue
 from .lifecycle import Lifecycle
 from .requests import Request, Requests
+from .states import FollowUp, Input
 
 if TYPE_CHECKING:
     from .kv_policy import PromptTokenizer
@@ -138,9 +139,9 @@ class Router:
         self.lifecycle: Final = Lifecycle(ctx)
         self.legs: Final = Legs(ctx)
         self.answers: Final = Answers(ctx)
-        self.slots: Final = SlotQueue(ctx)
+        self.slots: Final = SlotQueue(self.requests.active)
         self.kv: Final = KvLedger(ctx, self.requests.release_settled)
-        self.health: Final = Health(ctx, self.slots.wake)
+        self.health: Final = Health(ctx)
         self.load: Final = LoadReports(ctx)
         self.membership: Final = Membership(ctx, self.health, self.load, self.kv, self.requests)
         self._wire()
@@ -152,13 +153,12 @@ class Router:
         """Introduce the parts to the ones they call."""
         clients, requests, lifecycle, legs, slots = self.clients, self.requests, self.lifecycle, self.legs, self.slots
         clients.connect(requests=requests, admin=Admin(self._ctx, self.membership))
-        requests.connect(clients=clients, lifecycle=lifecycle, slots=slots)
+        requests.connect(clients=clients, lifecycle=lifecycle)
         lifecycle.connect(requests=requests, legs=legs, kv=self.kv, slots=slots)
         legs.connect(requests=requests, lifecycle=lifecycle, health=self.health, slots=slots, answers=self.answers)
         self.answers.connect(
             legs=legs, requests=requests, lifecycle=lifecycle, kv=self.kv, health=self.health, slots=slots
         )
-        slots.connect(requests=requests, lifecycle=lifecycle)
 
     # ------------------------------------------------------------ public API
 
@@ -209,8 +209,8 @@ class Router:
             self.requests.tokenized(event)
         else:
             raise NarwhalError(f"unknown event {event!r}")
-        if self.clients.pump:
-            self.clients.serve_pipelined()
+        if ctx.followups or self.clients.pump:
+            self._follow_up()
 
     def next_output(self) -> Command | None:
         """The next command to execute, or ``None`` when there is none."""
@@ -226,11 +226,14 @@ class Router:
         self._ctx.now = now
         timers = self._ctx.timers
         timer = timers.pop_due(now)
+        followups = self._ctx.followups
         while timer is not None:
             timer.action(timer.owner)
+            while followups:  # each timer's follow-ups are done before the next timer fires
+                self._follow_up_one(followups.popleft())
             timer = timers.pop_due(now)
         if self.clients.pump:
-            self.clients.serve_pipelined()
+            self._follow_up()
 
     def statistics(self) -> RouterStatistics:
         """A snapshot of the live counters."""
@@ -265,7 +268,8 @@ class Router:
         ``internal_error`` and its terminal record; a connection with no
         request yet is answered 500 and closed. One ``internal_error`` log
         line names the request and carries ``trace``. Everything else goes
-        on; drain :meth:`next_output` as after any event.
+        on (the follow-up work queued for other requests is done); drain
+        :meth:`next_output` as after any event.
         """
         req = self._request_of(event)
         fields: dict[str, Any] = {
@@ -277,12 +281,13 @@ class Router:
         self._ctx.log("internal_error", **fields)
         if req is not None:
             self.lifecycle.abort(req)
-            return
-        handle = getattr(event, "conn", None)
-        conn = self.clients.conns.get(handle) if handle is not None else None
-        if conn is not None and not conn.closed:
-            self.clients.send_internal_error(conn, None)
-            self.clients.close_client(conn)
+        else:
+            handle = getattr(event, "conn", None)
+            conn = self.clients.conns.get(handle) if handle is not None else None
+            if conn is not None and not conn.closed:
+                self.clients.send_internal_error(conn, None)
+                self.clients.close_client(conn)
+        self._follow_up()  # what the event (or the abort) left for other requests
 
     # ---------------------------------------------------------- compatibility
 
@@ -302,6 +307,71 @@ class Router:
         return self._ctx.codec
 
     # ------------------------------------------------------------- dispatching
+
+    def _follow_up(self) -> None:
+        """Do the work the event left for other requests, in the order it was queued; then the pipelined requests.
+
+        (docs/design.md, "Follow-up work".) A piece may queue more; a
+        connection whose answer just ended serves its next request once the
+        queue is empty, as a new arrival comes after the requests already
+        waiting.
+        """
+        followups = self._ctx.followups
+        clients = self.clients
+        while True:
+            while followups:
+                self._follow_up_one(followups.popleft())
+            if not clients.pump:
+                return
+            clients.serve_pipelined()
+
+    def _follow_up_one(self, work: FollowUp) -> None:
+        """Do one piece of the work an event left for other requests."""
+        if work is FollowUp.ADMIT:
+            self._admit_from_queue()
+        elif work is FollowUp.WAKE_DECODE:
+            self._wake(DECODE)
+        elif work is FollowUp.WAKE_PREFILL:
+            self._wake(PREFILL)
+        elif self.slots.waiting[PREFILL]:  # WAKE_PREFILLS
+            self._wake_prefills()
+
+    def _admit_from_queue(self) -> None:
+        """Admit queued requests while slots are free."""
+        admission = self.admission
+        active = self.requests.active
+        rid = admission.next_from_queue()
+        while rid is not None:
+            req = active[rid]
+            self.requests.disarm(req, "queue")
+            self.lifecycle.fire(req, Input.ADMIT)
+            rid = admission.next_from_queue()
+
+    def _wake(self, phase: Phase) -> None:
+        """A slot freed up on an engine of ``phase``: the oldest request waiting for one takes it."""
+        slots = self.slots
+        if phase == PREFILL and self._ctx.pd and slots.decode_backlog():
+            return  # prefilled requests waiting for a decode engine go first
+        req = slots.next_waiter(phase)
+        while req is not None:
+            self.lifecycle.fire(req, Input.WAKE)
+            leg = req.leg
+            if (leg is not None and leg.phase == phase) or (req.waiting_for_slot and req.retry_phase == phase):
+                break  # it took the slot (or found none)
+            # It went elsewhere (its KV's lease ran short: prefilled again): the slot is still free.
+            req = slots.next_waiter(phase)
+        if phase == DECODE and slots.waiting[PREFILL]:
+            self._wake_prefills()
+
+    def _wake_prefills(self) -> None:
+        """Start the prefills held back behind the decode backlog, as many as the prefill engines take."""
+        ctx = self._ctx
+        slots = self.slots
+        waiters = slots.waiting[PREFILL]
+        for _ in range(len(waiters)):
+            if not waiters or (ctx.pd and slots.decode_backlog()) or not ctx.fleet.has_room(PREFILL):
+                return
+            self._wake(PREFILL)
 
     def _client_stalled(self, event: ClientStalled) -> None:
         conn = self.clients.conns.get(event.conn)

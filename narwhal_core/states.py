@@ -8,17 +8,22 @@ import it (it imports no part).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
 from .errors import NarwhalError
 from .events import PromptTokenized
+from .ids import DECODE, PREFILL
 
 if TYPE_CHECKING:
     from .legs import Leg
 
-__all__ = ["State", "Input", "LegAnswer", "LegRefusal", "LegFailure", "PromptTokenized", "InputData"]
+__all__ = [
+    "State", "Input", "FollowUp", "WAKE", "LegAnswer", "LegRefusal", "LegFailure", "PromptTokenized", "InputData",
+]
 
 
 class State(enum.Enum):
@@ -72,6 +77,31 @@ class Input(enum.Enum):
     #: Shutdown's grace period ran out.
     ABANDON = "abandon"
 
+
+class FollowUp(enum.Enum):
+    """Work an event leaves for other requests, queued and done once the event is handled (docs/design.md).
+
+    The router does each one (the lifecycle fires the inputs it amounts to)
+    when it drains the queue, in the order queued: never inside the handler
+    of the request whose event caused it.
+    """
+
+    __hash__ = object.__hash__
+
+    #: A slot freed up on a prefill engine: the oldest request waiting for one takes it.
+    WAKE_PREFILL = "wake_prefill"
+    #: A slot freed up on a decode engine: the oldest request waiting for one takes it.
+    WAKE_DECODE = "wake_decode"
+    #: The decode backlog may be gone: start the prefills held back behind it.
+    WAKE_PREFILLS = "wake_prefills"
+    #: An admission slot freed up: admit queued requests while slots are free.
+    ADMIT = "admit"
+
+
+#: The follow-up of a slot freed on an engine of each phase.
+WAKE: Final[Mapping[str, FollowUp]] = MappingProxyType({
+    PREFILL: FollowUp.WAKE_PREFILL, DECODE: FollowUp.WAKE_DECODE,
+})
 
 
 @attrs.frozen
