@@ -12,7 +12,6 @@ its ``start_by``: its lease may have run out (docs/operate.md, "KV leases").
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from . import wire
@@ -88,16 +87,14 @@ class Kv:
 class KvLedger:
     """Handoffs, pulls and releases of prefilled KV; settles each release from its control answer."""
 
-    __slots__ = ("ctx", "releases", "warned_no_kv", "release_settled")
+    __slots__ = ("ctx", "releases", "warned_no_kv")
 
-    def __init__(self, ctx: Context, release_settled: Callable[[Request], None]) -> None:
+    def __init__(self, ctx: Context) -> None:
         self.ctx: Final = ctx
         #: Releases in flight, by control key.
         self.releases: dict[str, tuple[Request, Kv]] = {}
         #: Prefill engines already warned about answers without KV (see :meth:`no_handoff`).
         self.warned_no_kv: set[str] = set()
-        #: Called when one of a request's releases is settled.
-        self.release_settled: Final = release_settled
 
     # ---------------------------------------------------------------- handoffs
 
@@ -270,15 +267,18 @@ class KvLedger:
         entry = self.releases.get(key)
         return None if entry is None else entry[0]
 
-    def release_done(self, event: ControlDone) -> bool:
-        """Settle a release from its answer; ``False`` if ``event`` answers no release of ours."""
+    def release_done(self, event: ControlDone) -> Request | None:
+        """Settle a release from its answer: the request one of whose releases is settled.
+
+        ``None`` if ``event`` answers no release of ours. (The lifecycle
+        ends the request with its last release.)
+        """
         entry = self.releases.pop(event.key, None)
         if entry is None:
-            return False
+            return None
         req, kv = entry
         kv.outcome, kv.error = self.release_outcome(kv.method, event)
-        self.release_settled(req)
-        return True
+        return req
 
     def release_outcome(self, method: str | None, event: ControlDone) -> tuple[str, str | None]:
         """A release's KV outcome and error: ``released`` only when the engine confirmed it.

@@ -37,7 +37,7 @@ from .errors import NarwhalError, TransitionError
 from .events import PromptTokenized, TokenizePrompt
 from .ids import DECODE, PREFILL, Phase
 from .planning import merge_answers
-from .states import FollowUp, Input, InputData, LegAnswer, LegFailure, LegRefusal, State
+from .states import FollowUp, Input, InputData, LegAnswer, LegEnded, LegFailure, LegRefusal, State, Verdict
 
 if TYPE_CHECKING:
     from .context import Context
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .kv_policy import HeadProbe
     from .legs import Leg, Legs
     from .requests import Request, Requests
+    from .routing import Routing
     from .slots import SlotQueue
 
 __all__ = ["State", "Input", "LegAnswer", "LegRefusal", "LegFailure", "Lifecycle", "TRANSITIONS"]
@@ -59,6 +60,11 @@ _GIVE_UP: Final[Mapping[str, tuple[int, str]]] = MappingProxyType({
 })
 
 
+#: The input each leg verdict that carries data amounts to (:meth:`Lifecycle.judged`).
+_VERDICT_INPUT: Final[Mapping[type, Input]] = MappingProxyType({
+    LegFailure: Input.LEG_FAILED, LegAnswer: Input.LEG_OK, LegRefusal: Input.LEG_REFUSED,
+})
+
 #: A row's handler: the :class:`Lifecycle` method, unbound.
 Handler = Callable[["Lifecycle", "Request", Any], State]
 
@@ -68,15 +74,12 @@ class Lifecycle:
 
     __slots__ = ("ctx", "requests", "legs", "kv", "slots")
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, requests: Requests, legs: Legs, kv: KvLedger, slots: SlotQueue) -> None:
         self.ctx: Final = ctx
-
-    def connect(self, *, requests: Requests, legs: Legs, kv: KvLedger, slots: SlotQueue) -> None:
-        """The parts this one calls."""
-        self.requests = requests
-        self.legs = legs
-        self.kv = kv
-        self.slots = slots
+        self.requests: Final = requests
+        self.legs: Final = legs
+        self.kv: Final = kv
+        self.slots: Final = slots
 
     def fire(self, req: Request, event: Input, data: InputData = None) -> None:
         """Run the request's row for ``event``: its handler, then the state it returned (checked)."""
@@ -98,6 +101,29 @@ class Lifecycle:
         if req.state is not State.DONE:
             req.state = new_state
         if new_state is State.RELEASING and req.pending_releases == 0:
+            self.fire(req, Input.RELEASED)
+
+    def judged(self, leg: Leg, verdict: Verdict) -> None:
+        """Act on a leg's verdict (:mod:`~narwhal_core.answers`, :mod:`~narwhal_core.legs`).
+
+        ``FIRST_BYTES`` first when the leg's stream just sent the client its
+        first bytes: a failure after them ends the stream (docs/contract.md).
+        """
+        req = self.requests.active[leg.rid]
+        if leg.first_bytes:
+            leg.first_bytes = False
+            self.fire(req, Input.FIRST_BYTES)
+        if verdict is LegEnded.OK:
+            self.fire(req, Input.LEG_OK)
+        elif verdict is LegEnded.SETTLED:
+            self.release_settled(req)
+        elif verdict is not LegEnded.RELAYED:
+            self.fire(req, _VERDICT_INPUT[type(verdict)], verdict)
+
+    def release_settled(self, req: Request) -> None:
+        """One of the request's KV releases (or orphaned prefills) is settled; the last one ends it."""
+        req.pending_releases -= 1
+        if req.pending_releases == 0 and req.state is State.RELEASING:
             self.fire(req, Input.RELEASED)
 
     def fail_closed(self, req: Request, why: str) -> None:
@@ -226,41 +252,16 @@ class Lifecycle:
 
         A prompt too large to tokenize on the event loop is weighed from its
         head when that settles it (the head look's probe goes to the plan),
-        else tokenized first (:meth:`_tokenize`): its plan, progress record
+        else tokenized first (:func:`_tokenize`): its plan, progress record
         and first leg wait for ``TOKENIZED``.
         """
         req.admitted = True
-        tokenize, probe = self._head_look(req)
+        tokenize, probe = _head_look(self.ctx.routing, req)
         if tokenize:
-            return self._tokenize(req)
+            return _tokenize(self.ctx, req)
         plan = req.plan = self.ctx.routing.plan(req.accepted.body, req.route, req.size, probe=probe)
         self.requests.journal_admitted(req)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
-
-    def _head_look(self, req: Request) -> tuple[bool, HeadProbe | None]:
-        """Before the current prompt's plan: tokenize it whole first (off the loop), or what its head settled.
-
-        Only a prompt of more than ``routing.tokenize_inline_max_bytes`` is
-        looked at (docs/routing.md, "Tokenizing only what can hit"): any
-        other is ``(False, None)``, planned at once.
-        """
-        routing = self.ctx.routing
-        limit = routing.inline_max
-        if limit is None or _prompt_bytes(req) <= limit:
-            return False, None
-        probe = routing.probe_head(req.accepted.body, req.route)
-        return probe is None, probe
-
-    def _tokenize(self, req: Request) -> State:
-        """Ask the runtime for the current prompt's token ids, off the event loop (docs/routing.md).
-
-        The key names the request and the prompt (a batch's prompts are
-        tokenized one by one), so an answer that comes after the request
-        ended or moved on is told apart and ignored.
-        """
-        key = req.tokenizing = f"{req.rid}:{req.prompt}"
-        self.ctx.out.append(TokenizePrompt(key, dict(req.accepted.body), req.route == CHAT))
-        return State.TOKENIZING
 
     def tokenized(self, req: Request, event: PromptTokenized) -> State:
         """TOKENIZED: the prompt's token ids are here (or the tokenizer failed): route by them, start the leg."""
@@ -328,9 +329,9 @@ class Lifecycle:
         plan = req.plan
         assert plan is not None
         if plan.hashes is not None:
-            tokenize, probe = self._head_look(req)
+            tokenize, probe = _head_look(self.ctx.routing, req)
             if tokenize:
-                return self._tokenize(req)
+                return _tokenize(self.ctx, req)
             plan = req.plan = self.ctx.routing.replan(plan, req.accepted.body, req.route, probe=probe)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
 
@@ -451,6 +452,32 @@ class Lifecycle:
     def ignore(self, req: Request, _: None) -> State:
         """The client went, or the deadline passed, while KV releases settle: nothing changes."""
         return req.state
+
+
+def _head_look(routing: Routing, req: Request) -> tuple[bool, HeadProbe | None]:
+    """Before the current prompt's plan: tokenize it whole first (off the loop), or what its head settled.
+
+    Only a prompt of more than ``routing.tokenize_inline_max_bytes`` is
+    looked at (docs/routing.md, "Tokenizing only what can hit"): any
+    other is ``(False, None)``, planned at once.
+    """
+    limit = routing.inline_max
+    if limit is None or _prompt_bytes(req) <= limit:
+        return False, None
+    probe = routing.probe_head(req.accepted.body, req.route)
+    return probe is None, probe
+
+
+def _tokenize(ctx: Context, req: Request) -> State:
+    """Ask the runtime for the current prompt's token ids, off the event loop (docs/routing.md).
+
+    The key names the request and the prompt (a batch's prompts are
+    tokenized one by one), so an answer that comes after the request
+    ended or moved on is told apart and ignored.
+    """
+    key = req.tokenizing = f"{req.rid}:{req.prompt}"
+    ctx.out.append(TokenizePrompt(key, dict(req.accepted.body), req.route == CHAT))
+    return State.TOKENIZING
 
 
 def _prompt_bytes(req: Request) -> int:

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from .clients import Clients, Conn
     from .kv import Kv
     from .legs import Leg
-    from .lifecycle import Lifecycle
     from .relay import SseRelay
     from .policies import Plan
     from .timers import Timer
@@ -117,27 +116,28 @@ class Request:
 class Requests:
     """The completion requests not yet terminal, by rid; their admission, timers, answers and records."""
 
-    __slots__ = ("ctx", "active", "timer_actions", "shutdown_reported", "clients", "lifecycle")
+    __slots__ = ("ctx", "clients", "active", "timer_actions", "shutdown_reported")
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, clients: Clients, active: dict[str, Request]) -> None:
         self.ctx: Final = ctx
-        self.active: dict[str, Request] = {}
+        self.clients: Final = clients
+        #: The requests not yet terminal, by rid (the router makes the map; the parts that read it hold it too).
+        self.active: Final = active
         #: What each kind of request timer does when its time comes.
-        self.timer_actions: Final[dict[str, Callable[[Request], None]]] = {
+        #: (Each returns the request's input, which the router fires.)
+        self.timer_actions: Final[dict[str, Callable[[Request], Input | None]]] = {
             "deadline": self._deadline_passed, "queue": self._queue_wait_over,
             "wake": self._backoff_over, "lease": self._lease_running_short,
         }
         self.shutdown_reported = False
 
-    def connect(self, *, clients: Clients, lifecycle: Lifecycle) -> None:
-        """The parts this one calls."""
-        self.clients = clients
-        self.lifecycle = lifecycle
-
     # -------------------------------------------------------------- admission
 
-    def accept(self, conn: Conn, rid: str, route: Route, request: HttpRequest) -> None:
-        """A completion request arrived whole: check it, admit or queue it, or refuse it with its record."""
+    def accept(self, conn: Conn, rid: str, route: Route, request: HttpRequest) -> Request | None:
+        """A completion request arrived whole: check it, queue it, or refuse it with its record.
+
+        Returns the request when it is admitted at once (the router fires its ``ADMIT``).
+        """
         ctx = self.ctx
         clients = self.clients
         client_rid = sanitize_client_rid(request.header(b"x-request-id"))
@@ -145,7 +145,7 @@ class Requests:
             client = clients.auth.authenticate(request.headers, conn.peer_host)
         except AuthError as exc:
             clients.refuse(conn, rid, route, client_rid, None, "denied", exc)
-            return
+            return None
         try:
             accepted = check_request(
                 route, request.body, ctx.config.model_names, ctx.model,
@@ -153,7 +153,7 @@ class Requests:
             )
         except ContractError as exc:
             clients.refuse(conn, rid, route, client_rid, client, "invalid", exc)
-            return
+            return None
         # Tracing off and no traceparent: this header lookup is all tracing costs (docs/contract.md).
         trace = None
         start_trace = ctx.config.tracing.endpoint is not None
@@ -163,7 +163,7 @@ class Requests:
         if isinstance(decision, NarwhalError):
             clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
                            accepted=accepted, trace=trace)
-            return
+            return None
         req = Request(
             rid=rid, conn=conn, route=route, client=client, client_rid=client_rid,
             received=ctx.now, stream=accepted.stream, accepted=accepted, size=len(request.body), trace=trace,
@@ -172,9 +172,9 @@ class Requests:
         a = ctx.config.admission
         self.arm(req, "deadline", ctx.now + a.request_timeout_s)
         if decision == "admitted":
-            self.lifecycle.fire(req, Input.ADMIT)
-        else:
-            self.arm(req, "queue", ctx.now + a.queue_timeout_s)
+            return req
+        self.arm(req, "queue", ctx.now + a.queue_timeout_s)
+        return None
 
     def _admission(self, rid: str, client: str) -> AdmitDecision | NarwhalError:
         """``admitted`` or ``queued``; or why a checked request is refused (shutdown, no engine, limits)."""
@@ -204,16 +204,17 @@ class Requests:
             ctx.mode if plan is None else "pd" if plan.pd else "single", req.stream,
         ), False))
 
-    def tokenized(self, event: PromptTokenized) -> None:
-        """A prompt's token ids came back (docs/routing.md, "Tokenizing off the event loop").
+    def tokenized(self, event: PromptTokenized) -> Request | None:
+        """The request a prompt's token ids came back for (docs/routing.md, "Tokenizing off the event loop").
 
-        Ignored when its request has ended (its client left, its deadline
-        passed, shutdown) or is no longer waiting for this prompt's ids.
+        ``None`` when its request has ended (its client left, its deadline
+        passed, shutdown) or is no longer waiting for this prompt's ids: the
+        answer is ignored. Else the router fires the request's ``TOKENIZED``.
         """
         req = self.active.get(event.key.partition(":")[0])
         if req is None or req.state is not State.TOKENIZING or req.tokenizing != event.key:
-            return
-        self.lifecycle.fire(req, Input.TOKENIZED, event)
+            return None
+        return req
 
     # ----------------------------------------------------------------- timers
 
@@ -231,22 +232,27 @@ class Requests:
             if timer is not None:
                 timer.cancel()
 
-    def _deadline_passed(self, req: Request) -> None:
+    @staticmethod
+    def _deadline_passed(req: Request) -> Input:
         del req.timers["deadline"]
-        self.lifecycle.fire(req, Input.DEADLINE)
+        return Input.DEADLINE
 
-    def _queue_wait_over(self, req: Request) -> None:
+    @staticmethod
+    def _queue_wait_over(req: Request) -> Input:
         del req.timers["queue"]
-        self.lifecycle.fire(req, Input.QUEUE_TIMEOUT)
+        return Input.QUEUE_TIMEOUT
 
-    def _backoff_over(self, req: Request) -> None:
+    @staticmethod
+    def _backoff_over(req: Request) -> Input:
         del req.timers["wake"]
-        self.lifecycle.fire(req, Input.WAKE)
+        return Input.WAKE
 
-    def _lease_running_short(self, req: Request) -> None:
+    @staticmethod
+    def _lease_running_short(req: Request) -> Input | None:
         del req.timers["lease"]
         if req.state is State.DECODE_WAIT:
-            self.lifecycle.fire(req, Input.WAKE)  # its KV's lease runs short: start_phase prefills it again
+            return Input.WAKE  # its KV's lease runs short: start_phase prefills it again
+        return None
 
     # ---------------------------------------------------------------- answers
 
@@ -257,12 +263,13 @@ class Requests:
             return None
         return conn
 
-    def stream_out(self, req: Request, out: bytes) -> None:
-        """Relay a stream's bytes to the client (its head first, with FIRST_BYTES)."""
+    def stream_out(self, req: Request, out: bytes) -> bool:
+        """Relay a stream's bytes to the client (its head first); whether ``FIRST_BYTES`` is due now."""
         conn = self.live_conn(req)
         if conn is None:
-            return
+            return False
         clients = self.clients
+        first = False
         if not req.bytes_sent:
             req.bytes_sent = True
             req.first_byte = self.ctx.now
@@ -274,12 +281,13 @@ class Requests:
             clients.send(conn, conn.codec.send_stream_start(200, (
                 *_SSE_HEADERS, (b"x-request-id", req.rid.encode()),
             )))
-            self.lifecycle.fire(req, Input.FIRST_BYTES)
+            first = True
         elif req.state is State.DECODE:
             # A later prompt of a batch streams its first event: from now on
             # its decode leg cannot be retried (docs/operate.md, "Batch prompts").
-            self.lifecycle.fire(req, Input.FIRST_BYTES)
+            first = True
         clients.send(conn, conn.codec.send_stream_data(out))
+        return first
 
     def end_stream(self, req: Request) -> None:
         """The streamed answer is complete: ``completed``, or ``failed`` on the engine's in-stream error."""
@@ -364,12 +372,6 @@ class Requests:
         else:
             req.status = status
 
-    def release_settled(self, req: Request) -> None:
-        """One of the request's KV releases (or orphaned prefills) is settled; the last one ends it."""
-        req.pending_releases -= 1
-        if req.pending_releases == 0 and req.state is State.RELEASING:
-            self.lifecycle.fire(req, Input.RELEASED)
-
     def write_record(self, req: Request) -> None:
         """Journal the request's terminal record and count it; the request is done."""
         if req.terminal is None:
@@ -433,19 +435,13 @@ class Requests:
 
     # ------------------------------------------------------- clients and shutdown
 
-    def client_gone(self, conn: Conn) -> None:
-        """The connection went away: its request, if it has no answer yet, is cancelled."""
+    def unanswered(self, conn: Conn) -> Request | None:
+        """The request of a connection that went away, if it has no answer yet (the router fires ``CLIENT_GONE``)."""
         rid = conn.rid
-        if rid is not None:
-            req = self.active.get(rid)
-            if req is not None and not req.answered:
-                self.lifecycle.fire(req, Input.CLIENT_GONE)
-
-    def abandon_all(self) -> None:
-        """Shutdown's grace ran out: every request left ends now."""
-        for pending in list(self.active.values()):
-            if pending.state is not State.DONE:
-                self.lifecycle.fire(pending, Input.ABANDON)
+        if rid is None:
+            return None
+        req = self.active.get(rid)
+        return req if req is not None and not req.answered else None
 
     def check_drained(self) -> None:
         """While draining, the last terminal record completes the shutdown (once)."""

@@ -23,7 +23,7 @@ engines; the engine choice is :meth:`~narwhal_core.fleet.Fleet.choose`), and
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 
@@ -64,7 +64,7 @@ from .membership import Membership
 from .slots import SlotQueue
 from .lifecycle import Lifecycle
 from .requests import Request, Requests
-from .states import FollowUp, Input
+from .states import FollowUp, Input, State, Verdict
 
 if TYPE_CHECKING:
     from .kv_policy import PromptTokenizer
@@ -134,31 +134,22 @@ class Router:
         self.admission: Final = ctx.admission
         self.stats: Final = ctx.stats
         metrics = None if render_metrics is None else (lambda: render_metrics(self))
-        self.clients: Final = Clients(ctx, authenticator, metrics)
-        self.requests: Final = Requests(ctx)
-        self.lifecycle: Final = Lifecycle(ctx)
-        self.legs: Final = Legs(ctx)
-        self.answers: Final = Answers(ctx)
-        self.slots: Final = SlotQueue(self.requests.active)
-        self.kv: Final = KvLedger(ctx, self.requests.release_settled)
+        # Each part gets what it calls at construction, the lower ones first (docs/design.md,
+        # "The parts of the core"); the map of unfinished requests is the registry's, read by the others.
+        active: dict[str, Request] = {}
         self.health: Final = Health(ctx)
         self.load: Final = LoadReports(ctx)
-        self.membership: Final = Membership(ctx, self.health, self.load, self.kv, self.requests)
-        self._wire()
+        self.kv: Final = KvLedger(ctx)
+        self.membership: Final = Membership(ctx, self.health, self.load, self.kv, active)
+        self.clients: Final = Clients(ctx, authenticator, metrics, Admin(ctx, self.membership))
+        self.requests: Final = Requests(ctx, self.clients, active)
+        self.slots: Final = SlotQueue(active)
+        self.legs: Final = Legs(ctx, active, self.health, self.slots)
+        self.answers: Final = Answers(ctx, self.legs, self.requests, self.kv, self.health)
+        self.lifecycle: Final = Lifecycle(ctx, self.requests, self.legs, self.kv, self.slots)
         # Every engine is probed at once: /ready waits for answers (docs/operate.md).
         self.health.probe_all()
         self.load.scrape_all()
-
-    def _wire(self) -> None:
-        """Introduce the parts to the ones they call."""
-        clients, requests, lifecycle, legs, slots = self.clients, self.requests, self.lifecycle, self.legs, self.slots
-        clients.connect(requests=requests, admin=Admin(self._ctx, self.membership))
-        requests.connect(clients=clients, lifecycle=lifecycle)
-        lifecycle.connect(requests=requests, legs=legs, kv=self.kv, slots=slots)
-        legs.connect(requests=requests, lifecycle=lifecycle, health=self.health, slots=slots, answers=self.answers)
-        self.answers.connect(
-            legs=legs, requests=requests, lifecycle=lifecycle, kv=self.kv, health=self.health, slots=slots
-        )
 
     # ------------------------------------------------------------ public API
 
@@ -167,26 +158,35 @@ class Router:
         ctx = self._ctx
         ctx.now = now
         if isinstance(event, ClientData):
-            self.clients.data(event.conn, event.data)
+            gone = self.clients.data(event.conn, event.data)
+            if gone is not None:
+                self._client_gone(gone)
+            elif self.clients.arrived:
+                self._admit_arrivals()
         elif isinstance(event, LegData):
             leg = self.legs.running.get(event.leg)
             if leg is not None:
-                self.answers.data(leg, event.data)
+                verdict = self.answers.data(leg, event.data)
+                if verdict is not None:
+                    self.lifecycle.judged(leg, verdict)
+                    if leg.open and leg.outcome is not None:
+                        self.legs.read_tail(leg)  # [DONE] came: what follows is dropped
         elif isinstance(event, ClientConnected):
             self.clients.connected(event)
         elif isinstance(event, ClientGone):
             conn = self.clients.gone(event.conn)
             if conn is not None:
-                self.requests.client_gone(conn)
+                self._client_gone(conn)
         elif isinstance(event, ClientStalled):
             self._client_stalled(event)
         elif isinstance(event, LegFailed):
             leg = self.legs.running.get(event.leg)
             if leg is not None and leg.open:
-                self.legs.connection_lost(leg, event)
+                verdict = self.legs.connection_lost(leg, event)
+                if verdict is not None:
+                    self.lifecycle.judged(leg, verdict)
         elif isinstance(event, ControlDone):
-            if not self.kv.release_done(event) and not self.load.done(event):
-                self.health.probe_done(event)
+            self._control_done(event)
         elif isinstance(event, ShutdownRequested):
             self._begin_shutdown()
         elif isinstance(event, AuthenticatorChanged):
@@ -197,16 +197,15 @@ class Router:
         elif isinstance(event, EnginesChanged):
             self.membership.discovered(event)
         elif isinstance(event, JournalHealth):
-            if event.ok != ctx.journal_ok:
-                ctx.log("journal_ok" if event.ok else "journal_failed", message=event.message)
-            ctx.journal_ok = event.ok
-            ctx.journal_problem = event.message
+            self._journal_health(event)
         elif isinstance(event, KvEventsReceived):
             self._kv_events(event)
         elif isinstance(event, KvStreamChanged):
             self._kv_stream(event)
         elif isinstance(event, PromptTokenized):
-            self.requests.tokenized(event)
+            req = self.requests.tokenized(event)
+            if req is not None:
+                self.lifecycle.fire(req, Input.TOKENIZED, event)
         else:
             raise NarwhalError(f"unknown event {event!r}")
         if ctx.followups or self.clients.pump:
@@ -228,7 +227,13 @@ class Router:
         timer = timers.pop_due(now)
         followups = self._ctx.followups
         while timer is not None:
-            timer.action(timer.owner)
+            owner = timer.owner
+            verdict = timer.action(owner)
+            if verdict is not None:  # a request's input, or a leg's verdict
+                if isinstance(verdict, Input):
+                    self.lifecycle.fire(owner, verdict)
+                else:
+                    self.lifecycle.judged(owner, cast("Verdict", verdict))
             while followups:  # each timer's follow-ups are done before the next timer fires
                 self._follow_up_one(followups.popleft())
             timer = timers.pop_due(now)
@@ -324,6 +329,44 @@ class Router:
             if not clients.pump:
                 return
             clients.serve_pipelined()
+            if clients.arrived:
+                self._admit_arrivals()
+
+    def _journal_health(self, event: JournalHealth) -> None:
+        ctx = self._ctx
+        if event.ok != ctx.journal_ok:
+            ctx.log("journal_ok" if event.ok else "journal_failed", message=event.message)
+        ctx.journal_ok = event.ok
+        ctx.journal_problem = event.message
+
+    def _control_done(self, event: ControlDone) -> None:
+        settled = self.kv.release_done(event)
+        if settled is not None:
+            self.lifecycle.release_settled(settled)
+        elif not self.load.done(event):
+            self.health.probe_done(event)
+
+    def _admit_arrivals(self) -> None:
+        """Hand the completion requests read whole to admission; fire ``ADMIT`` for those admitted at once."""
+        arrived = self.clients.arrived
+        while arrived:
+            conn, rid, route, request = arrived.popleft()
+            req = self.requests.accept(conn, rid, route, request)
+            if req is not None:
+                self.lifecycle.fire(req, Input.ADMIT)
+
+    def _client_gone(self, conn: Conn) -> None:
+        """The connection went away: its request, if it has no answer yet, is cancelled."""
+        req = self.requests.unanswered(conn)
+        if req is not None:
+            self.lifecycle.fire(req, Input.CLIENT_GONE)
+
+    def _abandon_all(self) -> None:
+        """Shutdown's grace ran out: every request left ends now."""
+        fire = self.lifecycle.fire
+        for pending in list(self.requests.active.values()):
+            if pending.state is not State.DONE:
+                fire(pending, Input.ABANDON)
 
     def _follow_up_one(self, work: FollowUp) -> None:
         """Do one piece of the work an event left for other requests."""
@@ -443,8 +486,8 @@ class Router:
         if ctx.draining:
             # Asked again (a second signal): what is left is cut short now,
             # as when the grace period ends, KV releases included.
-            requests.abandon_all()
-            requests.abandon_all()
+            self._abandon_all()
+            self._abandon_all()
             requests.check_drained()
             return
         ctx.draining = True
@@ -456,5 +499,5 @@ class Router:
         requests.check_drained()
 
     def _grace_over(self, _: object) -> None:
-        self.requests.abandon_all()
+        self._abandon_all()
         self.requests.check_drained()

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from .legs import Leg
 
 __all__ = [
-    "State", "Input", "FollowUp", "WAKE", "LegAnswer", "LegRefusal", "LegFailure", "PromptTokenized", "InputData",
+    "State", "Input", "FollowUp", "WAKE", "LegAnswer", "LegRefusal", "LegFailure", "LegEnded", "Verdict",
+    "PromptTokenized", "InputData",
 ]
 
 
@@ -132,3 +133,21 @@ class LegFailure:
 
 #: What an input carries to its handler (``TOKENIZED``: the :class:`~narwhal_core.events.PromptTokenized` itself).
 InputData = LegAnswer | LegRefusal | LegFailure | PromptTokenized | None
+
+
+class LegEnded(enum.Enum):
+    """A leg's verdict that carries nothing (the others are :class:`LegAnswer`, :class:`LegRefusal`, :class:`LegFailure`)."""
+
+    __hash__ = object.__hash__
+
+    #: The leg's answer is good and complete (``LEG_OK``; a whole decode answer is a :class:`LegAnswer`).
+    OK = "ok"
+    #: An orphaned prefill (its client went away) ended: one of its request's releases is settled.
+    SETTLED = "settled"
+    #: No input but ``FIRST_BYTES``, if the stream's first bytes just went to the client.
+    RELAYED = "relayed"
+
+
+#: What the engine's side of a leg amounts to for its request: the parts that read legs return it,
+#: the lifecycle acts on it (:meth:`~narwhal_core.lifecycle.Lifecycle.judged`).
+Verdict = LegAnswer | LegRefusal | LegFailure | LegEnded
