@@ -25,14 +25,16 @@ from .planning import (
     unsupported_transfer_mode,
 )
 from .relay import SseRelay
-from .states import LegAnswer, LegEnded, LegFailure, LegRefusal, State, Verdict
+from .states import State
+from .verdicts import LegAnswer, LegEnded, LegFailure, LegRefusal, Verdict
 
 if TYPE_CHECKING:
     from .context import Context
-    from .fleet import Health
+    from .health import Health
     from .kv import KvLedger
-    from .legs import Leg, Legs
-    from .requests import Request, Requests
+    from .inflight import Leg, Request
+    from .legs import Legs
+    from .requests import Requests
 
 __all__ = ["Answers"]
 

@@ -26,6 +26,7 @@ from .errors import AuthError, NarwhalError, RemoteProtocolError
 from .events import ClientConnected, CloseClient, Transmit
 from .http import NEED_DATA, ConnectionClosed, ContinueExpected, HttpRequest, ServerCodec
 from .ids import sanitize_client_rid
+from .inflight import Conn
 from .journal import Terminal
 
 if TYPE_CHECKING:
@@ -39,36 +40,6 @@ _CLOSE: Final = (b"connection", b"close")
 _COMPLETION_ROUTES: Final[Mapping[str, Route]] = MappingProxyType({COMPLETIONS: COMPLETIONS, CHAT: CHAT})
 _GET_ROUTES: Final = frozenset({"/v1/models", "/health", "/ready", "/metrics"})
 _Headers = tuple[tuple[bytes, bytes], ...]
-
-
-class Conn:
-    """One client connection."""
-
-    __slots__ = (
-        "handle", "codec", "peer_host", "rid", "read_deadline", "timer", "armed", "closed", "reading",
-        "body_phase", "buffered", "stalled",
-    )
-
-    def __init__(self, handle: Hashable, codec: ServerCodec, peer_host: str) -> None:
-        self.handle = handle
-        self.codec = codec
-        self.peer_host = peer_host
-        #: The request being answered (``None``: between requests).
-        self.rid: str | None = None
-        #: When the connection gives up waiting for the client (lazy timer).
-        self.read_deadline = 0.0
-        self.timer: Timer | None = None
-        self.armed = 0.0
-        self.closed = False
-        #: Bytes of a next request have arrived.
-        self.reading = False
-        #: Its head is parsed: the body timeout now applies.
-        self.body_phase = False
-        #: Bytes of unfinished requests its codec holds, as last counted.
-        self.buffered = 0
-        #: The adapter holds back the legs feeding it: it is not reading
-        #: (:class:`~narwhal_core.events.ClientStalled`).
-        self.stalled = False
 
 
 class Clients:

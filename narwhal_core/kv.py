@@ -18,12 +18,12 @@ from . import wire
 from .context import JSON_HEADER, Context
 from .events import ControlDone, StartControl
 from .ids import DECODE, backend_id
+from .inflight import Kv
 from .planning import KvHandoff, decode_body, release_body, release_said, release_unconfirmed
 
 if TYPE_CHECKING:
     from .fleet import EngineState
-    from .legs import Leg
-    from .requests import Request
+    from .inflight import Leg, Request
 
 __all__ = ["Kv", "KvLedger", "LEASE_SHORT", "NOTHING_HELD"]
 
@@ -51,37 +51,6 @@ _LEASE_ERA_KEYS: Final = ("transfer_mode", "remote_blocks_expiry_time")
 _LEASE_START_SHARE: Final = 2.0 / 3.0
 #: Failures that mean a control request never reached the engine (nothing was sent).
 _NOT_SENT: Final = ("connection refused", "DNS failure", "connection failed", "connect timeout")
-
-
-class Kv:
-    """One prefill's handoff and what became of it (the ``kv`` of the leg's record)."""
-
-    __slots__ = ("handoff", "engine", "leg", "outcome", "method", "error", "release_id", "start_by")
-
-    def __init__(self, handoff: KvHandoff, engine: EngineState, leg: str) -> None:
-        self.handoff = handoff
-        self.engine = engine
-        self.leg = leg
-        self.outcome: str | None = None
-        self.method: str | None = None
-        self.error: str | None = None
-        self.release_id: str | None = None
-        #: No decode request (leg or release) carries this KV from then on:
-        #: its lease may run out before it gets there (see Legs.may_resend).
-        self.start_by = math.inf
-
-    def decode_request_id(self) -> str | None:
-        """The ``X-Request-Id`` every decode request carrying this KV needs; ``None``: its own backend ID.
-
-        Params without ``remote_request_id`` (vLLM's NIXL connector version 1,
-        before 0.14): the decode engine names the blocks to free by its own
-        request ID, which the prefill engine knows only when both legs were
-        sent the same ``X-Request-Id`` (docs/operate.md, "vLLM compatibility").
-        """
-        params = self.handoff.params
-        if params is None or isinstance(params.get("remote_request_id"), str):
-            return None
-        return self.leg
 
 
 class KvLedger:

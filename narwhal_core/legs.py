@@ -19,15 +19,17 @@ from .errors import RemoteProtocolError
 from .events import CancelLeg, FinishLeg, LegFailed, StartLeg
 from .http import NEED_DATA, EngineCodec, ResponseEnd
 from .ids import DECODE, PREFILL, Phase, backend_id
+from .inflight import Leg
 from .journal import LegOutcome
 from .planning import decode_body, prefill_body
-from .states import WAKE, LegEnded, LegFailure, Verdict
+from .states import WAKE
+from .verdicts import LegEnded, LegFailure, Verdict
 
 if TYPE_CHECKING:
     from .context import Context
-    from .fleet import EngineState, Health
-    from .kv import Kv
-    from .requests import Request
+    from .fleet import EngineState
+    from .health import Health
+    from .inflight import Kv, Request
     from .slots import SlotQueue
     from .timers import Timer
 
@@ -35,56 +37,6 @@ __all__ = ["Leg", "Legs"]
 
 # Leg outcomes that say nothing about the engine's health.
 _NO_VERDICT: Final = frozenset({"cancelled", "local_error"})
-
-
-class Leg:
-    """One engine request of a completion request (a leg of its terminal record)."""
-
-    __slots__ = (
-        "bid", "phase", "attempt", "engine", "codec", "rid", "started", "data", "deadline", "timer", "armed",
-        "status", "body", "outcome", "ended", "kv", "open", "streaming", "got_bytes", "fresh_retry", "orphan",
-        "held", "prompt", "tokens", "request_id", "first_bytes",
-    )
-
-    def __init__(
-        self, bid: str, phase: Phase, attempt: int, engine: EngineState, codec: EngineCodec, rid: str,
-        started: float, data: bytes, deadline: float,
-    ) -> None:  # fmt: skip
-        self.bid = bid
-        self.phase = phase
-        self.attempt = attempt
-        self.engine = engine
-        self.codec = codec
-        self.rid = rid
-        self.started = started
-        self.data = data
-        self.deadline = deadline
-        self.timer: Timer | None = None
-        self.armed = 0.0
-        self.status: int | None = None
-        self.body: list[bytes] = []
-        self.outcome: LegOutcome | None = None
-        self.ended: float | None = None
-        self.kv: Kv | None = None
-        self.open = True
-        self.streaming = False
-        self.got_bytes = False
-        self.fresh_retry = False
-        #: A prefill leg left running after its client went away, so that the KV
-        #: it may already hold can be named and released.
-        self.orphan = False
-        #: Held back by the adapter for a client that is not reading
-        #: (:class:`~narwhal_core.events.ClientStalled`): its time limit does not run.
-        self.held = False
-        #: The batch prompt it serves (``None``: a one-prompt request).
-        self.prompt: int | None = None
-        #: A prefill leg: its prompt's estimated tokens, counted in its engine's queue while it runs.
-        self.tokens = 0
-        #: The ``X-Request-Id`` sent when it is not ``bid``: a decode leg carrying
-        #: connector-1 KV is sent the prefill leg's (see Kv.decode_request_id).
-        self.request_id: str | None = None
-        #: Its stream's first bytes just went to the client: ``FIRST_BYTES`` is due with its verdict.
-        self.first_bytes = False
 
 
 class Legs:

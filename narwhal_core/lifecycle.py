@@ -37,14 +37,16 @@ from .errors import NarwhalError, TransitionError
 from .events import PromptTokenized, TokenizePrompt
 from .ids import DECODE, PREFILL, Phase
 from .planning import merge_answers
-from .states import FollowUp, Input, InputData, LegAnswer, LegEnded, LegFailure, LegRefusal, State, Verdict
+from .states import FollowUp, Input, State
+from .verdicts import InputData, LegAnswer, LegEnded, LegFailure, LegRefusal, Verdict
 
 if TYPE_CHECKING:
     from .context import Context
-    from .kv import Kv, KvLedger
+    from .inflight import Kv, Leg, Request
+    from .kv import KvLedger
     from .kv_policy import HeadProbe
-    from .legs import Leg, Legs
-    from .requests import Request, Requests
+    from .legs import Legs
+    from .requests import Requests
     from .routing import Routing
     from .slots import SlotQueue
 

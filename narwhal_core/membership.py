@@ -24,10 +24,11 @@ from .ids import PREFILL, Phase
 
 if TYPE_CHECKING:
     from .context import Context
-    from .fleet import EngineState, Health
+    from .fleet import EngineState
+    from .health import Health
     from .kv import KvLedger
     from .load import LoadReports
-    from .requests import Request
+    from .inflight import Request
     from .timers import Timer
 
 __all__ = ["Membership", "SWEEP_S"]

@@ -24,18 +24,15 @@ from .errors import ContractError, NarwhalError
 from .events import PromptTokenized, ShutdownComplete, WriteJournal
 from .fleet import AdmitDecision
 from .http import HttpRequest
-from .ids import DECODE, PREFILL, Phase, sanitize_client_rid
+from .ids import DECODE, PREFILL, sanitize_client_rid
+from .inflight import Conn, Leg, Request
 from .journal import ErrorRecord, LegOutcome, Terminal
 from .states import Input, State
 from .tracecontext import TraceContext, read_trace_context
 
 if TYPE_CHECKING:
-    from .clients import Clients, Conn
-    from .kv import Kv
-    from .legs import Leg
-    from .relay import SseRelay
+    from .clients import Clients
     from .policies import Plan
-    from .timers import Timer
 
 __all__ = ["Request", "Requests"]
 
@@ -43,74 +40,6 @@ _SSE_HEADERS: Final = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
 )
-
-
-class Request:
-    """One completion request, from admission to its terminal record."""
-
-    __slots__ = (
-        "rid", "conn", "route", "client", "client_rid", "received", "stream", "accepted", "state", "attempts",
-        "failed_on", "leg", "legs", "kv", "pending_releases", "admitted", "answered", "bytes_sent",
-        "first_byte", "relay", "retry_phase", "pulled_cached_tokens", "waiting_for_slot", "terminal",
-        "status", "error", "usage", "timers", "plain_decode", "prompts", "prompt", "answers", "prompt_base",
-        "size", "plan", "trace", "tokenizing",
-    )
-
-    def __init__(
-        self, rid: str, conn: Conn | None, route: Route, client: str, client_rid: str | None,
-        received: float, stream: bool, accepted: AcceptedRequest, size: int = 0,
-        trace: TraceContext | None = None,
-    ) -> None:  # fmt: skip
-        self.rid = rid
-        self.conn = conn
-        self.route = route
-        self.client = client
-        self.client_rid = client_rid
-        self.received = received
-        self.stream = stream
-        self.accepted = accepted
-        self.state = State.QUEUED
-        self.attempts: dict[str, int] = {PREFILL: 0, DECODE: 0}
-        self.failed_on: dict[str, list[Any]] = {PREFILL: [], DECODE: []}
-        self.leg: Leg | None = None
-        self.legs: list[Leg] = []
-        self.kv: Kv | None = None
-        self.pending_releases = 0
-        self.admitted = False
-        self.answered = False
-        self.bytes_sent = False
-        self.first_byte: float | None = None
-        self.relay: SseRelay | None = None
-        self.retry_phase: Phase = PREFILL
-        #: ``cached_tokens`` of the prefill whose KV the decode leg pulled.
-        self.pulled_cached_tokens: int | None = None
-        self.waiting_for_slot = False
-        self.terminal: Terminal | None = None
-        self.status: int | None = None
-        self.error: ErrorRecord | None = None
-        self.usage: dict[str, Any] | None = None
-        self.timers: dict[str, Timer] = {}
-        #: The last prefill handed off no KV: the decode leg runs as a plain
-        #: request (docs/operate.md, "Prefill answers without KV").
-        self.plain_decode = False
-        #: A batch's prompts (``None``: one prompt), served one after another;
-        #: ``prompt`` is the current one's index, ``answers`` the finished
-        #: ones' answers (not streamed), ``prompt_base`` the attempts per
-        #: phase before the current prompt began (docs/operate.md, "Batch prompts").
-        self.prompts: list[Any] | None = accepted.prompts
-        self.prompt = 0
-        self.answers: list[dict[str, Any]] = []
-        self.prompt_base: dict[str, int] = {PREFILL: 0, DECODE: 0}
-        #: The request body's size in bytes (the routing estimates tokens from it).
-        self.size = size
-        #: How it is routed, decided at admission (:meth:`narwhal_core.routing.Routing.plan`).
-        self.plan: Plan | None = None
-        if self.prompts is not None:
-            accepted.body["prompt"] = self.prompts[0]
-        #: The W3C trace its legs carry on (``None``: no traceparent, tracing off; docs/contract.md).
-        self.trace = trace
-        #: The key of the :class:`~narwhal_core.events.TokenizePrompt` it waits for (state ``TOKENIZING``).
-        self.tokenizing: str | None = None
 
 
 class Requests:

@@ -14,7 +14,7 @@ the routes that are not completions), :class:`~narwhal_core.requests.Requests`
 (the request lifecycle table and its handlers), :class:`~narwhal_core.legs.Legs`
 and :class:`~narwhal_core.answers.Answers` (engine legs and their answers),
 :class:`~narwhal_core.slots.SlotQueue` (requests waiting for an engine's slot), :class:`~narwhal_core.kv.KvLedger` (prefilled KV and
-its release), :class:`~narwhal_core.fleet.Health` (probes and verdicts on
+its release), :class:`~narwhal_core.health.Health` (probes and verdicts on
 engines; the engine choice is :meth:`~narwhal_core.fleet.Fleet.choose`), and
 :class:`~narwhal_core.timers.Timers`. They share one
 :class:`~narwhal_core.context.Context`.
@@ -53,7 +53,8 @@ from .events import (
     PromptTokenized,
     ShutdownRequested,
 )
-from .fleet import Health
+from .fleet import Admission, Fleet
+from .health import Health
 from .ids import DECODE, PREFILL, Phase
 from .http import Codec, CodecLike
 from .kv import LEASE_SHORT, NOTHING_HELD, KvLedger
@@ -64,7 +65,9 @@ from .membership import Membership
 from .slots import SlotQueue
 from .lifecycle import Lifecycle
 from .requests import Request, Requests
-from .states import FollowUp, Input, State, Verdict
+from .routing import Routing, make_policy
+from .states import FollowUp, Input, State
+from .verdicts import Verdict
 
 if TYPE_CHECKING:
     from .kv_policy import PromptTokenizer
@@ -124,12 +127,18 @@ class Router:
         tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.config: Final = config
+        fleet = _fleet(config, tokenizer)
+        a = config.admission
         ctx = self._ctx = Context(
-            config,
+            config, fleet=fleet, routing=Routing(config.routing, fleet),
+            admission=Admission(
+                max_inflight=a.max_inflight, queue_size=a.queue_size, per_client_max_inflight=a.per_client_max_inflight,
+            ),
             codec=Codec() if codec is None else codec,  # a codec of its own: its line memory is this router's
             rid_source=rid_source, engine_api_key=engine_api_key, wall_offset=wall_offset, now=now,
-            tokenizer=tokenizer,
         )
+        # A policy that ages what it knows (kv) reads the time of the event being handled from the context.
+        fleet.policy.bind(ctx, ctx.log)
         self.fleet: Final = ctx.fleet
         self.admission: Final = ctx.admission
         self.stats: Final = ctx.stats
@@ -501,3 +510,18 @@ class Router:
     def _grace_over(self, _: object) -> None:
         self._abandon_all()
         self.requests.check_drained()
+
+
+def _fleet(config: Config, tokenizer: PromptTokenizer | None) -> Fleet:
+    """The configured engines, with the routing policy the configuration names."""
+    e = config.engine
+    return Fleet(
+        e.prefill_engines,
+        e.decode_engines,
+        max_inflight_per_engine=e.max_inflight_per_engine,
+        unhealthy_after=config.health.unhealthy_after,
+        healthy_after=config.health.healthy_after,
+        kv_host_allowed=e.kv_host_allowed,
+        policy=make_policy(config.routing, tokenizer),
+        pd=bool(e.prefill_engines) or config.discovery.may_prefill(e.discovery),
+    )

@@ -17,7 +17,7 @@ from .ids import DECODE, PREFILL, Phase
 from .states import State
 
 if TYPE_CHECKING:
-    from .requests import Request
+    from .inflight import Request
 
 __all__ = ["SlotQueue"]
 

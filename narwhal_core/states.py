@@ -1,8 +1,9 @@
-"""The words of a request's lifecycle: its states, its inputs, and what the inputs carry.
+"""The words of a request's lifecycle: its states, its inputs, and the follow-up work an event leaves.
 
 :mod:`~narwhal_core.lifecycle` holds the table of (state, input) -> handler
 and the handlers; this module only names things, so that every part can
-import it (it imports no part).
+import it (it imports no part). What the inputs carry is in
+:mod:`~narwhal_core.verdicts`.
 """
 
 from __future__ import annotations
@@ -10,21 +11,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final
+from typing import Final
 
-import attrs
-
-from .errors import NarwhalError
-from .events import PromptTokenized
 from .ids import DECODE, PREFILL
 
-if TYPE_CHECKING:
-    from .legs import Leg
-
-__all__ = [
-    "State", "Input", "FollowUp", "WAKE", "LegAnswer", "LegRefusal", "LegFailure", "LegEnded", "Verdict",
-    "PromptTokenized", "InputData",
-]
+__all__ = ["State", "Input", "FollowUp", "WAKE"]
 
 
 class State(enum.Enum):
@@ -103,51 +94,3 @@ class FollowUp(enum.Enum):
 WAKE: Final[Mapping[str, FollowUp]] = MappingProxyType({
     PREFILL: FollowUp.WAKE_PREFILL, DECODE: FollowUp.WAKE_DECODE,
 })
-
-
-@attrs.frozen
-class LegAnswer:
-    """``LEG_OK`` with a whole (not streamed) decode answer, normalised."""
-
-    answer: dict[str, Any]
-
-
-@attrs.frozen
-class LegRefusal:
-    """``LEG_REFUSED``: the engine judged the request itself bad (a 4xx that is the client's)."""
-
-    error: NarwhalError
-    leg: Leg
-
-
-@attrs.frozen
-class LegFailure:
-    """``LEG_FAILED``: why the current leg failed, and, for an unusable prefill answer, the error."""
-
-    reason: str
-    leg: Leg
-    error: NarwhalError | None = None
-    #: Not worth a retry: every engine of the fleet would answer the same (the request fails with ``error``).
-    final: bool = False
-
-
-#: What an input carries to its handler (``TOKENIZED``: the :class:`~narwhal_core.events.PromptTokenized` itself).
-InputData = LegAnswer | LegRefusal | LegFailure | PromptTokenized | None
-
-
-class LegEnded(enum.Enum):
-    """A leg's verdict that carries nothing (the others are :class:`LegAnswer`, :class:`LegRefusal`, :class:`LegFailure`)."""
-
-    __hash__ = object.__hash__
-
-    #: The leg's answer is good and complete (``LEG_OK``; a whole decode answer is a :class:`LegAnswer`).
-    OK = "ok"
-    #: An orphaned prefill (its client went away) ended: one of its request's releases is settled.
-    SETTLED = "settled"
-    #: No input but ``FIRST_BYTES``, if the stream's first bytes just went to the client.
-    RELAYED = "relayed"
-
-
-#: What the engine's side of a leg amounts to for its request: the parts that read legs return it,
-#: the lifecycle acts on it (:meth:`~narwhal_core.lifecycle.Lifecycle.judged`).
-Verdict = LegAnswer | LegRefusal | LegFailure | LegEnded
