@@ -1,5 +1,10 @@
 """The core's parts form a tree (docs/design.md, "The parts of the core", "Follow-up work").
 
+No circle among the core's modules, their imports for annotations only
+(under ``TYPE_CHECKING``) counted too; the router and the lifecycle at the
+top; ``fire`` called only by the lifecycle and the router's dispatch; no
+part introduced to another after construction (no ``connect()``).
+
 Work an event leaves for *other* requests (wake a slot waiter, admit from
 the admission queue) goes on the one follow-up queue, which the router
 drains once the event is handled: no handler runs inside another request's
@@ -10,10 +15,13 @@ the lifecycle's ``fire`` is watched while it does.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from hypothesis import settings
 
 from narwhal_core.lifecycle import Lifecycle
@@ -21,8 +29,70 @@ from narwhal_core.router import Router
 from narwhal_core.states import Input
 from narwhal_core.timers import Timers
 
+from ..helpers import REPO
 from .router_driver import COMPLETIONS, DECODE_URLS, PREFILL_URLS, Driver, completion_body
 from .test_router_machine import RouterMachine
+
+_spec = importlib.util.spec_from_file_location("code_shape", REPO / "benchmarks" / "code_shape.py")
+assert _spec is not None and _spec.loader is not None
+code_shape = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(code_shape)
+
+#: The engine choice and the routing policies that weigh it, one layer (docs/design.md,
+#: "The parts of the core"): the fleet hands its choice to the policy, the policy reads the fleet's engines.
+ENGINE_CHOICE = frozenset({"narwhal_core.fleet", "narwhal_core.policies", "narwhal_core.kv_policy"})
+#: The only modules that fire a request's lifecycle input.
+FIRES = frozenset({"narwhal_core.lifecycle", "narwhal_core.router"})
+#: The top of the tree: nothing in the core imports them but the package's face (and the router, the lifecycle).
+TOP = {"narwhal_core.router": {"narwhal_core"}, "narwhal_core.lifecycle": {"narwhal_core.router"}}
+
+
+def core_modules() -> dict[str, Any]:
+    return dict(code_shape.modules(REPO, ("narwhal_core",)))
+
+
+def core_graph() -> dict[str, set[str]]:
+    """Module -> the core modules it imports, at run time or for annotations (``TYPE_CHECKING``)."""
+    found = core_modules()
+    known = set(found)
+    return {name: code_shape.imports(name, path, known, type_only=True) for name, path in found.items()}
+
+
+def test_no_circle_among_the_core_modules_annotations_counted() -> None:
+    graph = core_graph()
+    assert len(graph) > 40, sorted(graph)
+
+    def node(name: str) -> str:
+        return "engine choice" if name in ENGINE_CHOICE else name
+
+    layers: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        layers.setdefault(node(name), set()).update(node(d) for d in deps if node(d) != node(name))
+    assert code_shape.cycles(layers) == []
+    # (Every other module is checked too: the engine choice's own circle is the only one allowed.)
+    assert [sorted(c) for c in code_shape.cycles(graph)] in ([], [sorted(ENGINE_CHOICE)])
+
+
+def test_the_router_and_the_lifecycle_are_at_the_top() -> None:
+    graph = core_graph()
+    for top, allowed in TOP.items():
+        importers = {name for name, deps in graph.items() if top in deps}
+        assert importers <= allowed, (top, importers - allowed)
+
+
+def test_only_the_lifecycle_and_the_router_fire_and_no_part_is_connected_later() -> None:
+    fires: set[str] = set()
+    connects: list[str] = []
+    for name, path in core_modules().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for call in ast.walk(tree):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "fire":
+                fires.add(name)
+            if isinstance(call, ast.FunctionDef) and call.name == "connect":
+                connects.append(name)
+    assert fires == FIRES
+    assert connects == []
+
 
 #: Inputs the router's own dispatch fires for every request at once (shutdown's grace ran out).
 _BROADCAST = frozenset({Input.ABANDON})
@@ -90,7 +160,10 @@ class FireWatch:
             watch.new_event()  # each timer is an event of its own
             return pop_due(timers, now)
 
-        Lifecycle.fire = watched_fire  # type: ignore[method-assign]
+        try:
+            Lifecycle.fire = watched_fire  # type: ignore[method-assign]
+        except TypeError:  # a compiled (mypyc) class: the pure rerun of test_core_builds runs this
+            pytest.skip("the compiled core's lifecycle cannot be watched")
         Router._follow_up_one = watched_follow_up  # type: ignore[method-assign]
         Router._follow_up = watched_drain  # type: ignore[method-assign]
         Router.receive = watched_receive  # type: ignore[method-assign]
