@@ -2,12 +2,13 @@
 
 :class:`Answers` reads what an engine sends on a leg through the leg's
 codec, relays a streamed answer to the client as it comes (rewritten by
-:class:`~narwhal_core.relay.SseRelay`), judges the whole answer and feeds
-the request's lifecycle the input it amounts to (``LEG_OK``,
-``LEG_REFUSED``, ``LEG_FAILED``). After a stream's ``[DONE]`` it keeps the
-connection read to the end of the engine's body (the "tail"), so that the
-connection can go back to the pool. An orphaned prefill's answer (its
-client went away) names the KV to release.
+:class:`~narwhal_core.relay.SseRelay`), judges the whole answer and returns
+the leg's verdict (:mod:`~narwhal_core.verdicts`), which the router hands to
+the lifecycle (``LEG_OK``, ``LEG_REFUSED``, ``LEG_FAILED``). After a
+stream's ``[DONE]`` the connection is read to the end of the engine's body
+(:meth:`~narwhal_core.legs.Legs.read_tail`), so that it can go back to the
+pool. An orphaned prefill's answer (its client went away) names the KV to
+release.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""What the router's parts share: the configuration, the clock's last reading, the command queue.
+"""What the router's parts share: the configuration, the clock's last reading, the command and follow-up queues.
 
 The :class:`~narwhal_core.router.Router` is a dispatcher over parts with one
 job each (``docs/design.md``, "The parts of the core"): client connections
 (:mod:`~narwhal_core.clients`), the request registry and its answers
 (:mod:`~narwhal_core.requests`), the lifecycle handlers
 (:mod:`~narwhal_core.lifecycle`), engine legs (:mod:`~narwhal_core.legs`),
-the KV ledger (:mod:`~narwhal_core.kv`), engine health and choice
-(:mod:`~narwhal_core.fleet`) and timers (:mod:`~narwhal_core.timers`). Each
+the KV ledger (:mod:`~narwhal_core.kv`), engine health
+(:mod:`~narwhal_core.health`) and choice (:mod:`~narwhal_core.fleet`) and timers (:mod:`~narwhal_core.timers`). Each
 owns its state; what all of them read or append to is here, in one
 :class:`Context` the router builds and every part holds. The fleet, the
 admission limits and the routing are built by the router and handed in.

@@ -3,10 +3,12 @@
 :class:`Legs` starts a request's leg on the engine the fleet chose, keeps
 its time limit (suspended while the adapter holds it back for a client that
 is not reading), and accounts for its end on its engine: load, health
-verdict, the request's current leg. It also keeps the prefill legs left
-running for a client that went away so that their KV can be released (the
-"orphans"), and makes the one re-send of a leg whose pooled connection the
-engine had closed. What the engine answers is :mod:`~narwhal_core.answers`'.
+verdict, the request's current leg; a failed leg's verdict is returned for
+the lifecycle to act on. It reads a finished stream's connection to the end
+of its body (the "tail"), keeps the prefill legs left running for a client
+that went away so that their KV can be released (the "orphans"), and makes
+the one re-send of a leg whose pooled connection the engine had closed.
+What the engine answers is :mod:`~narwhal_core.answers`'.
 """
 
 from __future__ import annotations

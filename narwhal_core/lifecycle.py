@@ -171,8 +171,10 @@ class Lifecycle:
         followups = self.ctx.followups
         if req.admitted:
             req.admitted = False
-            self.ctx.admission.release(req.client)
-            followups.append(FollowUp.ADMIT)
+            admission = self.ctx.admission
+            admission.release(req.client)
+            if admission.queue:
+                followups.append(FollowUp.ADMIT)
         req.conn = None
         self.requests.disarm(req, "deadline", "queue", "wake", "lease")
         if self.slots.waiting[PREFILL]:

@@ -11,13 +11,16 @@ The router is a dispatcher over parts with one job each (docs/design.md,
 "The parts of the core"): :class:`~narwhal_core.clients.Clients` (client connections and
 the routes that are not completions), :class:`~narwhal_core.requests.Requests`
 (admission, answers, terminal records), :class:`~narwhal_core.lifecycle.Lifecycle`
-(the request lifecycle table and its handlers), :class:`~narwhal_core.legs.Legs`
+(the request lifecycle table and its handlers, the one part that changes a
+request's state), :class:`~narwhal_core.legs.Legs`
 and :class:`~narwhal_core.answers.Answers` (engine legs and their answers),
 :class:`~narwhal_core.slots.SlotQueue` (requests waiting for an engine's slot), :class:`~narwhal_core.kv.KvLedger` (prefilled KV and
 its release), :class:`~narwhal_core.health.Health` (probes and verdicts on
 engines; the engine choice is :meth:`~narwhal_core.fleet.Fleet.choose`), and
 :class:`~narwhal_core.timers.Timers`. They share one
-:class:`~narwhal_core.context.Context`.
+:class:`~narwhal_core.context.Context`. The parts below the lifecycle return
+values and verdicts that the router hands to it; the work an event leaves
+for other requests waits on one queue, drained once the event is handled.
 """
 
 from __future__ import annotations
