@@ -48,7 +48,8 @@ CYTHON = (
 #: Python's semantics for such classes, and compiled them into slower code than
 #: the interpreter's (benchmarks/README.md, "Which modules are compiled").
 MYPYC = (
-    "answers", "clients", "context", "fleet", "kv", "legs", "lifecycle", "requests", "router", "slots", "timers",
+    "answers", "clients", "context", "fleet", "health", "inflight", "kv", "legs", "lifecycle", "requests", "router",
+    "slots", "timers",
 )
 
 #: The shared library mypyc builds the code of all of :data:`MYPYC` into

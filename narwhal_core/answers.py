@@ -2,12 +2,13 @@
 
 :class:`Answers` reads what an engine sends on a leg through the leg's
 codec, relays a streamed answer to the client as it comes (rewritten by
-:class:`~narwhal_core.relay.SseRelay`), judges the whole answer and feeds
-the request's lifecycle the input it amounts to (``LEG_OK``,
-``LEG_REFUSED``, ``LEG_FAILED``). After a stream's ``[DONE]`` it keeps the
-connection read to the end of the engine's body (the "tail"), so that the
-connection can go back to the pool. An orphaned prefill's answer (its
-client went away) names the KV to release.
+:class:`~narwhal_core.relay.SseRelay`), judges the whole answer and returns
+the leg's verdict (:mod:`~narwhal_core.verdicts`), which the router hands to
+the lifecycle (``LEG_OK``, ``LEG_REFUSED``, ``LEG_FAILED``). After a
+stream's ``[DONE]`` the connection is read to the end of the engine's body
+(:meth:`~narwhal_core.legs.Legs.read_tail`), so that it can go back to the
+pool. An orphaned prefill's answer (its client went away) names the KV to
+release.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Final
 
 from . import wire
 from .errors import NarwhalError, RemoteProtocolError
-from .events import CancelLeg, FinishLeg
+from .events import FinishLeg
 from .http import NEED_DATA, BodyData, ResponseEnd, ResponseHead
 from .ids import DECODE, PREFILL
 from .journal import LegOutcome
@@ -25,16 +26,16 @@ from .planning import (
     unsupported_transfer_mode,
 )
 from .relay import SseRelay
-from .states import Input, LegAnswer, LegFailure, LegRefusal, State
+from .states import State
+from .verdicts import LegAnswer, LegEnded, LegFailure, LegRefusal, Verdict
 
 if TYPE_CHECKING:
     from .context import Context
-    from .fleet import Health
+    from .health import Health
     from .kv import KvLedger
-    from .legs import Leg, Legs
-    from .lifecycle import Lifecycle
-    from .requests import Request, Requests
-    from .slots import SlotQueue
+    from .inflight import Leg, Request
+    from .legs import Legs
+    from .requests import Requests
 
 __all__ = ["Answers"]
 
@@ -47,48 +48,46 @@ _NOT_THE_CLIENTS: Final = frozenset({401, 403, 404, 408, 429})
 
 
 class Answers:
-    """What the engines answer on the legs: read, relayed, judged."""
+    """What the engines answer on the legs: read, relayed, judged; each leg's verdict returned."""
 
-    __slots__ = ("ctx", "legs", "requests", "lifecycle", "kv", "health", "slots")
+    __slots__ = ("ctx", "active", "legs", "requests", "kv", "health")
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, legs: Legs, requests: Requests, kv: KvLedger, health: Health) -> None:
         self.ctx: Final = ctx
+        self.legs: Final = legs
+        self.requests: Final = requests
+        #: The requests not yet terminal, by rid.
+        self.active: Final = requests.active
+        self.kv: Final = kv
+        self.health: Final = health
 
-    def connect(
-        self, *, legs: Legs, requests: Requests, lifecycle: Lifecycle, kv: KvLedger, health: Health, slots: SlotQueue
-    ) -> None:
-        """The parts this one calls."""
-        self.legs = legs
-        self.requests = requests
-        self.lifecycle = lifecycle
-        self.kv = kv
-        self.health = health
-        self.slots = slots
+    def data(self, leg: Leg, data: bytes) -> Verdict | None:
+        """Bytes of the leg's answer arrived (empty: the engine closed its side): the leg's verdict, if it has one.
 
-    def data(self, leg: Leg, data: bytes) -> None:
-        """Bytes of the leg's answer arrived (empty: the engine closed its side)."""
+        The lifecycle acts on the verdict (:meth:`~narwhal_core.lifecycle.Lifecycle.judged`);
+        a stream whose ``[DONE]`` came is then read to its end (:meth:`~narwhal_core.legs.Legs.read_tail`).
+        """
         if data:
             leg.got_bytes = True  # the engine saw the request: never re-send it
         codec = leg.codec
         codec.receive_data(data)
         if leg.outcome is not None:
-            self.read_tail(leg)
-            return
-        req = self.requests.active[leg.rid]
+            self.legs.read_tail(leg)
+            return None
+        req = self.active[leg.rid]
         while leg.open:
             try:
                 event = codec.next_event()
             except RemoteProtocolError as exc:
-                self.legs.fail_leg(leg, "dropped" if exc.reason == "dropped" else "bad_response")
-                return
+                return self.legs.fail_leg(leg, "dropped" if exc.reason == "dropped" else "bad_response")
             if event is NEED_DATA:
-                return
+                break
             kind = type(event)
             if kind is BodyData:
                 if leg.streaming:
-                    if self.relay(req, leg, event.data) and leg.open:  # type: ignore[union-attr]
-                        self.read_tail(leg)  # [DONE] came: what follows is dropped
-                        return
+                    verdict = self.relay(req, leg, event.data)  # type: ignore[union-attr]
+                    if verdict is not None:
+                        return verdict  # [DONE] came (what follows is dropped), or the stream broke
                 else:
                     leg.body.append(event.data)  # type: ignore[union-attr]
             elif kind is ResponseHead:
@@ -96,8 +95,8 @@ class Answers:
             elif kind is ResponseEnd:
                 leg.open = False
                 self.ctx.out.append(FinishLeg(leg.bid, event.reusable))  # type: ignore[union-attr]
-                self.answered(req, leg)
-                return
+                return self.answered(req, leg)
+        return LegEnded.RELAYED if leg.first_bytes else None
 
     def _head(self, req: Request, leg: Leg, status: int) -> None:
         leg.status = status
@@ -126,45 +125,43 @@ class Answers:
             # at the first data event (relay).
             self.kv.pulled(req, kv)
 
-    def relay(self, req: Request, leg: Leg, data: bytes) -> bool:
+    def relay(self, req: Request, leg: Leg, data: bytes) -> Verdict | None:
         """Relay a streamed answer's bytes to the client, rewritten (:class:`~narwhal_core.relay.SseRelay`).
 
-        Returns whether the leg's outcome is now settled (``[DONE]`` came, or
-        the stream broke): read here, as the caller's view of ``leg.outcome``
-        is from before this call.
+        Returns the leg's verdict once its outcome is settled (``[DONE]``
+        came, or the stream broke), else ``None``.
         """
         relay = req.relay
         assert relay is not None
         try:
             out = relay.feed(data)
         except NarwhalError:
-            if relay.good_before_error:
-                self.requests.stream_out(req, relay.good_before_error)
-            self.legs.fail_leg(leg, "bad_response")
-            return True
+            if relay.good_before_error and self.requests.stream_out(req, relay.good_before_error):
+                leg.first_bytes = True
+            return self.legs.fail_leg(leg, "bad_response")
         # (limit(phase, True), read directly: this runs once per relayed chunk)
         self.legs.set_deadline(leg, self.ctx.now + self.ctx.config.engine.stream_idle_timeout_s)
         kv = req.kv
         if kv is not None and relay.events and relay.error is None:
             # The first data event: the decode engine sampled a token, so it had the KV.
             self.kv.pulled(req, kv)
-        if out:
-            self.requests.stream_out(req, out)
+        if out and self.requests.stream_out(req, out):
+            leg.first_bytes = True  # FIRST_BYTES is due (the lifecycle fires it with the verdict)
         if relay.done and leg.outcome is None:
-            self.stream_done(req, leg)
-        return leg.outcome is not None
+            return self.stream_done(req, leg)
+        return None
 
-    def stream_done(self, req: Request, leg: Leg) -> None:
-        """``data: [DONE]`` is relayed: the client's answer is complete.
+    def stream_done(self, req: Request, leg: Leg) -> Verdict:
+        """``data: [DONE]`` is relayed: the client's answer is complete (``LEG_OK``).
 
         Its chunked body ends now and the request is ``completed``, whenever
         the engine's body ends (a client such as the openai SDK closes as
         soon as it reads ``[DONE]``). The leg is done too; its connection is
         still read, what comes is dropped, and it goes back to the pool if
         the body ends cleanly within the stream idle limit, else it is
-        closed (:meth:`read_tail`).
+        closed (:meth:`~narwhal_core.legs.Legs.read_tail`).
         """
-        # The leg's outcome is settled; it stays in self.running (fed LegData
+        # The leg's outcome is settled; it stays in legs.running (fed LegData
         # and LegFailed) and counts against its engine until its body ends.
         ctx = self.ctx
         leg.outcome = "ok"
@@ -175,10 +172,11 @@ class Answers:
             req.leg = None
         self.legs.set_deadline(leg, ctx.now + ctx.config.engine.stream_idle_timeout_s)
         if req.state is State.STREAMING or req.state is State.DECODE:
-            self.lifecycle.fire(req, Input.LEG_OK)
+            return LegEnded.OK
+        return LegEnded.RELAYED
 
-    def answered(self, req: Request, leg: Leg) -> None:
-        """The leg's whole answer is in: judge it, and feed the request the input it amounts to."""
+    def answered(self, req: Request, leg: Leg) -> Verdict | None:
+        """The leg's whole answer is in: judge it; the verdict it amounts to."""
         status = leg.status or 0
         body = b"".join(leg.body)
         leg.body = []
@@ -187,39 +185,35 @@ class Answers:
             # An engine quoting the credential it was sent must not hand it on.
             body = body.replace(secret, _REDACTED)
         if leg.orphan:
-            self.orphan_answered(req, leg, status, body)
-        elif not 200 <= status < 300:
+            return self.orphan_answered(req, leg, status, body)
+        if not 200 <= status < 300:
             if 400 <= status < 500 and status not in _NOT_THE_CLIENTS:
                 self.legs.record_end(leg, "refused")
-                self.lifecycle.fire(req, Input.LEG_REFUSED, LegRefusal(engine_error(status, body), leg))
-            else:
-                self._failed(req, leg, "http_error")
-        elif leg.phase == PREFILL:
-            self._prefill_answered(req, leg, body)
-        elif leg.streaming:
+                return LegRefusal(engine_error(status, body), leg)
+            return self._failed(leg, "http_error")
+        if leg.phase == PREFILL:
+            return self._prefill_answered(req, leg, body)
+        if leg.streaming:
             relay = req.relay
             assert relay is not None
             if relay.done or (relay.events and relay.error is not None):
                 self.legs.record_end(leg, "ok")
-                self.lifecycle.fire(req, Input.LEG_OK)
-            else:
-                self._failed(req, leg, "bad_response")
-        else:
-            self._decode_answered(req, leg, body)
+                return LegEnded.OK
+            return self._failed(leg, "bad_response")
+        return self._decode_answered(req, leg, body)
 
-    def _failed(self, req: Request, leg: Leg, reason: LegOutcome, error: NarwhalError | None = None) -> None:
+    def _failed(self, leg: Leg, reason: LegOutcome, error: NarwhalError | None = None) -> Verdict:
         self.legs.record_end(leg, reason, failed=True)
-        self.lifecycle.fire(req, Input.LEG_FAILED, LegFailure(reason, leg, error))
+        return LegFailure(reason, leg, error)
 
-    def _prefill_answered(self, req: Request, leg: Leg, body: bytes) -> None:
+    def _prefill_answered(self, req: Request, leg: Leg, body: bytes) -> Verdict:
         try:
             handoff = check_prefill_answer(
                 body, leg.bid, self.health.kv_host_allowed,
                 require_request_id=self.ctx.stats.kv_connector.get(leg.engine.url) == 2,
             )
         except PrefillAnswerError as exc:
-            self._failed(req, leg, "bad_kv", exc)
-            return
+            return self._failed(leg, "bad_kv", exc)
         if handoff.params is not None:
             self.kv.note_connector(leg.engine.url, handoff.params)
             mode = unsupported_transfer_mode(handoff.params)
@@ -228,68 +222,31 @@ class Answers:
                 # (docs/operate.md, "vLLM compatibility").
                 self.kv.refuse_mode(leg, handoff, mode)
                 self.legs.record_end(leg, "bad_kv")
-                self.lifecycle.fire(req, Input.LEG_FAILED, LegFailure("bad_kv", leg, transfer_mode_error(mode), True))
-                return
+                return LegFailure("bad_kv", leg, transfer_mode_error(mode), True)
         self.legs.record_end(leg, "ok")
         if handoff.params is None:
             self.kv.no_handoff(req, leg, handoff)
         else:
             req.plain_decode = False
             self.kv.handed_off(req, leg, handoff)
-        self.lifecycle.fire(req, Input.LEG_OK)
+        return LegEnded.OK
 
-    def _decode_answered(self, req: Request, leg: Leg, body: bytes) -> None:
+    def _decode_answered(self, req: Request, leg: Leg, body: bytes) -> Verdict:
         try:
             answer = wire.loads_answer(body)
         except wire.JsonError:
             answer = None
         if not isinstance(answer, dict):
-            self._failed(req, leg, "bad_response")
-            return
+            return self._failed(leg, "bad_response")
         self.legs.record_end(leg, "ok")
         ctx = self.ctx
         normalise_answer(
             req.route, answer, ctx.model, pd=_pd(req), cached_tokens=req.pulled_cached_tokens,
         )
-        self.lifecycle.fire(req, Input.LEG_OK, LegAnswer(answer))
+        return LegAnswer(answer)
 
-    # ----------------------------------------------------------------- tails
-
-    def read_tail(self, leg: Leg) -> None:
-        """Read a finished stream's leg to the end of its body, dropping what comes (see :meth:`stream_done`)."""
-        codec = leg.codec
-        while leg.open:
-            try:
-                event = codec.next_event()
-            except RemoteProtocolError:
-                self.drop_tail(leg)
-                return
-            if event is NEED_DATA:
-                return
-            if type(event) is ResponseEnd:
-                leg.open = False
-                self.ctx.out.append(FinishLeg(leg.bid, event.reusable))
-                self._tail_ended(leg)
-                return
-
-    def drop_tail(self, leg: Leg) -> None:
-        """Close a finished stream's leg whose body did not end cleanly (no verdict on the engine)."""
-        if leg.open:
-            leg.open = False
-            self.ctx.out.append(CancelLeg(leg.bid))
-        self._tail_ended(leg)
-
-    def _tail_ended(self, leg: Leg) -> None:
-        if self.legs.running.pop(leg.bid, None) is None:
-            return
-        if leg.timer is not None:
-            leg.timer.cancel()
-            leg.timer = None
-        self.ctx.fleet.leg_ended(leg.engine, leg.tokens)
-        if self.slots.waiting[leg.phase]:
-            self.slots.wake(leg.phase)
-
-    def orphan_answered(self, req: Request, leg: Leg, status: int, body: bytes) -> None:
+    def orphan_answered(self, req: Request, leg: Leg, status: int, body: bytes) -> Verdict:
+        """An orphaned prefill's answer: the KV it names is released; one of its request's releases is settled."""
         if 200 <= status < 300:
             try:
                 handoff = check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
@@ -309,8 +266,7 @@ class Answers:
                     self.kv.release(req)
         else:
             self.legs.record_end(leg, "refused" if 400 <= status < 500 else "http_error", failed=status >= 500)
-        self.requests.release_settled(req)
-
+        return LegEnded.SETTLED
 
 
 def _pd(req: Request) -> bool:

@@ -7,11 +7,13 @@ bytes of unfinished requests held across connections, answers the routes
 that are not completions (``/health``, ``/ready``, ``/metrics``,
 ``/v1/models``, an unknown route) and every refusal before admission, with
 its terminal record when it names a completion route (docs/operate.md).
-Completion requests read whole go to :class:`~narwhal_core.requests.Requests`.
+Completion requests read whole wait in :attr:`Clients.arrived`; the router
+hands them to :class:`~narwhal_core.requests.Requests` (admission).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
@@ -24,11 +26,11 @@ from .errors import AuthError, NarwhalError, RemoteProtocolError
 from .events import ClientConnected, CloseClient, Transmit
 from .http import NEED_DATA, ConnectionClosed, ContinueExpected, HttpRequest, ServerCodec
 from .ids import sanitize_client_rid
+from .inflight import Conn
 from .journal import Terminal
 
 if TYPE_CHECKING:
     from .admin import Admin
-    from .requests import Requests
     from .tracecontext import TraceContext
     from .timers import Timer
 
@@ -40,48 +42,24 @@ _GET_ROUTES: Final = frozenset({"/v1/models", "/health", "/ready", "/metrics"})
 _Headers = tuple[tuple[bytes, bytes], ...]
 
 
-class Conn:
-    """One client connection."""
-
-    __slots__ = (
-        "handle", "codec", "peer_host", "rid", "read_deadline", "timer", "armed", "closed", "reading",
-        "body_phase", "buffered", "stalled",
-    )
-
-    def __init__(self, handle: Hashable, codec: ServerCodec, peer_host: str) -> None:
-        self.handle = handle
-        self.codec = codec
-        self.peer_host = peer_host
-        #: The request being answered (``None``: between requests).
-        self.rid: str | None = None
-        #: When the connection gives up waiting for the client (lazy timer).
-        self.read_deadline = 0.0
-        self.timer: Timer | None = None
-        self.armed = 0.0
-        self.closed = False
-        #: Bytes of a next request have arrived.
-        self.reading = False
-        #: Its head is parsed: the body timeout now applies.
-        self.body_phase = False
-        #: Bytes of unfinished requests its codec holds, as last counted.
-        self.buffered = 0
-        #: The adapter holds back the legs feeding it: it is not reading
-        #: (:class:`~narwhal_core.events.ClientStalled`).
-        self.stalled = False
-
-
 class Clients:
     """The client connections, by the adapter's handle; what they send and what they are answered."""
 
-    __slots__ = ("ctx", "conns", "pump", "buffered", "max_buffered", "auth", "metrics", "retry_after", "requests",
+    __slots__ = ("ctx", "conns", "pump", "arrived", "buffered", "max_buffered", "auth", "metrics", "retry_after",
                  "admin")
 
-    def __init__(self, ctx: Context, authenticator: Authenticator, metrics: Callable[[], bytes] | None) -> None:
+    def __init__(
+        self, ctx: Context, authenticator: Authenticator, metrics: Callable[[], bytes] | None,
+        admin: Admin | None = None,
+    ) -> None:
         self.ctx: Final = ctx
         self.conns: dict[Hashable, Conn] = {}
         #: Connections whose response just finished: serve their next
         #: (pipelined) request once the current event is handled.
         self.pump: list[Conn] = []
+        #: Completion requests read whole, oldest first, for the router to hand to admission
+        #: (:meth:`~narwhal_core.requests.Requests.accept`): connection, rid, route, request.
+        self.arrived: deque[tuple[Conn, str, Route, HttpRequest]] = deque()
         #: Bytes of unfinished requests held across client connections, and their bound.
         self.buffered = 0
         self.max_buffered: Final = ctx.config.ingress.max_buffered_bytes
@@ -89,12 +67,8 @@ class Clients:
         #: Renders ``/metrics`` (``None``: not available).
         self.metrics: Final = metrics
         self.retry_after: Final = str(ctx.config.admission.retry_after_s).encode()
-        self.admin: Admin | None = None
-
-    def connect(self, *, requests: Requests, admin: Admin | None = None) -> None:
-        """The parts this one calls (``admin``: the admin API, docs/operate.md)."""
-        self.requests = requests
-        self.admin = admin
+        #: The admin API (docs/operate.md); ``None``: its routes are unknown.
+        self.admin: Final = admin
 
     # ------------------------------------------------------------- connections
 
@@ -115,21 +89,24 @@ class Clients:
         conn.reading = True  # a new client must send its request head promptly
         self.wait_for_request(conn, i.header_timeout_s)
 
-    def data(self, handle: Hashable, data: bytes) -> None:
-        """Bytes from a client (empty: it closed its side)."""
+    def data(self, handle: Hashable, data: bytes) -> Conn | None:
+        """Bytes from a client (empty: it closed its side); the connection, if it left while its request runs.
+
+        (The router then ends that request.) A completion request read whole waits in :attr:`arrived`.
+        """
         conn = self.conns.get(handle)
         if conn is None:
-            return
+            return None
         if not data and conn.rid is not None:
             # The client closed its side while its request runs: it is gone.
             self.conns.pop(handle, None)
             self.close_client(conn)
-            self.requests.client_gone(conn)
-            return
+            return conn
         conn.codec.receive_data(data)
         if conn.rid is None:
             self.next_request(conn)
         self.count_buffered(conn)
+        return None
 
     def gone(self, handle: Hashable) -> Conn | None:
         """The adapter reports the connection gone; the connection, if it was ours."""
@@ -301,7 +278,7 @@ class Clients:
         route = _COMPLETION_ROUTES.get(path)
         if route is not None:
             if request.method == "POST":
-                self.requests.accept(conn, rid, route, request)
+                self.arrived.append((conn, rid, route, request))  # the router hands it to admission
             else:
                 # A completion route: journalled like every request to it (docs/contract.md).
                 error = NarwhalError(

@@ -1,14 +1,15 @@
-"""What the router's parts share: the configuration, the clock's last reading, the command queue.
+"""What the router's parts share: the configuration, the clock's last reading, the command and follow-up queues.
 
 The :class:`~narwhal_core.router.Router` is a dispatcher over parts with one
 job each (``docs/design.md``, "The parts of the core"): client connections
 (:mod:`~narwhal_core.clients`), the request registry and its answers
 (:mod:`~narwhal_core.requests`), the lifecycle handlers
 (:mod:`~narwhal_core.lifecycle`), engine legs (:mod:`~narwhal_core.legs`),
-the KV ledger (:mod:`~narwhal_core.kv`), engine health and choice
-(:mod:`~narwhal_core.fleet`) and timers (:mod:`~narwhal_core.timers`). Each
+the KV ledger (:mod:`~narwhal_core.kv`), engine health
+(:mod:`~narwhal_core.health`) and choice (:mod:`~narwhal_core.fleet`) and timers (:mod:`~narwhal_core.timers`). Each
 owns its state; what all of them read or append to is here, in one
-:class:`Context` the router builds and every part holds.
+:class:`Context` the router builds and every part holds. The fleet, the
+admission limits and the routing are built by the router and handed in.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from .fleet import Admission, Fleet
 from .http import CodecLike
 from .ids import DECODE, PREFILL, Phase
 from .journal import ErrorRecord
-from .routing import Routing, make_policy
+from .routing import Routing
+from .states import FollowUp
 from .stats import Stats
 from .timers import Timers
 
 if TYPE_CHECKING:
-    from .kv_policy import PromptTokenizer
-    from .legs import Leg
+    from .inflight import Leg
 
 __all__ = ["Context", "JSON_HEADER", "error_record"]
 
@@ -43,37 +44,26 @@ class Context:
     """The parts' common ground: read by all, and the one queue of commands they append to."""
 
     __slots__ = (
-        "config", "out", "timers", "stats", "fleet", "admission", "now", "wall_offset", "model", "mode", "pd",
+        "config", "out", "followups", "timers", "stats", "fleet", "admission", "now", "wall_offset", "model", "mode", "pd",
         "first_phase", "routing", "phases", "codec", "new_rid", "auth_header", "secret", "draining", "journal_ok",
         "journal_problem", "shortages", "shortage_logged",
     )
 
     def __init__(
-        self, config: Config, *, codec: CodecLike, rid_source: Callable[[], str], engine_api_key: str | None,
-        wall_offset: float, now: float, tokenizer: PromptTokenizer | None = None,
+        self, config: Config, *, fleet: Fleet, admission: Admission, routing: Routing, codec: CodecLike,
+        rid_source: Callable[[], str], engine_api_key: str | None, wall_offset: float, now: float,
     ) -> None:  # fmt: skip
         self.config: Final = config
         #: The commands for the adapter, in order (:meth:`Router.next_output` drains them).
         self.out: Final[deque[Command]] = deque()
+        #: Work an event leaves for other requests, done once the event is handled
+        #: (:meth:`Router.receive` and :meth:`Router.handle_deadline` drain it; docs/design.md, "Follow-up work").
+        self.followups: Final[deque[FollowUp]] = deque()
         self.timers: Final = Timers()
         self.stats: Final = Stats()
-        e = config.engine
-        self.fleet: Final = Fleet(
-            e.prefill_engines,
-            e.decode_engines,
-            max_inflight_per_engine=e.max_inflight_per_engine,
-            unhealthy_after=config.health.unhealthy_after,
-            healthy_after=config.health.healthy_after,
-            kv_host_allowed=e.kv_host_allowed,
-            policy=make_policy(config.routing, tokenizer),
-            pd=bool(e.prefill_engines) or config.discovery.may_prefill(e.discovery),
-        )
-        a = config.admission
-        self.admission: Final = Admission(
-            max_inflight=a.max_inflight,
-            queue_size=a.queue_size,
-            per_client_max_inflight=a.per_client_max_inflight,
-        )
+        #: The engines, their health and load, and the routing policy (the router builds them).
+        self.fleet: Final = fleet
+        self.admission: Final = admission
         #: The time of the event being handled (the adapter passes it in: ``now=``).
         self.now = now
         self.wall_offset = wall_offset
@@ -81,7 +71,7 @@ class Context:
         #: Prefill engines are configured (a request may be disaggregated).
         self.pd: Final = self.fleet.pd
         #: Each request's plan at admission: ``pd`` or ``single`` (docs/configure.md, ``[routing]``).
-        self.routing: Final = Routing(config.routing, self.fleet)
+        self.routing: Final = routing
         disaggregated = self.pd and config.routing.mode != "never"
         #: The mode a request refused before admission is journalled with (admitted ones: their plan's).
         self.mode: Final = "pd" if disaggregated else "single"
@@ -101,8 +91,6 @@ class Context:
         #: Local shortages (out of descriptors...) since the last log line about them, and its time.
         self.shortages = 0
         self.shortage_logged = -math.inf
-        # A policy that ages what it knows (kv) reads the time of the event being handled here.
-        self.fleet.policy.bind(self, self.log)
 
     def wall(self) -> float:
         """The wall-clock time of ``now``, to the microsecond."""

@@ -12,19 +12,18 @@ its ``start_by``: its lease may have run out (docs/operate.md, "KV leases").
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from . import wire
 from .context import JSON_HEADER, Context
 from .events import ControlDone, StartControl
 from .ids import DECODE, backend_id
+from .inflight import Kv
 from .planning import KvHandoff, decode_body, release_body, release_said, release_unconfirmed
 
 if TYPE_CHECKING:
     from .fleet import EngineState
-    from .legs import Leg
-    from .requests import Request
+    from .inflight import Leg, Request
 
 __all__ = ["HOLD_UNREAD", "Kv", "KvLedger", "LEASE_SHORT", "NOTHING_HELD"]
 
@@ -77,53 +76,18 @@ def _renewed(params: dict[str, Any] | None) -> bool:
     return any(key in params for key in _LEASE_ERA_KEYS) and params.get("tp_size") is not None
 
 
-class Kv:
-    """One prefill's handoff and what became of it (the ``kv`` of the leg's record)."""
-
-    __slots__ = ("handoff", "engine", "leg", "outcome", "method", "error", "release_id", "start_by", "hold_ends")
-
-    def __init__(self, handoff: KvHandoff, engine: EngineState, leg: str) -> None:
-        self.handoff = handoff
-        self.engine = engine
-        self.leg = leg
-        self.outcome: str | None = None
-        self.method: str | None = None
-        self.error: str | None = None
-        self.release_id: str | None = None
-        #: No decode request (leg or release) carries this KV from then on:
-        #: its lease may run out before it gets there (see Legs.may_resend).
-        self.start_by = math.inf
-        #: When nothing renews the KV's hold: a decode leg that has not read
-        #: it by then is cancelled (Lifecycle.hold_ending); ``inf`` otherwise.
-        self.hold_ends = math.inf
-
-    def decode_request_id(self) -> str | None:
-        """The ``X-Request-Id`` every decode request carrying this KV needs; ``None``: its own backend ID.
-
-        Params without ``remote_request_id`` (vLLM's NIXL connector version 1,
-        before 0.14): the decode engine names the blocks to free by its own
-        request ID, which the prefill engine knows only when both legs were
-        sent the same ``X-Request-Id`` (docs/operate.md, "vLLM compatibility").
-        """
-        params = self.handoff.params
-        if params is None or isinstance(params.get("remote_request_id"), str):
-            return None
-        return self.leg
-
 
 class KvLedger:
     """Handoffs, pulls and releases of prefilled KV; settles each release from its control answer."""
 
-    __slots__ = ("ctx", "releases", "warned_no_kv", "release_settled")
+    __slots__ = ("ctx", "releases", "warned_no_kv")
 
-    def __init__(self, ctx: Context, release_settled: Callable[[Request], None]) -> None:
+    def __init__(self, ctx: Context) -> None:
         self.ctx: Final = ctx
         #: Releases in flight, by control key.
         self.releases: dict[str, tuple[Request, Kv]] = {}
         #: Prefill engines already warned about answers without KV (see :meth:`no_handoff`).
         self.warned_no_kv: set[str] = set()
-        #: Called when one of a request's releases is settled.
-        self.release_settled: Final = release_settled
 
     # ---------------------------------------------------------------- handoffs
 
@@ -299,15 +263,18 @@ class KvLedger:
         entry = self.releases.get(key)
         return None if entry is None else entry[0]
 
-    def release_done(self, event: ControlDone) -> bool:
-        """Settle a release from its answer; ``False`` if ``event`` answers no release of ours."""
+    def release_done(self, event: ControlDone) -> Request | None:
+        """Settle a release from its answer: the request one of whose releases is settled.
+
+        ``None`` if ``event`` answers no release of ours. (The lifecycle
+        ends the request with its last release.)
+        """
         entry = self.releases.pop(event.key, None)
         if entry is None:
-            return False
+            return None
         req, kv = entry
         kv.outcome, kv.error = self.release_outcome(kv.method, event)
-        self.release_settled(req)
-        return True
+        return req
 
     def release_outcome(self, method: str | None, event: ControlDone) -> tuple[str, str | None]:
         """A release's KV outcome and error: ``released`` only when the engine confirmed it.

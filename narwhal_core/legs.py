@@ -3,31 +3,35 @@
 :class:`Legs` starts a request's leg on the engine the fleet chose, keeps
 its time limit (suspended while the adapter holds it back for a client that
 is not reading), and accounts for its end on its engine: load, health
-verdict, the request's current leg. It also keeps the prefill legs left
-running for a client that went away so that their KV can be released (the
-"orphans"), and makes the one re-send of a leg whose pooled connection the
-engine had closed. What the engine answers is :mod:`~narwhal_core.answers`'.
+verdict, the request's current leg; a failed leg's verdict is returned for
+the lifecycle to act on. It reads a finished stream's connection to the end
+of its body (the "tail"), keeps the prefill legs left running for a client
+that went away so that their KV can be released (the "orphans"), and makes
+the one re-send of a leg whose pooled connection the engine had closed.
+What the engine answers is :mod:`~narwhal_core.answers`'.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
 from . import wire
-from .events import CancelLeg, LegFailed, StartLeg
-from .http import EngineCodec
+from .errors import RemoteProtocolError
+from .events import CancelLeg, FinishLeg, LegFailed, StartLeg
+from .http import NEED_DATA, EngineCodec, ResponseEnd
 from .ids import DECODE, PREFILL, Phase, backend_id
+from .inflight import Leg
 from .journal import LegOutcome
 from .planning import decode_body, prefill_body
-from .states import Input, LegFailure
+from .states import WAKE
+from .verdicts import LegEnded, LegFailure, Verdict
 
 if TYPE_CHECKING:
-    from .answers import Answers
     from .context import Context
-    from .fleet import EngineState, Health
-    from .kv import Kv
-    from .lifecycle import Lifecycle
-    from .requests import Request, Requests
+    from .fleet import EngineState
+    from .health import Health
+    from .inflight import Kv, Request
     from .slots import SlotQueue
     from .timers import Timer
 
@@ -37,73 +41,19 @@ __all__ = ["Leg", "Legs"]
 _NO_VERDICT: Final = frozenset({"cancelled", "local_error"})
 
 
-class Leg:
-    """One engine request of a completion request (a leg of its terminal record)."""
-
-    __slots__ = (
-        "bid", "phase", "attempt", "engine", "codec", "rid", "started", "data", "deadline", "timer", "armed",
-        "status", "body", "outcome", "ended", "kv", "open", "streaming", "got_bytes", "fresh_retry", "orphan",
-        "held", "prompt", "tokens", "request_id",
-    )
-
-    def __init__(
-        self, bid: str, phase: Phase, attempt: int, engine: EngineState, codec: EngineCodec, rid: str,
-        started: float, data: bytes, deadline: float,
-    ) -> None:  # fmt: skip
-        self.bid = bid
-        self.phase = phase
-        self.attempt = attempt
-        self.engine = engine
-        self.codec = codec
-        self.rid = rid
-        self.started = started
-        self.data = data
-        self.deadline = deadline
-        self.timer: Timer | None = None
-        self.armed = 0.0
-        self.status: int | None = None
-        self.body: list[bytes] = []
-        self.outcome: LegOutcome | None = None
-        self.ended: float | None = None
-        self.kv: Kv | None = None
-        self.open = True
-        self.streaming = False
-        self.got_bytes = False
-        self.fresh_retry = False
-        #: A prefill leg left running after its client went away, so that the KV
-        #: it may already hold can be named and released.
-        self.orphan = False
-        #: Held back by the adapter for a client that is not reading
-        #: (:class:`~narwhal_core.events.ClientStalled`): its time limit does not run.
-        self.held = False
-        #: The batch prompt it serves (``None``: a one-prompt request).
-        self.prompt: int | None = None
-        #: A prefill leg: its prompt's estimated tokens, counted in its engine's queue while it runs.
-        self.tokens = 0
-        #: The ``X-Request-Id`` sent when it is not ``bid``: a decode leg carrying
-        #: connector-1 KV is sent the prefill leg's (see Kv.decode_request_id).
-        self.request_id: str | None = None
-
-
 class Legs:
-    """The legs running, by backend ID; their answers, relays, tails, orphans and re-sends."""
+    """The legs running, by backend ID; their time limits, ends, tails, orphans and re-sends."""
 
-    __slots__ = ("ctx", "running", "requests", "lifecycle", "health", "slots", "answers")
+    __slots__ = ("ctx", "running", "active", "health", "slots")
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, active: Mapping[str, Request], health: Health, slots: SlotQueue) -> None:
         self.ctx: Final = ctx
         #: Legs whose engine connection is still in use, by backend ID.
         self.running: dict[str, Leg] = {}
-
-    def connect(
-        self, *, requests: Requests, lifecycle: Lifecycle, health: Health, slots: SlotQueue, answers: Answers
-    ) -> None:
-        """The parts this one calls."""
-        self.requests = requests
-        self.lifecycle = lifecycle
-        self.health = health
-        self.slots = slots
-        self.answers = answers
+        #: The requests not yet terminal, by rid (the registry's own map, read only).
+        self.active: Final = active
+        self.health: Final = health
+        self.slots: Final = slots
 
     # ------------------------------------------------------------------- start
 
@@ -175,14 +125,16 @@ class Legs:
             leg.armed = when
             leg.timer = self.ctx.timers.arm(when, self.timer_fired, leg)
 
-    def timer_fired(self, leg: Leg) -> None:
+    def timer_fired(self, leg: Leg) -> Verdict | None:
+        """The leg's timer is due: its verdict when its time limit passed (the router hands it to the lifecycle)."""
         leg.timer = None
         if leg.deadline > self.ctx.now:
             self.set_deadline(leg, leg.deadline)
         elif leg.outcome is not None:
-            self.answers.drop_tail(leg)  # a finished stream's body that never ended
+            self.drop_tail(leg)  # a finished stream's body that never ended
         elif not leg.held:  # (held: re-armed when its client catches up)
-            self.fail_leg(leg, "timeout")
+            return self.fail_leg(leg, "timeout")
+        return None
 
     def hold(self, leg: Leg, stalled: bool) -> None:
         """The adapter holds back (or lets go) the leg feeding a client that is not reading.
@@ -221,7 +173,7 @@ class Legs:
         self.running.pop(leg.bid, None)
         engine = leg.engine
         ctx.fleet.leg_ended(engine, leg.tokens)
-        req = self.requests.active.get(leg.rid)
+        req = self.active.get(leg.rid)
         if failed:
             self.health.engine_failed(engine, f"{leg.phase} leg: " + (
                 f"HTTP {leg.status}" if outcome == "http_error" and leg.status else outcome))
@@ -232,7 +184,7 @@ class Legs:
         if req is not None and req.leg is leg:
             req.leg = None
         if self.slots.waiting[leg.phase]:
-            self.slots.wake(leg.phase)
+            self.ctx.followups.append(WAKE[leg.phase])  # the router wakes a waiter once the event is handled
 
     def cancel(self, leg: Leg) -> None:
         """Stop the leg: close its connection; its outcome, if it has none yet, is ``cancelled``."""
@@ -242,36 +194,33 @@ class Legs:
         if leg.outcome is None:
             self.record_end(leg, "cancelled")
 
-    def fail_leg(self, leg: Leg, reason: LegOutcome) -> None:
-        """The leg failed on our side of the engine (timeout, bad bytes, dropped)."""
+    def fail_leg(self, leg: Leg, reason: LegOutcome) -> Verdict:
+        """The leg failed on our side of the engine (timeout, bad bytes, dropped): its verdict."""
         if leg.open:
             leg.open = False
             self.ctx.out.append(CancelLeg(leg.bid))
         self.record_end(leg, reason, failed=True)
-        req = self.requests.active[leg.rid]
-        if leg.orphan:
-            self.requests.release_settled(req)
-            return
-        self.lifecycle.fire(req, Input.LEG_FAILED, LegFailure(reason, leg))
+        return LegEnded.SETTLED if leg.orphan else LegFailure(reason, leg)
 
-    def connection_lost(self, leg: Leg, event: LegFailed) -> None:
-        """The adapter reports the leg's connection failed (:class:`~narwhal_core.events.LegFailed`)."""
+    def connection_lost(self, leg: Leg, event: LegFailed) -> Verdict | None:
+        """The adapter reports the leg's connection failed (:class:`~narwhal_core.events.LegFailed`): its verdict."""
         if leg.outcome is not None:
             leg.open = False  # a finished stream's connection broke: nothing is lost
-            self.answers.drop_tail(leg)
+            self.drop_tail(leg)
         elif event.reused and not leg.got_bytes and not leg.fresh_retry and self.may_resend(leg):
             # A pooled connection the engine had closed: try once more on a
             # fresh one; the engine never saw the request.
             leg.fresh_retry = True
-            conn = self.requests.active[leg.rid].conn
+            conn = self.active[leg.rid].conn
             self.ctx.out.append(StartLeg(
                 leg.bid, leg.engine.address, leg.data, None if conn is None else conn.handle,
                 self.ctx.config.engine.connect_timeout_s, True,
             ))
         else:
-            self._connection_failed(leg, event)
+            return self._connection_failed(leg, event)
+        return None
 
-    def _connection_failed(self, leg: Leg, event: LegFailed) -> None:
+    def _connection_failed(self, leg: Leg, event: LegFailed) -> Verdict:
         leg.open = False
         if event.reason == "local_error":
             # Narwhal's own shortage (file descriptors...): not the engine's fault.
@@ -279,17 +228,13 @@ class Legs:
             self.record_end(leg, "local_error")
         else:
             self.record_end(leg, "connect_failed" if event.reason != "dropped" else "dropped", failed=True)
-        req = self.requests.active[leg.rid]
-        if leg.orphan:
-            self.requests.release_settled(req)
-            return
-        self.lifecycle.fire(req, Input.LEG_FAILED, LegFailure(event.reason, leg))
+        return LegEnded.SETTLED if leg.orphan else LegFailure(event.reason, leg)
 
     def may_resend(self, leg: Leg) -> bool:
         """Whether a leg may go out again on a fresh connection: a decode leg not past its KV's ``start_by``."""
         if leg.phase != DECODE:
             return True
-        req = self.requests.active.get(leg.rid)
+        req = self.active.get(leg.rid)
         kv = None if req is None else req.kv
         return kv is None or self.ctx.now < kv.start_by
 
@@ -309,3 +254,42 @@ class Legs:
             if leg.orphan and leg.outcome is None:
                 self.cancel(leg)
 
+    # ------------------------------------------------------------------ tails
+
+    def read_tail(self, leg: Leg) -> None:
+        """Read a finished stream's leg to the end of its body, dropping what comes.
+
+        (See :meth:`~narwhal_core.answers.Answers.stream_done`.) It goes back
+        to the pool if its body ends cleanly, else it is closed.
+        """
+        codec = leg.codec
+        while leg.open:
+            try:
+                event = codec.next_event()
+            except RemoteProtocolError:
+                self.drop_tail(leg)
+                return
+            if event is NEED_DATA:
+                return
+            if type(event) is ResponseEnd:
+                leg.open = False
+                self.ctx.out.append(FinishLeg(leg.bid, event.reusable))
+                self._tail_ended(leg)
+                return
+
+    def drop_tail(self, leg: Leg) -> None:
+        """Close a finished stream's leg whose body did not end cleanly (no verdict on the engine)."""
+        if leg.open:
+            leg.open = False
+            self.ctx.out.append(CancelLeg(leg.bid))
+        self._tail_ended(leg)
+
+    def _tail_ended(self, leg: Leg) -> None:
+        if self.running.pop(leg.bid, None) is None:
+            return
+        if leg.timer is not None:
+            leg.timer.cancel()
+            leg.timer = None
+        self.ctx.fleet.leg_ended(leg.engine, leg.tokens)
+        if self.slots.waiting[leg.phase]:
+            self.ctx.followups.append(WAKE[leg.phase])  # the router wakes a waiter once the event is handled

@@ -38,14 +38,17 @@ from .errors import NarwhalError, TransitionError
 from .events import PromptTokenized, TokenizePrompt
 from .ids import DECODE, PREFILL, Phase
 from .planning import merge_answers
-from .states import Input, InputData, LegAnswer, LegFailure, LegRefusal, State
+from .states import FollowUp, Input, State
+from .verdicts import InputData, LegAnswer, LegEnded, LegFailure, LegRefusal, Verdict
 
 if TYPE_CHECKING:
     from .context import Context
-    from .kv import Kv, KvLedger
+    from .inflight import Kv, Leg, Request
+    from .kv import KvLedger
     from .kv_policy import HeadProbe
-    from .legs import Leg, Legs
-    from .requests import Request, Requests
+    from .legs import Legs
+    from .requests import Requests
+    from .routing import Routing
     from .slots import SlotQueue
 
 __all__ = ["State", "Input", "LegAnswer", "LegRefusal", "LegFailure", "Lifecycle", "TRANSITIONS"]
@@ -60,6 +63,11 @@ _GIVE_UP: Final[Mapping[str, tuple[int, str]]] = MappingProxyType({
 })
 
 
+#: The input each leg verdict that carries data amounts to (:meth:`Lifecycle.judged`).
+_VERDICT_INPUT: Final[Mapping[type, Input]] = MappingProxyType({
+    LegFailure: Input.LEG_FAILED, LegAnswer: Input.LEG_OK, LegRefusal: Input.LEG_REFUSED,
+})
+
 #: A row's handler: the :class:`Lifecycle` method, unbound.
 Handler = Callable[["Lifecycle", "Request", Any], State]
 
@@ -69,15 +77,12 @@ class Lifecycle:
 
     __slots__ = ("ctx", "requests", "legs", "kv", "slots")
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, requests: Requests, legs: Legs, kv: KvLedger, slots: SlotQueue) -> None:
         self.ctx: Final = ctx
-
-    def connect(self, *, requests: Requests, legs: Legs, kv: KvLedger, slots: SlotQueue) -> None:
-        """The parts this one calls."""
-        self.requests = requests
-        self.legs = legs
-        self.kv = kv
-        self.slots = slots
+        self.requests: Final = requests
+        self.legs: Final = legs
+        self.kv: Final = kv
+        self.slots: Final = slots
 
     def fire(self, req: Request, event: Input, data: InputData = None) -> None:
         """Run the request's row for ``event``: its handler, then the state it returned (checked)."""
@@ -99,6 +104,29 @@ class Lifecycle:
         if req.state is not State.DONE:
             req.state = new_state
         if new_state is State.RELEASING and req.pending_releases == 0:
+            self.fire(req, Input.RELEASED)
+
+    def judged(self, leg: Leg, verdict: Verdict) -> None:
+        """Act on a leg's verdict (:mod:`~narwhal_core.answers`, :mod:`~narwhal_core.legs`).
+
+        ``FIRST_BYTES`` first when the leg's stream just sent the client its
+        first bytes: a failure after them ends the stream (docs/contract.md).
+        """
+        req = self.requests.active[leg.rid]
+        if leg.first_bytes:
+            leg.first_bytes = False
+            self.fire(req, Input.FIRST_BYTES)
+        if verdict is LegEnded.OK:
+            self.fire(req, Input.LEG_OK)
+        elif verdict is LegEnded.SETTLED:
+            self.release_settled(req)
+        elif verdict is not LegEnded.RELAYED:
+            self.fire(req, _VERDICT_INPUT[type(verdict)], verdict)
+
+    def release_settled(self, req: Request) -> None:
+        """One of the request's KV releases (or orphaned prefills) is settled; the last one ends it."""
+        req.pending_releases -= 1
+        if req.pending_releases == 0 and req.state is State.RELEASING:
             self.fire(req, Input.RELEASED)
 
     def fail_closed(self, req: Request, why: str) -> None:
@@ -124,7 +152,7 @@ class Lifecycle:
                 self.ctx.admission.leave_queue(req.rid, req.client)
             requests.record_end(req, "failed", error, sent=req.bytes_sent)
             requests.answer_internal_error(req)
-            requests.mark_answered(req)
+            self.mark_answered(req)
         elif req.terminal is None:
             requests.record_end(req, "failed", error)
         req.pending_releases = 0
@@ -132,6 +160,27 @@ class Lifecycle:
         requests.write_record(req)
 
     # ---------------------------------------------------- stopping and failing
+
+    def mark_answered(self, req: Request) -> State:
+        """The client has its answer (or is gone): free the slot; the record waits for KV.
+
+        The freed admission slot and a decode backlog that may be gone are
+        follow-up work for other requests (docs/design.md, "Follow-up work").
+        """
+        req.answered = True
+        req.waiting_for_slot = False
+        followups = self.ctx.followups
+        if req.admitted:
+            req.admitted = False
+            admission = self.ctx.admission
+            admission.release(req.client)
+            if admission.queue:
+                followups.append(FollowUp.ADMIT)
+        req.conn = None
+        self.requests.disarm(req, "deadline", "queue", "wake", "lease")
+        if self.slots.waiting[PREFILL]:
+            followups.append(FollowUp.WAKE_PREFILLS)  # it may have been the last one waiting for a decode engine
+        return State.RELEASING
 
     def stop_request(self, req: Request) -> None:
         """Stop whatever the request is doing and release its unpulled KV."""
@@ -145,7 +194,7 @@ class Lifecycle:
         requests = self.requests
         requests.record_end(req, "failed", error, leg=leg, sent=req.bytes_sent)
         requests.answer_error(req, retry_after=error.status == 503)
-        return requests.mark_answered(req)
+        return self.mark_answered(req)
 
     # -------------------------------------------------------- starting legs
 
@@ -185,10 +234,8 @@ class Lifecycle:
     def _lease_ran_short(self, req: Request, kv: Kv, *, read: bool = False) -> State:
         """No decode engine had room before the KV's ``start_by``: prefill again (a new attempt), or fail 503.
 
-        Never decode from KV whose lease may have run out: the prefill
-        engine may have handed its blocks to another request
-        (docs/operate.md, "KV leases"). ``read``: a decode leg had started
-        but not read the KV by its ``hold_ends`` (:meth:`hold_ending`).
+        Never decode from KV whose lease may have run out (docs/operate.md, "KV leases").
+        ``read``: a decode leg had started but not read it by its ``hold_ends``.
         """
         ctx = self.ctx
         req.waiting_for_slot = False
@@ -209,16 +256,10 @@ class Lifecycle:
         ))
 
     def hold_ending(self, req: Request, _: None) -> State:
-        """KV_HOLD_ENDING: the decode leg has not read KV that nothing renews: cancel it, prefill again or 503.
-
-        Before vLLM's KV leases a decode engine that queues the request
-        pulls whenever a sequence slot frees, and a read after the prefill
-        engine's hold finds freed blocks and answers normally (vLLM issue
-        21570; docs/operate.md, "KV leases"). Closing the leg aborts the
-        request on the decode engine before it reads.
-        """
+        """KV_HOLD_ENDING: the decode leg has not read KV nothing renews: cancel it (the engine may be
+        queueing it; a late read finds freed blocks), prefill again or 503 (docs/operate.md, "KV leases")."""
         kv = req.kv
-        assert kv is not None  # (Requests fires this only while the KV is unread)
+        assert kv is not None  # (only while the KV is unread)
         if req.leg is not None:
             self.legs.cancel(req.leg)
         return self._lease_ran_short(req, kv, read=True)
@@ -230,41 +271,16 @@ class Lifecycle:
 
         A prompt too large to tokenize on the event loop is weighed from its
         head when that settles it (the head look's probe goes to the plan),
-        else tokenized first (:meth:`_tokenize`): its plan, progress record
+        else tokenized first (:func:`_tokenize`): its plan, progress record
         and first leg wait for ``TOKENIZED``.
         """
         req.admitted = True
-        tokenize, probe = self._head_look(req)
+        tokenize, probe = _head_look(self.ctx.routing, req)
         if tokenize:
-            return self._tokenize(req)
+            return _tokenize(self.ctx, req)
         plan = req.plan = self.ctx.routing.plan(req.accepted.body, req.route, req.size, probe=probe)
         self.requests.journal_admitted(req)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
-
-    def _head_look(self, req: Request) -> tuple[bool, HeadProbe | None]:
-        """Before the current prompt's plan: tokenize it whole first (off the loop), or what its head settled.
-
-        Only a prompt of more than ``routing.tokenize_inline_max_bytes`` is
-        looked at (docs/routing.md, "Tokenizing only what can hit"): any
-        other is ``(False, None)``, planned at once.
-        """
-        routing = self.ctx.routing
-        limit = routing.inline_max
-        if limit is None or _prompt_bytes(req) <= limit:
-            return False, None
-        probe = routing.probe_head(req.accepted.body, req.route)
-        return probe is None, probe
-
-    def _tokenize(self, req: Request) -> State:
-        """Ask the runtime for the current prompt's token ids, off the event loop (docs/routing.md).
-
-        The key names the request and the prompt (a batch's prompts are
-        tokenized one by one), so an answer that comes after the request
-        ended or moved on is told apart and ignored.
-        """
-        key = req.tokenizing = f"{req.rid}:{req.prompt}"
-        self.ctx.out.append(TokenizePrompt(key, dict(req.accepted.body), req.route == CHAT))
-        return State.TOKENIZING
 
     def tokenized(self, req: Request, event: PromptTokenized) -> State:
         """TOKENIZED: the prompt's token ids are here (or the tokenizer failed): route by them, start the leg."""
@@ -319,7 +335,7 @@ class Lifecycle:
         else:
             assert answer is not None
             self.requests.answer(req, answer)
-        return self.requests.mark_answered(req)
+        return self.mark_answered(req)
 
     def _next_prompt(self, req: Request) -> State:
         """The current batch prompt is answered: the next one gets its own legs (docs/operate.md, "Batch prompts")."""
@@ -332,9 +348,9 @@ class Lifecycle:
         plan = req.plan
         assert plan is not None
         if plan.hashes is not None:
-            tokenize, probe = self._head_look(req)
+            tokenize, probe = _head_look(self.ctx.routing, req)
             if tokenize:
-                return self._tokenize(req)
+                return _tokenize(self.ctx, req)
             plan = req.plan = self.ctx.routing.replan(plan, req.accepted.body, req.route, probe=probe)
         return self.start_phase(req, PREFILL if plan.pd else DECODE)
 
@@ -351,7 +367,7 @@ class Lifecycle:
             error.message, status=400, type="invalid_request_error", param=error.param, code=error.code,
         ), leg=refusal.leg, sent=req.bytes_sent)  # (sent: a batch's earlier prompts streamed already)
         self.requests.answer_error(req)
-        return self.requests.mark_answered(req)
+        return self.mark_answered(req)
 
     def retry_or_fail(self, req: Request, failure: LegFailure) -> State:
         """LEG_FAILED before the first byte: retry after a backoff while attempts and engines last, else fail."""
@@ -409,7 +425,7 @@ class Lifecycle:
             "The client closed the connection.", status=_CLIENT_GONE_STATUS, type="client_error",
             code="client_disconnected",
         ), status=_CLIENT_GONE_STATUS)
-        return self.requests.mark_answered(req)
+        return self.mark_answered(req)
 
     def expire(self, req: Request, _: None) -> State:
         """DEADLINE: the request did not finish in ``admission.request_timeout_s``: 504."""
@@ -437,7 +453,7 @@ class Lifecycle:
             "The fleet is at capacity; the request waited too long for a slot.", status=503, code="overloaded"
         ))
         self.requests.answer_error(req, retry_after=True)
-        return self.requests.mark_answered(req)
+        return self.mark_answered(req)
 
     def released(self, req: Request, _: None) -> State:
         """RELEASED: every KV release is settled: the terminal record."""
@@ -455,6 +471,32 @@ class Lifecycle:
     def ignore(self, req: Request, _: None) -> State:
         """The client went, or the deadline passed, while KV releases settle: nothing changes."""
         return req.state
+
+
+def _head_look(routing: Routing, req: Request) -> tuple[bool, HeadProbe | None]:
+    """Before the current prompt's plan: tokenize it whole first (off the loop), or what its head settled.
+
+    Only a prompt of more than ``routing.tokenize_inline_max_bytes`` is
+    looked at (docs/routing.md, "Tokenizing only what can hit"): any
+    other is ``(False, None)``, planned at once.
+    """
+    limit = routing.inline_max
+    if limit is None or _prompt_bytes(req) <= limit:
+        return False, None
+    probe = routing.probe_head(req.accepted.body, req.route)
+    return probe is None, probe
+
+
+def _tokenize(ctx: Context, req: Request) -> State:
+    """Ask the runtime for the current prompt's token ids, off the event loop (docs/routing.md).
+
+    The key names the request and the prompt (a batch's prompts are
+    tokenized one by one), so an answer that comes after the request
+    ended or moved on is told apart and ignored.
+    """
+    key = req.tokenizing = f"{req.rid}:{req.prompt}"
+    ctx.out.append(TokenizePrompt(key, dict(req.accepted.body), req.route == CHAT))
+    return State.TOKENIZING
 
 
 def _prompt_bytes(req: Request) -> int:

@@ -15,6 +15,7 @@ objects of the engines that stay are never replaced.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
 from .config import EngineAddress
@@ -23,10 +24,11 @@ from .ids import PREFILL, Phase
 
 if TYPE_CHECKING:
     from .context import Context
-    from .fleet import EngineState, Health
+    from .fleet import EngineState
+    from .health import Health
     from .kv import KvLedger
     from .load import LoadReports
-    from .requests import Requests
+    from .inflight import Request
     from .timers import Timer
 
 __all__ = ["Membership", "SWEEP_S"]
@@ -38,14 +40,17 @@ SWEEP_S: Final = 0.25
 class Membership:
     """Adds, drains and forgets engines; see the module docstring."""
 
-    __slots__ = ("ctx", "health", "load", "kv", "requests", "sweeping")
+    __slots__ = ("ctx", "health", "load", "kv", "active", "sweeping")
 
-    def __init__(self, ctx: Context, health: Health, load: LoadReports, kv: KvLedger, requests: Requests) -> None:
+    def __init__(
+        self, ctx: Context, health: Health, load: LoadReports, kv: KvLedger, active: Mapping[str, Request]
+    ) -> None:
         self.ctx: Final = ctx
         self.health: Final = health
         self.load: Final = load
         self.kv: Final = kv
-        self.requests: Final = requests
+        #: The requests not yet terminal, by rid (read only: the KV they hold).
+        self.active: Final = active
         #: The sweep's timer, while an engine drains.
         self.sweeping: Timer | None = None
 
@@ -100,7 +105,7 @@ class Membership:
         if engine.phase != PREFILL:
             return 0
         held = 0
-        for req in self.requests.active.values():
+        for req in self.active.values():
             if req.kv is not None and req.kv.engine is engine:
                 held += 1
         for _, kv in self.kv.releases.values():

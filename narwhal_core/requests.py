@@ -24,20 +24,15 @@ from .errors import ContractError, NarwhalError
 from .events import PromptTokenized, ShutdownComplete, WriteJournal
 from .fleet import AdmitDecision
 from .http import HttpRequest
-from .ids import DECODE, PREFILL, Phase, sanitize_client_rid
+from .ids import DECODE, PREFILL, sanitize_client_rid
+from .inflight import Conn, Leg, Request
 from .journal import ErrorRecord, LegOutcome, Terminal
 from .states import Input, State
 from .tracecontext import TraceContext, read_trace_context
 
 if TYPE_CHECKING:
-    from .clients import Clients, Conn
-    from .kv import Kv
-    from .legs import Leg
-    from .slots import SlotQueue
-    from .lifecycle import Lifecycle
-    from .relay import SseRelay
+    from .clients import Clients
     from .policies import Plan
-    from .timers import Timer
 
 __all__ = ["Request", "Requests"]
 
@@ -47,99 +42,31 @@ _SSE_HEADERS: Final = (
 )
 
 
-class Request:
-    """One completion request, from admission to its terminal record."""
-
-    __slots__ = (
-        "rid", "conn", "route", "client", "client_rid", "received", "stream", "accepted", "state", "attempts",
-        "failed_on", "leg", "legs", "kv", "pending_releases", "admitted", "answered", "bytes_sent",
-        "first_byte", "relay", "retry_phase", "pulled_cached_tokens", "waiting_for_slot", "terminal",
-        "status", "error", "usage", "timers", "plain_decode", "prompts", "prompt", "answers", "prompt_base",
-        "size", "plan", "trace", "tokenizing",
-    )
-
-    def __init__(
-        self, rid: str, conn: Conn | None, route: Route, client: str, client_rid: str | None,
-        received: float, stream: bool, accepted: AcceptedRequest, size: int = 0,
-        trace: TraceContext | None = None,
-    ) -> None:  # fmt: skip
-        self.rid = rid
-        self.conn = conn
-        self.route = route
-        self.client = client
-        self.client_rid = client_rid
-        self.received = received
-        self.stream = stream
-        self.accepted = accepted
-        self.state = State.QUEUED
-        self.attempts: dict[str, int] = {PREFILL: 0, DECODE: 0}
-        self.failed_on: dict[str, list[Any]] = {PREFILL: [], DECODE: []}
-        self.leg: Leg | None = None
-        self.legs: list[Leg] = []
-        self.kv: Kv | None = None
-        self.pending_releases = 0
-        self.admitted = False
-        self.answered = False
-        self.bytes_sent = False
-        self.first_byte: float | None = None
-        self.relay: SseRelay | None = None
-        self.retry_phase: Phase = PREFILL
-        #: ``cached_tokens`` of the prefill whose KV the decode leg pulled.
-        self.pulled_cached_tokens: int | None = None
-        self.waiting_for_slot = False
-        self.terminal: Terminal | None = None
-        self.status: int | None = None
-        self.error: ErrorRecord | None = None
-        self.usage: dict[str, Any] | None = None
-        self.timers: dict[str, Timer] = {}
-        #: The last prefill handed off no KV: the decode leg runs as a plain
-        #: request (docs/operate.md, "Prefill answers without KV").
-        self.plain_decode = False
-        #: A batch's prompts (``None``: one prompt), served one after another;
-        #: ``prompt`` is the current one's index, ``answers`` the finished
-        #: ones' answers (not streamed), ``prompt_base`` the attempts per
-        #: phase before the current prompt began (docs/operate.md, "Batch prompts").
-        self.prompts: list[Any] | None = accepted.prompts
-        self.prompt = 0
-        self.answers: list[dict[str, Any]] = []
-        self.prompt_base: dict[str, int] = {PREFILL: 0, DECODE: 0}
-        #: The request body's size in bytes (the routing estimates tokens from it).
-        self.size = size
-        #: How it is routed, decided at admission (:meth:`narwhal_core.routing.Routing.plan`).
-        self.plan: Plan | None = None
-        if self.prompts is not None:
-            accepted.body["prompt"] = self.prompts[0]
-        #: The W3C trace its legs carry on (``None``: no traceparent, tracing off; docs/contract.md).
-        self.trace = trace
-        #: The key of the :class:`~narwhal_core.events.TokenizePrompt` it waits for (state ``TOKENIZING``).
-        self.tokenizing: str | None = None
-
-
 class Requests:
     """The completion requests not yet terminal, by rid; their admission, timers, answers and records."""
 
-    __slots__ = ("ctx", "active", "timer_actions", "shutdown_reported", "clients", "lifecycle", "slots")
+    __slots__ = ("ctx", "clients", "active", "timer_actions", "shutdown_reported")
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, clients: Clients, active: dict[str, Request]) -> None:
         self.ctx: Final = ctx
-        self.active: dict[str, Request] = {}
+        self.clients: Final = clients
+        #: The requests not yet terminal, by rid (the router makes the map; the parts that read it hold it too).
+        self.active: Final = active
         #: What each kind of request timer does when its time comes.
-        self.timer_actions: Final[dict[str, Callable[[Request], None]]] = {
+        #: (Each returns the request's input, which the router fires.)
+        self.timer_actions: Final[dict[str, Callable[[Request], Input | None]]] = {
             "deadline": self._deadline_passed, "queue": self._queue_wait_over,
             "wake": self._backoff_over, "lease": self._lease_running_short,
         }
         self.shutdown_reported = False
 
-    def connect(self, *, clients: Clients, lifecycle: Lifecycle, slots: SlotQueue) -> None:
-        """The parts this one calls."""
-        self.clients = clients
-        self.lifecycle = lifecycle
-        self.slots = slots
-
     # -------------------------------------------------------------- admission
 
-    def accept(self, conn: Conn, rid: str, route: Route, request: HttpRequest) -> None:
-        """A completion request arrived whole: check it, admit or queue it, or refuse it with its record."""
+    def accept(self, conn: Conn, rid: str, route: Route, request: HttpRequest) -> Request | None:
+        """A completion request arrived whole: check it, queue it, or refuse it with its record.
+
+        Returns the request when it is admitted at once (the router fires its ``ADMIT``).
+        """
         ctx = self.ctx
         clients = self.clients
         client_rid = sanitize_client_rid(request.header(b"x-request-id"))
@@ -147,7 +74,7 @@ class Requests:
             client = clients.auth.authenticate(request.headers, conn.peer_host)
         except AuthError as exc:
             clients.refuse(conn, rid, route, client_rid, None, "denied", exc)
-            return
+            return None
         try:
             accepted = check_request(
                 route, request.body, ctx.config.model_names, ctx.model,
@@ -155,7 +82,7 @@ class Requests:
             )
         except ContractError as exc:
             clients.refuse(conn, rid, route, client_rid, client, "invalid", exc)
-            return
+            return None
         # Tracing off and no traceparent: this header lookup is all tracing costs (docs/contract.md).
         trace = None
         start_trace = ctx.config.tracing.endpoint is not None
@@ -165,7 +92,7 @@ class Requests:
         if isinstance(decision, NarwhalError):
             clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
                            accepted=accepted, trace=trace)
-            return
+            return None
         req = Request(
             rid=rid, conn=conn, route=route, client=client, client_rid=client_rid,
             received=ctx.now, stream=accepted.stream, accepted=accepted, size=len(request.body), trace=trace,
@@ -174,9 +101,9 @@ class Requests:
         a = ctx.config.admission
         self.arm(req, "deadline", ctx.now + a.request_timeout_s)
         if decision == "admitted":
-            self.lifecycle.fire(req, Input.ADMIT)
-        else:
-            self.arm(req, "queue", ctx.now + a.queue_timeout_s)
+            return req
+        self.arm(req, "queue", ctx.now + a.queue_timeout_s)
+        return None
 
     def _admission(self, rid: str, client: str) -> AdmitDecision | NarwhalError:
         """``admitted`` or ``queued``; or why a checked request is refused (shutdown, no engine, limits)."""
@@ -206,26 +133,17 @@ class Requests:
             ctx.mode if plan is None else "pd" if plan.pd else "single", req.stream,
         ), False))
 
-    def admit_from_queue(self) -> None:
-        """Admit queued requests while slots are free."""
-        while True:
-            rid = self.ctx.admission.next_from_queue()
-            if rid is None:
-                return
-            req = self.active[rid]
-            self.disarm(req, "queue")
-            self.lifecycle.fire(req, Input.ADMIT)
+    def tokenized(self, event: PromptTokenized) -> Request | None:
+        """The request a prompt's token ids came back for (docs/routing.md, "Tokenizing off the event loop").
 
-    def tokenized(self, event: PromptTokenized) -> None:
-        """A prompt's token ids came back (docs/routing.md, "Tokenizing off the event loop").
-
-        Ignored when its request has ended (its client left, its deadline
-        passed, shutdown) or is no longer waiting for this prompt's ids.
+        ``None`` when its request has ended (its client left, its deadline
+        passed, shutdown) or is no longer waiting for this prompt's ids: the
+        answer is ignored. Else the router fires the request's ``TOKENIZED``.
         """
         req = self.active.get(event.key.partition(":")[0])
         if req is None or req.state is not State.TOKENIZING or req.tokenizing != event.key:
-            return
-        self.lifecycle.fire(req, Input.TOKENIZED, event)
+            return None
+        return req
 
     # ----------------------------------------------------------------- timers
 
@@ -243,25 +161,29 @@ class Requests:
             if timer is not None:
                 timer.cancel()
 
-    def _deadline_passed(self, req: Request) -> None:
+    @staticmethod
+    def _deadline_passed(req: Request) -> Input:
         del req.timers["deadline"]
-        self.lifecycle.fire(req, Input.DEADLINE)
+        return Input.DEADLINE
 
-    def _queue_wait_over(self, req: Request) -> None:
+    @staticmethod
+    def _queue_wait_over(req: Request) -> Input:
         del req.timers["queue"]
-        self.lifecycle.fire(req, Input.QUEUE_TIMEOUT)
+        return Input.QUEUE_TIMEOUT
 
-    def _backoff_over(self, req: Request) -> None:
+    @staticmethod
+    def _backoff_over(req: Request) -> Input:
         del req.timers["wake"]
-        self.lifecycle.fire(req, Input.WAKE)
+        return Input.WAKE
 
-    def _lease_running_short(self, req: Request) -> None:
+    def _lease_running_short(self, req: Request) -> Input | None:
         del req.timers["lease"]
         state = req.state
         if state is State.DECODE_WAIT:
-            self.lifecycle.fire(req, Input.WAKE)  # its KV's lease runs short: start_phase prefills it again
-        elif state is State.DECODE and req.kv is not None and self.ctx.now >= req.kv.hold_ends:
-            self.lifecycle.fire(req, Input.KV_HOLD_ENDING)  # its decode leg has not read the KV yet
+            return Input.WAKE  # its KV's lease runs short: start_phase prefills it again
+        if state is State.DECODE and req.kv is not None and self.ctx.now >= req.kv.hold_ends:
+            return Input.KV_HOLD_ENDING  # its decode leg has not read the KV yet
+        return None
 
     # ---------------------------------------------------------------- answers
 
@@ -272,12 +194,13 @@ class Requests:
             return None
         return conn
 
-    def stream_out(self, req: Request, out: bytes) -> None:
-        """Relay a stream's bytes to the client (its head first, with FIRST_BYTES)."""
+    def stream_out(self, req: Request, out: bytes) -> bool:
+        """Relay a stream's bytes to the client (its head first); whether ``FIRST_BYTES`` is due now."""
         conn = self.live_conn(req)
         if conn is None:
-            return
+            return False
         clients = self.clients
+        first = False
         if not req.bytes_sent:
             req.bytes_sent = True
             req.first_byte = self.ctx.now
@@ -289,12 +212,13 @@ class Requests:
             clients.send(conn, conn.codec.send_stream_start(200, (
                 *_SSE_HEADERS, (b"x-request-id", req.rid.encode()),
             )))
-            self.lifecycle.fire(req, Input.FIRST_BYTES)
+            first = True
         elif req.state is State.DECODE:
             # A later prompt of a batch streams its first event: from now on
             # its decode leg cannot be retried (docs/operate.md, "Batch prompts").
-            self.lifecycle.fire(req, Input.FIRST_BYTES)
+            first = True
         clients.send(conn, conn.codec.send_stream_data(out))
+        return first
 
     def end_stream(self, req: Request) -> None:
         """The streamed answer is complete: ``completed``, or ``failed`` on the engine's in-stream error."""
@@ -379,26 +303,6 @@ class Requests:
         else:
             req.status = status
 
-    def mark_answered(self, req: Request) -> State:
-        """The client has its answer (or is gone): free the slot; the record waits for KV."""
-        req.answered = True
-        req.waiting_for_slot = False
-        if req.admitted:
-            req.admitted = False
-            self.ctx.admission.release(req.client)
-            self.admit_from_queue()
-        req.conn = None
-        self.disarm(req, "deadline", "queue", "wake", "lease")
-        if self.slots.waiting[PREFILL]:
-            self.slots.wake_prefills()  # it may have been the last one waiting for a decode engine
-        return State.RELEASING
-
-    def release_settled(self, req: Request) -> None:
-        """One of the request's KV releases (or orphaned prefills) is settled; the last one ends it."""
-        req.pending_releases -= 1
-        if req.pending_releases == 0 and req.state is State.RELEASING:
-            self.lifecycle.fire(req, Input.RELEASED)
-
     def write_record(self, req: Request) -> None:
         """Journal the request's terminal record and count it; the request is done."""
         if req.terminal is None:
@@ -462,19 +366,13 @@ class Requests:
 
     # ------------------------------------------------------- clients and shutdown
 
-    def client_gone(self, conn: Conn) -> None:
-        """The connection went away: its request, if it has no answer yet, is cancelled."""
+    def unanswered(self, conn: Conn) -> Request | None:
+        """The request of a connection that went away, if it has no answer yet (the router fires ``CLIENT_GONE``)."""
         rid = conn.rid
-        if rid is not None:
-            req = self.active.get(rid)
-            if req is not None and not req.answered:
-                self.lifecycle.fire(req, Input.CLIENT_GONE)
-
-    def abandon_all(self) -> None:
-        """Shutdown's grace ran out: every request left ends now."""
-        for pending in list(self.active.values()):
-            if pending.state is not State.DONE:
-                self.lifecycle.fire(pending, Input.ABANDON)
+        if rid is None:
+            return None
+        req = self.active.get(rid)
+        return req if req is not None and not req.answered else None
 
     def check_drained(self) -> None:
         """While draining, the last terminal record completes the shutdown (once)."""

@@ -11,19 +11,22 @@ The router is a dispatcher over parts with one job each (docs/design.md,
 "The parts of the core"): :class:`~narwhal_core.clients.Clients` (client connections and
 the routes that are not completions), :class:`~narwhal_core.requests.Requests`
 (admission, answers, terminal records), :class:`~narwhal_core.lifecycle.Lifecycle`
-(the request lifecycle table and its handlers), :class:`~narwhal_core.legs.Legs`
+(the request lifecycle table and its handlers, the one part that changes a
+request's state), :class:`~narwhal_core.legs.Legs`
 and :class:`~narwhal_core.answers.Answers` (engine legs and their answers),
 :class:`~narwhal_core.slots.SlotQueue` (requests waiting for an engine's slot), :class:`~narwhal_core.kv.KvLedger` (prefilled KV and
-its release), :class:`~narwhal_core.fleet.Health` (probes and verdicts on
+its release), :class:`~narwhal_core.health.Health` (probes and verdicts on
 engines; the engine choice is :meth:`~narwhal_core.fleet.Fleet.choose`), and
 :class:`~narwhal_core.timers.Timers`. They share one
-:class:`~narwhal_core.context.Context`.
+:class:`~narwhal_core.context.Context`. The parts below the lifecycle return
+values and verdicts that the router hands to it; the work an event leaves
+for other requests waits on one queue, drained once the event is handled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 
@@ -53,8 +56,9 @@ from .events import (
     PromptTokenized,
     ShutdownRequested,
 )
-from .fleet import Health
-from .ids import PREFILL
+from .fleet import Admission, Fleet
+from .health import Health
+from .ids import DECODE, PREFILL, Phase
 from .http import Codec, CodecLike
 from .kv import LEASE_SHORT, NOTHING_HELD, KvLedger
 from .engine_metrics import EngineLoad
@@ -64,6 +68,9 @@ from .membership import Membership
 from .slots import SlotQueue
 from .lifecycle import Lifecycle
 from .requests import Request, Requests
+from .routing import Routing, make_policy
+from .states import FollowUp, Input, State
+from .verdicts import Verdict
 
 if TYPE_CHECKING:
     from .kv_policy import PromptTokenizer
@@ -123,42 +130,38 @@ class Router:
         tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.config: Final = config
+        fleet = _fleet(config, tokenizer)
+        a = config.admission
         ctx = self._ctx = Context(
-            config,
+            config, fleet=fleet, routing=Routing(config.routing, fleet),
+            admission=Admission(
+                max_inflight=a.max_inflight, queue_size=a.queue_size, per_client_max_inflight=a.per_client_max_inflight,
+            ),
             codec=Codec() if codec is None else codec,  # a codec of its own: its line memory is this router's
             rid_source=rid_source, engine_api_key=engine_api_key, wall_offset=wall_offset, now=now,
-            tokenizer=tokenizer,
         )
+        # A policy that ages what it knows (kv) reads the time of the event being handled from the context.
+        fleet.policy.bind(ctx, ctx.log)
         self.fleet: Final = ctx.fleet
         self.admission: Final = ctx.admission
         self.stats: Final = ctx.stats
         metrics = None if render_metrics is None else (lambda: render_metrics(self))
-        self.clients: Final = Clients(ctx, authenticator, metrics)
-        self.requests: Final = Requests(ctx)
-        self.lifecycle: Final = Lifecycle(ctx)
-        self.legs: Final = Legs(ctx)
-        self.answers: Final = Answers(ctx)
-        self.slots: Final = SlotQueue(ctx)
-        self.kv: Final = KvLedger(ctx, self.requests.release_settled)
-        self.health: Final = Health(ctx, self.slots.wake)
+        # Each part gets what it calls at construction, the lower ones first (docs/design.md,
+        # "The parts of the core"); the map of unfinished requests is the registry's, read by the others.
+        active: dict[str, Request] = {}
+        self.health: Final = Health(ctx)
         self.load: Final = LoadReports(ctx)
-        self.membership: Final = Membership(ctx, self.health, self.load, self.kv, self.requests)
-        self._wire()
+        self.kv: Final = KvLedger(ctx)
+        self.membership: Final = Membership(ctx, self.health, self.load, self.kv, active)
+        self.clients: Final = Clients(ctx, authenticator, metrics, Admin(ctx, self.membership))
+        self.requests: Final = Requests(ctx, self.clients, active)
+        self.slots: Final = SlotQueue(active)
+        self.legs: Final = Legs(ctx, active, self.health, self.slots)
+        self.answers: Final = Answers(ctx, self.legs, self.requests, self.kv, self.health)
+        self.lifecycle: Final = Lifecycle(ctx, self.requests, self.legs, self.kv, self.slots)
         # Every engine is probed at once: /ready waits for answers (docs/operate.md).
         self.health.probe_all()
         self.load.scrape_all()
-
-    def _wire(self) -> None:
-        """Introduce the parts to the ones they call."""
-        clients, requests, lifecycle, legs, slots = self.clients, self.requests, self.lifecycle, self.legs, self.slots
-        clients.connect(requests=requests, admin=Admin(self._ctx, self.membership))
-        requests.connect(clients=clients, lifecycle=lifecycle, slots=slots)
-        lifecycle.connect(requests=requests, legs=legs, kv=self.kv, slots=slots)
-        legs.connect(requests=requests, lifecycle=lifecycle, health=self.health, slots=slots, answers=self.answers)
-        self.answers.connect(
-            legs=legs, requests=requests, lifecycle=lifecycle, kv=self.kv, health=self.health, slots=slots
-        )
-        slots.connect(requests=requests, lifecycle=lifecycle)
 
     # ------------------------------------------------------------ public API
 
@@ -167,26 +170,35 @@ class Router:
         ctx = self._ctx
         ctx.now = now
         if isinstance(event, ClientData):
-            self.clients.data(event.conn, event.data)
+            gone = self.clients.data(event.conn, event.data)
+            if gone is not None:
+                self._client_gone(gone)
+            elif self.clients.arrived:
+                self._admit_arrivals()
         elif isinstance(event, LegData):
             leg = self.legs.running.get(event.leg)
             if leg is not None:
-                self.answers.data(leg, event.data)
+                verdict = self.answers.data(leg, event.data)
+                if verdict is not None:
+                    self.lifecycle.judged(leg, verdict)
+                    if leg.open and leg.outcome is not None:
+                        self.legs.read_tail(leg)  # [DONE] came: what follows is dropped
         elif isinstance(event, ClientConnected):
             self.clients.connected(event)
         elif isinstance(event, ClientGone):
             conn = self.clients.gone(event.conn)
             if conn is not None:
-                self.requests.client_gone(conn)
+                self._client_gone(conn)
         elif isinstance(event, ClientStalled):
             self._client_stalled(event)
         elif isinstance(event, LegFailed):
             leg = self.legs.running.get(event.leg)
             if leg is not None and leg.open:
-                self.legs.connection_lost(leg, event)
+                verdict = self.legs.connection_lost(leg, event)
+                if verdict is not None:
+                    self.lifecycle.judged(leg, verdict)
         elif isinstance(event, ControlDone):
-            if not self.kv.release_done(event) and not self.load.done(event):
-                self.health.probe_done(event)
+            self._control_done(event)
         elif isinstance(event, ShutdownRequested):
             self._begin_shutdown()
         elif isinstance(event, AuthenticatorChanged):
@@ -197,20 +209,19 @@ class Router:
         elif isinstance(event, EnginesChanged):
             self.membership.discovered(event)
         elif isinstance(event, JournalHealth):
-            if event.ok != ctx.journal_ok:
-                ctx.log("journal_ok" if event.ok else "journal_failed", message=event.message)
-            ctx.journal_ok = event.ok
-            ctx.journal_problem = event.message
+            self._journal_health(event)
         elif isinstance(event, KvEventsReceived):
             self._kv_events(event)
         elif isinstance(event, KvStreamChanged):
             self._kv_stream(event)
         elif isinstance(event, PromptTokenized):
-            self.requests.tokenized(event)
+            req = self.requests.tokenized(event)
+            if req is not None:
+                self.lifecycle.fire(req, Input.TOKENIZED, event)
         else:
             raise NarwhalError(f"unknown event {event!r}")
-        if self.clients.pump:
-            self.clients.serve_pipelined()
+        if ctx.followups or self.clients.pump:
+            self._follow_up()
 
     def next_output(self) -> Command | None:
         """The next command to execute, or ``None`` when there is none."""
@@ -226,11 +237,20 @@ class Router:
         self._ctx.now = now
         timers = self._ctx.timers
         timer = timers.pop_due(now)
+        followups = self._ctx.followups
         while timer is not None:
-            timer.action(timer.owner)
+            owner = timer.owner
+            verdict = timer.action(owner)
+            if verdict is not None:  # a request's input, or a leg's verdict
+                if isinstance(verdict, Input):
+                    self.lifecycle.fire(owner, verdict)
+                else:
+                    self.lifecycle.judged(owner, cast("Verdict", verdict))
+            while followups:  # each timer's follow-ups are done before the next timer fires
+                self._follow_up_one(followups.popleft())
             timer = timers.pop_due(now)
         if self.clients.pump:
-            self.clients.serve_pipelined()
+            self._follow_up()
 
     def statistics(self) -> RouterStatistics:
         """A snapshot of the live counters."""
@@ -265,7 +285,8 @@ class Router:
         ``internal_error`` and its terminal record; a connection with no
         request yet is answered 500 and closed. One ``internal_error`` log
         line names the request and carries ``trace``. Everything else goes
-        on; drain :meth:`next_output` as after any event.
+        on (the follow-up work queued for other requests is done); drain
+        :meth:`next_output` as after any event.
         """
         req = self._request_of(event)
         fields: dict[str, Any] = {
@@ -277,12 +298,13 @@ class Router:
         self._ctx.log("internal_error", **fields)
         if req is not None:
             self.lifecycle.abort(req)
-            return
-        handle = getattr(event, "conn", None)
-        conn = self.clients.conns.get(handle) if handle is not None else None
-        if conn is not None and not conn.closed:
-            self.clients.send_internal_error(conn, None)
-            self.clients.close_client(conn)
+        else:
+            handle = getattr(event, "conn", None)
+            conn = self.clients.conns.get(handle) if handle is not None else None
+            if conn is not None and not conn.closed:
+                self.clients.send_internal_error(conn, None)
+                self.clients.close_client(conn)
+        self._follow_up()  # what the event (or the abort) left for other requests
 
     # ---------------------------------------------------------- compatibility
 
@@ -302,6 +324,109 @@ class Router:
         return self._ctx.codec
 
     # ------------------------------------------------------------- dispatching
+
+    def _follow_up(self) -> None:
+        """Do the work the event left for other requests, in the order it was queued; then the pipelined requests.
+
+        (docs/design.md, "Follow-up work".) A piece may queue more; a
+        connection whose answer just ended serves its next request once the
+        queue is empty, as a new arrival comes after the requests already
+        waiting.
+        """
+        followups = self._ctx.followups
+        clients = self.clients
+        while True:
+            while followups:
+                self._follow_up_one(followups.popleft())
+            if not clients.pump:
+                return
+            clients.serve_pipelined()
+            if clients.arrived:
+                self._admit_arrivals()
+
+    def _journal_health(self, event: JournalHealth) -> None:
+        ctx = self._ctx
+        if event.ok != ctx.journal_ok:
+            ctx.log("journal_ok" if event.ok else "journal_failed", message=event.message)
+        ctx.journal_ok = event.ok
+        ctx.journal_problem = event.message
+
+    def _control_done(self, event: ControlDone) -> None:
+        settled = self.kv.release_done(event)
+        if settled is not None:
+            self.lifecycle.release_settled(settled)
+        elif not self.load.done(event):
+            self.health.probe_done(event)
+
+    def _admit_arrivals(self) -> None:
+        """Hand the completion requests read whole to admission; fire ``ADMIT`` for those admitted at once."""
+        arrived = self.clients.arrived
+        while arrived:
+            conn, rid, route, request = arrived.popleft()
+            req = self.requests.accept(conn, rid, route, request)
+            if req is not None:
+                self.lifecycle.fire(req, Input.ADMIT)
+
+    def _client_gone(self, conn: Conn) -> None:
+        """The connection went away: its request, if it has no answer yet, is cancelled."""
+        req = self.requests.unanswered(conn)
+        if req is not None:
+            self.lifecycle.fire(req, Input.CLIENT_GONE)
+
+    def _abandon_all(self) -> None:
+        """Shutdown's grace ran out: every request left ends now."""
+        fire = self.lifecycle.fire
+        for pending in list(self.requests.active.values()):
+            if pending.state is not State.DONE:
+                fire(pending, Input.ABANDON)
+
+    def _follow_up_one(self, work: FollowUp) -> None:
+        """Do one piece of the work an event left for other requests."""
+        if work is FollowUp.ADMIT:
+            self._admit_from_queue()
+        elif work is FollowUp.WAKE_DECODE:
+            self._wake(DECODE)
+        elif work is FollowUp.WAKE_PREFILL:
+            self._wake(PREFILL)
+        elif self.slots.waiting[PREFILL]:  # WAKE_PREFILLS
+            self._wake_prefills()
+
+    def _admit_from_queue(self) -> None:
+        """Admit queued requests while slots are free."""
+        admission = self.admission
+        active = self.requests.active
+        rid = admission.next_from_queue()
+        while rid is not None:
+            req = active[rid]
+            self.requests.disarm(req, "queue")
+            self.lifecycle.fire(req, Input.ADMIT)
+            rid = admission.next_from_queue()
+
+    def _wake(self, phase: Phase) -> None:
+        """A slot freed up on an engine of ``phase``: the oldest request waiting for one takes it."""
+        slots = self.slots
+        if phase == PREFILL and self._ctx.pd and slots.decode_backlog():
+            return  # prefilled requests waiting for a decode engine go first
+        req = slots.next_waiter(phase)
+        while req is not None:
+            self.lifecycle.fire(req, Input.WAKE)
+            leg = req.leg
+            if (leg is not None and leg.phase == phase) or (req.waiting_for_slot and req.retry_phase == phase):
+                break  # it took the slot (or found none)
+            # It went elsewhere (its KV's lease ran short: prefilled again): the slot is still free.
+            req = slots.next_waiter(phase)
+        if phase == DECODE and slots.waiting[PREFILL]:
+            self._wake_prefills()
+
+    def _wake_prefills(self) -> None:
+        """Start the prefills held back behind the decode backlog, as many as the prefill engines take."""
+        ctx = self._ctx
+        slots = self.slots
+        waiters = slots.waiting[PREFILL]
+        for _ in range(len(waiters)):
+            if not waiters or (ctx.pd and slots.decode_backlog()) or not ctx.fleet.has_room(PREFILL):
+                return
+            self._wake(PREFILL)
 
     def _client_stalled(self, event: ClientStalled) -> None:
         conn = self.clients.conns.get(event.conn)
@@ -373,8 +498,8 @@ class Router:
         if ctx.draining:
             # Asked again (a second signal): what is left is cut short now,
             # as when the grace period ends, KV releases included.
-            requests.abandon_all()
-            requests.abandon_all()
+            self._abandon_all()
+            self._abandon_all()
             requests.check_drained()
             return
         ctx.draining = True
@@ -386,5 +511,20 @@ class Router:
         requests.check_drained()
 
     def _grace_over(self, _: object) -> None:
-        self.requests.abandon_all()
+        self._abandon_all()
         self.requests.check_drained()
+
+
+def _fleet(config: Config, tokenizer: PromptTokenizer | None) -> Fleet:
+    """The configured engines, with the routing policy the configuration names."""
+    e = config.engine
+    return Fleet(
+        e.prefill_engines,
+        e.decode_engines,
+        max_inflight_per_engine=e.max_inflight_per_engine,
+        unhealthy_after=config.health.unhealthy_after,
+        healthy_after=config.health.healthy_after,
+        kv_host_allowed=e.kv_host_allowed,
+        policy=make_policy(config.routing, tokenizer),
+        pd=bool(e.prefill_engines) or config.discovery.may_prefill(e.discovery),
+    )

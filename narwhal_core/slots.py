@@ -1,22 +1,23 @@
 """Requests waiting for a free slot on an engine (``engine.max_inflight_per_engine``), oldest first.
 
 A request whose next leg finds no engine of its phase with a free slot
-waits here (``PREFILL_WAIT`` or ``DECODE_WAIT``); each leg that ends wakes
-the oldest one waiting for its phase (its ``WAKE`` input).
+waits here (``PREFILL_WAIT`` or ``DECODE_WAIT``). A leg that ends queues the
+follow-up that wakes the oldest one waiting for its phase, which the
+router does once the event is handled (docs/design.md, "Follow-up work").
+This module only keeps the queues and answers questions about them.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
 from .ids import DECODE, PREFILL, Phase
-from .states import Input, State
+from .states import State
 
 if TYPE_CHECKING:
-    from .context import Context
-    from .lifecycle import Lifecycle
-    from .requests import Request, Requests
+    from .inflight import Request
 
 __all__ = ["SlotQueue"]
 
@@ -28,16 +29,13 @@ class SlotQueue:
     waits, no new prefill starts (its KV's lease runs).
     """
 
-    __slots__ = ("ctx", "waiting", "requests", "lifecycle")
+    __slots__ = ("waiting", "active")
 
-    def __init__(self, ctx: Context) -> None:
-        self.ctx: Final = ctx
+    def __init__(self, active: Mapping[str, Request]) -> None:
+        #: The rids waiting, per phase (a request that moved on is dropped when it comes up).
         self.waiting: Final[dict[str, deque[str]]] = {PREFILL: deque(), DECODE: deque()}
-
-    def connect(self, *, requests: Requests, lifecycle: Lifecycle) -> None:
-        """The parts this one calls."""
-        self.requests = requests
-        self.lifecycle = lifecycle
+        #: The requests not yet terminal, by rid (the registry's own map, read only).
+        self.active: Final = active
 
     def wait(self, req: Request, phase: Phase) -> None:
         """The request waits for a slot on an engine of ``phase``."""
@@ -45,12 +43,10 @@ class SlotQueue:
         req.retry_phase = phase
         self.waiting[phase].append(req.rid)
 
-    def wake(self, phase: Phase) -> None:
-        """A slot freed up on an engine of ``phase``: the oldest request waiting for one takes it."""
+    def next_waiter(self, phase: Phase) -> Request | None:
+        """Take the oldest request still waiting for a slot of ``phase`` off its queue (``None``: none waits)."""
         waiters = self.waiting[phase]
-        if phase == PREFILL and self.ctx.pd and self.decode_backlog():
-            return  # prefilled requests waiting for a decode engine go first
-        active = self.requests.active
+        active = self.active
         while waiters:
             req = active.get(waiters.popleft())
             if (
@@ -59,18 +55,13 @@ class SlotQueue:
                 and req.retry_phase == phase
                 and req.state in (State.PREFILL_WAIT, State.DECODE_WAIT)
             ):
-                self.lifecycle.fire(req, Input.WAKE)
-                leg = req.leg
-                if (leg is not None and leg.phase == phase) or (req.waiting_for_slot and req.retry_phase == phase):
-                    break  # it took the slot (or found none)
-                # It went elsewhere (its KV's lease ran short: prefilled again): the slot is still free.
-        if phase == DECODE and self.waiting[PREFILL]:
-            self.wake_prefills()
+                return req
+        return None
 
     def decode_backlog(self) -> bool:
         """Whether a prefilled request waits for a decode engine's slot (the head of its queue; stale heads dropped)."""
         waiters = self.waiting[DECODE]
-        active = self.requests.active
+        active = self.active
         while waiters:
             req = active.get(waiters[0])
             if (
@@ -82,11 +73,3 @@ class SlotQueue:
                 return True
             waiters.popleft()
         return False
-
-    def wake_prefills(self) -> None:
-        """Start the prefills held back behind the decode backlog, as many as the prefill engines take."""
-        waiters = self.waiting[PREFILL]
-        for _ in range(len(waiters)):
-            if not waiters or (self.ctx.pd and self.decode_backlog()) or not self.ctx.fleet.has_room(PREFILL):
-                return
-            self.wake(PREFILL)

@@ -1,24 +1,21 @@
-"""The words of a request's lifecycle: its states, its inputs, and what the inputs carry.
+"""The words of a request's lifecycle: its states, its inputs, and the follow-up work an event leaves.
 
 :mod:`~narwhal_core.lifecycle` holds the table of (state, input) -> handler
 and the handlers; this module only names things, so that every part can
-import it (it imports no part).
+import it (it imports no part). What the inputs carry is in
+:mod:`~narwhal_core.verdicts`.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
 
-import attrs
+from .ids import DECODE, PREFILL
 
-from .errors import NarwhalError
-from .events import PromptTokenized
-
-if TYPE_CHECKING:
-    from .legs import Leg
-
-__all__ = ["State", "Input", "LegAnswer", "LegRefusal", "LegFailure", "PromptTokenized", "InputData"]
+__all__ = ["State", "Input", "FollowUp", "WAKE"]
 
 
 class State(enum.Enum):
@@ -75,32 +72,27 @@ class Input(enum.Enum):
     ABANDON = "abandon"
 
 
+class FollowUp(enum.Enum):
+    """Work an event leaves for other requests, queued and done once the event is handled (docs/design.md).
 
-@attrs.frozen
-class LegAnswer:
-    """``LEG_OK`` with a whole (not streamed) decode answer, normalised."""
+    The router does each one (the lifecycle fires the inputs it amounts to)
+    when it drains the queue, in the order queued: never inside the handler
+    of the request whose event caused it.
+    """
 
-    answer: dict[str, Any]
+    __hash__ = object.__hash__
 
-
-@attrs.frozen
-class LegRefusal:
-    """``LEG_REFUSED``: the engine judged the request itself bad (a 4xx that is the client's)."""
-
-    error: NarwhalError
-    leg: Leg
-
-
-@attrs.frozen
-class LegFailure:
-    """``LEG_FAILED``: why the current leg failed, and, for an unusable prefill answer, the error."""
-
-    reason: str
-    leg: Leg
-    error: NarwhalError | None = None
-    #: Not worth a retry: every engine of the fleet would answer the same (the request fails with ``error``).
-    final: bool = False
+    #: A slot freed up on a prefill engine: the oldest request waiting for one takes it.
+    WAKE_PREFILL = "wake_prefill"
+    #: A slot freed up on a decode engine: the oldest request waiting for one takes it.
+    WAKE_DECODE = "wake_decode"
+    #: The decode backlog may be gone: start the prefills held back behind it.
+    WAKE_PREFILLS = "wake_prefills"
+    #: An admission slot freed up: admit queued requests while slots are free.
+    ADMIT = "admit"
 
 
-#: What an input carries to its handler (``TOKENIZED``: the :class:`~narwhal_core.events.PromptTokenized` itself).
-InputData = LegAnswer | LegRefusal | LegFailure | PromptTokenized | None
+#: The follow-up of a slot freed on an engine of each phase.
+WAKE: Final[Mapping[str, FollowUp]] = MappingProxyType({
+    PREFILL: FollowUp.WAKE_PREFILL, DECODE: FollowUp.WAKE_DECODE,
+})

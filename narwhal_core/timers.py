@@ -5,7 +5,9 @@ limit, a request's deadline, a health probe's next round, shutdown's grace
 period -- is a :class:`Timer` armed on the one :class:`Timers` heap. The
 router asks :meth:`Timers.deadline` when the adapter should next call it and
 takes what is due with :meth:`Timers.pop_due`; each timer then calls its
-action with its owner.
+action with its owner. What an action returns is its owner's input for the
+lifecycle (a request's timer: the :class:`~narwhal_core.states.Input`; a
+leg's: its verdict), or ``None``; the router hands it on.
 
 A timer is cancelled by :meth:`Timer.cancel`, which only marks it (a heap
 cannot remove from its middle cheaply): a cancelled timer is skipped when
@@ -31,7 +33,7 @@ class Timer:
 
     __slots__ = ("when", "action", "owner")
 
-    def __init__(self, when: float, action: Callable[[Any], None], owner: Any) -> None:
+    def __init__(self, when: float, action: Callable[[Any], object], owner: Any) -> None:
         self.when = when
         self.action = action
         #: What the action is about; ``None`` once cancelled.
@@ -63,7 +65,7 @@ class Timers:
         """Entries on the heap, cancelled ones not yet dropped included."""
         return len(self._heap)
 
-    def arm(self, when: float, action: Callable[[Any], None], owner: Any) -> Timer:
+    def arm(self, when: float, action: Callable[[Any], object], owner: Any) -> Timer:
         """A new timer calling ``action(owner)`` at ``when``; ``owner`` must not be ``None``."""
         timer = Timer(when, action, owner)
         self._seq += 1

@@ -35,6 +35,7 @@ CORE_TESTS = (
     "tests/core/test_contract_properties.py",
     "tests/core/test_planning_properties.py",
     "tests/core/test_ids.py",
+    "tests/core/test_core_tree.py",  # (its watch of the lifecycle runs on the pure core only)
 )
 #: Core tests that import no compiled module: their code is the same in both builds.
 PURE_ONLY_TESTS = (
