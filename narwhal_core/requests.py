@@ -401,7 +401,7 @@ class Requests:
         if req.terminal is None:
             return
         # The record's line and its metrics, straight from the request's
-        # state (journal.terminal_line: the TerminalRecord's own shape).
+        # state (journal.terminal_line: built from the TerminalRecord's own fields, in order).
         ctx = self.ctx
         wall = ctx.wall()
         legs = [self._leg_line(leg) for leg in req.legs]
@@ -416,7 +416,8 @@ class Requests:
         ctx.out.append(WriteJournal(journal.terminal_line(
             wall, req.rid, req.client_rid, req.client, req.route, req.accepted.requested_model or ctx.model,
             req.stream, ctx.mode if plan is None else "pd" if plan.pd else "single", req.terminal, req.status,
-            req.error, legs, req.usage, received, duration, ttft, req.accepted.stripped,
+            None if req.error is None else req.error.to_json(), legs, req.usage, received, duration, ttft,
+            req.accepted.stripped,
             None if plan is None else self._routing_line(req, plan),
             None if trace is None else trace.trace_id, None if trace is None else trace.traceparent,
         ), True))
@@ -445,7 +446,7 @@ class Requests:
                 kv.outcome, kv.method = "held_until_lease", "lease"
             method = kv.method or ""
             kv_line = journal.kv_json(
-                kv.outcome, kv.handoff.owner, kv.engine.url, method, kv.error, kv.release_id  # type: ignore[arg-type]
+                kv.outcome, kv.handoff.owner, kv.engine.url, method, kv.error, kv.release_id
             )
             kv_counted = (kv.outcome, method)
         outcome: LegOutcome = leg.outcome or "cancelled"
