@@ -27,7 +27,7 @@ from .http import HttpRequest
 from .ids import DECODE, PREFILL, Phase, sanitize_client_rid
 from .journal import ErrorRecord, LegOutcome, Terminal
 from .states import Input, State
-from .tracecontext import TraceContext, read_trace_context
+from .tracecontext import TraceContext, request_trace
 
 if TYPE_CHECKING:
     from .clients import Clients, Conn
@@ -143,10 +143,11 @@ class Requests:
         ctx = self.ctx
         clients = self.clients
         client_rid = sanitize_client_rid(request.header(b"x-request-id"))
+        trace = request_trace(request.headers, rid, ctx.config.tracing)  # a refusal's record names it too
         try:
             client = clients.auth.authenticate(request.headers, conn.peer_host)
         except AuthError as exc:
-            clients.refuse(conn, rid, route, client_rid, None, "denied", exc)
+            clients.refuse(conn, rid, route, client_rid, None, "denied", exc, trace=trace)
             return
         try:
             accepted = check_request(
@@ -154,13 +155,8 @@ class Requests:
                 max_prompts=ctx.config.ingress.max_batch_prompts,
             )
         except ContractError as exc:
-            clients.refuse(conn, rid, route, client_rid, client, "invalid", exc)
+            clients.refuse(conn, rid, route, client_rid, client, "invalid", exc, trace=trace)
             return
-        # Tracing off and no traceparent: this header lookup is all tracing costs (docs/contract.md).
-        trace = None
-        start_trace = ctx.config.tracing.endpoint is not None
-        if start_trace or request.header(b"traceparent") is not None:
-            trace = read_trace_context(request.headers, rid, start_trace, ctx.config.tracing.sample_ratio)
         decision = self._admission(rid, client)
         if isinstance(decision, NarwhalError):
             clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
