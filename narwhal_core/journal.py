@@ -115,6 +115,8 @@ def encoder_source(record: type[_Record], name: str, *, builder: bool = False, l
     for f in fields:
         if f.default is not attrs.NOTHING and not _literal(f.default):
             raise TypeError(f"{record.__name__}.{f.name}: a journal field's default must be a literal value")
+        if f.name in _GENERATED_NAMES:
+            raise TypeError(f"{record.__name__}.{f.name}: the generated code uses that name; choose another")
     if builder:
         params: list[str] = []
         for f in (f for f in fields if f.init):
@@ -147,6 +149,10 @@ def encoder_source(record: type[_Record], name: str, *, builder: bool = False, l
     code += later
     code.append("    return _dumps_line(out)" if line else "    return out")
     return "\n".join(code) + "\n"
+
+
+#: The names the generated code uses besides the fields.
+_GENERATED_NAMES: Final = frozenset({"self", "out", "r", "list", "_dumps_line"})
 
 
 def _literal(value: object) -> bool:
@@ -363,9 +369,9 @@ def encode(record: ProgressRecord | TerminalRecord) -> bytes:
 
 #: The builders of the router's hot path (see the top of the records): each
 #: takes its record's fields in order, nested records as their JSON.
-Builder = Callable[..., dict[str, Any]]
-kv_json: Final[Builder] = _generated(KvRecord, "kv_json", builder=True)
-leg_json: Final[Builder] = _generated(LegRecord, "leg_json", builder=True)
-routing_json: Final[Builder] = _generated(RoutingRecord, "routing_json", builder=True)
+_Builder = Callable[..., dict[str, Any]]
+kv_json: Final[_Builder] = _generated(KvRecord, "kv_json", builder=True)
+leg_json: Final[_Builder] = _generated(LegRecord, "leg_json", builder=True)
+routing_json: Final[_Builder] = _generated(RoutingRecord, "routing_json", builder=True)
 progress_line: Final[Callable[..., bytes]] = _generated(ProgressRecord, "progress_line", builder=True, line=True)
 terminal_line: Final[Callable[..., bytes]] = _generated(TerminalRecord, "terminal_line", builder=True, line=True)

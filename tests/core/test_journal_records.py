@@ -120,12 +120,17 @@ def test_a_new_field_is_one_declaration() -> None:
     assert list(inspect.signature(builder).parameters)[-2:] == ["queued_ms", "zone"]
 
 
-def test_a_default_that_is_not_a_literal_is_refused_when_the_class_is_defined() -> None:
+def test_a_field_the_generated_code_cannot_hold_is_refused_when_the_class_is_defined() -> None:
     with pytest.raises(TypeError, match=r"Bad\.items: a journal field's default must be a literal value"):
         @journal._shaped
         @attrs.define(kw_only=True)
         class Bad(journal._Record):
             items: list[str] = attrs.Factory(list)
+    with pytest.raises(TypeError, match=r"Clash\.out: the generated code uses that name"):
+        @journal._shaped
+        @attrs.define(kw_only=True)
+        class Clash(journal._Record):
+            out: str
 
 
 # ------------------------------------------------------------ golden lines
