@@ -28,6 +28,7 @@ from .http import NEED_DATA, ConnectionClosed, ContinueExpected, HttpRequest, Se
 from .ids import sanitize_client_rid
 from .inflight import Conn
 from .journal import Terminal
+from .tracecontext import request_trace
 
 if TYPE_CHECKING:
     from .admin import Admin
@@ -266,7 +267,8 @@ class Clients:
                 self.auth.authenticate(head.headers, conn.peer_host)
             except AuthError as exc:
                 rid = self.ctx.new_rid()
-                self.refuse(conn, rid, route, sanitize_client_rid(head.header(b"x-request-id")), None, "denied", exc)
+                self.refuse(conn, rid, route, sanitize_client_rid(head.header(b"x-request-id")), None, "denied", exc,
+                            trace=request_trace(head.headers, rid, self.ctx.config.tracing))
                 return
         self.send(conn, conn.codec.send_continue())
 
@@ -286,7 +288,8 @@ class Clients:
                     status=405, type="invalid_request_error", code="method_not_allowed",
                 )
                 self.refuse(conn, rid, route, sanitize_client_rid(request.header(b"x-request-id")),
-                            None, "invalid", error, extra=((b"allow", b"POST"),))
+                            None, "invalid", error, extra=((b"allow", b"POST"),),
+                            trace=request_trace(request.headers, rid, self.ctx.config.tracing))
         elif path in _GET_ROUTES:
             self._get(conn, rid, path, request)
         elif path.startswith("/admin/") and self.admin is not None:

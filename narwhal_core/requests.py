@@ -28,7 +28,7 @@ from .ids import DECODE, PREFILL, sanitize_client_rid
 from .inflight import Conn, Leg, Request
 from .journal import ErrorRecord, LegOutcome, Terminal
 from .states import Input, State
-from .tracecontext import TraceContext, read_trace_context
+from .tracecontext import TraceContext, request_trace
 
 if TYPE_CHECKING:
     from .clients import Clients
@@ -70,10 +70,11 @@ class Requests:
         ctx = self.ctx
         clients = self.clients
         client_rid = sanitize_client_rid(request.header(b"x-request-id"))
+        trace = request_trace(request.headers, rid, ctx.config.tracing)  # a refusal's record names it too
         try:
             client = clients.auth.authenticate(request.headers, conn.peer_host)
         except AuthError as exc:
-            clients.refuse(conn, rid, route, client_rid, None, "denied", exc)
+            clients.refuse(conn, rid, route, client_rid, None, "denied", exc, trace=trace)
             return None
         try:
             accepted = check_request(
@@ -81,13 +82,8 @@ class Requests:
                 max_prompts=ctx.config.ingress.max_batch_prompts,
             )
         except ContractError as exc:
-            clients.refuse(conn, rid, route, client_rid, client, "invalid", exc)
+            clients.refuse(conn, rid, route, client_rid, client, "invalid", exc, trace=trace)
             return None
-        # Tracing off and no traceparent: this header lookup is all tracing costs (docs/contract.md).
-        trace = None
-        start_trace = ctx.config.tracing.endpoint is not None
-        if start_trace or request.header(b"traceparent") is not None:
-            trace = read_trace_context(request.headers, rid, start_trace, ctx.config.tracing.sample_ratio)
         decision = self._admission(rid, client)
         if isinstance(decision, NarwhalError):
             clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
@@ -308,7 +304,7 @@ class Requests:
         if req.terminal is None:
             return
         # The record's line and its metrics, straight from the request's
-        # state (journal.terminal_line: the TerminalRecord's own shape).
+        # state (journal.terminal_line: built from the TerminalRecord's own fields, in order).
         ctx = self.ctx
         wall = ctx.wall()
         legs = [self._leg_line(leg) for leg in req.legs]
@@ -323,7 +319,8 @@ class Requests:
         ctx.out.append(WriteJournal(journal.terminal_line(
             wall, req.rid, req.client_rid, req.client, req.route, req.accepted.requested_model or ctx.model,
             req.stream, ctx.mode if plan is None else "pd" if plan.pd else "single", req.terminal, req.status,
-            req.error, legs, req.usage, received, duration, ttft, req.accepted.stripped,
+            None if req.error is None else req.error.to_json(), legs, req.usage, received, duration, ttft,
+            req.accepted.stripped,
             None if plan is None else self._routing_line(req, plan),
             None if trace is None else trace.trace_id, None if trace is None else trace.traceparent,
         ), True))
@@ -352,7 +349,7 @@ class Requests:
                 kv.outcome, kv.method = "held_until_lease", "lease"
             method = kv.method or ""
             kv_line = journal.kv_json(
-                kv.outcome, kv.handoff.owner, kv.engine.url, method, kv.error, kv.release_id  # type: ignore[arg-type]
+                kv.outcome, kv.handoff.owner, kv.engine.url, method, kv.error, kv.release_id
             )
             kv_counted = (kv.outcome, method)
         outcome: LegOutcome = leg.outcome or "cancelled"

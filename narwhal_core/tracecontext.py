@@ -39,11 +39,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 
 from .http.grammar import Headers
+
+if TYPE_CHECKING:
+    from .config import TracingConfig
 
 __all__ = [
     "MAX_TRACESTATE_BYTES",
@@ -52,6 +55,7 @@ __all__ = [
     "leg_span_id",
     "parse_traceparent",
     "read_trace_context",
+    "request_trace",
     "request_span_id",
     "sampled_by_ratio",
     "started_trace_id",
@@ -216,3 +220,13 @@ def read_trace_context(headers: Headers, rid: str, start: bool, ratio: float = 1
         sampled = "01" if ratio >= 1.0 or sampled_by_ratio(trace_id, ratio) else "00"
         return TraceContext(trace_id=trace_id, parent_id=None, flags=sampled, state=None)
     return None
+
+
+def request_trace(headers: Headers, rid: str, tracing: TracingConfig) -> TraceContext | None:
+    """The trace of request ``rid`` under ``[tracing]``: the client's, one Narwhal starts, or ``None``.
+
+    Every terminal record of a completion request names it, a refusal's
+    before admission too (docs/operate.md, "Tracing").
+    """
+    # Tracing off and no traceparent: one pass over the headers is all tracing costs (docs/contract.md).
+    return read_trace_context(headers, rid, tracing.endpoint is not None, tracing.sample_ratio)

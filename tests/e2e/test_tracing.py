@@ -3,6 +3,10 @@
 * A client's ``traceparent`` and ``tracestate`` reach both simulated engines:
   the same trace ID, each leg a parent ID of its own (the leg's span); a
   client that sends none, to a router with tracing off, adds nothing.
+* A request refused before admission (denied, invalid, a GET) names its
+  trace in its terminal record as an admitted one does: the client's, or,
+  with ``[tracing]`` exporting, the one Narwhal starts, whose span is
+  exported too.
 * With ``[tracing] endpoint`` pointing at an OTLP/HTTP receiver this test
   runs on loopback (it decodes the real protobuf payload), the request's
   span and both legs' spans arrive, linked to each other and to the IDs the
@@ -75,6 +79,30 @@ def test_with_tracing_off_no_valid_traceparent_means_nothing_forwarded(
     assert "trace_id" not in record and "traceparent" not in record
     for received in _legs_received(fleet, record):
         assert header_values(received, "traceparent") == [] and header_values(received, "tracestate") == []
+
+
+def _refusals(router: Any, api_key: str, headers: dict[str, str]) -> dict[str, Any]:
+    """A denied request (no API key), an invalid one (a bad body, with the key) and a GET of a completion route."""
+    return {
+        "denied": http.post(router.url + COMPLETIONS, json=BODY, headers=headers, timeout=10),
+        "invalid": http.post(router.url + COMPLETIONS, json={**BODY, "max_tokens": -1}, timeout=10,
+                             headers={**headers, "authorization": f"Bearer {api_key}"}),
+        "method": http.get(router.url + COMPLETIONS, headers=headers, timeout=10),
+    }
+
+
+def test_a_refusal_names_the_clients_trace_as_every_terminal_record_does(
+    start_router, fleet, journal_path, api_keys
+) -> None:
+    router = start_router(ingress={"auth": "api_keys", "api_keys_file": str(api_keys.path)})
+    client = f"00-{TRACE}-{PARENT}-01"
+    answers = _refusals(router, api_keys.keys["team-a"], {"traceparent": client})
+    assert {name: a.status_code for name, a in answers.items()} == {"denied": 401, "invalid": 400, "method": 405}
+    for name, answer in answers.items():
+        record = journal_terminal(journal_path, rid_of(answer))
+        assert record["terminal"] == ("denied" if name == "denied" else "invalid"), record
+        assert (record["trace_id"], record["traceparent"]) == (TRACE, client), name
+    assert completion_records(fleet) == []
 
 
 # ----------------------------------------------------------- the OTLP receiver
@@ -206,6 +234,23 @@ def test_spans_arrive_at_the_collector_linked_as_the_engines_were_told(
             if leg["phase"] == "prefill":
                 assert leg_attributes["narwhal.kv.outcome"] == "pulled"
             assert span.start_time_unix_nano == pytest.approx(leg["started"] * 1e9, abs=1e3)
+
+
+def test_a_refusal_gets_the_trace_narwhal_starts_and_its_span_is_exported(
+    start_router, fleet, journal_path, receiver, api_keys
+) -> None:
+    router = start_router(ingress={"auth": "api_keys", "api_keys_file": str(api_keys.path)},
+                          tracing={"endpoint": receiver.url})
+    answers = _refusals(router, api_keys.keys["team-a"], {})
+    records = {name: journal_terminal(journal_path, rid_of(answer)) for name, answer in answers.items()}
+    router.stop()  # exports what is pending
+    spans = {span.span_id.hex(): span for _, span in receiver.spans()}
+    for name, record in records.items():
+        assert record["trace_id"] == started_trace_id(record["rid"]) and "traceparent" not in record, name
+        span = spans[request_span_id(record["rid"])]
+        assert span.trace_id.hex() == record["trace_id"]
+        assert _attrs(span.attributes)["narwhal.terminal"] == record["terminal"]
+    assert len(spans) == 3 and completion_records(fleet) == []
 
 
 def test_a_collector_that_is_down_costs_spans_never_requests(start_router, fleet, journal_path) -> None:
