@@ -5,7 +5,8 @@ run, over asyncio's :class:`~.io.IO`: the loop calls a connection when its
 socket is ready (``add_reader``, ``add_writer``), and it feeds the driver
 synchronously. One ``call_soon`` callback per loop iteration performs the
 batch, before the loop waits for I/O again. uvloop runs the loop when
-installed.
+installed. The server is the :class:`~narwhal_runtime.serving.Adapter` of
+its :class:`~narwhal_runtime.serving.Serving`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 from narwhal_core import Config, Event, Router
 from narwhal_runtime.app import Run
-from narwhal_runtime.serving import ServerBase
+from narwhal_runtime.serving import Serving
 
 from .io import IO
 
@@ -45,13 +46,15 @@ def loop_name(loop: asyncio.AbstractEventLoop) -> str:
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
-class Server(ServerBase):
+class Server:
     """One router serving on asyncio. Run :meth:`serve` on the running loop."""
 
-    runtime = RUNTIME
-
     def __init__(self, config: Config, *, router: Router | None = None) -> None:
-        super().__init__(config, router, now=clock(), sleep=asyncio.sleep, in_thread=asyncio.to_thread)
+        #: What both runtimes share: the router, its driver and effects, the start and the end of serving.
+        self.serving = Serving(config, router, self, runtime=RUNTIME, now=clock(), sleep=asyncio.sleep,
+                               in_thread=asyncio.to_thread)
+        self.driver = self.serving.driver
+        self._effects = self.serving.effects
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
@@ -60,23 +63,24 @@ class Server(ServerBase):
         self._stopped = False
 
     async def serve(self, *, started: Callable[[tuple[str, int]], object] | None = None) -> None:
-        """Listen, serve until a shutdown drains, then close the journal (the start and the end: :class:`ServerBase`).
+        """Listen, serve until a shutdown drains, then close the journal (the start and the end: :class:`Serving`).
 
         ``started`` gets the bound ``(host, port)``.
         """
+        serving = self.serving
         loop = self._loop = asyncio.get_running_loop()
         self._drained = loop.create_future()
-        sockets = self._listen()
+        sockets = serving.listen()
         try:
-            self.begin(IO(loop), sockets, loop.call_soon_threadsafe, loop_name(loop))
+            serving.begin(IO(loop), sockets, loop.call_soon_threadsafe, loop_name(loop))
             if started is not None:
-                started(self.address)  # type: ignore[arg-type]
+                started(serving.address)  # type: ignore[arg-type]
             await self._drained
         finally:
             self._stopped = True
             if self._timer is not None:
                 self._timer.cancel()
-            await self.end()
+            await serving.end()
 
     # ----------------------------------------------------------- the driver
 
@@ -85,16 +89,17 @@ class Server(ServerBase):
         driver = self.driver
         pending = driver.feed(event, clock())
         if driver.rearm or driver.shutdown_complete:
-            self._after_drain(pending)
+            self.after_drain(pending)
         elif pending and not self._flush_scheduled:
-            # _after_drain()'s common case, inlined: this runs once per event.
+            # after_drain()'s common case, inlined: this runs once per event.
             self._flush_scheduled = True
             assert self._loop is not None
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self.flush)
 
-    _feed_now = feed
+    #: An event from no socket is fed the same way: asyncio's feed never waits.
+    feed_now = feed
 
-    def _after_drain(self, pending: bool | None = None) -> None:
+    def after_drain(self, pending: bool | None = None) -> None:
         """Act on the driver's last drain: re-arm the timer, end the drain, schedule the flush.
 
         ``pending``: what :meth:`Driver.feed` returned (``None``: ask the driver).
@@ -111,34 +116,36 @@ class Server(ServerBase):
         if not self._flush_scheduled and (driver.pending() if pending is None else pending):
             self._flush_scheduled = True
             assert self._loop is not None
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self.flush)
 
     def _on_timer(self) -> None:
         # The armed deadline is due (were it not, the drain would re-arm the same deadline).
         self._timer = None
         self.driver.fire_timer(now=clock())
-        self._after_drain()
+        self.after_drain()
 
-    def _start_polling(self) -> None:
+    def start_polling(self) -> None:
+        """Queue the busy-poll callback."""
         if self._loop is not None:
             self._loop.call_soon(self._poll)
 
     def _poll(self) -> None:
         # While a callback is queued, the loop's next wait for I/O returns at once.
-        if self._busy.keep_polling(clock()):
+        if self.serving.busy.keep_polling(clock()):
             assert self._loop is not None
             self._loop.call_soon(self._poll)
 
     # -------------------------------------------------- effects (the I/O)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Perform what the driver has pending (once serving)."""
         self._flush_scheduled = False
-        if self.engines is None:
+        if self._effects.engines is None:
             return
-        if self.driver.flush(self):  # (it contains a failed write: a failed write must not stop the server)
+        if self.driver.flush(self._effects):  # (it contains a failed write: a failed write must not stop the server)
             # The flush fed the driver itself (journal health): act on that
             # drain too. (A client admitted meanwhile went through feed().)
-            self._after_drain()
+            self.after_drain()
 
 
 def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> int:
@@ -153,7 +160,7 @@ def run(config: Config, on_ready: Callable[[str, int], None] | None = None) -> i
 
         def on_signal(signum: int) -> None:
             nonlocal stopped
-            if process.signal_received(signum, server) and serve is not None:
+            if process.signal_received(signum, server.serving) and serve is not None:
                 stopped = True
                 serve.cancel()  # serve() still writes the journal out
 

@@ -51,6 +51,7 @@ from .events import (
     WriteJournal,
     local_failure,
 )
+from .fleet_change import FleetChanged
 from .http import Codec, CodecLike
 from .ids import RidSource, backend_id, parse_backend_id
 from .router import Router, RouterStatistics
@@ -59,7 +60,7 @@ __all__ = [
     "CONTROL_BODY_LIMIT", "AcceptedRequest", "ApiKeys", "AuthError", "Authenticator", "AuthenticatorChanged",
     "CancelLeg", "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "CloseClient", "Codec", "CodecLike",
     "Command", "Config", "ConfigError", "ContractError", "ControlDone", "EngineAddress",
-    "EnginesChanged", "KvEventsReceived", "KvStreamChanged", "Event", "FinishLeg", "JournalHealth", "LegData", "LegFailed",
+    "EnginesChanged", "FleetChanged", "KvEventsReceived", "KvStreamChanged", "Event", "FinishLeg", "JournalHealth", "LegData", "LegFailed",
     "LocalProtocolError", "Log", "NarwhalError", "PromptTokenized", "ProtocolError", "RemoteProtocolError",
     "RidSource", "Router", "RouterStatistics", "ShutdownComplete", "ShutdownRequested",
     "StartControl", "StartLeg", "TokenizePrompt", "TransitionError", "Transmit", "WriteJournal",

@@ -23,6 +23,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from .config import EngineAddress
+from .fleet_change import FleetChanged
 
 __all__ = [
     "ClientConnected", "ClientData", "ClientGone", "ClientStalled", "LegData", "LegFailed",
@@ -409,5 +410,5 @@ class ShutdownComplete:
 
 Command = (
     Transmit | CloseClient | StartLeg | CancelLeg | FinishLeg | StartControl | TokenizePrompt
-    | WriteJournal | Log | ShutdownComplete
+    | WriteJournal | Log | ShutdownComplete | FleetChanged
 )

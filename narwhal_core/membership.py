@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Final
 
 from .config import EngineAddress
 from .events import EnginesChanged
+from .fleet_change import FleetChanged
 from .ids import PREFILL, Phase
 
 if TYPE_CHECKING:
@@ -78,12 +79,18 @@ class Membership:
         else:
             fleet.rejoin(engine)
         ctx.log("engine_added", engine=engine.url, phase=phase, source=source)
+        self.changed(phase)
         self.health.probe(engine)
         if self.load.interval > 0:
             self.load.scrape(engine)
         else:
             self.load.assume_capacity(engine, "routing.metrics_interval_s = 0: engines' /metrics are not read")
         return engine
+
+    def changed(self, phase: Phase) -> None:
+        """Tell the runtime the engines of ``phase`` now (:class:`~narwhal_core.fleet_change.FleetChanged`)."""
+        engines = tuple(e.address for e in self.ctx.fleet.engines[phase])
+        self.ctx.out.append(FleetChanged(phase=phase, engines=engines))
 
     def drain(self, engine: EngineState, source: str) -> None:
         """Take ``engine`` out for good: no new legs or releases; forgotten once nothing uses it."""
@@ -136,5 +143,6 @@ class Membership:
             self.load.forget(engine)
             fleet.policy.drop(engine)
             ctx.log("engine_removed", engine=engine.url, phase=engine.phase)
+            self.changed(engine.phase)
         if left:
             self.sweeping = ctx.timers.arm(ctx.now + SWEEP_S, self.sweep, self)

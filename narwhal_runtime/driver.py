@@ -12,7 +12,8 @@ an :class:`Effects` object that performs the I/O. The driver decides:
 * **the order of effects** (docs/design.md): the batch's journal records
   first, in one write, then its process-log lines, then the engine commands
   (leg starts, finishes, cancels, control requests; prompts to tokenize off
-  the loop) and the queued leg requests, then the clients' bytes. So a journal record is in the file
+  the loop; the fleet's changes) and the queued leg requests, then the
+  clients' bytes. So a journal record is in the file
   before the answer or the leg it describes leaves the process (the
   contract of narwhal_runtime/journal_writer.py);
 * **per-client write coalescing**: all the bytes a client got in a batch
@@ -42,6 +43,7 @@ from narwhal_core import (
     CloseClient,
     Event,
     FinishLeg,
+    FleetChanged,
     JournalHealth,
     Log,
     Router,
@@ -87,6 +89,8 @@ class EngineCommands(Protocol):
     def finish_leg(self, key: str, reusable: bool) -> None: ...
     def cancel_leg(self, key: str) -> None: ...
     def start_control(self, cmd: StartControl) -> None: ...
+    def write_unsent(self) -> None:
+        """Write the leg requests queued on pooled engine connections."""
 
 
 class Effects(Protocol):
@@ -105,11 +109,11 @@ class Effects(Protocol):
     def engines(self) -> EngineCommands | None:
         """Where leg and control commands go (the adapter's ``Engines``; set once it serves)."""
 
-    def write_legs(self) -> None:
-        """Write the leg requests queued on pooled engine connections."""
-
     def tokenize(self, cmd: TokenizePrompt) -> None:
         """Hand a prompt to the tokenizer thread (:mod:`narwhal_runtime.tokenize_worker`); its ids come back as an event."""
+
+    def fleet_changed(self, cmd: FleetChanged) -> None:
+        """An engine joined or was forgotten: follow the fleet as it is now (the KV-event subscriber)."""
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         """Send ``data`` (maybe empty) to client ``conn``; then close it (lingering) if ``close``."""
@@ -153,7 +157,7 @@ class Driver:
         self.router = router
         self._journal: list[bytes] = []
         self._logs: list[tuple[str, dict[str, Any]]] = []
-        self._engine: list[StartLeg | FinishLeg | CancelLeg | StartControl | TokenizePrompt] = []
+        self._engine: list[StartLeg | FinishLeg | CancelLeg | StartControl | TokenizePrompt | FleetChanged] = []
         #: Each client's bytes in this batch, in order; a client closed in it has an entry too.
         self._outboxes: dict[Hashable, list[bytes]] = {}
         #: The clients the router closed in this batch.
@@ -230,6 +234,8 @@ class Driver:
                         self._logs.append((cmd.event, cmd.fields))  # type: ignore[union-attr]
                     elif kind is ShutdownComplete:
                         self.shutdown_complete = True
+                    elif kind is FleetChanged:  # (last: the rarest)
+                        self._engine.append(cmd)  # type: ignore[arg-type]
                 break
             except Exception as exc:  # noqa: BLE001 - one bad event (or timer) must not stop the server
                 if contained:  # the router is broken beyond one request
@@ -284,7 +290,7 @@ class Driver:
         return sum(len(part) for part in self._outboxes.get(conn, ()))
 
     def flush(self, out: Effects, *, now: float | None = None) -> bool:
-        """Perform the batch through ``out``: journal, logs, engines, legs, then clients.
+        """Perform the batch through ``out``: journal, logs, engines and the fleet, legs, then clients.
 
         An effect that feeds the router again (journal health, a client
         admitted when a slot frees) adds to the batch; the loop runs until
@@ -334,10 +340,12 @@ class Driver:
                             engines.cancel_leg(cmd.leg)
                         elif kind is TokenizePrompt:
                             out.tokenize(cmd)
+                        elif kind is FleetChanged:
+                            out.fleet_changed(cmd)
                         else:
                             engines.start_control(cmd)
                     if started:  # only a leg started here can have queued a request on a pooled connection
-                        out.write_legs()
+                        engines.write_unsent()
                 outboxes = self._outboxes
                 if outboxes:
                     self._outboxes = {}

@@ -123,7 +123,7 @@ class RouterThread:
         """Graceful shutdown (as on SIGTERM); wait for the loop to finish."""
         if self._thread is None or not self._thread.is_alive():
             return
-        self.call_soon(lambda: self._server.shutdown())
+        self.call_soon(lambda: self._server.serving.shutdown())
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError("router did not stop")
@@ -183,7 +183,7 @@ class RouterThread:
         return self._server
 
     def statistics(self) -> Any:
-        return self.call(lambda: self._server.router.statistics())
+        return self.call(lambda: self._server.serving.router.statistics())
 
     def wait_idle(self, timeout: float = 10.0) -> Any:
         """Wait until no request, leg or control (other than probes) is pending; return the statistics."""

@@ -53,6 +53,7 @@ from narwhal_core import (
     EnginesChanged,
     Event,
     FinishLeg,
+    FleetChanged,
     LegData,
     LegFailed,
     Log,
@@ -728,6 +729,8 @@ class Driver:
         self.journal: list[JournalEntry] = []
         self.by_rid: dict[str, list[JournalEntry]] = {}
         self.logs: list[Log] = []
+        #: The router's word that the fleet's membership changed, in order.
+        self.fleet_changes: list[FleetChanged] = []
         self.cancelled: list[str] = []
         self.finished: list[FinishLeg] = []
         self.shutdown_complete: list[int] = []
@@ -891,6 +894,8 @@ class Driver:
             self.logs.append(cmd)
         elif isinstance(cmd, ShutdownComplete):
             self.shutdown_complete.append(self.step)
+        elif isinstance(cmd, FleetChanged):
+            self.fleet_changes.append(cmd)
         else:  # pragma: no cover
             self.problems.append(f"unknown command {cmd!r}")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from narwhal_core import AuthenticatorChanged, EnginesChanged, WriteJournal, api_key_digest, parse_api_keys
+from narwhal_core import AuthenticatorChanged, EnginesChanged, FleetChanged, WriteJournal, api_key_digest, parse_api_keys
 from narwhal_core.auth import Authenticator
 from narwhal_core.config import config_from_dict, parse_engine_url
 from narwhal_core.errors import ConfigError
@@ -101,6 +101,39 @@ def test_a_removed_engine_finishes_its_legs_then_is_forgotten() -> None:
     assert all(c.cmd.engine.url != gone for c in d.controls.values() if c.started_at > d.now - 50)
     d.complete_releases()
     d.check_invariants(final=True)
+
+
+def fleet_changes(d: Driver) -> list[tuple[str, list[str]]]:
+    return [(c.phase, [a.url for a in c.engines]) for c in d.fleet_changes]
+
+
+def test_a_join_and_a_forgetting_are_each_told_as_the_phase_s_engines_now() -> None:
+    # What follows the fleet outside the core (the KV-event subscriber) acts on FleetChanged,
+    # a value emitted beside the engine_added / engine_removed log lines, not on those lines.
+    d = Driver()
+    assert d.fleet_changes == []  # the configured engines are no change
+    first, second = PREFILL_URLS
+    new = "http://10.0.0.3:8100"
+    d.feed(changed("prefill", first, second, new))
+    assert fleet_changes(d) == [("prefill", [first, second, new])]  # at once, not at the first probe
+    d.feed(changed("prefill", first, second, new))
+    assert len(d.fleet_changes) == 1  # nothing joined
+    d.feed(changed("prefill", second, new))
+    assert fleet_changes(d)[1:] == [("prefill", [second, new])]  # idle, so forgotten at once
+    d.feed(changed("decode", NEW_DECODE))  # the gone are drained (idle: forgotten), then the new one joins
+    assert fleet_changes(d)[2:] == [("decode", [DECODE_URLS[1]]), ("decode", []), ("decode", [NEW_DECODE])]
+    client = d.post(COMPLETIONS, completion_body())
+    prefill = d.leg("prefill")
+    kept = next(u for u in (second, new) if u != prefill.engine.url)
+    d.feed(changed("prefill", kept))
+    d.advance(SWEEP_S)
+    assert len(d.fleet_changes) == 5  # draining with a leg running: still in the fleet, no change
+    d.answer_prefill(prefill.bid)
+    d.answer_decode(d.leg("decode", prefill.rid).bid)
+    assert client.last.status == 200
+    d.advance(SWEEP_S)
+    assert fleet_changes(d)[5:] == [("prefill", [kept])]  # forgotten once nothing refers to it
+    assert all(type(c) is FleetChanged for c in d.fleet_changes)
 
 
 def test_kv_held_by_a_draining_prefill_engine_is_released_there_before_it_is_forgotten() -> None:

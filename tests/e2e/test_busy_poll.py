@@ -25,7 +25,7 @@ QUIET_PROBES = {"probe_interval_s": 60.0}
 
 
 def _polls(router: RouterThread) -> int:
-    return int(router.call(lambda: router.server.busy_polls))
+    return int(router.call(lambda: router.server.serving.busy_polls))
 
 
 def _wait_parked(router: RouterThread, timeout: float = 10.0) -> None:

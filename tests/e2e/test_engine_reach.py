@@ -123,7 +123,7 @@ def test_an_address_the_engine_name_resolves_to_names_that_engine(start, sims, j
     named = f"http://localhost:{prefill.port}"
     router = start((named,), (f"http://localhost:{decode.port}",))
     # The adapter resolved the prefill engine's name at its first probe and told the core.
-    engine = router.call(lambda: router.server.router.fleet.engines["prefill"][0])
+    engine = router.call(lambda: router.server.serving.router.fleet.engines["prefill"][0])
     assert "127.0.0.1" in engine.addresses
     answer = complete(router)
     assert answer.status_code == 200, answer.text

@@ -143,7 +143,7 @@ def _run(runtime: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[
         config = make_config(journal, prefill=(prefill.url,), decode=(decode.url,),
                              health={"probe_interval_s": 600.0}, routing={"policy": "least_loaded"})
         with LogCapture() as log, RouterThread(config, runtime) as router:
-            assert isinstance(router.server.router, FaultyRouter)
+            assert isinstance(router.server.serving.router, FaultyRouter)
             rids = _scenario(router, log)
             records = wait_for_terminals(journal, len(rids))
             router.wait_idle()

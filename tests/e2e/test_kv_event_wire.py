@@ -120,7 +120,7 @@ def test_map_batches_route_by_kv(
             stats = second.stats()
             assert stats["kv_events_encoding"] == {"data_parallel_rank": 0, "events": "map", "batch": "map"}
             assert stats["kv_events_published"] >= 2
-            assert router.server.kv_subscriber.counters.malformed == 0
+            assert router.server.serving.kv_subscriber.counters.malformed == 0
         finally:
             router.stop()
     finally:

@@ -177,7 +177,7 @@ def kv_router(runtime: str, kv_fleet: KvFleet, tmp_path: Path) -> Iterator[Calla
 
 def held(router: RouterThread, url: str) -> frozenset[int]:
     """Narwhal's hashes of the blocks its index says ``url`` holds (read on the router's loop)."""
-    return router.call(lambda: router.server.router.fleet.policy.index.blocks(url))  # type: ignore[no-any-return]
+    return router.call(lambda: router.server.serving.router.fleet.policy.index.blocks(url))  # type: ignore[no-any-return]
 
 
 def hashes_of(tok: EngineTokenizer, text: str) -> list[int]:
@@ -340,7 +340,7 @@ def test_an_engine_whose_events_are_lost_falls_back_and_says_so(
         assert metric(router, "narwhal_engine_kv_events_live", engine=second.url) == 1
         assert metric(router, "narwhal_engine_kv_events_live", engine=kv_fleet.decode.url) is None  # (prefill only)
         # Only the prefill engines' streams are read: decode legs go by load (docs/operate.md, "KV events").
-        assert router.server.kv_subscriber.subscribed == {first.url, second.url}
+        assert router.server.serving.kv_subscriber.subscribed == {first.url, second.url}
         subscribed = {e["engine"] for e in log.events() if e["event"] == "kv_events_subscribed"}
         assert subscribed == {first.url, second.url}
 

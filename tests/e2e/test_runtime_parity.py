@@ -191,7 +191,7 @@ def _contain_run(runtime: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         config = make_config(journal, prefill=(prefill.url,), decode=(decode.url,),
                              health={"probe_interval_s": 600.0})
         with LogCapture() as log, RouterThread(config, runtime) as router:
-            assert isinstance(router.server.router, _FaultyRouter)
+            assert isinstance(router.server.serving.router, _FaultyRouter)
             for prompt in ("parity-receive", "parity-drain", "after the faults"):
                 # A connection each: the router closes the one whose request failed.
                 with httpx.Client(base_url=router.url, timeout=10) as client:
@@ -236,8 +236,8 @@ def _order_run(runtime: str, tmp_path: Path) -> list[tuple[str, bool]]:
         config = make_config(journal, prefill=(prefill.url,), decode=(decode.url,),
                              health={"probe_interval_s": 600.0})
         with RouterThread(config, runtime) as router:
-            server = router.server
-            write_journal, send = server.write_journal, server.send
+            effects = router.server.serving.effects  # what the driver performs each batch through
+            write_journal, send = effects.write_journal, effects.send
 
             def traced_journal(lines: list[bytes]) -> Any:
                 records = [json.loads(line) for line in lines]
@@ -249,7 +249,7 @@ def _order_run(runtime: str, tmp_path: Path) -> list[tuple[str, bool]]:
                 send(conn, data, close)
 
             def install() -> None:
-                server.write_journal, server.send = traced_journal, traced_send
+                effects.write_journal, effects.send = traced_journal, traced_send
 
             router.call(install)
             for kind in ("plain", "stream", "plain", "stream"):
@@ -559,9 +559,9 @@ def test_an_answer_still_queued_at_shutdown_gets_the_exit_flush_then_is_cut(
                            b"content-length: %d\r\n\r\n%s" % (len(body), body))
             [record] = [r for r in wait_for_terminals(journal, 1) if r["terminal"] is not None]
             assert (record["terminal"], record["status"]) == ("completed", 200), record
-            assert router.call(lambda: sum(len(c.out) for c in router.server.clients.live)) > 0  # still queued
+            assert router.call(lambda: sum(len(c.out) for c in router.server.serving.clients.live)) > 0  # still queued
             stopping = time.monotonic()
-            router.call_soon(lambda: router.server.shutdown())
+            router.call_soon(lambda: router.server.serving.shutdown())
             if not reads:
                 router._thread.join(10)  # type: ignore[union-attr]
                 assert not router.alive

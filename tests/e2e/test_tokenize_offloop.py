@@ -66,9 +66,9 @@ def test_a_large_prompt_is_tokenized_while_the_loop_serves(
                          engine={"kv_events": f"tcp://{{host}}:{port}"}, routing={"policy": "kv"})
     with RouterThread(config, runtime) as router, httpx.Client(timeout=20) as http, \
             ThreadPoolExecutor(1) as pool:  # fmt: skip
-        worker = router.server.tokenize_worker
+        worker = router.server.serving.tokenize_worker
         assert worker is not None and worker.alive
-        policy = router.server.router.fleet.policy
+        policy = router.server.serving.router.fleet.policy
         url = router.url + "/v1/completions"
         # No engine holds it yet: routed at once from its head, never tokenized whole. Sent again until the
         # engine's events (the first may be published before the subscription reaches it) say it is held.

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from narwhal_core import (
-    CancelLeg, ClientData, CloseClient, FinishLeg, JournalHealth, Log, ShutdownComplete, StartControl, StartLeg,
-    Transmit, WriteJournal,
+    CancelLeg, ClientData, CloseClient, FinishLeg, FleetChanged, JournalHealth, Log, ShutdownComplete, StartControl,
+    StartLeg, Transmit, WriteJournal,
 )
+from narwhal_core.config import parse_engine_url
 from narwhal_runtime.driver import LINGER_BYTES, BusyPoll, Driver, keep_lingering
 
 
@@ -92,11 +93,14 @@ class Recorder:
     def start_control(self, cmd: StartControl) -> None:
         self.calls.append(("start_control", cmd.key))
 
-    def write_legs(self) -> None:
-        self.calls.append(("write_legs",))
+    def write_unsent(self) -> None:
+        self.calls.append(("write_unsent",))
 
     def send(self, conn: Any, data: bytes, close: bool) -> None:
         self.calls.append(("send", conn, data, close))
+
+    def fleet_changed(self, cmd: FleetChanged) -> None:
+        self.calls.append(("fleet_changed", cmd.phase, tuple(a.url for a in cmd.engines)))
 
 
 def _leg(key: str, conn: Any = 1) -> StartLeg:
@@ -130,7 +134,7 @@ def test_journal_first_then_engines_then_clients_one_send_each(router: ScriptedR
         ("journal", (b'{"rid":"r0"}\n', b'{"rid":"r2"}\n')),  # every record of the batch, in one write, first
         ("log", "engine_down"),
         ("start_leg", "r1-p0"), ("finish_leg", "r0-d0", True), ("cancel_leg", "r0-p0"), ("start_control", "probe"),
-        ("write_legs",),
+        ("write_unsent",),
         ("send", 1, b"HTTP/1.1 200 OK\r\n\r\nbody", False),  # coalesced, in the order the router sent them
         ("send", 2, b"ab", True),
     ]
@@ -254,6 +258,25 @@ def test_an_effect_that_feeds_again_is_performed_in_the_same_flush(router: Scrip
     driver.flush(out, now=0.0)  # type: ignore[arg-type]
     assert out.calls == [
         ("send", 1, b"bye", True), ("journal", (b"late\n",)), ("send", 2, b"hello", False),
+    ]
+
+
+def test_a_fleet_change_is_performed_as_a_command_with_the_engine_commands_not_read_from_its_log_line(
+        router: ScriptedRouter) -> None:
+    # The router's FleetChanged reaches the effects as itself, after the batch's log lines (the
+    # engine_added line is one of them, and only a line) and in order among the engine commands.
+    joined = parse_engine_url("http://10.0.0.3:8100", key="test")
+    router.script["e"] = [
+        Log("engine_added", {"engine": joined.url, "phase": "prefill", "source": "dns"}),
+        FleetChanged(phase="prefill", engines=(joined,)), _control("probe-new"),
+    ]
+    driver = Driver(router)  # type: ignore[arg-type]
+    driver.feed("e", now=1.0)  # type: ignore[arg-type]
+    assert driver.pending()
+    out = Recorder()
+    driver.flush(out, now=1.0)  # type: ignore[arg-type]
+    assert out.calls == [
+        ("log", "engine_added"), ("fleet_changed", "prefill", (joined.url,)), ("start_control", "probe-new"),
     ]
 
 

@@ -500,7 +500,7 @@ def test_the_server_runs_the_subscriber_and_feeds_its_loop(tmp_path: Path, runti
     seen: list[tuple[Any, str]] = []
     try:
         with RouterThread(config, runtime) as router:
-            sub = router.server.kv_subscriber
+            sub = router.server.serving.kv_subscriber
             assert sub.alive and sub.subscribed == {engine}
 
             def intercept() -> None:
@@ -543,7 +543,7 @@ def test_the_subscriber_follows_the_engines_discovery_finds(tmp_path: Path, runt
                          engine={"discovery": "file", "kv_events": "tcp://{host}:{port}"},
                          discovery={"file": str(engines), "interval_s": 0.05})
     with RouterThread(config, runtime) as router:
-        sub = router.server.kv_subscriber
+        sub = router.server.serving.kv_subscriber
         wait_until(lambda: sub.subscribed == {first}, "the first engine subscribed")
         engines.write_text(f'prefill = ["{second}"]\ndecode = ["{decode}"]\n')
         wait_until(lambda: sub.subscribed == {second}, "the second engine alone")

@@ -162,7 +162,7 @@ def test_router_keeps_only_key_digests(start_router, tmp_path, client_key, runti
     path = write_keys_file(tmp_path / "keys.toml", {"team-a": client_key, "team-b": other})
     assert client_key not in path.read_text() and other not in path.read_text()
     router = start_router(ingress={"auth": "api_keys", "api_keys_file": str(path)})
-    authenticator = router.call(lambda: router._server.router._auth)
+    authenticator = router.call(lambda: router._server.serving.router._auth)
     keys = authenticator.keys
     assert set(keys.digests) == {hashlib.sha256(k.encode()).digest() for k in (client_key, other)}
     assert all(isinstance(d, bytes) and len(d) == 32 for d in keys.digests)
