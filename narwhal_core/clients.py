@@ -344,19 +344,9 @@ class Clients:
     # --------------------------------------------------------------- refusals
 
     def refuse(
-        self,
-        conn: Conn,
-        rid: str,
-        route: Route,
-        client_rid: str | None,
-        client: str | None,
-        terminal: Terminal,
-        exc: NarwhalError,
-        *,
-        retry_after: bool = False,
-        accepted: AcceptedRequest | None = None,
-        extra: _Headers = (),
-        trace: TraceContext | None = None,
+        self, conn: Conn, rid: str, route: Route, client_rid: str | None, client: str | None, terminal: Terminal,
+        exc: NarwhalError, *, retry_after: bool = False, accepted: AcceptedRequest | None = None,
+        extra: _Headers = (), trace: TraceContext | None = None,
     ) -> None:
         """Answer a request that never reached admission, with its one terminal record."""
         ctx = self.ctx
