@@ -149,8 +149,9 @@ def main() -> int:
     args = p.parse_args()
     rows = []
     if args.windows > 1:
-        print("| workload | rate | policy / mode | windows | TTFT p50 / p90 (ms) | goodput (req/s) | prefill hit rate "
-              "| max prefill share | busiest engine (M tokens) | windows worse than the first (p50 / p90 / goodput / share) |")
+        print("| workload | rate | policy / mode | windows | TTFT p50 / p90 (ms) | goodput (req/s) "
+              "| prefill hit rate | max prefill share | busiest engine (M tokens) "
+              "| windows worse than the first (p50 / p90 / goodput / share) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
     else:
         print("| workload | rate | policy / mode | ok / sent | TTFT p50 / p90 (ms) | goodput (req/s) "

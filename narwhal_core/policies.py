@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from .kv_policy import HeadProbe, PromptTokenizer
 
 __all__ = [
-    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "APPROXIMATE", "RECENT_LEGS", "estimate_tokens", "Clock", "StoppedClock",
-    "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix",
+    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "APPROXIMATE", "RECENT_LEGS", "estimate_tokens", "Clock",
+    "StoppedClock", "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix",
 ]
 #: Most prefill candidates a journal ``routing`` record lists (docs/operate.md, "The journal").
 MAX_CANDIDATES: Final = 8
