@@ -2,6 +2,7 @@
 
     python benchmarks/defaults_bench.py                    # 3 configurations x (3 trace + 3 session rates), ~3 min
     python benchmarks/defaults_bench.py --configs least_loaded/always,prefix/always --json out.json
+    python benchmarks/defaults_bench.py --configs least_loaded/always,prefix/always --windows 8   # means of 8 windows
 
 Each configuration (``policy/mode``) replays the workloads of
 ``routing_bench.py`` — the shared Mooncake trace from its request 3,000 on
@@ -23,6 +24,13 @@ busiest engine computed (millions of prompt tokens): a policy that hits
 its caches more computes less in all, so its share of a smaller mean can
 be higher while its busiest engine does less.
 
+One window's figures swing with small changes of routing (a tie broken
+the other way puts a prefix on another engine, and the run goes on from
+there): ``--windows N`` replays N windows per workload and rate — the
+trace from request ``--trace-offset`` - 200 i on, the sessions with seed i,
+for i = 0 .. N-1 — and prints each configuration's mean over them, and in
+how many windows each figure is worse than the first configuration's.
+
 The virtual engines serve no ``/metrics``, so each configuration sets
 ``routing.kv_capacity_tokens = 448000``: what ``narwhal serve`` learns from
 such engines' ``vllm:cache_config_info`` (28,000 x 16).
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import attrs  # noqa: E402
 from routing_bench import SESSIONS, TRACE  # noqa: E402
 from routing_bound import share_of_mean  # noqa: E402
 
@@ -56,14 +66,17 @@ SESSION_RATES = (("light", 0.75), ("knee", 1.5), ("past", 2.25))
 BLOCKS = 28_000
 
 
-def workload(name: str, rate: float, args: argparse.Namespace) -> list[Any]:
-    """The requests ``routing_bench.py`` sends for ``name`` at ``rate``, in unscaled (simulated) time."""
+def workload(name: str, rate: float, args: argparse.Namespace, window: int = 0) -> list[Any]:
+    """The requests ``routing_bench.py`` sends for ``name`` at ``rate``, in unscaled (simulated) time.
+
+    ``window`` i > 0: the trace from 200 i requests earlier, the sessions of seed i.
+    """
     if name == "trace":
         lines = [line for line in Path(args.trace).read_text().splitlines() if line.strip()]
         lines.sort(key=lambda line: json.loads(line)["timestamp"])
-        base = parse_mooncake_lines(lines[args.trace_offset :], source=args.trace)
+        base = parse_mooncake_lines(lines[max(0, args.trace_offset - 200 * window) :], source=args.trace)
     else:
-        base = generate_sessions(SESSIONS)
+        base = generate_sessions(attrs.evolve(SESSIONS, seed=SESSIONS.seed + window))
     scaled = scale_arrivals(base, time_scale=1.0, rate_scale=rate)
     return limit(scaled, max_requests=args.max_requests, duration_s=args.duration)
 
@@ -100,6 +113,29 @@ def run(config: str, requests: list[Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _row(row: dict[str, Any]) -> str:
+    hit = "-" if row["prefill_hit_rate"] is None else f"{100 * row['prefill_hit_rate']:.1f} %"
+    return (f"| {row['workload']} | {row['rate']} | {row['config']} | {row['completed']} / {row['requests']} "
+            f"| {row['ttft_p50_ms']} / {row['ttft_p90_ms']} | {row['goodput']:.3f} | {hit} "
+            f"| {row['max_share']:.2f} | {row['busiest_computed_tokens'] / 1e6:.2f} |")  # fmt: skip
+
+
+def _mean_row(cell: list[dict[str, Any]], config: str, first: str) -> str:
+    """One configuration's mean over a cell's windows, and in how many windows it is worse than ``first``."""
+    mine = [r for r in cell if r["config"] == config]
+    theirs = {r["window"]: r for r in cell if r["config"] == first}
+    mean = lambda key: statistics.fmean(r[key] or 0 for r in mine)  # noqa: E731
+    worse = [
+        sum(1 for r in mine if (r[key] or 0) * sign > (theirs[r["window"]][key] or 0) * sign)
+        for key, sign in (("ttft_p50_ms", 1), ("ttft_p90_ms", 1), ("goodput", -1), ("max_share", 1))
+    ]
+    row = mine[0]
+    return (f"| {row['workload']} | {row['rate']} | {config} | {len(mine)} "
+            f"| {mean('ttft_p50_ms'):.0f} / {mean('ttft_p90_ms'):.0f} | {mean('goodput'):.3f} "
+            f"| {100 * mean('prefill_hit_rate'):.1f} % | {mean('max_share'):.3f} "
+            f"| {mean('busiest_computed_tokens') / 1e6:.2f} | {' / '.join(map(str, worse))} |")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated policy/mode")
@@ -108,22 +144,34 @@ def main() -> int:
     p.add_argument("--trace-offset", type=int, default=3000)
     p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per run")
     p.add_argument("--max-requests", type=int, default=400)
+    p.add_argument("--windows", type=int, default=1, help="windows per workload and rate (means printed)")
     p.add_argument("--json", default=None, help="write every row here")
     args = p.parse_args()
     rows = []
-    print("| workload | rate | policy / mode | ok / sent | TTFT p50 / p90 (ms) | goodput (req/s) "
-          "| prefill hit rate | max prefill share | busiest engine (M tokens) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    if args.windows > 1:
+        print("| workload | rate | policy / mode | windows | TTFT p50 / p90 (ms) | goodput (req/s) "
+              "| prefill hit rate | max prefill share | busiest engine (M tokens) "
+              "| windows worse than the first (p50 / p90 / goodput / share) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| workload | rate | policy / mode | ok / sent | TTFT p50 / p90 (ms) | goodput (req/s) "
+              "| prefill hit rate | max prefill share | busiest engine (M tokens) |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for name in args.workloads.split(","):
         for rate_name, rate in TRACE_RATES if name == "trace" else SESSION_RATES:
-            requests = workload(name, rate, args)
-            for config in args.configs.split(","):
-                row = {"workload": name, "rate": f"{rate_name} ({rate}x)", **run(config, requests)}
-                rows.append(row)
-                hit = "-" if row["prefill_hit_rate"] is None else f"{100 * row['prefill_hit_rate']:.1f} %"
-                print(f"| {name} | {row['rate']} | {config} | {row['completed']} / {row['requests']} "
-                      f"| {row['ttft_p50_ms']} / {row['ttft_p90_ms']} | {row['goodput']:.3f} | {hit} "
-                      f"| {row['max_share']:.2f} | {row['busiest_computed_tokens'] / 1e6:.2f} |", flush=True)  # fmt: skip
+            cell = []
+            for window in range(args.windows):
+                requests = workload(name, rate, args, window)
+                for config in args.configs.split(","):
+                    row = {"workload": name, "rate": f"{rate_name} ({rate}x)", "window": window,
+                           **run(config, requests)}  # fmt: skip
+                    rows.append(row)
+                    cell.append(row)
+                    if args.windows == 1:
+                        print(_row(row), flush=True)
+            if args.windows > 1:
+                for config in args.configs.split(","):
+                    print(_mean_row(cell, config, args.configs.split(",")[0]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from .kv_policy import HeadProbe, PromptTokenizer
 
 __all__ = [
-    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "APPROXIMATE", "estimate_tokens", "Clock", "StoppedClock",
-    "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix",
+    "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "APPROXIMATE", "RECENT_LEGS", "estimate_tokens", "Clock",
+    "StoppedClock", "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix",
 ]
 #: Most prefill candidates a journal ``routing`` record lists (docs/operate.md, "The journal").
 MAX_CANDIDATES: Final = 8
@@ -38,6 +38,10 @@ MAX_CANDIDATES: Final = 8
 KV_NEARLY_FULL: Final = 0.9
 #: The journal's name of the index :class:`Prefix` keeps (docs/operate.md, "The journal").
 APPROXIMATE: Final = "approximate"
+#: How many prefill legs :class:`Prefix`'s recent work per engine spans: each leg sent weighs
+#: ``1 - 1/RECENT_LEGS`` of the one before (docs/configure.md, "Routing policies").
+RECENT_LEGS: Final = 128
+_RECENT_DECAY: Final = 1.0 - 1.0 / RECENT_LEGS
 
 
 def estimate_tokens(size: int) -> int:
@@ -273,12 +277,20 @@ class Prefix(LeastLoaded):
     Still, a hit saves its blocks once while every request queued behind it
     waits: past a point the queue on a hot prefix's engine outweighs the
     hit, and the prefix spreads to other engines (docs/configure.md,
-    "Routing policies"). Decode legs go by load, as with ``least_loaded``.
+    "Routing policies"). Engines of equal cost and legs running go by their
+    recent work: the uncached tokens of the last :data:`RECENT_LEGS` or so
+    prefill legs sent there, older ones weighing less. A prompt that no
+    engine holds, on an idle fleet, then goes to the engine that computed
+    least lately, not the next in turn; with prompts that come back (a
+    conversation's next turn) to where they were first sent, turn order
+    alone piles them on whichever engines chance gave them
+    (benchmarks/README.md, "Defaults that win"). Decode legs go by load, as
+    with ``least_loaded``.
     """
 
     name: ClassVar[str] = "prefix"
     keyed: ClassVar[bool] = True
-    __slots__ = ("default_capacity", "capacities", "indexes", "miss_cost")
+    __slots__ = ("default_capacity", "capacities", "indexes", "miss_cost", "recent", "sends")
 
     def __init__(self, capacity_tokens: int, miss_cost: float = 1.0) -> None:
         #: An engine's index bound, in blocks of the index, until it reports its own (``kv_capacity_tokens``).
@@ -289,6 +301,18 @@ class Prefix(LeastLoaded):
         self.indexes: Final[dict[str, PrefixIndex]] = {}
         #: Queued tokens one uncached prompt token counts as (``routing.miss_cost``).
         self.miss_cost = miss_cost
+        #: Each prefill engine's recent work, by URL: its uncached tokens as of the :attr:`sends`-th leg.
+        self.recent: Final[dict[str, tuple[float, int]]] = {}
+        #: Prefill legs sent so far (the clock recent work decays by).
+        self.sends = 0
+
+    def recent_work(self, url: str) -> float:
+        """The uncached tokens of the prefill legs recently sent to ``url``, each older leg weighing less."""
+        work = self.recent.get(url)
+        if work is None:
+            return 0.0
+        tokens, at = work
+        return tokens * _RECENT_DECAY ** (self.sends - at)
 
     @classmethod
     def from_config(cls, config: RoutingConfig, tokenizer: PromptTokenizer | None = None) -> Policy:
@@ -316,11 +340,15 @@ class Prefix(LeastLoaded):
         cost, legs = best.queued_tokens + best.foreign_tokens + w * self.uncached(best, plan), best.outstanding
         for e in candidates:
             c = e.queued_tokens + e.foreign_tokens + w * self.uncached(e, plan)
-            if c < cost or (c == cost and e.outstanding < legs):
+            if c < cost or (c == cost and (e.outstanding < legs or (
+                e.outstanding == legs and self.recent_work(e.url) < self.recent_work(best.url)
+            ))):  # fmt: skip
                 best, cost, legs = e, c, e.outstanding
         return best
 
     def sent(self, engine: EngineState, plan: Plan) -> None:
+        self.sends += 1
+        self.recent[engine.url] = (self.recent_work(engine.url) + self.uncached(engine, plan), self.sends)
         hashes = plan.hashes
         if not hashes:
             return
@@ -337,6 +365,7 @@ class Prefix(LeastLoaded):
     def drop(self, engine: EngineState) -> None:
         self.indexes.pop(engine.url, None)
         self.capacities.pop(engine.url, None)
+        self.recent.pop(engine.url, None)
 
     def capacity(self, engine: EngineState, tokens: int) -> None:
         blocks = tokens_to_blocks(tokens)

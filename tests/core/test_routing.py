@@ -17,6 +17,7 @@ from narwhal_core.config import EngineAddress, RoutingConfig, parse_engine_url
 from narwhal_core.fleet import EngineState, Fleet
 from narwhal_core.ids import DECODE, PREFILL
 from narwhal_core.contract import CHAT, COMPLETIONS
+from narwhal_core.policies import RECENT_LEGS
 from narwhal_core.prefix import BLOCK_BYTES, BYTES_PER_TOKEN, block_hashes, prompt_key
 from narwhal_core.routing import (
     MAX_CANDIDATES,
@@ -32,6 +33,7 @@ from narwhal_core.routing import (
 from .router_driver import Driver, completion_body
 
 PREFILLS = tuple(parse_engine_url(f"http://10.0.0.{i}:8100", key="p") for i in range(1, 5))
+PREFILLS_URLS = tuple(f"http://10.0.0.{i}:8100" for i in range(1, 5))
 DECODES = tuple(parse_engine_url(f"http://10.0.1.{i}:8200", key="d") for i in range(1, 3))
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -365,6 +367,40 @@ def test_without_a_queue_a_shared_prefix_stays_on_its_engine() -> None:
         fleet.leg_ended(engine, p.tokens)
         chosen.append(engine.index)
     assert chosen == [chosen[0]] * 8
+
+
+def test_prefix_ties_go_to_the_engine_that_computed_least_lately() -> None:
+    """Idle engines that hold nothing of a prompt: it goes to the one sent the fewest uncached tokens lately.
+
+    Turn order alone would give it to the next engine in turn (the first,
+    which computed the longest prompt); with conversations that come back
+    to where they started, that piles them on whichever engines chance gave
+    them (benchmarks/README.md, "Defaults that win").
+    """
+    fleet, policy = prefix_fleet()
+    routing = prefix_routing(fleet)
+    chosen = []
+    for i, length in enumerate((40_000, 2_000, 9_000, 6_000, 500)):  # nothing shared: each its own system prompt
+        engine, p = admit(fleet, routing, chat("q", system=f"{i} " + "s" * length))
+        fleet.leg_ended(engine, p.tokens)  # done before the next: every engine idle at every choice
+        chosen.append(engine.index)
+    assert chosen == [0, 1, 2, 3, 1]
+    assert policy.recent_work(PREFILLS_URLS[0]) > policy.recent_work(PREFILLS_URLS[2]) > policy.recent_work(
+        PREFILLS_URLS[3]) > policy.recent_work(PREFILLS_URLS[1]) > 0  # fmt: skip
+
+
+def test_recent_work_fades_leg_by_leg_and_leaves_with_its_engine() -> None:
+    fleet, policy = prefix_fleet()
+    routing = prefix_routing(fleet)
+    first, p = admit(fleet, routing, chat("q", system="a long one " * 2000))
+    fleet.leg_ended(first, p.tokens)
+    assert policy.recent_work(first.url) == p.tokens  # nothing cached anywhere: all of it computed
+    others = [e for e in fleet.engines[PREFILL] if e is not first]
+    for i in range(RECENT_LEGS):
+        policy.sent(others[i % 3], plan(10))
+    assert policy.recent_work(first.url) == pytest.approx(p.tokens * (1 - 1 / RECENT_LEGS) ** RECENT_LEGS)
+    policy.drop(first)
+    assert policy.recent_work(first.url) == 0.0
 
 
 def test_prefix_cost_weighs_queued_tokens_against_cached_ones() -> None:
