@@ -339,6 +339,8 @@ class Prefix(LeastLoaded):
         best = candidates[0]
         cost, legs = best.queued_tokens + best.foreign_tokens + w * self.uncached(best, plan), best.outstanding
         for e in candidates:
+            if e is best:
+                continue  # (the first: no tie with itself to break)
             c = e.queued_tokens + e.foreign_tokens + w * self.uncached(e, plan)
             if c < cost or (c == cost and (e.outstanding < legs or (
                 e.outstanding == legs and self.recent_work(e.url) < self.recent_work(best.url)
