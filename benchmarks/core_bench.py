@@ -5,7 +5,7 @@ requests, ``--repeat`` times (the best and the median repeat are reported):
 
 (a) ``decisions`` -- what the core decides for one request, without the HTTP
     codec or the router's bookkeeping: parse and validate a ~1 KB chat body
-    (``contract.check_request``), plan both legs (``planning.prefill_body`` /
+    (``contract.check_request``), plan both legs (``leg_bodies.prefill_body`` /
     ``decode_body`` + ``wire.dumps``), check the prefill answer
     (``check_prefill_answer``), normalise the decode answer (``wire.loads``,
     ``normalise_answer``, ``wire.dumps``), and encode the progress and terminal
@@ -82,7 +82,7 @@ from narwhal_core.journal import (  # noqa: E402
     TerminalRecord,
     encode,
 )
-from narwhal_core.planning import check_prefill_answer, decode_body, normalise_answer, prefill_body  # noqa: E402
+from narwhal_core.leg_bodies import check_prefill_answer, decode_body, normalise_answer, prefill_body  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PREFILL = "http://10.0.0.1:8100"
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"narwhal core benchmark (Python {sys.version.split()[0]}, core {core_build()[0]}); "
           "pin with: taskset -c 0")
     labels = {
-        "decisions": "(a) decisions only (contract, planning, answers, journal)",
+        "decisions": "(a) decisions only (contract, leg_bodies, answers, journal)",
         "router": "(b) whole router path, non-streaming (codec, legs, journal)",
         "router-stream": "(b) whole router path, streamed (16 SSE events)",
     }

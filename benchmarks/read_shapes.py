@@ -16,7 +16,7 @@ each side):
 * ``asyncio reader``: the measured end a plain socket the loop watches
   (``add_reader``), its callback receiving and answering, as the shared
   client and leg connections are driven on asyncio
-  (:mod:`narwhal_runtime.client_connections`, :mod:`narwhal_runtime.legs`);
+  (:mod:`narwhal_runtime.client_connections`, :mod:`narwhal_runtime.leg_connections`);
 * ``asyncio task``: the measured end a task that waits with the shared
   :func:`~narwhal_runtime.socket_io.receive` and the asyncio adapter's
   ``Waits.readable``, the echo end a protocol as above;

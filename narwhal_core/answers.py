@@ -21,7 +21,7 @@ from .events import FinishLeg
 from .http import NEED_DATA, BodyData, ResponseEnd, ResponseHead
 from .ids import DECODE, PREFILL
 from .journal import LegOutcome
-from .planning import (
+from .leg_bodies import (
     PrefillAnswerError, check_prefill_answer, engine_error, normalise_answer, transfer_mode_error,
     unsupported_transfer_mode,
 )
@@ -188,7 +188,7 @@ class Answers:
             return self.orphan_answered(req, leg, status, body)
         if not 200 <= status < 300:
             if 400 <= status < 500 and status not in _NOT_THE_CLIENTS:
-                self.legs.record_end(leg, "refused")
+                self.legs.account_end(leg, "refused")
                 return LegRefusal(engine_error(status, body), leg)
             return self._failed(leg, "http_error")
         if leg.phase == PREFILL:
@@ -197,13 +197,13 @@ class Answers:
             relay = req.relay
             assert relay is not None
             if relay.done or (relay.events and relay.error is not None):
-                self.legs.record_end(leg, "ok")
+                self.legs.account_end(leg, "ok")
                 return LegEnded.OK
             return self._failed(leg, "bad_response")
         return self._decode_answered(req, leg, body)
 
     def _failed(self, leg: Leg, reason: LegOutcome, error: NarwhalError | None = None) -> Verdict:
-        self.legs.record_end(leg, reason, failed=True)
+        self.legs.account_end(leg, reason, failed=True)
         return LegFailure(reason, leg, error)
 
     def _prefill_answered(self, req: Request, leg: Leg, body: bytes) -> Verdict:
@@ -221,9 +221,9 @@ class Answers:
                 # Refused at once, never retried: another engine of the fleet would answer the same
                 # (docs/operate.md, "vLLM compatibility").
                 self.kv.refuse_mode(leg, handoff, mode)
-                self.legs.record_end(leg, "bad_kv")
+                self.legs.account_end(leg, "bad_kv")
                 return LegFailure("bad_kv", leg, transfer_mode_error(mode), True)
-        self.legs.record_end(leg, "ok")
+        self.legs.account_end(leg, "ok")
         if handoff.params is None:
             self.kv.no_handoff(req, leg, handoff)
         else:
@@ -238,7 +238,7 @@ class Answers:
             answer = None
         if not isinstance(answer, dict):
             return self._failed(leg, "bad_response")
-        self.legs.record_end(leg, "ok")
+        self.legs.account_end(leg, "ok")
         ctx = self.ctx
         normalise_answer(
             req.route, answer, ctx.model, pd=_pd(req), cached_tokens=req.pulled_cached_tokens,
@@ -251,21 +251,21 @@ class Answers:
             try:
                 handoff = check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
             except PrefillAnswerError:
-                self.legs.record_end(leg, "bad_kv", failed=True)
+                self.legs.account_end(leg, "bad_kv", failed=True)
             else:
                 mode = None if handoff.params is None else unsupported_transfer_mode(handoff.params)
                 if mode is not None:
                     self.kv.refuse_mode(leg, handoff, mode)  # never carried by a decode request: held, journalled
-                    self.legs.record_end(leg, "bad_kv")
+                    self.legs.account_end(leg, "bad_kv")
                 elif handoff.params is None:
-                    self.legs.record_end(leg, "ok")
+                    self.legs.account_end(leg, "ok")
                     self.kv.no_handoff(req, leg, handoff)  # nothing held: nothing to release
                 else:
-                    self.legs.record_end(leg, "ok")
+                    self.legs.account_end(leg, "ok")
                     self.kv.handed_off(req, leg, handoff)
                     self.kv.release(req)
         else:
-            self.legs.record_end(leg, "refused" if 400 <= status < 500 else "http_error", failed=status >= 500)
+            self.legs.account_end(leg, "refused" if 400 <= status < 500 else "http_error", failed=status >= 500)
         return LegEnded.SETTLED
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .fleet import EngineState
     from .http import EngineCodec, ServerCodec
     from .journal import ErrorRecord, LegOutcome, Terminal
-    from .planning import KvHandoff
+    from .leg_bodies import KvHandoff
     from .policies import Plan
     from .relay import SseRelay
     from .timers import Timer

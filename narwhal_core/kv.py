@@ -1,7 +1,7 @@
 """The KV ledger: what each prefill handed off, who pulled it, and its release (docs/operate.md).
 
 A prefill leg's answer names the KV its engine now holds (a
-:class:`~narwhal_core.planning.KvHandoff`); the ledger keeps one :class:`Kv`
+:class:`~narwhal_core.leg_bodies.KvHandoff`); the ledger keeps one :class:`Kv`
 record per handoff, on the leg and, until a decode leg pulls it, on the
 request. What no decode leg pulled is released as ``engine.kv_release``
 says, and the release's answer settles the record's outcome, which the
@@ -19,7 +19,7 @@ from .context import JSON_HEADER, Context
 from .events import ControlDone, StartControl
 from .ids import DECODE, backend_id
 from .inflight import Kv
-from .planning import KvHandoff, decode_body, release_body, release_said, release_unconfirmed
+from .leg_bodies import KvHandoff, decode_body, release_body, release_said, release_unconfirmed
 
 if TYPE_CHECKING:
     from .fleet import EngineState

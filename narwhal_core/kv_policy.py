@@ -2,7 +2,7 @@
 
 (docs/routing.md, "KV events"; docs/configure.md, ``[routing]``.)
 
-:class:`Kv` is :class:`~narwhal_core.routing.Prefix` with a second, precise
+:class:`KvEventsPolicy` is :class:`~narwhal_core.routing.Prefix` with a second, precise
 index: a prefill engine's expected time to first token is still (its queued
 prompt tokens + the prompt's tokens it does not hold), but the tokens it
 holds come from its own KV events (:class:`~narwhal_core.kv_index.KvIndex`)
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from .fleet import EngineState
     from .kv_events import KvEvent
 
-__all__ = ["PromptTokenizer", "HeadProbe", "KvKey", "Kv", "PRECISE", "HEAD_CHARS_PER_BLOCK"]
+__all__ = ["PromptTokenizer", "HeadProbe", "KvKey", "KvEventsPolicy", "PRECISE", "HEAD_CHARS_PER_BLOCK"]
 
 #: The journal's name of the precise index (docs/operate.md, "The journal").
 PRECISE: Final = "kv"
@@ -85,7 +85,7 @@ class PromptTokenizer(Protocol):
 
 @attrs.frozen
 class HeadProbe:
-    """What a large prompt's head told :meth:`Kv.probe_head`, when it settles how the prompt is weighed.
+    """What a large prompt's head told :meth:`KvEventsPolicy.probe_head`, when it settles how the prompt is weighed.
 
     (Module docstring, "Tokenizing only what can hit".) Every candidate
     whose events are trusted lacks one of the head's blocks, so the head's
@@ -111,7 +111,7 @@ class KvKey(list[int]):
     ...and, riding along, :attr:`exact`: Narwhal's chained hashes of the
     prompt's token blocks (:func:`~narwhal_core.kv_index.token_block_hashes`),
     what the precise index is asked about; and that index's answers so far
-    (:meth:`Kv.matched_blocks`): a request is weighed, picked at admission
+    (:meth:`KvEventsPolicy.matched_blocks`): a request is weighed, picked at admission
     and picked again at its leg's start, each time over every candidate.
     """
 
@@ -126,7 +126,7 @@ class KvKey(list[int]):
         self.asked: tuple[float, int] | None = None if probe is None else (probe.now, probe.version)
 
 
-class Kv(Prefix):
+class KvEventsPolicy(Prefix):
     """``kv``: least expected TTFT, the tokens each prefill engine holds told by its KV events."""
 
     name: ClassVar[str] = "kv"

@@ -23,7 +23,7 @@ from .http import NEED_DATA, EngineCodec, ResponseEnd
 from .ids import DECODE, PREFILL, Phase, backend_id
 from .inflight import Leg
 from .journal import LegOutcome
-from .planning import decode_body, prefill_body
+from .leg_bodies import decode_body, prefill_body
 from .states import WAKE
 from .verdicts import LegEnded, LegFailure, Verdict
 
@@ -162,7 +162,7 @@ class Legs:
 
     # ------------------------------------------------------------------- ends
 
-    def record_end(self, leg: Leg, outcome: LegOutcome, *, failed: bool = False) -> None:
+    def account_end(self, leg: Leg, outcome: LegOutcome, *, failed: bool = False) -> None:
         """Account for a leg's end: its outcome, its engine's load and health, the request's current leg."""
         ctx = self.ctx
         leg.outcome = outcome
@@ -192,14 +192,14 @@ class Legs:
             leg.open = False
             self.ctx.out.append(CancelLeg(leg.bid))
         if leg.outcome is None:
-            self.record_end(leg, "cancelled")
+            self.account_end(leg, "cancelled")
 
     def fail_leg(self, leg: Leg, reason: LegOutcome) -> Verdict:
         """The leg failed on our side of the engine (timeout, bad bytes, dropped): its verdict."""
         if leg.open:
             leg.open = False
             self.ctx.out.append(CancelLeg(leg.bid))
-        self.record_end(leg, reason, failed=True)
+        self.account_end(leg, reason, failed=True)
         return LegEnded.SETTLED if leg.orphan else LegFailure(reason, leg)
 
     def connection_lost(self, leg: Leg, event: LegFailed) -> Verdict | None:
@@ -225,9 +225,9 @@ class Legs:
         if event.reason == "local_error":
             # Narwhal's own shortage (file descriptors...): not the engine's fault.
             self.ctx.shortage(f"{leg.phase} leg")
-            self.record_end(leg, "local_error")
+            self.account_end(leg, "local_error")
         else:
-            self.record_end(leg, "connect_failed" if event.reason != "dropped" else "dropped", failed=True)
+            self.account_end(leg, "connect_failed" if event.reason != "dropped" else "dropped", failed=True)
         return LegEnded.SETTLED if leg.orphan else LegFailure(event.reason, leg)
 
     def may_resend(self, leg: Leg) -> bool:

@@ -37,7 +37,7 @@ from .contract import CHAT
 from .errors import NarwhalError, TransitionError
 from .events import PromptTokenized, TokenizePrompt
 from .ids import DECODE, PREFILL, Phase
-from .planning import merge_answers
+from .leg_bodies import merge_answers
 from .states import FollowUp, Input, State
 from .verdicts import InputData, LegAnswer, LegEnded, LegFailure, LegRefusal, Verdict
 
@@ -150,11 +150,11 @@ class Lifecycle:
         if not req.answered:
             if req.state is State.QUEUED:
                 self.ctx.admission.leave_queue(req.rid, req.client)
-            requests.record_end(req, "failed", error, sent=req.bytes_sent)
+            requests.decide_end(req, "failed", error, sent=req.bytes_sent)
             requests.answer_internal_error(req)
             self.mark_answered(req)
         elif req.terminal is None:
-            requests.record_end(req, "failed", error)
+            requests.decide_end(req, "failed", error)
         req.pending_releases = 0
         req.state = State.DONE
         requests.write_record(req)
@@ -192,7 +192,7 @@ class Lifecycle:
         """Stop the request, answer its client ``error`` and free its slot; the record waits for KV."""
         self.stop_request(req)
         requests = self.requests
-        requests.record_end(req, "failed", error, leg=leg, sent=req.bytes_sent)
+        requests.decide_end(req, "failed", error, leg=leg, sent=req.bytes_sent)
         requests.answer_error(req, retry_after=error.status == 503)
         return self.mark_answered(req)
 
@@ -363,7 +363,7 @@ class Lifecycle:
         """
         error = refusal.error
         self.stop_request(req)  # releases the prefilled KV no decode leg pulled
-        self.requests.record_end(req, "invalid", NarwhalError(
+        self.requests.decide_end(req, "invalid", NarwhalError(
             error.message, status=400, type="invalid_request_error", param=error.param, code=error.code,
         ), leg=refusal.leg, sent=req.bytes_sent)  # (sent: a batch's earlier prompts streamed already)
         self.requests.answer_error(req)
@@ -421,7 +421,7 @@ class Lifecycle:
             self.legs.orphan(req, leg)
         self.stop_request(req)
         req.answered = True
-        self.requests.record_end(req, "cancelled", NarwhalError(
+        self.requests.decide_end(req, "cancelled", NarwhalError(
             "The client closed the connection.", status=_CLIENT_GONE_STATUS, type="client_error",
             code="client_disconnected",
         ), status=_CLIENT_GONE_STATUS)
@@ -449,7 +449,7 @@ class Lifecycle:
     def queue_timeout(self, req: Request, _: None) -> State:
         """QUEUE_TIMEOUT: no slot came in ``admission.queue_timeout_s``: 503 ``overloaded``."""
         self.ctx.admission.leave_queue(req.rid, req.client)
-        self.requests.record_end(req, "rejected", NarwhalError(
+        self.requests.decide_end(req, "rejected", NarwhalError(
             "The fleet is at capacity; the request waited too long for a slot.", status=503, code="overloaded"
         ))
         self.requests.answer_error(req, retry_after=True)

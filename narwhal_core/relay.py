@@ -3,8 +3,8 @@
 The rules are docs/contract.md, "Responses and errors" (what a relayed
 event may carry) and docs/operate.md, "Batch prompts" (one client stream
 made of several prompts' streams). The whole-answer counterparts
-(:func:`~narwhal_core.planning.normalise_answer`,
-:func:`~narwhal_core.planning.merge_answers`) are in ``planning``; this
+(:func:`~narwhal_core.leg_bodies.normalise_answer`,
+:func:`~narwhal_core.leg_bodies.merge_answers`) are in ``leg_bodies``; this
 module holds only the stateful splitter, which runs for every streamed
 chunk (compiled, it is an extension type declared in ``relay.pxd``).
 """
@@ -16,7 +16,7 @@ from typing import Any
 from . import wire
 from .contract import Route
 from .errors import NarwhalError
-from .planning import merge_usage, normalise_usage, openai_error_type
+from .leg_bodies import merge_usage, normalise_usage, openai_error_type
 
 __all__ = ["SseRelay"]
 

@@ -227,9 +227,9 @@ class Requests:
                 str(err.get("message", "engine error"))[:1000], status=200,
                 type=str(err.get("type", "server_error")), code="engine_error",
             )
-            self.record_end(req, "failed", error, leg=req.legs[-1], sent=True)
+            self.decide_end(req, "failed", error, leg=req.legs[-1], sent=True)
         else:
-            self.record_end(req, "completed", None, status=200)
+            self.decide_end(req, "completed", None, status=200)
         conn = self.live_conn(req)
         if conn is not None:
             self.clients.end_response(conn, conn.codec.send_stream_end())
@@ -238,7 +238,7 @@ class Requests:
         """The whole answer, ``completed``."""
         req.usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else None
         body = wire.dumps(answer)
-        self.record_end(req, "completed", None, status=200)
+        self.decide_end(req, "completed", None, status=200)
         conn = self.live_conn(req)
         if conn is not None:
             req.first_byte = self.ctx.now
@@ -281,7 +281,7 @@ class Requests:
 
     # ------------------------------------------------------------------- ends
 
-    def record_end(
+    def decide_end(
         self,
         req: Request,
         terminal: Terminal,

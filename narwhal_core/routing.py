@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
 from .ids import PREFILL
-from .kv_policy import Kv
+from .kv_policy import KvEventsPolicy
 from .policies import (
     APPROXIMATE, BYTES_PER_TOKEN, KV_NEARLY_FULL, MAX_CANDIDATES, Clock, LeastLoaded, Plan, Policy, Prefix,
     RoundRobin, StoppedClock, estimate_tokens,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BYTES_PER_TOKEN", "MAX_CANDIDATES", "KV_NEARLY_FULL", "APPROXIMATE", "estimate_tokens", "Clock", "StoppedClock",
-    "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix", "Kv", "POLICIES", "make_policy", "Routing",
+    "Plan", "Policy", "RoundRobin", "LeastLoaded", "Prefix", "KvEventsPolicy", "POLICIES", "make_policy", "Routing",
 ]
 
 #: ``routing.policy`` -> the policy's class.
@@ -47,7 +47,7 @@ POLICIES: Final[Mapping[str, type[Policy]]] = MappingProxyType({
     "least_loaded": LeastLoaded,
     "round_robin": RoundRobin,
     "prefix": Prefix,
-    "kv": Kv,
+    "kv": KvEventsPolicy,
 })
 
 

@@ -104,13 +104,13 @@ class ClientConnection:
     """One client connection; see the module docstring."""
 
     __slots__ = (
-        "sock", "io", "out", "unsent", "close_after", "closed", "held", "lingering", "discarded",
+        "sock", "connections", "out", "unsent", "close_after", "closed", "held", "lingering", "discarded",
         "taken_at", "timer", "slot", "reading", "relays",
     )
 
-    def __init__(self, sock: socket.socket, io: ClientConnections) -> None:
+    def __init__(self, sock: socket.socket, connections: ClientConnections) -> None:
         self.sock = sock
-        self.io = io
+        self.connections = connections
         #: Bytes the socket has still to take, in order, and how many.
         self.out: list[bytes | memoryview] = []
         self.unsent = 0
@@ -130,7 +130,7 @@ class ClientConnection:
         self.slot = True
         #: The runtime calls :meth:`readable` (until EOF or the end), unless the connection is held.
         self.reading = False
-        #: The engine leg connections relaying to it (:meth:`~.legs.Engines._link`), held with it.
+        #: The engine leg connections relaying to it (:meth:`~.leg_connections.Engines._link`), held with it.
         self.relays: set[Any] = set()
 
     def start(self) -> None:
@@ -140,10 +140,10 @@ class ClientConnection:
         except OSError:  # gone before it was served: the router never hears of it
             self.end()
             return
-        self.io.feed(ClientConnected(self, str(host), int(port)))
+        self.connections.feed(ClientConnected(self, str(host), int(port)))
         if not self.closed:
             self.reading = True
-            self.io.read(self, True)
+            self.connections.read(self, True)
 
     # ------------------------------------------------------------ reading
 
@@ -163,11 +163,11 @@ class ClientConnection:
             return
         if data:
             if not self.closed:
-                self.io.feed(ClientData(self, data))
+                self.connections.feed(ClientData(self, data))
         elif self.router_closed():
             self._stop_reading()  # EOF, and the router's close is coming: nothing more to read
         else:
-            self.io.feed(ClientData(self, data))  # EOF
+            self.connections.feed(ClientData(self, data))  # EOF
             if not self.router_closed():
                 # The client closed its side and the router kept the connection: it ends here.
                 self.broken()
@@ -198,9 +198,9 @@ class ClientConnection:
                 rest = memoryview(data)[sent:]
                 self.out.append(rest)
                 self.unsent = len(rest)
-                self.taken_at = self.io.now()
-                self.timer = self.io.later(self.io.send_timeout_s, self._send_timeout)
-                self.io.write(self, True)
+                self.taken_at = self.connections.now()
+                self.timer = self.connections.later(self.connections.send_timeout_s, self._send_timeout)
+                self.connections.write(self, True)
                 self._hold_if_far_behind()
                 return
         if self.close_after:
@@ -218,14 +218,14 @@ class ClientConnection:
             self.broken()
             return
         if sent:
-            self.taken_at = self.io.now()
+            self.taken_at = self.connections.now()
         if sent < len(data):
             self.out = [memoryview(data)[sent:]]
             self.unsent = len(data) - sent
             return
         self.out = []
         self.unsent = 0
-        self.io.write(self, False)
+        self.connections.write(self, False)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -242,7 +242,7 @@ class ClientConnection:
         # Backpressure (slow_clients.py): the client's next request and the legs relaying to it wait.
         self.held = held
         if self.reading:
-            self.io.read(self, not held)
+            self.connections.read(self, not held)
         for leg in self.relays:
             if held:
                 leg.pause()
@@ -251,14 +251,14 @@ class ClientConnection:
         if not self.closed:
             # The legs wait for the client (and those started meanwhile start
             # paused): their engines' silence is not their fault.
-            self.io.soon(self.io.feed, ClientStalled(self, held))
+            self.connections.soon(self.connections.feed, ClientStalled(self, held))
 
     def _send_timeout(self) -> None:
         # The send timeout (slow_clients.py): none of the bytes taken for send_timeout_s.
-        timeout = self.io.send_timeout_s
+        timeout = self.connections.send_timeout_s
         due = self.taken_at + timeout
-        if self.io.now() < due:
-            self.timer = self.io.later(due - self.io.now(), self._send_timeout)
+        if self.connections.now() < due:
+            self.timer = self.connections.later(due - self.connections.now(), self._send_timeout)
             return
         self.timer = None
         log_send_timeout(timeout, self.unsent)
@@ -279,7 +279,7 @@ class ClientConnection:
             self.end()  # the client closed its side already: nothing to linger for
             return
         self.lingering = True
-        self.timer = self.io.later(LINGER_S, self.end)
+        self.timer = self.connections.later(LINGER_S, self.end)
         if self.held:
             self._hold(False)  # (read again: the lingering reads what comes)
 
@@ -288,16 +288,16 @@ class ClientConnection:
         tell = not self.router_closed()
         self.end()
         if tell:
-            self.io.feed(ClientGone(self))
+            self.connections.feed(ClientGone(self))
 
     def router_closed(self) -> bool:
         """The router is done with the connection (it closed it, maybe in the batch not yet performed)."""
-        return self.closed or self.close_after or self.io.closing(self)
+        return self.closed or self.close_after or self.connections.closing(self)
 
     def _stop_reading(self) -> None:
         if self.reading:
             self.reading = False
-            self.io.read(self, False)
+            self.connections.read(self, False)
 
     def end(self) -> None:
         """End the connection now (the router is done with it, or must hear it is gone: :meth:`broken`)."""
@@ -308,15 +308,15 @@ class ClientConnection:
             self.timer = None
         if self.out:
             self.out = []
-            self.io.write(self, False)
+            self.connections.write(self, False)
         self.unsent = 0
         if self.held:
             self._hold(False)
-        self.io.ended(self)
+        self.connections.ended(self)
         self._release()
 
     def _release(self) -> None:
         if self.slot:
             self.slot = False
-            self.io.released(self)
+            self.connections.released(self)
 

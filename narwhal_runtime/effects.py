@@ -19,7 +19,7 @@ from narwhal_core.ids import PREFILL
 from .client_connections import ClientConnection
 from .journal_writer import JournalWriter
 from .kv_subscriber import KvSubscriber, kv_sources
-from .legs import Engines
+from .leg_connections import Engines
 from .log import log_event
 from .tokenize_worker import TokenizeWorker
 

@@ -69,7 +69,7 @@ class Pool(Generic[C]):
         self.idle: dict[str, list[C]] = {}
         self.legs: dict[str, C] = {}
         #: Leg requests for pooled connections, not written yet: (connection, leg, request).
-        #: (Always this list object: :attr:`.legs.Engines.unsent` reads it.)
+        #: (Always this list object: :attr:`.leg_connections.Engines.unsent` reads it.)
         self.unsent: list[tuple[C, str, bytes]] = []
 
     # a leg starts

@@ -1,7 +1,7 @@
 """What a runtime lends the code both runtimes share: one object per server, each adapter's ``IO``.
 
 Client connections (:mod:`.client_connections`), engine legs and control
-requests (:mod:`.legs`, :mod:`.control`), the socket calls
+requests (:mod:`.leg_connections`, :mod:`.control`), the socket calls
 (:mod:`.socket_io`) and the listener (:mod:`.listening`) are written once.
 What they ask of trio or asyncio is all here, in :class:`RuntimeIO`: a
 clock and timers, tasks, waits for a socket, and the callbacks that drive a

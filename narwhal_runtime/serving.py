@@ -39,7 +39,7 @@ from .effects import ServingEffects
 from .group_metrics import current_group
 from .journal_file import JournalFile
 from .kv_subscriber import make_kv_subscriber
-from .legs import Engines
+from .leg_connections import Engines
 from .listening import Listener, listening_sockets
 from .log import log_event
 from .runtime_io import RuntimeIO

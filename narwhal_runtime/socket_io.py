@@ -7,7 +7,7 @@ the runtime's way (:meth:`~.runtime_io.RuntimeIO.readable`,
 is ready), then tries again. Control requests, a leg's new connection and
 the listener use them alike on both runtimes. (Client and engine
 connections are driven by their readiness instead:
-:mod:`.client_connections`, :mod:`.legs`.)
+:mod:`.client_connections`, :mod:`.leg_connections`.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ uvloop's TCP transports turn on ``TCP_NODELAY`` only; a socket connected
 by hand (:func:`.socket_io.connect`) gets neither. So each adapter calls
 :func:`set_up_client` on every socket it accepts, before the first read,
 whatever its runtime set before, and the connect both runtimes share
-(:meth:`.legs.Engines.connect`, :func:`.control.run_control`) calls
+(:meth:`.leg_connections.Engines.connect`, :func:`.control.run_control`) calls
 :func:`set_up_engine` on every engine connection (a leg's or a control
 request's) before the runtime sees it: the same options on the same kind
 of socket on both runtimes.

@@ -39,7 +39,7 @@ MAX_FUNCTION = 60
 #: Functions longer than MAX_FUNCTION on purpose, and why (docs/design.md, "Sizes and layers").
 LONG_ON_PURPOSE = {
     "narwhal_core.contract.check_request": "the request rules in docs/contract.md's order, one after another",
-    "narwhal_core.planning.check_prefill_answer": "the prefill answer's checks in order, each with its error",
+    "narwhal_core.leg_bodies.check_prefill_answer": "the prefill answer's checks in order, each with its error",
     "narwhal_core.auth.parse_api_keys": "a parser: the API keys file's tables, each field checked with its own message",
     "narwhal_core.http.engine.EngineConnection._read_chunked": "a parser: a chunked body's state machine",
     "narwhal_core.http.request_head.read_clean_head": "a parser: the fast reading of a clean request head",

@@ -185,14 +185,14 @@ class _State(enum.Enum):
     ERROR = "ERROR"  # next_event raised
 
 
-class _Framing(enum.Enum):
+class _AnswerFraming(enum.Enum):
     NONE = "no body"
     LENGTH = "content-length"
     CHUNKED = "chunked"
     CLOSE = "close-delimited"
 
 
-class _Chunk(enum.Enum):
+class _AnswerChunk(enum.Enum):
     SIZE = "chunk size line"
     DATA = "chunk data"
     CRLF = "CRLF after chunk data"
@@ -204,12 +204,12 @@ _HEAD: Final = _State.HEAD
 _BODY: Final = _State.BODY
 _DONE: Final = _State.DONE
 _ERROR: Final = _State.ERROR
-_LENGTH: Final = _Framing.LENGTH
-_CHUNKED: Final = _Framing.CHUNKED
-_CLOSE: Final = _Framing.CLOSE
-_SIZE: Final = _Chunk.SIZE
-_DATA: Final = _Chunk.DATA
-_CRLF_AFTER_DATA: Final = _Chunk.CRLF
+_LENGTH: Final = _AnswerFraming.LENGTH
+_CHUNKED: Final = _AnswerFraming.CHUNKED
+_CLOSE: Final = _AnswerFraming.CLOSE
+_SIZE: Final = _AnswerChunk.SIZE
+_DATA: Final = _AnswerChunk.DATA
+_CRLF_AFTER_DATA: Final = _AnswerChunk.CRLF
 _CHUNK_END: Final = b"\r\n"
 
 
@@ -280,7 +280,7 @@ class EngineConnection:
         self._head_request = False
         self._request_close = False
         self._keep_alive = False
-        self._framing = _Framing.NONE
+        self._framing = _AnswerFraming.NONE
         self._remaining = 0  # body bytes left: of the Content-Length, or of the current chunk
         self._chunk = _SIZE
         self._crlf_left = b""
@@ -425,7 +425,7 @@ class EngineConnection:
         # h11's keep-alive rule, for the request we sent and for this response.
         self._keep_alive = not close and not self._request_close and version >= b"1.1"
         if not has_body:
-            self._framing = _Framing.NONE
+            self._framing = _AnswerFraming.NONE
         elif chunked:
             self._framing = _CHUNKED
         elif length is not None:
@@ -540,7 +540,7 @@ class EngineConnection:
                     break
                 pos = line_end + 2
                 if size == 0:
-                    self._chunk = _Chunk.TRAILER
+                    self._chunk = _AnswerChunk.TRAILER
                 else:
                     self._remaining = size
                     self._chunk = _DATA

@@ -56,14 +56,14 @@ from narwhal_core.http.grammar import (
 )
 from narwhal_core.http.request_head import Refused, RequestHead, decide_head, general_reading, read_clean_head
 
-__all__ = ["ALWAYS_CLOSE", "RequestReader", "State"]
+__all__ = ["ALWAYS_CLOSE", "RequestReader", "ClientState"]
 
 # A chunk-size line with extensions longer than this is refused (400): the
 # extensions carry nothing Narwhal uses, and each line must be buffered whole.
 _MAX_CHUNK_LINE_BYTES: Final = 4096
 
 
-class State(enum.Enum):
+class ClientState(enum.Enum):
     """Where a client connection is (reading and writing); the names appear in error messages."""
 
     # Members are singletons: identity hashing is correct and skips Enum's
@@ -83,10 +83,10 @@ class State(enum.Enum):
     DEAD = "DEAD"  # send_failed(): nothing more can happen
 
 
-ALWAYS_CLOSE: Final = frozenset({State.CLOSING, State.CLOSED, State.ERROR, State.DEAD})
+ALWAYS_CLOSE: Final = frozenset({ClientState.CLOSING, ClientState.CLOSED, ClientState.ERROR, ClientState.DEAD})
 
 
-class _Chunk(enum.Enum):
+class _RequestChunk(enum.Enum):
     SIZE = "chunk size line"
     DATA = "chunk data"
     DATA_END = "CRLF after chunk data"
@@ -142,7 +142,7 @@ class RequestReader:
         self._scan = 0  # where the search for the end of the head resumes
         self._eof = False
         self._overflow = False
-        self._state = State.IDLE
+        self._state = ClientState.IDLE
         self._error: RemoteProtocolError | None = None
         # The lines read before, shared with the other connections of one codec.
         self._memory = memory if memory is not None else LineMemory()
@@ -157,7 +157,7 @@ class RequestReader:
         self._keep_alive = True
         self._content_length = 0
         self._chunked = False
-        self._chunk_phase = _Chunk.SIZE
+        self._chunk_phase = _RequestChunk.SIZE
         self._chunk_left = 0
         self._trailer_bytes = 0
         self._trailer_count = 0
@@ -206,15 +206,15 @@ class RequestReader:
         :meth:`send_error_response` and close.
         """
         state = self._state
-        if state is State.IDLE:
+        if state is ClientState.IDLE:
             return self._read_head()
-        if state is State.BODY or state is State.EXPECT or state is State.CONTINUED:
+        if state is ClientState.BODY or state is ClientState.EXPECT or state is ClientState.CONTINUED:
             return self._read_body()
-        if state is State.WAITING or state is State.STREAMING or state is State.CLOSING:
+        if state is ClientState.WAITING or state is ClientState.STREAMING or state is ClientState.CLOSING:
             return PAUSED
-        if state is State.CLOSED:
+        if state is ClientState.CLOSED:
             return CONNECTION_CLOSED
-        if state is State.ERROR:
+        if state is ClientState.ERROR:
             assert self._error is not None
             raise self._error.with_traceback(None)
         raise LocalProtocolError(f"next_event() in state {state.value}: the connection is dead")
@@ -227,7 +227,7 @@ class RequestReader:
             error.method = self._method
             error.target = self._target
         self._error = error
-        self._state = State.ERROR
+        self._state = ClientState.ERROR
         self._buf = bytearray()
         return error
 
@@ -251,7 +251,7 @@ class RequestReader:
             if self._overflow:
                 return self._starved()
             if self._eof:
-                self._state = State.CLOSED
+                self._state = ClientState.CLOSED
                 return CONNECTION_CLOSED
             return NEED_DATA
         first = buf[0]
@@ -342,11 +342,11 @@ class RequestReader:
         self._chunked = chunked
         self._content_length = length
         if continue_expected:
-            self._state = State.EXPECT
+            self._state = ClientState.EXPECT
             return ContinueExpected(
                 method=method, target=target, headers=headers, content_length=None if chunked else length
             )
-        self._state = State.BODY
+        self._state = ClientState.BODY
         return self._read_body()
 
     # -- a request body ---------------------------------------------------------
@@ -365,7 +365,7 @@ class RequestReader:
 
     def _request_complete(self, body: bytes) -> HttpRequest:
         assert self._method is not None
-        self._state = State.WAITING
+        self._state = ClientState.WAITING
         self._body = bytearray()
         return HttpRequest(
             method=self._method,
@@ -396,7 +396,7 @@ class RequestReader:
         buf = self._buf
         while True:
             phase = self._chunk_phase
-            if phase is _Chunk.DATA:
+            if phase is _RequestChunk.DATA:
                 if not buf:
                     return self._starved()
                 piece = buf[: self._chunk_left]
@@ -405,16 +405,16 @@ class RequestReader:
                 self._chunk_left -= len(piece)
                 if self._chunk_left:
                     return self._starved()
-                self._chunk_phase = _Chunk.DATA_END
-            elif phase is _Chunk.DATA_END:
+                self._chunk_phase = _RequestChunk.DATA_END
+            elif phase is _RequestChunk.DATA_END:
                 if buf[:2] == b"\r\n":
                     del buf[:2]
-                    self._chunk_phase = _Chunk.SIZE
+                    self._chunk_phase = _RequestChunk.SIZE
                 elif len(buf) >= 2 or (buf and buf[0] != CR):
                     raise self._fail("chunk data not followed by CRLF")
                 else:
                     return self._starved()
-            elif phase is _Chunk.SIZE:
+            elif phase is _RequestChunk.SIZE:
                 line = self._take_line(_MAX_CHUNK_LINE_BYTES, phase.value, 400)
                 if line is None:
                     return self._starved()
@@ -423,7 +423,7 @@ class RequestReader:
                     raise self._fail(f"malformed chunk size line: {line[:64]!r}")
                 size = int(match.group(1), 16)
                 if size == 0:
-                    self._chunk_phase = _Chunk.TRAILER
+                    self._chunk_phase = _RequestChunk.TRAILER
                 elif len(self._body) + size > self._max_body:
                     error = self._fail(
                         f"chunked body over the {self._max_body}-byte limit", status=413, reason="too_large"
@@ -433,7 +433,7 @@ class RequestReader:
                     raise error
                 else:
                     self._chunk_left = size
-                    self._chunk_phase = _Chunk.DATA
+                    self._chunk_phase = _RequestChunk.DATA
             else:
                 line = self._take_line(self._max_header_bytes - self._trailer_bytes, phase.value, 431)
                 if line is None:
@@ -461,9 +461,9 @@ class RequestReader:
         from a client that is sending a request (header and body timeouts).
         """
         state = self._state
-        if state is State.BODY or state is State.EXPECT or state is State.CONTINUED:
+        if state is ClientState.BODY or state is ClientState.EXPECT or state is ClientState.CONTINUED:
             return True
-        return bool(self._buf) and (state is State.IDLE or state is State.WAITING or state is State.STREAMING)
+        return bool(self._buf) and (state is ClientState.IDLE or state is ClientState.WAITING or state is ClientState.STREAMING)
 
     @property
     def reading_body(self) -> bool:
@@ -473,7 +473,7 @@ class RequestReader:
         body timeout.
         """
         state = self._state
-        return state is State.BODY or state is State.EXPECT or state is State.CONTINUED
+        return state is ClientState.BODY or state is ClientState.EXPECT or state is ClientState.CONTINUED
 
     @property
     def buffered_bytes(self) -> int:
@@ -484,6 +484,6 @@ class RequestReader:
     def partial_target(self) -> str | None:
         """The target of the request being read (not yet returned whole), once its request line is in."""
         state = self._state
-        if state is State.IDLE or state is State.ERROR or self.reading_body:
+        if state is ClientState.IDLE or state is ClientState.ERROR or self.reading_body:
             return self._target or None
         return None

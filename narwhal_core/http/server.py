@@ -20,7 +20,7 @@ from typing import Final
 
 from narwhal_core.errors import LocalProtocolError
 from narwhal_core.http.grammar import CONTINUE_RESPONSE, NO_BODY_STATUSES, STATUS_LINES, encode_fields
-from narwhal_core.http.request_reader import ALWAYS_CLOSE, RequestReader, State
+from narwhal_core.http.request_reader import ALWAYS_CLOSE, ClientState, RequestReader
 
 __all__ = ["ServerConnection"]
 
@@ -42,26 +42,26 @@ class _Send(enum.Enum):
 
 #: Every legal (state, send) pair and the state it leads to; anything else
 #: raises LocalProtocolError naming both, and changes nothing.
-_SERVER_SENDS: Final[Mapping[tuple[State, _Send], State]] = MappingProxyType({
-    (State.EXPECT, _Send.CONTINUE): State.CONTINUED,
+_SERVER_SENDS: Final[Mapping[tuple[ClientState, _Send], ClientState]] = MappingProxyType({
+    (ClientState.EXPECT, _Send.CONTINUE): ClientState.CONTINUED,
     # A final answer to ContinueExpected: the body stays unread, so it closes.
-    (State.EXPECT, _Send.RESPONSE): State.FINISHED,
-    (State.EXPECT, _Send.STREAM_START): State.STREAMING,
-    (State.CONTINUED, _Send.RESPONSE): State.FINISHED,
-    (State.CONTINUED, _Send.STREAM_START): State.STREAMING,
-    (State.WAITING, _Send.RESPONSE): State.FINISHED,
-    (State.WAITING, _Send.STREAM_START): State.STREAMING,
-    (State.STREAMING, _Send.STREAM_DATA): State.STREAMING,
-    (State.STREAMING, _Send.STREAM_END): State.FINISHED,
-    (State.IDLE, _Send.ERROR_RESPONSE): State.CLOSING,
-    (State.BODY, _Send.ERROR_RESPONSE): State.CLOSING,
-    (State.EXPECT, _Send.ERROR_RESPONSE): State.CLOSING,
-    (State.CONTINUED, _Send.ERROR_RESPONSE): State.CLOSING,
-    (State.WAITING, _Send.ERROR_RESPONSE): State.CLOSING,
-    (State.ERROR, _Send.ERROR_RESPONSE): State.CLOSING,
+    (ClientState.EXPECT, _Send.RESPONSE): ClientState.FINISHED,
+    (ClientState.EXPECT, _Send.STREAM_START): ClientState.STREAMING,
+    (ClientState.CONTINUED, _Send.RESPONSE): ClientState.FINISHED,
+    (ClientState.CONTINUED, _Send.STREAM_START): ClientState.STREAMING,
+    (ClientState.WAITING, _Send.RESPONSE): ClientState.FINISHED,
+    (ClientState.WAITING, _Send.STREAM_START): ClientState.STREAMING,
+    (ClientState.STREAMING, _Send.STREAM_DATA): ClientState.STREAMING,
+    (ClientState.STREAMING, _Send.STREAM_END): ClientState.FINISHED,
+    (ClientState.IDLE, _Send.ERROR_RESPONSE): ClientState.CLOSING,
+    (ClientState.BODY, _Send.ERROR_RESPONSE): ClientState.CLOSING,
+    (ClientState.EXPECT, _Send.ERROR_RESPONSE): ClientState.CLOSING,
+    (ClientState.CONTINUED, _Send.ERROR_RESPONSE): ClientState.CLOSING,
+    (ClientState.WAITING, _Send.ERROR_RESPONSE): ClientState.CLOSING,
+    (ClientState.ERROR, _Send.ERROR_RESPONSE): ClientState.CLOSING,
 })
-_BODY_UNREAD: Final = frozenset({State.EXPECT, State.CONTINUED})
-class _Framing(enum.Enum):
+_BODY_UNREAD: Final = frozenset({ClientState.EXPECT, ClientState.CONTINUED})
+class _ResponseFraming(enum.Enum):
     CHUNKED = "chunked"
     CLOSE = "close-delimited"
     NONE = "no body"
@@ -84,7 +84,7 @@ class ServerConnection(RequestReader):
 
     # -- writing ------------------------------------------------------------
 
-    def _transition(self, action: _Send) -> State:
+    def _transition(self, action: _Send) -> ClientState:
         """The state ``action`` leads to; raises (changing nothing) if it is illegal here."""
         target = _SERVER_SENDS.get((self._state, action))
         if target is None:
@@ -101,11 +101,11 @@ class ServerConnection(RequestReader):
 
     def _finish_response(self) -> None:
         if self._close:
-            self._state = State.CLOSING
+            self._state = ClientState.CLOSING
             self._buf = bytearray()
         else:
             self._reset_request()
-            self._state = State.IDLE
+            self._state = ClientState.IDLE
 
     def send_continue(self) -> bytes:
         """``100 Continue`` for the request just returned as :class:`ContinueExpected`."""
@@ -163,33 +163,33 @@ class ServerConnection(RequestReader):
         if self._version == "1.1":
             # Also for HEAD: the head is the one a GET would get (RFC 9110 §9.3.2).
             lines.append(b"transfer-encoding: chunked\r\n")
-            framing = _Framing.CHUNKED
+            framing = _ResponseFraming.CHUNKED
         else:
-            framing = _Framing.CLOSE
+            framing = _ResponseFraming.CLOSE
         if self._method == "HEAD":
-            framing = _Framing.NONE
-        elif framing is _Framing.CLOSE:
+            framing = _ResponseFraming.NONE
+        elif framing is _ResponseFraming.CLOSE:
             close = True
         lines.append(self._connection_field(close))
         lines.append(b"\r\n")
         self._close = close
         self._framing = framing
-        self._state = State.STREAMING
+        self._state = ClientState.STREAMING
         return b"".join(lines)
 
     def send_stream_data(self, data: bytes) -> bytes:
         """One piece of a streamed body (``b""`` for an empty piece)."""
         self._transition(_Send.STREAM_DATA)
-        if not data or self._framing is _Framing.NONE:
+        if not data or self._framing is _ResponseFraming.NONE:
             return b""
-        if self._framing is _Framing.CHUNKED:
+        if self._framing is _ResponseFraming.CHUNKED:
             return b"".join((b"%x\r\n" % len(data), data, b"\r\n"))
         return bytes(data)
 
     def send_stream_end(self) -> bytes:
         """The end of a streamed body."""
         self._transition(_Send.STREAM_END)
-        out = b"0\r\n\r\n" if self._framing is _Framing.CHUNKED else b""
+        out = b"0\r\n\r\n" if self._framing is _ResponseFraming.CHUNKED else b""
         self._finish_response()
         return out
 
@@ -212,7 +212,7 @@ class ServerConnection(RequestReader):
 
     def send_failed(self) -> None:
         """The I/O side could not write our bytes: the connection is dead."""
-        self._state = State.DEAD
+        self._state = ClientState.DEAD
         self._close = True
         self._buf = bytearray()
 
@@ -224,4 +224,4 @@ class ServerConnection(RequestReader):
     @property
     def in_response(self) -> bool:
         """A response has started and is not finished."""
-        return self._state is State.STREAMING
+        return self._state is ClientState.STREAMING

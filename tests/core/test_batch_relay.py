@@ -1,6 +1,6 @@
 """The SSE relay and answer merging of a batch of prompts (docs/operate.md, "Batch prompts").
 
-narwhal_core.relay's SseRelay and narwhal_core.planning's merges: a batch
+narwhal_core.relay's SseRelay and narwhal_core.leg_bodies's merges: a batch
 prompt's relay rewrites every choice's ``index`` to the prompt's and every
 ``id`` to the batch's first, holds the usage-only event back, drops
 ``[DONE]`` but the last prompt's, and sends the summed usage just before it
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narwhal_core.contract import COMPLETIONS
-from narwhal_core.planning import merge_answers, merge_usage
+from narwhal_core.leg_bodies import merge_answers, merge_usage
 from narwhal_core.relay import SseRelay
 
 MODEL = "m"

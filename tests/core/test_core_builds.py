@@ -33,7 +33,7 @@ CORE_TESTS = (
     "tests/core/test_router_machine.py",
     "tests/core/test_http.py",
     "tests/core/test_contract_properties.py",
-    "tests/core/test_planning_properties.py",
+    "tests/core/test_leg_bodies_properties.py",
     "tests/core/test_ids.py",
     "tests/core/test_core_tree.py",  # (its watch of the lifecycle runs on the pure core only)
 )

@@ -181,6 +181,29 @@ class FireWatch:
             Router.receive, Timers.pop_due = receive, pop_due  # type: ignore[method-assign]
 
 
+def shared_names(named: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {name: places for name, places in sorted(named.items()) if len(places) > 1}
+
+
+def test_no_two_core_classes_share_a_name() -> None:
+    """Each class of the core (its http package too, private ones included) has a name of its own (docs/design.md)."""
+    classes: dict[str, list[str]] = {}
+    for module, path in core_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(module)
+    assert shared_names(classes) == {}
+
+
+def test_no_two_modules_of_the_core_and_the_runtime_share_a_name() -> None:
+    """A module's name says what it holds: none is used twice across narwhal_core and narwhal_runtime."""
+    basenames: dict[str, list[str]] = {}
+    for module, path in code_shape.modules(REPO, ("narwhal_core", "narwhal_runtime")):
+        if path.name != "__init__.py":
+            basenames.setdefault(path.stem, []).append(module)
+    assert shared_names(basenames) == {}
+
+
 def test_a_freed_decode_slot_wakes_its_waiter_after_the_request_whose_leg_ended() -> None:
     # One engine of each phase, one slot each: the waiter's prefill is done and
     # it waits for the holder's decode slot, the newcomer waits behind it. The

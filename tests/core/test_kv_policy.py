@@ -25,7 +25,7 @@ from narwhal_core.fleet import Fleet
 from narwhal_core.ids import PREFILL
 from narwhal_core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from narwhal_core.kv_index import KvIndex, token_block_hashes
-from narwhal_core.kv_policy import HEAD_CHARS_PER_BLOCK, HeadProbe, Kv, KvKey
+from narwhal_core.kv_policy import HEAD_CHARS_PER_BLOCK, HeadProbe, KvEventsPolicy, KvKey
 from narwhal_core.routing import POLICIES, Plan, Prefix, Routing, StoppedClock, make_policy
 
 from .router_driver import PREFILL_URLS, Driver, completion_body, make_config
@@ -85,10 +85,10 @@ def kv_routing_config(**values: Any) -> RoutingConfig:
         return RoutingConfig(policy="kv", **values)  # type: ignore[arg-type]
 
 
-def kv_fleet(**values: Any) -> tuple[Fleet, Kv, Routing, StoppedClock]:
+def kv_fleet(**values: Any) -> tuple[Fleet, KvEventsPolicy, Routing, StoppedClock]:
     config = kv_routing_config(**values)
     policy = make_policy(config, CharTokenizer())
-    assert isinstance(policy, Kv)
+    assert isinstance(policy, KvEventsPolicy)
     clock = StoppedClock()
     policy.bind(clock)
     fleet = Fleet(PREFILLS, DECODES, max_inflight_per_engine=100, unhealthy_after=1, healthy_after=1, policy=policy)
@@ -117,12 +117,12 @@ def admit(fleet: Fleet, routing: Routing, body: dict[str, Any], probe: HeadProbe
 
 
 def test_kv_is_a_registered_policy_and_needs_a_tokenizer() -> None:
-    assert POLICIES["kv"] is Kv and issubclass(Kv, Prefix)
+    assert POLICIES["kv"] is KvEventsPolicy and issubclass(KvEventsPolicy, Prefix)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         make_policy(kv_routing_config())
     policy = make_policy(kv_routing_config(kv_block_size=32, kv_events_stale_s=5.0, kv_speculative_ttl_s=0.0),
                          CharTokenizer())
-    assert isinstance(policy, Kv)
+    assert isinstance(policy, KvEventsPolicy)
     assert (policy.block_size, policy.index.stale_s, policy.index.speculative_ttl_s) == (32, 5.0, 0.0)
     assert policy.index.max_blocks == 2_000_000 // 32
 
@@ -214,7 +214,7 @@ def test_an_engine_whose_stream_is_stale_is_weighed_from_the_approximate_index()
 
 def test_a_prompt_the_tokenizer_cannot_render_is_weighed_approximately_everywhere() -> None:
     config = kv_routing_config()
-    policy = Kv.from_config(config, BrokenTokenizer())
+    policy = KvEventsPolicy.from_config(config, BrokenTokenizer())
     fleet = Fleet(PREFILLS, DECODES, max_inflight_per_engine=100, unhealthy_after=1, healthy_after=1, policy=policy)
     for e in PREFILLS:
         policy.kv_stream(e.url, True, "connected", 0.0)
@@ -332,11 +332,11 @@ def test_other_policies_ignore_kv_events(policy: str) -> None:
     assert d.router.statistics().kv_events_live == {}
 
 
-def head_fleet(tokenizer: Any = None, *, streams: bool = True) -> tuple[Fleet, Kv, Routing, Any]:
+def head_fleet(tokenizer: Any = None, *, streams: bool = True) -> tuple[Fleet, KvEventsPolicy, Routing, Any]:
     config = kv_routing_config(tokenize_inline_max_bytes=100)
     tok = tokenizer if tokenizer is not None else HeadTokenizer()
     policy = make_policy(config, tok)
-    assert isinstance(policy, Kv)
+    assert isinstance(policy, KvEventsPolicy)
     policy.bind(StoppedClock())
     fleet = Fleet(PREFILLS, DECODES, max_inflight_per_engine=100, unhealthy_after=1, healthy_after=1, policy=policy)
     for e in PREFILLS if streams else ():

@@ -19,7 +19,7 @@ import pytest
 
 from narwhal_core import CancelLeg, ClientStalled, FinishLeg, ShutdownComplete, StartLeg, WriteJournal, journal
 from narwhal_core.journal import ErrorRecord, KvRecord, LegRecord, RoutingRecord, TerminalRecord
-from narwhal_core.planning import PREFILL_KV_REQUEST
+from narwhal_core.leg_bodies import PREFILL_KV_REQUEST
 from narwhal_core.router import NOTHING_HELD
 
 from .router_driver import (

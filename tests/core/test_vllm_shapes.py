@@ -1,4 +1,4 @@
-"""The prefill answers vLLM sends, version by version, through planning (docs/operate.md, "vLLM compatibility")."""
+"""The prefill answers vLLM sends, version by version, through leg_bodies (docs/operate.md, "vLLM compatibility")."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from narwhal_core import wire
-from narwhal_core.planning import (
+from narwhal_core.leg_bodies import (
     PrefillAnswerError,
     check_prefill_answer,
     decode_body,

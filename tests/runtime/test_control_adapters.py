@@ -21,7 +21,7 @@ import trio
 from narwhal_core import ControlDone, Event, StartControl
 from narwhal_core.config import parse_engine_url
 from narwhal_core.events import EngineResolved
-from narwhal_runtime.legs import Engines
+from narwhal_runtime.leg_connections import Engines
 
 from ..helpers import on_runtime, tcp_options_in_process
 

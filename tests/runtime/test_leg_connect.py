@@ -1,6 +1,6 @@
 """A leg whose connection cannot be opened fails for the same reason on both runtimes.
 
-One rule (:func:`narwhal_runtime.legs.connect_failure`, docs/design.md):
+One rule (:func:`narwhal_runtime.leg_connections.connect_failure`, docs/design.md):
 ``connect_timeout`` only when the leg's own time limit ran out; any socket
 error -- the kernel's ``ETIMEDOUT`` included -- is ``connect_failed``, or
 ``local_error`` when Narwhal itself is short of descriptors, memory or
@@ -25,7 +25,7 @@ import pytest
 from narwhal_core import Event, LegData, LegFailed, StartLeg
 from narwhal_core.config import parse_engine_url
 from narwhal_runtime.control import TimeLimitExpired
-from narwhal_runtime.legs import Engines, connect_failure
+from narwhal_runtime.leg_connections import Engines, connect_failure
 
 from ..helpers import on_runtime
 
@@ -149,7 +149,7 @@ def test_the_legs_own_deadline_is_a_connect_timeout(runtime: str) -> None:
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_a_named_engine_is_resolved_once_and_its_addresses_tried_in_turn(runtime: str, kernel_says: Any) -> None:
-    # The connect both runtimes share (narwhal_runtime/legs.py, Engines.connect): the adapter's
+    # The connect both runtimes share (narwhal_runtime/leg_connections.py, Engines.connect): the adapter's
     # resolver, once, then each address it gave (trio's legs used to resolve by trio's own resolver).
     port, tries = kernel_says(errno.ECONNREFUSED)
     asked: list[str] = []

@@ -234,7 +234,7 @@ def test_client_text_cannot_forge_journal_records(start_router, fleet, journal_p
 def test_prefill_answer_remote_host_must_name_a_fleet_host(host: object) -> None:
     """The SSRF guard in the core: only the configured hosts, in their canonical spelling."""
     from narwhal_core.config import EngineConfig
-    from narwhal_core.planning import PrefillAnswerError, check_prefill_answer
+    from narwhal_core.leg_bodies import PrefillAnswerError, check_prefill_answer
 
     engine = EngineConfig(prefill=("http://127.0.0.1:8100",), decode=("http://127.0.0.1:8200",),
                           kv_hosts=("prefill-b.internal",))

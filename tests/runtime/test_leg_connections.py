@@ -1,4 +1,4 @@
-"""The legs both adapters share (narwhal_runtime/legs.py): commands and connections, over real socket pairs.
+"""The legs both adapters share (narwhal_runtime/leg_connections.py): commands and connections, over real socket pairs.
 
 The runtime's side is a recording stand-in (how it spawns the task that
 opens a connection, and how it watches and closes sockets); the end-to-end
@@ -15,7 +15,7 @@ import pytest
 
 from narwhal_core import LegData, LegFailed, StartLeg
 from narwhal_core.config import parse_engine_url
-from narwhal_runtime.legs import Engines, LegConnection
+from narwhal_runtime.leg_connections import Engines, LegConnection
 
 URL = "http://127.0.0.1:9001"
 REQUEST = b"GET / HTTP/1.1\r\n\r\n"

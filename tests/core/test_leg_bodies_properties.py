@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from narwhal_core import wire
 from narwhal_core.errors import NarwhalError
-from narwhal_core.planning import (
+from narwhal_core.leg_bodies import (
     PrefillAnswerError,
     check_prefill_answer,
     decode_body,
