@@ -63,6 +63,11 @@ _HOLD_WATCH_SHARE: Final = 0.95
 _NOT_SENT: Final = ("connection refused", "DNS failure", "connection failed", "connect timeout")
 
 
+def _lease_era(params: dict[str, Any]) -> bool:
+    """Whether a prefill answer's params come from vLLM with KV leases (about 0.21 on)."""
+    return any(key in params for key in _LEASE_ERA_KEYS)
+
+
 def _renewed(params: dict[str, Any] | None) -> bool:
     """Whether a decode engine renews this KV's hold while the decode request waits in its queue.
 
@@ -73,7 +78,7 @@ def _renewed(params: dict[str, Any] | None) -> bool:
     """
     if params is None:
         return False
-    return any(key in params for key in _LEASE_ERA_KEYS) and params.get("tp_size") is not None
+    return _lease_era(params) and params.get("tp_size") is not None
 
 
 
@@ -209,7 +214,7 @@ class KvLedger:
     def _held_until_lease(kv: Kv, error: str | None) -> None:
         """Nothing will free the KV but the engine's lease; say so when that lease's reaper may not."""
         params = kv.handoff.params or {}
-        if any(key in params for key in _LEASE_ERA_KEYS):
+        if _lease_era(params):
             error = REAPER_STUCK if error is None else f"{error}; {REAPER_STUCK}"
         kv.outcome, kv.method, kv.error = "held_until_lease", "lease", error
 
