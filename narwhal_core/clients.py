@@ -14,7 +14,7 @@ hands them to :class:`~narwhal_core.requests.Requests` (admission).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
 
@@ -46,12 +46,11 @@ _Headers = tuple[tuple[bytes, bytes], ...]
 class Clients:
     """The client connections, by the adapter's handle; what they send and what they are answered."""
 
-    __slots__ = ("ctx", "conns", "pump", "arrived", "buffered", "max_buffered", "auth", "metrics", "retry_after",
-                 "admin")
+    __slots__ = ("ctx", "conns", "pump", "arrived", "buffered", "max_buffered", "auth", "metrics", "metrics_wanted",
+                 "retry_after", "admin")
 
     def __init__(
-        self, ctx: Context, authenticator: Authenticator, metrics: Callable[[], bytes] | None,
-        admin: Admin | None = None,
+        self, ctx: Context, authenticator: Authenticator, metrics: bool, admin: Admin | None = None,
     ) -> None:
         self.ctx: Final = ctx
         self.conns: dict[Hashable, Conn] = {}
@@ -65,8 +64,11 @@ class Clients:
         self.buffered = 0
         self.max_buffered: Final = ctx.config.ingress.max_buffered_bytes
         self.auth = authenticator
-        #: Renders ``/metrics`` (``None``: not available).
+        #: Whether ``/metrics`` can be rendered (the adapter gave the router a renderer).
         self.metrics: Final = metrics
+        #: ``GET /metrics`` requests read whole, for the router to render and hand to :meth:`answer_metrics`:
+        #: the figures are the whole router's, which no part below it holds.
+        self.metrics_wanted: list[tuple[Conn, str]] = []
         self.retry_after: Final = str(ctx.config.admission.retry_after_s).encode()
         #: The admin API (docs/operate.md); ``None``: its routes are unknown.
         self.admin: Final = admin
@@ -317,10 +319,13 @@ class Clients:
             self._models(conn, rid, request)
 
     def _metrics(self, conn: Conn, rid: str) -> None:
-        if self.metrics is None:
+        if not self.metrics:
             self.respond_plain(conn, rid, 503, error_body("Metrics are not available.", "no_metrics"))
             return
-        body = self.metrics()
+        self.metrics_wanted.append((conn, rid))
+
+    def answer_metrics(self, conn: Conn, rid: str, body: bytes) -> None:
+        """Answer a ``GET /metrics`` from :attr:`metrics_wanted` with the exposition ``body``."""
         self.end_response(conn, conn.codec.send_response(200, (
             (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
             (b"x-request-id", rid.encode()),

@@ -61,6 +61,7 @@ from .health import Health
 from .ids import DECODE, PREFILL, Phase
 from .http import Codec, CodecLike
 from .kv import LEASE_SHORT, NOTHING_HELD, KvLedger
+from .kv_feed import KvEventFeed
 from .engine_metrics import EngineLoad
 from .legs import Legs
 from .load import LoadReports
@@ -70,6 +71,7 @@ from .lifecycle import Lifecycle
 from .requests import Request, Requests
 from .routing import Routing, make_policy
 from .states import FollowUp, Input, State
+from .stats import Stats
 from .verdicts import Verdict
 
 if TYPE_CHECKING:
@@ -126,7 +128,7 @@ class Router:
         wall_offset: float = 0.0,
         now: float = 0.0,
         codec: CodecLike | None = None,
-        render_metrics: Callable[[Router], bytes] | None = None,
+        render_metrics: Callable[[Stats, RouterStatistics], bytes] | None = None,
         tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.config: Final = config
@@ -145,15 +147,16 @@ class Router:
         self.fleet: Final = ctx.fleet
         self.admission: Final = ctx.admission
         self.stats: Final = ctx.stats
-        metrics = None if render_metrics is None else (lambda: render_metrics(self))
+        self._render_metrics: Final = render_metrics
         # Each part gets what it calls at construction, the lower ones first (docs/design.md,
         # "The parts of the core"); the map of unfinished requests is the registry's, read by the others.
         active: dict[str, Request] = {}
         self.health: Final = Health(ctx)
         self.load: Final = LoadReports(ctx)
+        self.kv_events: Final = KvEventFeed(ctx)
         self.kv: Final = KvLedger(ctx)
         self.membership: Final = Membership(ctx, self.health, self.load, self.kv, active)
-        self.clients: Final = Clients(ctx, authenticator, metrics, Admin(ctx, self.membership))
+        self.clients: Final = Clients(ctx, authenticator, render_metrics is not None, Admin(ctx, self.membership))
         self.requests: Final = Requests(ctx, self.clients, active)
         self.slots: Final = SlotQueue(active)
         self.legs: Final = Legs(ctx, active, self.health, self.slots)
@@ -175,6 +178,8 @@ class Router:
                 self._client_gone(gone)
             elif self.clients.arrived:
                 self._admit_arrivals()
+            if self.clients.metrics_wanted:
+                self._answer_metrics()
         elif isinstance(event, LegData):
             leg = self.legs.running.get(event.leg)
             if leg is not None:
@@ -211,9 +216,9 @@ class Router:
         elif isinstance(event, JournalHealth):
             self._journal_health(event)
         elif isinstance(event, KvEventsReceived):
-            self._kv_events(event)
+            self.kv_events.events(event)
         elif isinstance(event, KvStreamChanged):
-            self._kv_stream(event)
+            self.kv_events.stream(event)
         elif isinstance(event, PromptTokenized):
             req = self.requests.tokenized(event)
             if req is not None:
@@ -271,12 +276,8 @@ class Router:
             engine_reports={
                 (e.url, e.phase): (e.reported, ctx.now - e.reported_at) for e in self.fleet.all() if e.reported
             },
-            kv_events_live=self._kv_events_live(),
+            kv_events_live=self.kv_events.live(),
         )
-
-    def _kv_events_live(self) -> dict[str, bool]:
-        """Whether each prefill engine is weighed from its KV events now (empty unless the policy is ``kv``)."""
-        return self.fleet.policy.kv_live([e.url for e in self.fleet.engines[PREFILL]], self._ctx.now)
 
     def contain_failure(self, event: Event | None, problem: str, trace: str | None = None) -> None:
         """The adapter caught ``problem``, raised by :meth:`receive` on ``event`` (``None``: :meth:`handle_deadline`).
@@ -343,6 +344,18 @@ class Router:
             clients.serve_pipelined()
             if clients.arrived:
                 self._admit_arrivals()
+            if clients.metrics_wanted:
+                self._answer_metrics()
+
+    def _answer_metrics(self) -> None:
+        """Render ``/metrics`` for the scrapes the clients part has read: the figures come from every part."""
+        render = self._render_metrics
+        assert render is not None  # the clients part queues none without a renderer
+        clients = self.clients
+        wanted, clients.metrics_wanted = clients.metrics_wanted, []
+        for conn, rid in wanted:
+            if not conn.closed and conn.rid == rid:
+                clients.answer_metrics(conn, rid, render(self.stats, self.statistics()))
 
     def _journal_health(self, event: JournalHealth) -> None:
         ctx = self._ctx
@@ -461,36 +474,6 @@ class Router:
         elif isinstance(event, PromptTokenized):
             return active.get(event.key.partition(":")[0])
         return None
-
-    def _kv_events(self, event: KvEventsReceived) -> None:
-        """A prefill engine's KV events, in order: the policy's index learns what it holds (``kv`` only)."""
-        ctx = self._ctx
-        if self.fleet.find(PREFILL, event.url) is None:
-            return  # not (or no longer) a prefill engine of this fleet
-        problem = self.fleet.policy.kv_events(event.url, event.events, ctx.now)
-        if problem is not None:
-            ctx.log("kv_events_unusable", level="warning", engine=event.url, problem=problem)
-
-    def _kv_stream(self, event: KvStreamChanged) -> None:
-        """A prefill engine's KV-event stream came up or went down: logged once per change (``kv`` only)."""
-        ctx = self._ctx
-        if self.fleet.find(PREFILL, event.url) is None:
-            return
-        if not self.fleet.policy.kv_stream(event.url, event.live, event.reason, ctx.now):
-            return
-        if event.live:
-            ctx.log("kv_events_live", engine=event.url, reason=event.reason)
-        else:
-            stale_s = self.config.routing.kv_events_stale_s
-            ctx.log("kv_events_lost", level="warning", engine=event.url, reason=event.reason,
-                    fallback_after_s=stale_s)
-            # The fallback is found when the engine is next weighed; this finds (and logs) it on time, traffic or not.
-            ctx.timers.arm(ctx.now + stale_s, self._kv_stale_due, event.url)
-
-    def _kv_stale_due(self, url: str) -> None:
-        """A lost stream's grace is over: unless it came back, its engine falls back now (``kv_events_stale``)."""
-        if self.fleet.find(PREFILL, url) is not None:
-            self.fleet.policy.kv_stale_due(url, self._ctx.now)
 
     def _begin_shutdown(self) -> None:
         ctx = self._ctx

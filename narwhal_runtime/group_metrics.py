@@ -34,10 +34,12 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Metric, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .metrics import render
+from .metrics import render, render_router
 
 if TYPE_CHECKING:
     from narwhal_core import Router
+    from narwhal_core.router import RouterStatistics
+    from narwhal_core.stats import Stats
 
 __all__ = ["GroupMetrics", "join_group", "current_group", "aggregate", "SNAPSHOT_INTERVAL_S"]
 
@@ -74,11 +76,11 @@ class GroupMetrics:
         """End of an event batch: write a snapshot when the last one is :data:`SNAPSHOT_INTERVAL_S` old."""
         now = self._clock()
         if now >= self._next:
-            self._write(render(router), now)
+            self._write(render_router(router), now)
 
-    def render(self, router: Router) -> bytes:
+    def render(self, stats: Stats, live: RouterStatistics) -> bytes:
         """The group's exposition: this worker's fresh figures plus its siblings' last snapshots."""
-        own = render(router)
+        own = render(stats, live)
         self._write(own, self._clock())
         texts = [own.decode("utf-8")]
         for path in sorted(self.directory.glob("w*.prom")):

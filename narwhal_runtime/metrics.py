@@ -23,9 +23,10 @@ from prometheus_client.core import (
 if TYPE_CHECKING:
     from narwhal_core import Router
     from narwhal_core.engine_metrics import EngineLoad
-    from narwhal_core.stats import Histogram
+    from narwhal_core.router import RouterStatistics
+    from narwhal_core.stats import Histogram, Stats
 
-__all__ = ["render"]
+__all__ = ["render", "render_router"]
 
 
 def _counter(name: str, doc: str, labels: list[str], counts: Mapping[Any, int]) -> CounterMetricFamily:
@@ -47,13 +48,13 @@ def _histogram(name: str, doc: str, label: str, table: dict[str, Histogram]) -> 
 
 
 class _RouterCollector:
-    def __init__(self, router: Router) -> None:
-        self._router = router
+    def __init__(self, stats: Stats, live: RouterStatistics) -> None:
+        self._stats = stats
+        self._live = live
 
     def collect(self) -> Iterator[Metric]:
-        router = self._router
-        stats = router.stats
-        live = router.statistics()
+        stats = self._stats
+        live = self._live
         requests = CounterMetricFamily(
             "narwhal_requests", "Completion requests by route, terminal and status.",
             labels=["route", "terminal", "status"],
@@ -132,8 +133,13 @@ def _engine_reports(reports: Mapping[tuple[str, str], tuple[EngineLoad, float]])
     yield from (waiting, running, usage, capacity, age)
 
 
-def render(router: Router) -> bytes:
-    """The Prometheus text exposition of ``router``'s metrics."""
+def render(stats: Stats, live: RouterStatistics) -> bytes:
+    """The Prometheus text exposition of a router's counters ``stats`` and its live gauges ``live``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_RouterCollector(router))
+    registry.register(_RouterCollector(stats, live))
     return generate_latest(registry)
+
+
+def render_router(router: Router) -> bytes:
+    """:func:`render` of ``router``'s figures now."""
+    return render(router.stats, router.statistics())

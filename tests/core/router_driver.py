@@ -695,9 +695,12 @@ class Driver:
         engine_api_key: str | None = None,
         tokenizer: Any = None,
         auto_tokenize: bool = True,
+        render_metrics: Any = "plain",
         **sections: Any,
     ) -> None:
         self.config = config if config is not None else make_config(**sections)
+        #: The figures every ``/metrics`` scrape was rendered from: (inflight, queued, connections, terminal records).
+        self.scrapes: list[tuple[int, int, int, int]] = []
         self.now = now
         self._rids = RidSource("t")
         #: Every rid the router drew, in order (GET routes and refusals included).
@@ -710,6 +713,7 @@ class Driver:
             now=now,
             codec=codec,
             tokenizer=tokenizer,
+            render_metrics=self._render_metrics if render_metrics == "plain" else render_metrics,
         )
         self.auto_probe = auto_probe
         self.tokenizer = tokenizer
@@ -917,6 +921,12 @@ class Driver:
         self.leg_history.append(leg)
 
     # -------------------------------------------------------------- clients
+
+    def _render_metrics(self, stats: Any, live: Any) -> bytes:
+        """A stand-in for the runtime's Prometheus renderer: a few live figures, as text."""
+        figures = (live.inflight, live.queued, live.connections, stats.journal_records["terminal"])
+        self.scrapes.append(figures)
+        return b"inflight %d\nqueued %d\nconnections %d\nterminal_records %d\n" % figures
 
     def connect(self, peer: str = "127.0.0.1") -> FakeClient:
         """A new client connection."""

@@ -29,11 +29,12 @@ import httpx
 import pytest
 
 from narwhal_core.kv import HOLD_UNREAD, REAPER_STUCK
-from narwhal_sim.testing import SimThread
+from narwhal_sim.testing import SimProcess, SimThread
 from narwhal_sim.versions import FAMILIES
 
 from ..harness import RouterThread, make_config
-from ..helpers import COMPLETIONS, poll, read_journal
+from ..helpers import COMPLETIONS, journal_terminal, poll, read_journal
+from ..serving import ServeProcess, write_config
 
 #: Every vLLM version family the simulator models (docs/simulator.md, "vLLM versions").
 VERSIONS = tuple(FAMILIES)
@@ -280,17 +281,24 @@ def test_no_decode_leg_reads_expired_kv_while_the_decode_engine_queues_it(
     21570).
     """
     journal = tmp_path / "journal.jsonl"
-    prefill = SimThread(role="prefill", speed=0, vllm_version=version, lease_s=lease).start()
+    # Each engine and the router run in a process of their own: a lease this short
+    # must not run out because the test process's threads or its garbage collector
+    # held the GIL past a heartbeat (the timing under test is the engines' and the router's).
+    prefill = SimProcess(role="prefill", speed=0, vllm_version=version, lease_s=lease)
     # (Both engines configured with one lease, as a fleet is: the decode engine's heartbeat period is its own.)
-    decode = SimThread(role="decode", speed=1, vllm_version=version, max_num_seqs=1, lease_s=lease).start()
-    config = make_config(
-        journal, prefill=(prefill.url,), decode=(decode.url,),
-        engine={"max_inflight_per_engine": 8, "kv_lease_s": lease, "decode_timeout_s": 20.0},
-        retry={"max_attempts": 20, "backoff_base_s": 0.01},
-    )
-    router = RouterThread(config, "trio").start()
+    decode = SimProcess(role="decode", speed=1, vllm_version=version, max_num_seqs=1, lease_s=lease)
+    router: ServeProcess | None = None
     try:
+        prefill.start()
+        decode.start()
+        config = write_config(
+            tmp_path / "narwhal.toml", journal, prefill=(prefill.url,), decode=(decode.url,),
+            engine={"max_inflight_per_engine": 8, "kv_lease_s": lease, "decode_timeout_s": 20.0},
+            retry={"max_attempts": 20, "backoff_base_s": 0.01, "backoff_max_s": 0.05},
+        )
+        router = ServeProcess(config, "trio").start(listening_timeout=20)
         with httpx.Client(base_url=router.url, timeout=30) as client:
+            poll(lambda: client.get("/ready").status_code == 200, timeout=10, what="router ready")
             results: dict[str, httpx.Response] = {}
 
             def holder() -> None:  # streamed: its tokens show the KV was read, so it is never cut
@@ -308,8 +316,7 @@ def test_no_decode_leg_reads_expired_kv_while_the_decode_engine_queues_it(
         stale = (prefill.stats()["kv_stale_reads"], decode.stats()["kv_stale_reads"])
         assert stale == (0, 0)
         assert [r["kv"].get("stale_read") for r in decode.requests("/v1/completions") if r["kv"]].count(True) == 0
-        (record,) = [r for r in read_journal(journal)
-                     if r.get("terminal") is not None and r["rid"] == waiter.headers["x-request-id"]]
+        record = journal_terminal(journal, waiter.headers["x-request-id"])
         prefills = [leg for leg in record["legs"] if leg["phase"] == "prefill"]
         if FAMILIES[version].lease_renewal:
             assert len(prefills) == 1 and decode.stats()["kv_heartbeats"] >= 1  # renewed while it waited
@@ -319,5 +326,6 @@ def test_no_decode_leg_reads_expired_kv_while_the_decode_engine_queues_it(
             assert prefills[-1]["kv"]["outcome"] == "pulled"
     finally:
         decode.stop()
-        router.stop()
+        if router is not None:
+            router.stop()
         prefill.stop()

@@ -403,7 +403,7 @@ def _router(auth: str) -> tuple[Router, Authenticator]:
         mode="api_keys", keys=keys
     )
     router = Router(config, rid_source=RidSource("fz"), authenticator=authenticator, now=0.0,
-                    render_metrics=lambda _router: b"# no metrics in the fuzz driver\n")
+                    render_metrics=lambda _stats, _live: b"# no metrics in the fuzz driver\n")
     return router, authenticator
 
 
