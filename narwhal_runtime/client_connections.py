@@ -256,6 +256,14 @@ class ClientConnection:
     def _send_timeout(self) -> None:
         # The send timeout (slow_clients.py): none of the bytes taken for send_timeout_s.
         timeout = self.connections.send_timeout_s
+        if self.out and self.connections.now() >= self.taken_at + timeout:
+            # Offer the bytes once more before giving up: after a long pause of this
+            # process (a collector's, a CPU burst) the timer can be served before the
+            # loop reports that a client which kept reading has room again.
+            self.timer = None
+            self.writable()
+            if self.closed or not self.out:
+                return
         due = self.taken_at + timeout
         if self.connections.now() < due:
             self.timer = self.connections.later(due - self.connections.now(), self._send_timeout)

@@ -167,6 +167,20 @@ def test_a_client_that_takes_everything_is_not_dropped_however_long_it_took(pair
     assert not conn.closed and not any(isinstance(e, ClientGone) for e in io.fed)
 
 
+def test_a_client_that_read_while_the_loop_was_late_to_say_so_is_not_dropped(pair: Any) -> None:
+    """The timer comes due before the loop reports the room the client made (this process was paused)."""
+    conn, io, theirs = pair
+    _fill(conn)
+    assert _drain(theirs) > 0  # the client read, but conn.writable() was never called
+    io.fire_until(100.0 + TIMEOUT)
+    assert not conn.closed and not any(isinstance(e, ClientGone) for e in io.fed)
+    assert conn.out == [] or conn.timer is not None  # all sent, or the next deadline armed from the bytes just taken
+    # A client that still reads nothing after that is dropped one timeout later, as ever.
+    _fill(conn)
+    io.fire_until(io.clock + TIMEOUT)
+    assert conn.closed and io.fed[-1] == ClientGone(conn)
+
+
 class _Leg:
     def __init__(self) -> None:
         self.paused = False
