@@ -39,7 +39,8 @@ PURE_ENV = "NARWHAL_PURE_PYTHON"
 #: the JSON scan, the SSE relay, the journal's encoding.
 CYTHON = (
     "contract", "http.codec", "http.engine", "http.grammar", "http.request_head", "http.request_reader",
-    "http.server", "ids", "journal", "leg_bodies", "relay", "tracecontext", "wire",
+    "http.server", "ids", "journal", "leg_bodies", "policies", "prefix", "relay", "routing", "stats", "tracecontext",
+    "wire",
 )
 
 #: The router's parts, which ``setup.py`` compiles with mypyc (it reads this list
