@@ -13,8 +13,8 @@ this checkout) without importing them, and prints
   import counts, including those inside functions: a lazy import is still a
   dependency), as strongly connected components of more than one node.
 
-It is how the architecture's before/after tables in ``benchmarks/README.md``
-are made: run it on a checkout of each commit.
+To compare two trees' shapes, run it on a checkout of each commit
+(``benchmarks/README.md`` lists it among the scripts).
 """
 
 from __future__ import annotations

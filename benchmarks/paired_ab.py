@@ -10,7 +10,7 @@ there (the instant engines, the targets ``narwhal-RUNTIME`` and
 ``narwhal-RUNTIME-base``, core pinning, ``wrk``, the ``other%`` reading).
 On a shared VM the machine's speed drifts by tens of per cent between
 windows a minute apart, so the medians of separate windows cannot resolve a
-few per cent (benchmarks/README.md, "The architecture's shape and cost").
+few per cent (benchmarks/README.md, "The machine, and how to read its figures").
 Here the engines and all the routers start once, each is warmed up, and
 then, for ``--rounds`` rounds, every runtime and scenario gets a *pair* of
 short windows, this tree (A) and the baseline (B) back to back, one router

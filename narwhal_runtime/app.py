@@ -135,7 +135,7 @@ def random_rid_prefix() -> str:
     never holds more than ten decimal digits in a row: the number scan of
     :func:`narwhal_core.wire.loads` once counted digits inside strings too, and
     a run of sixteen sent the answer down its slow exact path
-    (benchmarks/README.md, "Stop 33"). It steps over strings now, so the
+    (benchmarks/README.md, "What moves an instruction count"). It steps over strings now, so the
     letter changes nothing there; it stays, as the rid's documented shape
     (docs/operate.md, "Several routers in front of one fleet").
     """

@@ -7,7 +7,7 @@ lends what it needs: its clock, a timer, and how it watches and closes a
 socket (:class:`~.runtime_io.RuntimeIO`); :class:`ClientConnections` adds
 the driver's feed and the listener's slots. asyncio watches the socket
 with its loop's ``add_reader``/``add_writer`` (on uvloop this costs what a
-transport's ``data_received`` does: benchmarks/README.md, stop 38); trio
+transport's ``data_received`` does: benchmarks/README.md, "What one read costs"); trio
 with a task that waits for it. The connection is its own handle in the
 router's events and commands.
 
