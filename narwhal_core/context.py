@@ -46,7 +46,7 @@ class Context:
     __slots__ = (
         "config", "out", "followups", "timers", "stats", "fleet", "admission", "now", "wall_offset", "model", "mode", "pd",
         "first_phase", "routing", "phases", "codec", "new_rid", "auth_header", "secret", "draining", "journal_ok",
-        "journal_problem", "shortages", "shortage_logged",
+        "journal_problem", "shortages", "shortage_logged", "require_prefill",
     )
 
     def __init__(
@@ -78,6 +78,8 @@ class Context:
         self.first_phase: Final[Phase] = PREFILL if disaggregated else DECODE
         #: The phases a request needs an engine for.
         self.phases: Final[tuple[Phase, ...]] = (PREFILL, DECODE) if disaggregated else (DECODE,)
+        #: ``routing.disaggregation = "required"``: a request never runs without its prefill leg (docs/routing.md).
+        self.require_prefill: Final = config.routing.disaggregation == "required"
         self.codec: Final = codec
         self.new_rid: Final = rid_source
         self.auth_header: tuple[tuple[bytes, bytes], ...] = (
@@ -119,6 +121,25 @@ class Context:
     def engine_headers(self, engine: EngineAddress, bid: str) -> tuple[tuple[bytes, bytes], ...]:
         """The headers of a request to an engine carrying a backend ID."""
         return ((b"host", engine.authority), JSON_HEADER, (b"x-request-id", bid.encode()), *self.auth_header)
+
+    def no_engine(self, phase: Phase) -> NarwhalError:
+        """The 503 of a request whose ``phase`` leg no engine in rotation can take (docs/contract.md).
+
+        ``engine_unavailable``; for a prefill leg with ``routing.disaggregation
+        = "required"``, ``no_prefill_engine``, counted by reason (docs/routing.md,
+        "Required disaggregation"): engines joining or out of rotation are in
+        the fleet, draining ones have left it.
+        """
+        if phase != PREFILL or not self.require_prefill:
+            return NarwhalError(f"No healthy {phase} engine is available.", status=503, code="engine_unavailable")
+        present = any(not e.draining for e in self.fleet.engines[PREFILL])
+        self.stats.prefill_refusals["none_healthy" if present else "none_in_fleet"] += 1
+        return NarwhalError(
+            f"{'No prefill engine is healthy' if present else 'The fleet has no prefill engine'}, and this router "
+            'requires disaggregation (routing.disaggregation = "required"): no request runs on a decode engine '
+            "alone; retry later.",
+            status=503, code="no_prefill_engine",
+        )
 
     def ready_problems(self) -> list[str]:
         """Why ``/ready`` would answer 503 (none: ready)."""

@@ -218,9 +218,7 @@ class Lifecycle:
                 if req.kv is not None:
                     self.requests.arm(req, "lease", req.kv.start_by)
                 return State.DECODE_WAIT
-            return self.fail_request(req, NarwhalError(
-                f"No healthy {phase} engine is available.", status=503, code="engine_unavailable"
-            ))
+            return self.fail_request(req, ctx.no_engine(phase))
         req.waiting_for_slot = False
         if phase == DECODE:
             kv = req.kv

@@ -109,8 +109,7 @@ class Requests:
                                 code="shutting_down")
         for phase in ctx.phases:
             if not ctx.fleet.has_healthy(phase):
-                return NarwhalError(f"No healthy {phase} engine is available.", status=503,
-                                    code="engine_unavailable")
+                return ctx.no_engine(phase)
         decision = ctx.admission.offer(rid, client)
         if decision == "client_limit":
             return NarwhalError("Too many requests in flight for this client.", status=429,

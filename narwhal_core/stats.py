@@ -66,6 +66,9 @@ class Stats:
     kv_connector: dict[str, int] = attrs.field(factory=dict)
     #: Prefill answers refused for their KV ``transfer_mode`` (vLLM's push), by (engine URL, mode).
     kv_modes_refused: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    #: Requests answered 503 ``no_prefill_engine`` (``routing.disaggregation = "required"``), by reason:
+    #: ``none_in_fleet`` or ``none_healthy``.
+    prefill_refusals: Counter[str] = attrs.field(factory=Counter)
 
     def observe(self, record: TerminalRecord) -> None:
         """Account for one terminal record."""

@@ -85,30 +85,41 @@ class _RouterCollector:
         yield healthy
         yield outstanding
         yield from _engine_reports(live.engine_reports)
-        connector = GaugeMetricFamily(
-            "narwhal_engine_kv_connector",
-            "NIXL connector version a prefill engine's answers show: 1 (no remote_request_id, vLLM before 0.14: "
-            "decode requests carrying its KV are sent the prefill leg's X-Request-Id) or 2.",
-            labels=["engine"],
-        )
-        for url, version in sorted(stats.kv_connector.items()):
-            connector.add_metric([url], version)
-        yield connector
+        yield from _kv_families(stats, live)
         yield _counter(
-            "narwhal_engine_kv_transfer_mode_refused",
-            "Prefill answers refused for a KV transfer_mode Narwhal does not drive (vLLM's push), by engine "
-            "and mode: each request failed 502 unsupported_kv_transfer_mode, its KV held until the engine's lease.",
-            ["engine", "mode"], stats.kv_modes_refused,
+            "narwhal_no_prefill_engine",
+            'Requests answered 503 no_prefill_engine because routing.disaggregation = "required" and no prefill '
+            "engine could take their prefill leg, by reason: none_in_fleet or none_healthy.",
+            ["reason"], stats.prefill_refusals,
         )
-        kv_live = GaugeMetricFamily(
-            "narwhal_engine_kv_events_live",
-            "1 while a prefill engine is weighed from its own KV events (routing.policy = \"kv\"); 0 while it "
-            "falls back to the approximate prefix index (its stream not heard from yet, lost or silent).",
-            labels=["engine"],
-        )
-        for url, trusted in sorted(live.kv_events_live.items()):
-            kv_live.add_metric([url], int(trusted))
-        yield kv_live
+
+
+def _kv_families(stats: Stats, live: RouterStatistics) -> Iterator[Metric]:
+    """The prefill engines' KV handoff: connector version, refused transfer modes, KV-event streams."""
+    connector = GaugeMetricFamily(
+        "narwhal_engine_kv_connector",
+        "NIXL connector version a prefill engine's answers show: 1 (no remote_request_id, vLLM before 0.14: "
+        "decode requests carrying its KV are sent the prefill leg's X-Request-Id) or 2.",
+        labels=["engine"],
+    )
+    for url, version in sorted(stats.kv_connector.items()):
+        connector.add_metric([url], version)
+    yield connector
+    yield _counter(
+        "narwhal_engine_kv_transfer_mode_refused",
+        "Prefill answers refused for a KV transfer_mode Narwhal does not drive (vLLM's push), by engine "
+        "and mode: each request failed 502 unsupported_kv_transfer_mode, its KV held until the engine's lease.",
+        ["engine", "mode"], stats.kv_modes_refused,
+    )
+    kv_live = GaugeMetricFamily(
+        "narwhal_engine_kv_events_live",
+        "1 while a prefill engine is weighed from its own KV events (routing.policy = \"kv\"); 0 while it "
+        "falls back to the approximate prefix index (its stream not heard from yet, lost or silent).",
+        labels=["engine"],
+    )
+    for url, trusted in sorted(live.kv_events_live.items()):
+        kv_live.add_metric([url], int(trusted))
+    yield kv_live
 
 
 def _engine_reports(reports: Mapping[tuple[str, str], tuple[EngineLoad, float]]) -> Iterator[Metric]:

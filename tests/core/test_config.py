@@ -204,6 +204,7 @@ DEFAULTS: dict[str, object] = {
     "shutdown.grace_s": 30.0,
     "routing.policy": "prefix",
     "routing.mode": "always",
+    "routing.disaggregation": "optional",
     "routing.disaggregate_min_uncached_tokens": 512,
     "routing.metrics_interval_s": 1.0,
     "routing.prefill_tokens_per_s": 8000.0,
@@ -387,6 +388,26 @@ def test_model_tokenizer_and_chat_template() -> None:
     assert str(error_of(with_values(model={"tokenizer": ""}))) == "model.tokenizer: must not be empty"
     error = error_of(with_values(model={"chat_template": "/t.jinja"}))
     assert str(error) == "model.chat_template: needs model.tokenizer (the template renders for that tokenizer)"
+
+
+def test_required_disaggregation_needs_mode_always_and_prefill_engines() -> None:
+    required = {"disaggregation": "required"}
+    assert str(error_of(with_values(routing=required))) == (
+        'routing.disaggregation: "required" needs prefill engines: engine.prefill, engine.discovery = "file", '
+        'or "dns" with discovery.prefill'
+    )
+    prefill = {"prefill": ["http://127.0.0.1:8100"]}
+    for mode in ("auto", "never"):
+        assert str(error_of(with_values(engine=prefill, routing={**required, "mode": mode}))) == (
+            f'routing.disaggregation: "required" needs routing.mode = "always", got "{mode}" (with it a request '
+            "may run whole on a decode engine)"
+        )
+    assert config_from_dict(with_values(engine=prefill, routing=required), env={}).routing.disaggregation == "required"
+    dns = {"engine": {"discovery": "dns", "decode": []}, "routing": required}
+    assert error_of(with_values(**dns, discovery={"decode": "d.test"})).key == "routing.disaggregation"
+    config_from_dict(with_values(**dns, discovery={"decode": "d.test", "prefill": "p.test"}), env={})
+    config_from_dict(with_values(engine={"discovery": "file", "decode": []}, discovery={"file": "/etc/engines.toml"},
+                                 routing=required), env={})  # fmt: skip
 
 
 def test_the_kv_policy_needs_a_tokenizer_and_the_engines_kv_events() -> None:
@@ -773,6 +794,7 @@ def test_backoff_max_is_at_least_backoff_base() -> None:
         ("journal", "fsync", ["always", "interval", "never"]),
         ("routing", "policy", ["least_loaded", "round_robin", "prefix", "kv"]),
         ("routing", "mode", ["always", "never", "auto"]),
+        ("routing", "disaggregation", ["optional", "required"]),
     ],
 )
 def test_enums_accept_exactly_their_values(section: str, name: str, values: list[str]) -> None:
