@@ -66,6 +66,14 @@ class Stats:
     kv_connector: dict[str, int] = attrs.field(factory=dict)
     #: Prefill answers refused for their KV ``transfer_mode`` (vLLM's push), by (engine URL, mode).
     kv_modes_refused: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    #: With ``[tenants]`` (docs/operate.md, "Tenants"), by (tenant, band): requests admitted, requests
+    #: queued, the estimated prompt tokens admitted, and the seconds each waited in the queue.
+    tenant_admitted: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    tenant_queued: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    tenant_prompt_tokens: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    tenant_wait_seconds: dict[tuple[str, str], Histogram] = attrs.field(factory=dict)
+    #: Requests admission refused, by (tenant, band, reason): client_limit, queue_full, queue_timeout.
+    tenant_rejected: Counter[tuple[str, str, str]] = attrs.field(factory=Counter)
 
     def observe(self, record: TerminalRecord) -> None:
         """Account for one terminal record."""

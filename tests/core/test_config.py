@@ -31,6 +31,7 @@ from narwhal_core.config import (
     validate,
 )
 from narwhal_core.errors import ConfigError
+from narwhal_core.tenants_config import TenantConfig
 
 from ..helpers import REPO
 
@@ -229,7 +230,13 @@ DEFAULTS: dict[str, object] = {
     "tracing.service_name": "narwhal",
     "tracing.export_timeout_s": 10.0,
     "tracing.sample_ratio": 1.0,
+    "tenants.bands": ("default",),
+    "tenants.default_band": None,
+    "tenants.default_weight": 1.0,
+    "tenants.tenant": (),
 }
+#: Sections a config without them does not have (``None``): their defaults are those of an empty table.
+ABSENT_UNLESS_WRITTEN = {"tenants"}
 REQUIRED = {"model.name", "engine.decode"}
 
 
@@ -240,7 +247,8 @@ def test_defaults_table_covers_every_key() -> None:
 @pytest.mark.parametrize("key", sorted(DEFAULTS))
 def test_default(key: str) -> None:
     section, name = key.split(".")
-    config = config_from_dict(MINIMAL, env={})
+    data = with_values(**{section: {}}) if section in ABSENT_UNLESS_WRITTEN else MINIMAL
+    config = config_from_dict(data, env={})
     value = getattr(getattr(config, section), name)
     assert value == DEFAULTS[key]
     assert type(value) is type(DEFAULTS[key])
@@ -286,6 +294,8 @@ def wrong_values(annotation: object) -> list[tuple[object, str]]:
                 (["x"], "must be a string, got an array")]
     if annotation == tuple[str, ...]:
         return [("x", 'must be a list of strings, got "x"'), (5, "must be a list of strings, got 5")]
+    if annotation == tuple[TenantConfig, ...]:
+        return [(5, "must be an array of tables, got 5"), ("x", 'must be an array of tables, got "x"')]
     if get_origin(annotation) is Literal:
         listed = ", ".join(f'"{v}"' for v in get_args(annotation))
         return [(5, f"must be one of {listed}, got 5"), ("bogus", f'must be one of {listed}, got "bogus"')]
@@ -872,6 +882,8 @@ def type_cell(annotation: object) -> str:
         return "string, optional"
     if annotation == tuple[str, ...]:
         return "array of strings"
+    if annotation == tuple[TenantConfig, ...]:
+        return "array of tables"
     if get_origin(annotation) is Literal:
         return "enum"
     if annotation == (int | Literal["auto"]):
@@ -886,8 +898,8 @@ def default_cell(a: attrs.Attribute[Any]) -> str:
     default = factory() if callable(factory) else a.default
     if default is None:
         return "unset"
-    if default == ():
-        return "`[]`"
+    if isinstance(default, tuple):
+        return "`[" + ", ".join(f'"{item}"' for item in default) + "]`"
     if isinstance(default, str):
         return f'`"{default}"`'
     return f"`{default!r}`"
