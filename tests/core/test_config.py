@@ -30,8 +30,8 @@ from narwhal_core.config import (
     parse_engine_url,
     validate,
 )
-from narwhal_core.errors import ConfigError
-from narwhal_core.tenants_config import TenantConfig
+from narwhal_core.errors import ConfigError, ContractError
+from narwhal_core.tenants_config import TenantConfig, TenantsConfig
 
 from ..helpers import REPO
 
@@ -850,6 +850,67 @@ def test_code_built_engine_config_derives_addresses() -> None:
     assert engine.prefill_engines[0].url == "http://10.0.0.1:8100"
     assert engine.decode_engines[0].authority == b"127.0.0.1:8200"
     assert attrs.evolve(engine, decode=["http://10.0.0.2:1"]).decode_engines[0].host == "10.0.0.2"
+
+
+# -- semantics: tenants -------------------------------------------------------------
+
+
+TENANTS_TOML = """
+[tenants]
+bands = ["interactive", "batch"]
+default_band = "batch"
+default_weight = 2
+
+[[tenants.tenant]]
+name = "chat-frontend"
+band = "interactive"
+weight = 4
+
+[[tenants.tenant]]
+name = "nightly-eval"
+"""
+
+
+def test_tenants_absent_is_none_and_a_table_parses() -> None:
+    assert config_from_dict(MINIMAL, env={}).tenants is None
+    tenants = parse_config(EXAMPLE + TENANTS_TOML, env={"NARWHAL_ENGINE_API_KEY": SECRET}).tenants
+    assert tenants is not None
+    assert tenants.bands == ("interactive", "batch") and tenants.default_weight == 2.0
+    assert [t.name for t in tenants.tenant] == ["chat-frontend", "nightly-eval"]
+    # Each named client's band and weight; every other client: the defaults.
+    assert tenants.band_and_weight("chat-frontend", None) == (0, 4.0)
+    assert tenants.band_and_weight("nightly-eval", None) == (1, 2.0)
+    assert tenants.band_and_weight("someone", None) == (1, 2.0)
+    assert tenants.label("someone") == "(unnamed)" and tenants.label("nightly-eval") == "nightly-eval"
+
+
+def test_the_priority_header_lowers_and_never_raises() -> None:
+    tenants = TenantsConfig(bands=("a", "b", "c"), default_band="b", tenant=(TenantConfig(name="x", band="a"),))
+    assert tenants.band_and_weight("x", b"c") == (2, 1.0)
+    assert tenants.band_and_weight("y", b"a") == (1, 1.0)  # clamped to its own band, no error
+    assert tenants.band_and_weight("y", b" c ") == (2, 1.0)
+    for bad in (b"", b"urgent", b"0", b"\xff"):
+        with pytest.raises(ContractError) as caught:
+            tenants.band_and_weight("y", bad)
+        assert (caught.value.status, caught.value.code, caught.value.param) == (400, "invalid_priority", None)
+
+
+@pytest.mark.parametrize(("tenants", "message"), [
+    ({"bands": []}, "tenants.bands: must name at least one band"),
+    ({"bands": ["a", "a"]}, 'tenants.bands[1]: "a" repeats tenants.bands[0]'),
+    ({"bands": ["a b"]}, "tenants.bands[0]: must be a band name"),
+    ({"default_band": "z"}, 'tenants.default_band: must be one of tenants.bands, got "z"'),
+    ({"default_weight": 0}, "tenants.default_weight: must be positive, got 0.0"),
+    ({"tenant": [5]}, "tenants.tenant[0]: must be a table, got 5"),
+    ({"tenant": [{"band": "default"}]}, "tenants.tenant[0].name: missing required key"),
+    ({"tenant": [{"name": "x", "wieght": 2}]}, "tenants.tenant[0].wieght: unknown key"),
+    ({"tenant": [{"name": "x"}, {"name": "y", "weight": -1}]}, "tenants.tenant[1].weight: must be positive, got -1.0"),
+    ({"tenant": [{"name": "x", "band": "z"}]}, 'tenants.tenant[0].band: must be one of tenants.bands, got "z"'),
+    ({"tenant": [{"name": "x"}, {"name": "x"}]}, 'tenants.tenant[1].name: "x" is named twice'),
+    ({"tenant": [{"name": "(unnamed)"}]}, "tenants.tenant[0].name: \"(unnamed)\" is the label of the unnamed clients"),
+])
+def test_tenants_errors_name_the_key(tenants: dict[str, Any], message: str) -> None:
+    assert str(error_of(with_values(tenants=tenants))).startswith(message)
 
 
 # -- the converter ------------------------------------------------------------------
