@@ -68,37 +68,14 @@ from .discovery_config import DiscoveryConfig
 from .engine_config import EngineAddress, EngineConfig, KvRelease, kv_endpoint, kv_endpoint_problem, parse_engine_url
 from .errors import ConfigError
 from .routing_config import Disaggregation, RoutingConfig, RoutingMode, RoutingPolicy
+from .tenants_config import TenantsConfig
 
 __all__ = [
-    "AuthMode",
-    "KvRelease",
-    "FsyncPolicy",
-    "EngineAddress",
-    "ModelConfig",
-    "IngressConfig",
-    "EngineConfig",
-    "AdmissionConfig",
-    "RetryConfig",
-    "HealthConfig",
-    "JournalConfig",
-    "ShutdownConfig",
-    "RoutingConfig",
-    "RoutingPolicy",
-    "RoutingMode",
-    "Disaggregation",
-    "TracingConfig",
-    "Config",
-    "SECTIONS",
-    "parse_config",
-    "config_from_dict",
-    "validate",
-    "engine_api_key",
-    "parse_engine_url",
-    "normalize_host",
-    "is_loopback_host",
-    "is_ip_address",
-    "kv_endpoint",
-    "kv_endpoint_problem",
+    "AuthMode", "KvRelease", "FsyncPolicy", "EngineAddress", "ModelConfig", "IngressConfig", "EngineConfig",
+    "AdmissionConfig", "RetryConfig", "HealthConfig", "JournalConfig", "ShutdownConfig", "RoutingConfig",
+    "RoutingPolicy", "RoutingMode", "Disaggregation", "TracingConfig", "TenantsConfig", "Config", "SECTIONS",
+    "parse_config", "config_from_dict", "validate", "engine_api_key", "parse_engine_url", "normalize_host",
+    "is_loopback_host", "is_ip_address", "kv_endpoint", "kv_endpoint_problem",
 ]
 
 AuthMode = Literal["none", "api_keys", "trusted_header"]
@@ -426,6 +403,10 @@ class Config:
     tracing: TracingConfig = attrs.field(
         factory=TracingConfig, validator=section(TracingConfig), metadata=doc("[tracing] section.")
     )
+    tenants: TenantsConfig | None = attrs.field(
+        default=None, validator=attrs.validators.optional(section(TenantsConfig)),
+        metadata=doc("[tenants] section (unset: the admission queue is first come, first served)."),
+    )
 
     model_names: frozenset[str] = attrs.field(
         init=False, eq=False, repr=False, metadata=doc("model.name and model.aliases: the names clients may use.")
@@ -474,6 +455,7 @@ SECTIONS: Final[Mapping[str, type]] = MappingProxyType({
     "routing": RoutingConfig,
     "discovery": DiscoveryConfig,
     "tracing": TracingConfig,
+    "tenants": TenantsConfig,
 })
 
 

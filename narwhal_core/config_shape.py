@@ -11,7 +11,7 @@ unknown key, the known key it was probably meant to be.
 
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import attrs
 import cattrs
@@ -59,7 +59,19 @@ def make_converter() -> cattrs.Converter:
         return structure_table
 
     converter.register_structure_hook_factory(attrs.has, table_factory)
+
+    def optional_table_factory(optional: object) -> Callable[[object, object], object]:
+        # A section that may be absent (``[tenants]``): ``X | None`` with X an attrs class.
+        cls = next(arg for arg in get_args(optional) if attrs.has(arg))
+        return table_factory(cls)
+
+    converter.register_structure_hook_factory(_is_optional_table, optional_table_factory)
     return converter
+
+
+def _is_optional_table(annotation: object) -> bool:
+    args = get_args(annotation)
+    return len(args) == 2 and type(None) in args and any(attrs.has(arg) for arg in args)
 
 
 def _dotted(path: tuple[str | int, ...]) -> str:

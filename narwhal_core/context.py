@@ -34,6 +34,7 @@ from .timers import Timers
 
 if TYPE_CHECKING:
     from .inflight import Leg
+    from .tenants import FairAdmission
 
 __all__ = ["Context", "JSON_HEADER", "error_record"]
 
@@ -50,7 +51,7 @@ class Context:
     )
 
     def __init__(
-        self, config: Config, *, fleet: Fleet, admission: Admission, routing: Routing, codec: CodecLike,
+        self, config: Config, *, fleet: Fleet, admission: Admission | FairAdmission, routing: Routing, codec: CodecLike,
         rid_source: Callable[[], str], engine_api_key: str | None, wall_offset: float, now: float,
     ) -> None:  # fmt: skip
         self.config: Final = config
@@ -63,6 +64,7 @@ class Context:
         self.stats: Final = Stats()
         #: The engines, their health and load, and the routing policy (the router builds them).
         self.fleet: Final = fleet
+        #: The admission limits and queue: first come, first served, or fair among tenants (``[tenants]``).
         self.admission: Final = admission
         #: The time of the event being handled (the adapter passes it in: ``now=``).
         self.now = now

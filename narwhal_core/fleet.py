@@ -414,6 +414,10 @@ class Admission:
         self.queue.remove(rid)
         self._drop_client(client)
 
+    def queue_wait_over(self, rid: str, client: str) -> None:
+        """A queued request waited ``admission.queue_timeout_s`` for nothing."""
+        self.leave_queue(rid, client)
+
     def release(self, client: str) -> None:
         """An admitted request no longer holds its slot."""
         self.inflight -= 1

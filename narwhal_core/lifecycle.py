@@ -446,7 +446,7 @@ class Lifecycle:
 
     def queue_timeout(self, req: Request, _: None) -> State:
         """QUEUE_TIMEOUT: no slot came in ``admission.queue_timeout_s``: 503 ``overloaded``."""
-        self.ctx.admission.leave_queue(req.rid, req.client)
+        self.ctx.admission.queue_wait_over(req.rid, req.client)
         self.requests.decide_end(req, "rejected", NarwhalError(
             "The fleet is at capacity; the request waited too long for a slot.", status=503, code="overloaded"
         ))

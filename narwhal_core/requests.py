@@ -27,7 +27,10 @@ from .http import HttpRequest
 from .ids import DECODE, PREFILL, sanitize_client_rid
 from .inflight import Conn, Leg, Request
 from .journal import ErrorRecord, LegOutcome, Terminal
+from .policies import estimate_tokens
 from .states import Input, State
+from .tenants import FairAdmission
+from .tenants_config import PRIORITY_HEADER
 from .tracecontext import TraceContext, request_trace
 
 if TYPE_CHECKING:
@@ -84,7 +87,16 @@ class Requests:
         except ContractError as exc:
             clients.refuse(conn, rid, route, client_rid, client, "invalid", exc, trace=trace)
             return None
-        decision = self._admission(rid, client)
+        tenants = ctx.config.tenants
+        fair = None
+        if tenants is not None:  # (docs/operate.md, "Tenants")
+            try:
+                band, weight = tenants.band_and_weight(client, request.header(PRIORITY_HEADER))
+            except ContractError as exc:
+                clients.refuse(conn, rid, route, client_rid, client, "invalid", exc, accepted=accepted, trace=trace)
+                return None
+            fair = (estimate_tokens(len(request.body)), band, weight)
+        decision = self._admission(rid, client, fair)
         if isinstance(decision, NarwhalError):
             clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
                            accepted=accepted, trace=trace)
@@ -101,8 +113,13 @@ class Requests:
         self.arm(req, "queue", ctx.now + a.queue_timeout_s)
         return None
 
-    def _admission(self, rid: str, client: str) -> AdmitDecision | NarwhalError:
-        """``admitted`` or ``queued``; or why a checked request is refused (shutdown, no engine, limits)."""
+    def _admission(
+        self, rid: str, client: str, fair: tuple[int, int, float] | None
+    ) -> AdmitDecision | NarwhalError:
+        """``admitted`` or ``queued``; or why a checked request is refused (shutdown, no engine, limits).
+
+        ``fair``: with ``[tenants]``, the request's estimated prompt tokens, band and weight.
+        """
         ctx = self.ctx
         if ctx.draining:
             return NarwhalError("Narwhal is shutting down; retry on another instance.", status=503,
@@ -110,7 +127,12 @@ class Requests:
         for phase in ctx.phases:
             if not ctx.fleet.has_healthy(phase):
                 return ctx.no_engine(phase)
-        decision = ctx.admission.offer(rid, client)
+        admission = ctx.admission
+        if fair is None:
+            decision = admission.offer(rid, client)
+        else:
+            assert isinstance(admission, FairAdmission)
+            decision = admission.offer(rid, client, *fair)
         if decision == "client_limit":
             return NarwhalError("Too many requests in flight for this client.", status=429,
                                 type="rate_limit_error", code="rate_limited")

@@ -72,6 +72,7 @@ from .requests import Request, Requests
 from .routing import Routing, make_policy
 from .states import FollowUp, Input, State
 from .stats import Stats
+from .tenants import FairAdmission
 from .verdicts import Verdict
 
 if TYPE_CHECKING:
@@ -133,15 +134,13 @@ class Router:
     ) -> None:
         self.config: Final = config
         fleet = _fleet(config, tokenizer)
-        a = config.admission
         ctx = self._ctx = Context(
-            config, fleet=fleet, routing=Routing(config.routing, fleet),
-            admission=Admission(
-                max_inflight=a.max_inflight, queue_size=a.queue_size, per_client_max_inflight=a.per_client_max_inflight,
-            ),
+            config, fleet=fleet, routing=Routing(config.routing, fleet), admission=_admission(config),
             codec=Codec() if codec is None else codec,  # a codec of its own: its line memory is this router's
             rid_source=rid_source, engine_api_key=engine_api_key, wall_offset=wall_offset, now=now,
         )
+        if isinstance(ctx.admission, FairAdmission):
+            ctx.admission.bind(ctx, ctx.stats)  # it reads the event's time; its figures are the router's
         # A policy that ages what it knows (kv) reads the time of the event being handled from the context.
         fleet.policy.bind(ctx, ctx.log)
         self.fleet: Final = ctx.fleet
@@ -496,6 +495,19 @@ class Router:
     def _grace_over(self, _: object) -> None:
         self._abandon_all()
         self.requests.check_drained()
+
+
+def _admission(config: Config) -> Admission | FairAdmission:
+    """The admission limits; with ``[tenants]``, a fair queue (docs/operate.md, "Tenants"), else a FIFO one."""
+    a = config.admission
+    if config.tenants is None:
+        return Admission(
+            max_inflight=a.max_inflight, queue_size=a.queue_size, per_client_max_inflight=a.per_client_max_inflight,
+        )
+    return FairAdmission(
+        max_inflight=a.max_inflight, queue_size=a.queue_size, per_client_max_inflight=a.per_client_max_inflight,
+        tenants=config.tenants,
+    )
 
 
 def _fleet(config: Config, tokenizer: PromptTokenizer | None) -> Fleet:

@@ -69,6 +69,14 @@ class Stats:
     #: Requests answered 503 ``no_prefill_engine`` (``routing.disaggregation = "required"``), by reason:
     #: ``none_in_fleet`` or ``none_healthy``.
     prefill_refusals: Counter[str] = attrs.field(factory=Counter)
+    #: With ``[tenants]`` (docs/operate.md, "Tenants"), by (tenant, band): requests admitted, requests
+    #: queued, the estimated prompt tokens admitted, and the seconds each waited in the queue.
+    tenant_admitted: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    tenant_queued: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    tenant_prompt_tokens: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    tenant_wait_seconds: dict[tuple[str, str], Histogram] = attrs.field(factory=dict)
+    #: Requests admission refused, by (tenant, band, reason): client_limit, queue_full, queue_timeout.
+    tenant_rejected: Counter[tuple[str, str, str]] = attrs.field(factory=Counter)
 
     def observe(self, record: TerminalRecord) -> None:
         """Account for one terminal record."""

@@ -37,14 +37,34 @@ def _counter(name: str, doc: str, labels: list[str], counts: Mapping[Any, int]) 
     return family
 
 
-def _histogram(name: str, doc: str, label: str, table: dict[str, Histogram]) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, doc, labels=[label])
+def _histogram(
+    name: str, doc: str, label: str | list[str], table: Mapping[Any, Histogram]
+) -> HistogramMetricFamily:
+    """A histogram family from ``table``: a label value (one label) or a tuple of them -> histogram."""
+    family = HistogramMetricFamily(name, doc, labels=[label] if isinstance(label, str) else label)
     for key, h in sorted(table.items()):
         cumulative = list(accumulate(h.counts))
         buckets = [(repr(b), c) for b, c in zip(h.bounds, cumulative)]
         buckets.append(("+Inf", cumulative[-1]))
-        family.add_metric([key], buckets, h.total)
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], buckets, h.total)
     return family
+
+
+def _tenants(stats: Stats) -> Iterator[Metric]:
+    """With ``[tenants]``: admission's figures per tenant and band (docs/operate.md, "Tenants")."""
+    if not (stats.tenant_admitted or stats.tenant_queued or stats.tenant_rejected):
+        return
+    labels = ["tenant", "band"]
+    yield _counter("narwhal_tenant_admitted", "Requests admitted, by tenant and band.", labels, stats.tenant_admitted)
+    yield _counter("narwhal_tenant_queued", "Requests that waited for admission, by tenant and band.", labels,
+                   stats.tenant_queued)
+    yield _histogram("narwhal_tenant_queue_wait_seconds", "Time a queued request waited, by tenant and band.",
+                     labels, stats.tenant_wait_seconds)
+    yield _counter("narwhal_tenant_rejected", "Requests admission refused, by tenant, band and reason.",
+                   [*labels, "reason"], stats.tenant_rejected)
+    yield _counter("narwhal_tenant_prompt_tokens_admitted",
+                   "Estimated prompt tokens of the requests admitted, by tenant and band.", labels,
+                   stats.tenant_prompt_tokens)
 
 
 class _RouterCollector:
@@ -69,6 +89,7 @@ class _RouterCollector:
         yield _counter("narwhal_retries", "Retried legs by phase.", ["phase"], stats.retries)
         yield _counter("narwhal_kv_outcomes", "KV outcomes of prefill legs.", ["outcome", "method"], stats.kv)
         yield _counter("narwhal_journal_records", "Journal records written.", ["kind"], stats.journal_records)
+        yield from _tenants(stats)
         yield GaugeMetricFamily("narwhal_inflight_requests", "Requests holding an admission slot.", value=live.inflight)
         yield GaugeMetricFamily("narwhal_queued_requests", "Requests waiting for admission.", value=live.queued)
         yield GaugeMetricFamily("narwhal_open_connections", "Open client connections.", value=live.connections)

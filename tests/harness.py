@@ -29,6 +29,7 @@ import trio
 import narwhal_runtime.log
 from narwhal_runtime.app import build_router
 from narwhal_core.discovery_config import DiscoveryConfig
+from narwhal_core.tenants_config import TenantsConfig
 from narwhal_core import Config
 from narwhal_core.config import (
     AdmissionConfig,
@@ -60,8 +61,8 @@ def make_config(
     """A test config: loopback on port 0, fast probes, the given engines.
 
     ``sections`` maps a section name (``ingress``, ``engine``, ``admission``,
-    ``retry``, ``health``, ``journal``, ``shutdown``, ``routing``, ``discovery``, ``model``, ``tracing``) to keyword
-    overrides for it.
+    ``retry``, ``health``, ``journal``, ``shutdown``, ``routing``, ``discovery``, ``model``, ``tracing``,
+    ``tenants``) to keyword overrides for it (``tenants``: none, no such section).
     """
     def section(cls: type, section_name: str, **defaults: Any) -> Any:
         return cls(**{**defaults, **sections.get(section_name, {})})
@@ -78,6 +79,7 @@ def make_config(
         routing=section(RoutingConfig, "routing"),
         discovery=section(DiscoveryConfig, "discovery"),
         tracing=section(TracingConfig, "tracing"),
+        tenants=section(TenantsConfig, "tenants") if "tenants" in sections else None,
     )
 
 

@@ -30,7 +30,8 @@ from narwhal_core.config import (
     parse_engine_url,
     validate,
 )
-from narwhal_core.errors import ConfigError
+from narwhal_core.errors import ConfigError, ContractError
+from narwhal_core.tenants_config import TenantConfig, TenantsConfig
 
 from ..helpers import REPO
 
@@ -230,7 +231,13 @@ DEFAULTS: dict[str, object] = {
     "tracing.service_name": "narwhal",
     "tracing.export_timeout_s": 10.0,
     "tracing.sample_ratio": 1.0,
+    "tenants.bands": ("default",),
+    "tenants.default_band": None,
+    "tenants.default_weight": 1.0,
+    "tenants.tenant": (),
 }
+#: Sections a config without them does not have (``None``): their defaults are those of an empty table.
+ABSENT_UNLESS_WRITTEN = {"tenants"}
 REQUIRED = {"model.name", "engine.decode"}
 
 
@@ -241,7 +248,8 @@ def test_defaults_table_covers_every_key() -> None:
 @pytest.mark.parametrize("key", sorted(DEFAULTS))
 def test_default(key: str) -> None:
     section, name = key.split(".")
-    config = config_from_dict(MINIMAL, env={})
+    data = with_values(**{section: {}}) if section in ABSENT_UNLESS_WRITTEN else MINIMAL
+    config = config_from_dict(data, env={})
     value = getattr(getattr(config, section), name)
     assert value == DEFAULTS[key]
     assert type(value) is type(DEFAULTS[key])
@@ -287,6 +295,8 @@ def wrong_values(annotation: object) -> list[tuple[object, str]]:
                 (["x"], "must be a string, got an array")]
     if annotation == tuple[str, ...]:
         return [("x", 'must be a list of strings, got "x"'), (5, "must be a list of strings, got 5")]
+    if annotation == tuple[TenantConfig, ...]:
+        return [(5, "must be an array of tables, got 5"), ("x", 'must be an array of tables, got "x"')]
     if get_origin(annotation) is Literal:
         listed = ", ".join(f'"{v}"' for v in get_args(annotation))
         return [(5, f"must be one of {listed}, got 5"), ("bogus", f'must be one of {listed}, got "bogus"')]
@@ -864,6 +874,67 @@ def test_code_built_engine_config_derives_addresses() -> None:
     assert attrs.evolve(engine, decode=["http://10.0.0.2:1"]).decode_engines[0].host == "10.0.0.2"
 
 
+# -- semantics: tenants -------------------------------------------------------------
+
+
+TENANTS_TOML = """
+[tenants]
+bands = ["interactive", "batch"]
+default_band = "batch"
+default_weight = 2
+
+[[tenants.tenant]]
+name = "chat-frontend"
+band = "interactive"
+weight = 4
+
+[[tenants.tenant]]
+name = "nightly-eval"
+"""
+
+
+def test_tenants_absent_is_none_and_a_table_parses() -> None:
+    assert config_from_dict(MINIMAL, env={}).tenants is None
+    tenants = parse_config(EXAMPLE + TENANTS_TOML, env={"NARWHAL_ENGINE_API_KEY": SECRET}).tenants
+    assert tenants is not None
+    assert tenants.bands == ("interactive", "batch") and tenants.default_weight == 2.0
+    assert [t.name for t in tenants.tenant] == ["chat-frontend", "nightly-eval"]
+    # Each named client's band and weight; every other client: the defaults.
+    assert tenants.band_and_weight("chat-frontend", None) == (0, 4.0)
+    assert tenants.band_and_weight("nightly-eval", None) == (1, 2.0)
+    assert tenants.band_and_weight("someone", None) == (1, 2.0)
+    assert tenants.label("someone") == "(unnamed)" and tenants.label("nightly-eval") == "nightly-eval"
+
+
+def test_the_priority_header_lowers_and_never_raises() -> None:
+    tenants = TenantsConfig(bands=("a", "b", "c"), default_band="b", tenant=(TenantConfig(name="x", band="a"),))
+    assert tenants.band_and_weight("x", b"c") == (2, 1.0)
+    assert tenants.band_and_weight("y", b"a") == (1, 1.0)  # clamped to its own band, no error
+    assert tenants.band_and_weight("y", b" c ") == (2, 1.0)
+    for bad in (b"", b"urgent", b"0", b"\xff"):
+        with pytest.raises(ContractError) as caught:
+            tenants.band_and_weight("y", bad)
+        assert (caught.value.status, caught.value.code, caught.value.param) == (400, "invalid_priority", None)
+
+
+@pytest.mark.parametrize(("tenants", "message"), [
+    ({"bands": []}, "tenants.bands: must name at least one band"),
+    ({"bands": ["a", "a"]}, 'tenants.bands[1]: "a" repeats tenants.bands[0]'),
+    ({"bands": ["a b"]}, "tenants.bands[0]: must be a band name"),
+    ({"default_band": "z"}, 'tenants.default_band: must be one of tenants.bands, got "z"'),
+    ({"default_weight": 0}, "tenants.default_weight: must be positive, got 0.0"),
+    ({"tenant": [5]}, "tenants.tenant[0]: must be a table, got 5"),
+    ({"tenant": [{"band": "default"}]}, "tenants.tenant[0].name: missing required key"),
+    ({"tenant": [{"name": "x", "wieght": 2}]}, "tenants.tenant[0].wieght: unknown key"),
+    ({"tenant": [{"name": "x"}, {"name": "y", "weight": -1}]}, "tenants.tenant[1].weight: must be positive, got -1.0"),
+    ({"tenant": [{"name": "x", "band": "z"}]}, 'tenants.tenant[0].band: must be one of tenants.bands, got "z"'),
+    ({"tenant": [{"name": "x"}, {"name": "x"}]}, 'tenants.tenant[1].name: "x" is named twice'),
+    ({"tenant": [{"name": "(unnamed)"}]}, "tenants.tenant[0].name: \"(unnamed)\" is the label of the unnamed clients"),
+])
+def test_tenants_errors_name_the_key(tenants: dict[str, Any], message: str) -> None:
+    assert str(error_of(with_values(tenants=tenants))).startswith(message)
+
+
 # -- the converter ------------------------------------------------------------------
 
 
@@ -894,6 +965,8 @@ def type_cell(annotation: object) -> str:
         return "string, optional"
     if annotation == tuple[str, ...]:
         return "array of strings"
+    if annotation == tuple[TenantConfig, ...]:
+        return "array of tables"
     if get_origin(annotation) is Literal:
         return "enum"
     if annotation == (int | Literal["auto"]):
@@ -908,8 +981,8 @@ def default_cell(a: attrs.Attribute[Any]) -> str:
     default = factory() if callable(factory) else a.default
     if default is None:
         return "unset"
-    if default == ():
-        return "`[]`"
+    if isinstance(default, tuple):
+        return "`[" + ", ".join(f'"{item}"' for item in default) + "]`"
     if isinstance(default, str):
         return f'`"{default}"`'
     return f"`{default!r}`"

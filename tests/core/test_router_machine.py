@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 from hypothesis import HealthCheck, Phase, event, note, settings
 from hypothesis import strategies as st
 from hypothesis.internal.conjecture import engine as hypothesis_engine
@@ -49,6 +50,7 @@ from narwhal_core import (
 )
 from narwhal_core.auth import Authenticator
 from narwhal_core.config import parse_engine_url
+from narwhal_core.tenants_config import TenantConfig, TenantsConfig
 
 from ..corebuild import examples
 from .router_driver import (
@@ -71,6 +73,9 @@ from .router_driver import (
 #: machine on the pure sources with an eighth of the examples (``corebuild.examples``):
 #: the full walk runs once per suite, on the build that is installed.
 MAX_EXAMPLES = examples(900, rerun=110)
+#: With ``tenants``: alice in the high band, bob in the low one at twice the default weight.
+TENANTS = TenantsConfig(bands=("high", "low"), tenant=(TenantConfig(name="alice", band="high"),
+                                                       TenantConfig(name="bob", weight=2.0)))
 STEPS = 100
 #: Shrinking a failure stops after this long (the failing case is printed either way).
 SHRINK_SECONDS = 60
@@ -165,11 +170,12 @@ class RouterMachine(RuleBasedStateMachine):
         unhealthy_after=st.integers(1, 3),
         healthy_after=st.integers(1, 2),
         auto_probe=st.booleans(),
+        tenants=st.booleans(),
     )
     def setup(
         self, prefills: int, decodes: int, kv_release: str, kv_lease: float, max_inflight: int, queue_size: int,
         per_client: int, per_engine: int, decode_timeout: float, request_timeout: float, grace: float,
-        attempts: int, unhealthy_after: int, healthy_after: int, auto_probe: bool,
+        attempts: int, unhealthy_after: int, healthy_after: int, auto_probe: bool, tenants: bool,
     ) -> None:
         config = make_config(
             prefill=PREFILL_URLS[:prefills],
@@ -191,6 +197,8 @@ class RouterMachine(RuleBasedStateMachine):
             health={"unhealthy_after": unhealthy_after, "healthy_after": healthy_after, "probe_interval_s": 5.0},
             shutdown={"grace_s": grace},
         )
+        if tenants:  # admission's fair queue instead of the FIFO one (docs/operate.md, "Tenants")
+            config = attrs.evolve(config, tenants=TENANTS)
         self.d = Driver(config, auto_probe=200 if auto_probe else None)
         event(f"mode {'pd' if prefills else 'single'} / {kv_release}")
 
@@ -209,8 +217,12 @@ class RouterMachine(RuleBasedStateMachine):
         stream=st.booleans(),
         who=st.sampled_from(["alice", "alice", "bob"]),
         pieces=st.sampled_from([1, 1, 1, 2, 5]),
+        priority=st.sampled_from([None, None, "low", "high"]),
     )
-    def send(self, fresh: bool, which: int, kind: str, route: str, stream: bool, who: str, pieces: int) -> None:
+    def send(
+        self, fresh: bool, which: int, kind: str, route: str, stream: bool, who: str, pieces: int,
+        priority: str | None,
+    ) -> None:
         senders = self.senders()
         if fresh or not senders:
             self.run(self.driver.connect)
@@ -220,6 +232,8 @@ class RouterMachine(RuleBasedStateMachine):
             which = -1
         client: FakeClient = self.pick(senders, which)
         headers = [] if kind == "denied" else [("X-Narwhal-Client", who)]
+        if priority is not None:
+            headers.append(("X-Narwhal-Priority", priority))
         body: Any = chat_body(stream=stream) if route == CHAT else completion_body(stream=stream)
         get = {"get_health": "/health", "get_ready": "/ready", "get_models": "/v1/models", "get_metrics": "/metrics"}
         event(f"request {kind}")
