@@ -41,9 +41,18 @@ class ServingEffects:
         self._feed_now = feed_now
         #: Where leg and control commands go: the server's engine connections, set once it serves.
         self.engines: Engines | None = None
+        # The two effects of every request are fields chosen here, not methods: each
+        # is the callee itself, so a batch costs no interpreted call more for them
+        # (a method would add three per request: benchmarks/README.md, "Instructions
+        # per request").
+        #: Append the batch's records in one write; whether the journal is healthy.
+        self.write_journal: Callable[[list[bytes]], bool] = (
+            journal.write_lines if tracer is None else self._write_and_export)
+        #: Send ``data`` to client ``conn`` (the router's handle is the connection), then close it if ``close``.
+        self.send: Callable[[ClientConnection, bytes, bool], None] = ClientConnection.send
 
-    def write_journal(self, lines: list[bytes]) -> bool:
-        """Append the batch's records in one write; whether the journal is healthy."""
+    def _write_and_export(self, lines: list[bytes]) -> bool:
+        # With [tracing]: the exporter takes a copy of the records (until it is closed).
         ok = self.journal.write_lines(lines)
         if self.tracer is not None:
             self.tracer.take(lines)
@@ -72,10 +81,6 @@ class ServingEffects:
             self._feed_now(PromptTokenized(cmd.key, None, "no tokenizer thread"))
             return
         self.tokenize_worker.submit(cmd)
-
-    def send(self, conn: ClientConnection, data: bytes, close: bool) -> None:
-        """Send ``data`` to client ``conn`` (the router's handle is the connection), then close it if ``close``."""
-        conn.send(data, close)
 
     def flush_failed(self, exc: Exception) -> None:
         """A batch's effect raised ``exc``: log it (``flush_error``); the server goes on."""
