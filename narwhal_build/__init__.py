@@ -50,7 +50,7 @@ CYTHON = (
 #: the interpreter's (benchmarks/README.md, "Which modules are compiled").
 MYPYC = (
     "answers", "clients", "context", "fleet", "health", "inflight", "kv", "legs", "lifecycle", "requests", "router",
-    "slots", "timers",
+    "slots", "states", "timers",
 )
 
 #: The shared library mypyc builds the code of all of :data:`MYPYC` into

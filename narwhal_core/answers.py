@@ -26,8 +26,8 @@ from .leg_bodies import (
     unsupported_transfer_mode,
 )
 from .relay import SseRelay
-from .states import State
-from .verdicts import LegAnswer, LegEnded, LegFailure, LegRefusal, Verdict
+from .states import LegEnded, State
+from .verdicts import LegAnswer, LegFailure, LegRefusal, Verdict
 
 if TYPE_CHECKING:
     from .context import Context

@@ -24,8 +24,8 @@ from .ids import DECODE, PREFILL, Phase, backend_id
 from .inflight import Leg
 from .journal import LegOutcome
 from .leg_bodies import decode_body, prefill_body
-from .states import WAKE
-from .verdicts import LegEnded, LegFailure, Verdict
+from .states import WAKE, LegEnded
+from .verdicts import LegFailure, Verdict
 
 if TYPE_CHECKING:
     from .context import Context

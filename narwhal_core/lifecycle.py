@@ -38,8 +38,8 @@ from .errors import NarwhalError, TransitionError
 from .events import PromptTokenized, TokenizePrompt
 from .ids import DECODE, PREFILL, Phase
 from .leg_bodies import merge_answers
-from .states import FollowUp, Input, State
-from .verdicts import InputData, LegAnswer, LegEnded, LegFailure, LegRefusal, Verdict
+from .states import FollowUp, Input, LegEnded, State
+from .verdicts import InputData, LegAnswer, LegFailure, LegRefusal, Verdict
 
 if TYPE_CHECKING:
     from .context import Context

@@ -3,7 +3,9 @@
 :mod:`~narwhal_core.lifecycle` holds the table of (state, input) -> handler
 and the handlers; this module only names things, so that every part can
 import it (it imports no part). What the inputs carry is in
-:mod:`~narwhal_core.verdicts`.
+:mod:`~narwhal_core.verdicts`, but for :class:`LegEnded`, the verdict that
+carries nothing: it is here because compiled code reads an enum member
+defined in a compiled module as a constant (docs/operate.md, "Compiled core").
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Final
 
 from .ids import DECODE, PREFILL
 
-__all__ = ["State", "Input", "FollowUp", "WAKE"]
+__all__ = ["State", "Input", "FollowUp", "WAKE", "LegEnded"]
 
 
 class State(enum.Enum):
@@ -96,3 +98,16 @@ class FollowUp(enum.Enum):
 WAKE: Final[Mapping[str, FollowUp]] = MappingProxyType({
     PREFILL: FollowUp.WAKE_PREFILL, DECODE: FollowUp.WAKE_DECODE,
 })
+
+
+class LegEnded(enum.Enum):
+    """A leg's verdict that carries nothing (the others are :class:`LegAnswer`, :class:`LegRefusal`, :class:`LegFailure`)."""
+
+    __hash__ = object.__hash__
+
+    #: The leg's answer is good and complete (``LEG_OK``; a whole decode answer is a :class:`LegAnswer`).
+    OK = "ok"
+    #: An orphaned prefill (its client went away) ended: one of its request's releases is settled.
+    SETTLED = "settled"
+    #: No input but ``FIRST_BYTES``, if the stream's first bytes just went to the client.
+    RELAYED = "relayed"

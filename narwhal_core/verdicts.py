@@ -9,13 +9,13 @@ of the core").
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from .errors import NarwhalError
 from .events import PromptTokenized
+from .states import LegEnded
 
 if TYPE_CHECKING:
     from .inflight import Leg
@@ -54,19 +54,6 @@ class LegFailure:
 
 #: What an input carries to its handler (``TOKENIZED``: the :class:`~narwhal_core.events.PromptTokenized` itself).
 InputData = LegAnswer | LegRefusal | LegFailure | PromptTokenized | None
-
-
-class LegEnded(enum.Enum):
-    """A leg's verdict that carries nothing (the others are :class:`LegAnswer`, :class:`LegRefusal`, :class:`LegFailure`)."""
-
-    __hash__ = object.__hash__
-
-    #: The leg's answer is good and complete (``LEG_OK``; a whole decode answer is a :class:`LegAnswer`).
-    OK = "ok"
-    #: An orphaned prefill (its client went away) ended: one of its request's releases is settled.
-    SETTLED = "settled"
-    #: No input but ``FIRST_BYTES``, if the stream's first bytes just went to the client.
-    RELAYED = "relayed"
 
 
 #: What the engine's side of a leg amounts to for its request: the parts that read legs return it,
