@@ -175,8 +175,8 @@ class Answers:
             return LegEnded.OK
         return LegEnded.RELAYED
 
-    def answered(self, req: Request, leg: Leg) -> Verdict | None:
-        """The leg's whole answer is in: judge it; the verdict it amounts to."""
+    def answered(self, req: Request, leg: Leg) -> Verdict:
+        """The leg's whole answer is in: judge it, account for the leg's end (once, here); the verdict it amounts to."""
         status = leg.status or 0
         body = b"".join(leg.body)
         leg.body = []
@@ -185,88 +185,83 @@ class Answers:
             # An engine quoting the credential it was sent must not hand it on.
             body = body.replace(secret, _REDACTED)
         if leg.orphan:
-            return self.orphan_answered(req, leg, status, body)
-        if not 200 <= status < 300:
+            outcome, failed, verdict = self._orphan_answered(req, leg, status, body)
+        elif not 200 <= status < 300:
             if 400 <= status < 500 and status not in _NOT_THE_CLIENTS:
-                self.legs.account_end(leg, "refused")
-                return LegRefusal(engine_error(status, body), leg)
-            return self._failed(leg, "http_error")
-        if leg.phase == PREFILL:
-            return self._prefill_answered(req, leg, body)
-        if leg.streaming:
+                outcome, failed, verdict = "refused", False, LegRefusal(engine_error(status, body), leg)
+            else:
+                outcome, failed, verdict = "http_error", True, LegFailure("http_error", leg)
+        elif leg.phase == PREFILL:
+            outcome, failed, verdict = self._prefill_answered(req, leg, body)
+        elif leg.streaming:
             relay = req.relay
             assert relay is not None
             if relay.done or (relay.events and relay.error is not None):
-                self.legs.account_end(leg, "ok")
-                return LegEnded.OK
-            return self._failed(leg, "bad_response")
-        return self._decode_answered(req, leg, body)
+                outcome, failed, verdict = "ok", False, LegEnded.OK
+            else:
+                outcome, failed, verdict = "bad_response", True, LegFailure("bad_response", leg)
+        else:
+            outcome, failed, verdict = self._decode_answered(req, leg, body)
+        self.legs.account_end(leg, outcome, failed=failed)
+        return verdict
 
-    def _failed(self, leg: Leg, reason: LegOutcome, error: NarwhalError | None = None) -> Verdict:
-        self.legs.account_end(leg, reason, failed=True)
-        return LegFailure(reason, leg, error)
-
-    def _prefill_answered(self, req: Request, leg: Leg, body: bytes) -> Verdict:
+    def _prefill_answered(self, req: Request, leg: Leg, body: bytes) -> _Judged:
         try:
             handoff = check_prefill_answer(
                 body, leg.bid, self.health.kv_host_allowed,
                 require_request_id=self.ctx.stats.kv_connector.get(leg.engine.url) == 2,
             )
         except PrefillAnswerError as exc:
-            return self._failed(leg, "bad_kv", exc)
+            return "bad_kv", True, LegFailure("bad_kv", leg, exc)
         if handoff.params is not None:
             self.kv.note_connector(leg.engine.url, handoff.params)
             mode = unsupported_transfer_mode(handoff.params)
             if mode is not None:
-                # Refused at once, never retried: another engine of the fleet would answer the same
-                # (docs/operate.md, "vLLM compatibility").
+                # Refused at once, never retried, the engine not charged: another engine of the
+                # fleet would answer the same (docs/operate.md, "vLLM compatibility").
                 self.kv.refuse_mode(leg, handoff, mode)
-                self.legs.account_end(leg, "bad_kv")
-                return LegFailure("bad_kv", leg, transfer_mode_error(mode), True)
-        self.legs.account_end(leg, "ok")
+                return "bad_kv", False, LegFailure("bad_kv", leg, transfer_mode_error(mode), True)
         if handoff.params is None:
             self.kv.no_handoff(req, leg, handoff)
         else:
             req.plain_decode = False
             self.kv.handed_off(req, leg, handoff)
-        return LegEnded.OK
+        return "ok", False, LegEnded.OK
 
-    def _decode_answered(self, req: Request, leg: Leg, body: bytes) -> Verdict:
+    def _decode_answered(self, req: Request, leg: Leg, body: bytes) -> _Judged:
         try:
             answer = wire.loads_answer(body)
         except wire.JsonError:
             answer = None
         if not isinstance(answer, dict):
-            return self._failed(leg, "bad_response")
-        self.legs.account_end(leg, "ok")
-        ctx = self.ctx
+            return "bad_response", True, LegFailure("bad_response", leg)
         normalise_answer(
-            req.route, answer, ctx.model, pd=_pd(req), cached_tokens=req.pulled_cached_tokens,
+            req.route, answer, self.ctx.model, pd=_pd(req), cached_tokens=req.pulled_cached_tokens,
         )
-        return LegAnswer(answer)
+        return "ok", False, LegAnswer(answer)
 
-    def orphan_answered(self, req: Request, leg: Leg, status: int, body: bytes) -> Verdict:
-        """An orphaned prefill's answer: the KV it names is released; one of its request's releases is settled."""
-        if 200 <= status < 300:
-            try:
-                handoff = check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
-            except PrefillAnswerError:
-                self.legs.account_end(leg, "bad_kv", failed=True)
-            else:
-                mode = None if handoff.params is None else unsupported_transfer_mode(handoff.params)
-                if mode is not None:
-                    self.kv.refuse_mode(leg, handoff, mode)  # never carried by a decode request: held, journalled
-                    self.legs.account_end(leg, "bad_kv")
-                elif handoff.params is None:
-                    self.legs.account_end(leg, "ok")
-                    self.kv.no_handoff(req, leg, handoff)  # nothing held: nothing to release
-                else:
-                    self.legs.account_end(leg, "ok")
-                    self.kv.handed_off(req, leg, handoff)
-                    self.kv.release(req)
+    def _orphan_answered(self, req: Request, leg: Leg, status: int, body: bytes) -> _Judged:
+        # An orphaned prefill's answer: the KV it names is released; one of its request's releases is settled.
+        if not 200 <= status < 300:
+            return ("refused" if 400 <= status < 500 else "http_error"), status >= 500, LegEnded.SETTLED
+        try:
+            handoff = check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
+        except PrefillAnswerError:
+            return "bad_kv", True, LegEnded.SETTLED
+        mode = None if handoff.params is None else unsupported_transfer_mode(handoff.params)
+        if mode is not None:
+            self.kv.refuse_mode(leg, handoff, mode)  # never carried by a decode request: held, journalled
+            return "bad_kv", False, LegEnded.SETTLED
+        if handoff.params is None:
+            self.kv.no_handoff(req, leg, handoff)  # nothing held: nothing to release
         else:
-            self.legs.account_end(leg, "refused" if 400 <= status < 500 else "http_error", failed=status >= 500)
-        return LegEnded.SETTLED
+            self.kv.handed_off(req, leg, handoff)
+            self.kv.release(req)
+        return "ok", False, LegEnded.SETTLED
+
+
+#: What judging a whole answer comes to: the leg's outcome, whether its engine is charged a failure, the verdict.
+_Judged = tuple[LegOutcome, bool, Verdict]
 
 
 def _pd(req: Request) -> bool:
