@@ -30,6 +30,9 @@ use at any one time (requests costing less than a slice); a slice of
 
 The interface the admission wires to:
 
+* :func:`parse_redis_url` (``redis://[[user]:password@]host[:port][/db]``)
+  gives a :class:`RedisAddress`; its ``str`` is the address without the
+  password, for a log line.
 * :class:`SliceRequest` (tenant, kind, rate, capacity, units) and what
   comes of it: :class:`SliceGrant` (granted, retry_after) or
   :class:`StoreUnreachable` (reason).
@@ -40,9 +43,11 @@ The interface the admission wires to:
 * :class:`BudgetProtocol`: the exchange with Redis, sans-IO (bytes out,
   bytes in, grants out; ``EVALSHA``, and ``EVAL`` once when Redis answers
   ``NOSCRIPT``).
-* :class:`SharedBudgetClient`: one TCP connection, written once for both
-  runtimes over their :class:`~.runtime_io.RuntimeIO`; ``await
-  client.take(request)`` answers within ``timeout`` (a
+* :class:`SharedBudgetClient` ``(io, address, timeout=, backoff=,
+  max_backoff=, on_change=)``: one TCP connection (logged in with ``AUTH``
+  and ``SELECT`` when it opens), written once for both runtimes over their
+  :class:`~.runtime_io.RuntimeIO`; ``await client.take(request)`` answers
+  within ``timeout`` (a
   :class:`StoreUnreachable` when Redis does not: refused, reset, silent,
   or answering errors), waits out a backoff before connecting again, and
   calls ``on_change(up, reason)`` when the store goes down or comes back.
@@ -56,6 +61,7 @@ import hashlib
 import math
 import re
 import socket
+import urllib.parse
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
@@ -65,11 +71,11 @@ import attrs
 from . import socket_io
 from .control import TimeLimitExpired, connect_first, resolve
 from .engine_probe import describe_failure
-from .resp import NEED_DATA, ErrorReply, NeedData, RespParser, RespProtocolError, encode_command
+from .resp import NEED_DATA, ErrorReply, NeedData, RespParser, RespProtocolError, SimpleString, encode_command
 from .runtime_io import RuntimeIO
 
 __all__ = [
-    "SCRIPT", "SCRIPT_SHA", "bucket_key", "SliceRequest", "SliceGrant", "StoreUnreachable", "BudgetStoreError",
+    "SCRIPT", "SCRIPT_SHA", "bucket_key", "RedisAddress", "parse_redis_url", "SliceRequest", "SliceGrant", "StoreUnreachable", "BudgetStoreError",
     "BudgetProtocol", "SliceHolder", "SharedBudgetClient",
 ]
 
@@ -117,6 +123,54 @@ MAX_TENANT_BYTES: Final = 256
 def bucket_key(tenant: str, kind: str) -> bytes:
     """The Redis key of ``tenant``'s bucket of ``kind`` (a kind holds no colon, so keys never collide)."""
     return b"narwhal:budget:" + tenant.encode() + b":" + kind.encode()
+
+
+@attrs.frozen(kw_only=True)
+class RedisAddress:
+    """Where the store is, and how to log in (``redis://[[user]:password@]host[:port][/db]``)."""
+
+    host: str
+    """A name or an IP address."""
+    port: int = 6379
+    """Its TCP port."""
+    db: int = 0
+    """The database number (``SELECT``ed when not 0)."""
+    username: str | None = None
+    """The ACL user (Redis 6), if any."""
+    password: str | None = attrs.field(default=None, repr=False)
+    """Sent by ``AUTH`` and nowhere else: never in a repr, a reason or a log line."""
+
+    def __str__(self) -> str:
+        """The address without its credentials, for a log line."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"redis://{host}:{self.port}/{self.db}"
+
+
+def parse_redis_url(url: str) -> RedisAddress:
+    """``redis://[[user]:password@]host[:port][/db]`` as a :class:`RedisAddress`; raises ``ValueError``.
+
+    The error names what is wrong, never the password.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError("not a redis://host:port URL (a port from 1 to 65535)") from None
+    if parts.scheme != "redis":
+        raise ValueError(f"the scheme must be redis:// (TLS, rediss://, is not supported), not {parts.scheme!r}")
+    if not parts.hostname:
+        raise ValueError("no host")
+    if parts.query or parts.fragment:
+        raise ValueError("no query or fragment is taken")
+    path = parts.path.lstrip("/")
+    if path and not (path.isdigit() and len(path) <= 5):
+        raise ValueError(f"the path is the database number, not {path[:20]!r}")
+    unquote = urllib.parse.unquote
+    return RedisAddress(
+        host=parts.hostname, port=6379 if port is None else port, db=int(path or 0),
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+    )
 
 
 def _positive(instance: object, attribute: Any, value: float) -> None:
@@ -204,14 +258,27 @@ class BudgetProtocol:
 
     def __init__(self) -> None:
         self._parser = RespParser(max_bulk_bytes=4096, max_array_length=16, max_depth=2)
-        #: What was sent and waits for its answer, in order; True: sent as EVAL.
-        self._pending: deque[tuple[SliceRequest, bool]] = deque()
+        #: What was sent and waits for its answer, in order: a request (True: sent as EVAL), or the
+        #: name of a log-in command that answers +OK.
+        self._pending: deque[tuple[SliceRequest | str, bool]] = deque()
         self._outbox = bytearray()
 
     @property
     def waiting(self) -> int:
         """How many requests wait for their answer."""
         return len(self._pending)
+
+    def hello(self, address: RedisAddress) -> bytes:
+        """The bytes that log a new connection in (``AUTH``, ``SELECT``), to write before any request; maybe none."""
+        data = b""
+        if address.password is not None:
+            user = () if address.username is None else (address.username,)
+            data += encode_command(b"AUTH", *user, address.password)
+            self._pending.append(("AUTH", False))
+        if address.db:
+            data += encode_command(b"SELECT", address.db)
+            self._pending.append(("SELECT", False))
+        return data
 
     def take(self, request: SliceRequest) -> bytes:
         """The bytes that ask Redis for ``request`` (``EVALSHA``)."""
@@ -237,6 +304,12 @@ class BudgetProtocol:
             if not self._pending:
                 raise BudgetStoreError("redis answered a request never sent")
             request, as_eval = self._pending.popleft()
+            if isinstance(request, str):
+                if isinstance(reply, ErrorReply):  # its kind only: the message could quote what was sent
+                    raise BudgetStoreError(f"redis refused {request}: {reply.kind}")
+                if reply != SimpleString(b"OK"):
+                    raise BudgetStoreError(f"redis answered {request} with {str(reply)[:40]}, not OK")
+                continue
             if isinstance(reply, ErrorReply):
                 if reply.kind == "NOSCRIPT" and not as_eval:
                     self._pending.append((request, True))
@@ -358,10 +431,11 @@ class SharedBudgetClient:
     with the first outcome and each time the store goes down or comes back.
     """
 
-    def __init__(self, io: RuntimeIO, host: str, port: int, *, timeout: float = 0.25, backoff: float = 0.1,
+    def __init__(self, io: RuntimeIO, address: RedisAddress, *, timeout: float = 0.25, backoff: float = 0.1,
                  max_backoff: float = 5.0, on_change: Callable[[bool, str], object] | None = None) -> None:
         self._io = io
-        self.host, self.port = host, port
+        #: Where Redis is (its password sent only by ``AUTH``).
+        self.address = address
         #: The longest a take waits for Redis, connecting included.
         self.timeout = timeout
         self._backoff = self.backoff = backoff
@@ -407,13 +481,15 @@ class SharedBudgetClient:
     async def _exchange(self, request: SliceRequest) -> SliceGrant:
         io = self._io
         sock = self._sock
+        protocol = self._protocol
+        hello = b""
         if sock is None:
-            infos = await resolve(self.host, self.port, io.getaddrinfo)
+            infos = await resolve(self.address.host, self.address.port, io.getaddrinfo)
             sock = self._sock = await connect_first(infos, io.writable, io.time_limit, self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        protocol = self._protocol
+            hello = protocol.hello(self.address)
         send = functools.partial(socket_io.send_all, sock, writable=io.writable)
-        await send(protocol.take(request))
+        await send(hello + protocol.take(request))
         while True:
             data = await socket_io.receive(sock, io.readable)
             if not data:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
-__all__ = ["RedisServer", "redis_server", "redis_executable"]
+__all__ = ["RedisServer", "started", "redis_server", "redis_executable"]
 
 #: How long a starting server may take to answer PING.
 START_TIMEOUT = 10.0
@@ -40,10 +40,18 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _ping(port: int) -> bool:
+def _encode(args: tuple[str, ...]) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in args)
+
+
+def _ping(port: int, password: str | None) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            if password is not None:
+                sock.sendall(_encode(("AUTH", password)))
+                if not sock.recv(64).startswith(b"+OK"):
+                    return False
+            sock.sendall(_encode(("PING",)))
             return sock.recv(64).startswith(b"+PONG")
     except OSError:
         return False
@@ -52,9 +60,11 @@ def _ping(port: int) -> bool:
 class RedisServer:
     """One ``redis-server`` process on 127.0.0.1 that a test can kill and start again on the same port."""
 
-    def __init__(self) -> None:
+    def __init__(self, password: str | None = None) -> None:
         self.host = "127.0.0.1"
         self.port = _free_port()
+        #: If set, clients must ``AUTH`` with it (``requirepass``).
+        self.password = password
         self._dir = tempfile.TemporaryDirectory(prefix="narwhal-redis-")
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -63,11 +73,12 @@ class RedisServer:
         assert self._process is None, "already running"
         self._process = subprocess.Popen(
             [redis_executable(), "--bind", self.host, "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no", "--loglevel", "warning"],
+             "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no", "--loglevel", "warning",
+             *(("--requirepass", self.password) if self.password is not None else ())],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + START_TIMEOUT
-        while not _ping(self.port):
+        while not _ping(self.port, self.password):
             if self._process.poll() is not None:
                 err = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
                 self._process = None
@@ -87,15 +98,23 @@ class RedisServer:
                 process.stderr.close()
 
     @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0``, with the password if there is one."""
+        login = f":{self.password}@" if self.password is not None else ""
+        return f"redis://{login}{self.host}:{self.port}/0"
+
+    @property
     def running(self) -> bool:
         """Whether the process is running."""
         return self._process is not None and self._process.poll() is None
 
     def command(self, *args: str) -> bytes:
         """Send one command over a connection of its own and return the raw reply's first bytes (for set-up only)."""
-        data = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in args)
         with socket.create_connection((self.host, self.port), timeout=5) as sock:
-            sock.sendall(data)
+            if self.password is not None:
+                sock.sendall(_encode(("AUTH", self.password)))
+                assert sock.recv(64).startswith(b"+OK")
+            sock.sendall(_encode(args))
             return sock.recv(65536)
 
     def close(self) -> None:
@@ -104,10 +123,9 @@ class RedisServer:
         self._dir.cleanup()
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    """A started :class:`RedisServer`, killed at the end of the test."""
-    server = RedisServer()
+def started(password: str | None = None) -> RedisServer:
+    """A new :class:`RedisServer`, started (on another free port if the first was taken meanwhile)."""
+    server = RedisServer(password)
     for attempt in range(3):  # the free port may be taken between choosing it and binding it
         try:
             server.start()
@@ -117,6 +135,13 @@ def redis_server() -> Iterator[RedisServer]:
                 server.close()
                 raise
             server.port = _free_port()
+    return server
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A started :class:`RedisServer`, killed at the end of the test."""
+    server = started()
     try:
         yield server
     finally:

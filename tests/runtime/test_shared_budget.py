@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from narwhal_runtime.resp import NEED_DATA, RespParser, encode_reply
 from narwhal_runtime.shared_budget import (
-    SCRIPT, SCRIPT_SHA, BudgetProtocol, BudgetStoreError, SliceGrant, SliceHolder, SliceRequest, bucket_key,
+    SCRIPT, SCRIPT_SHA, BudgetProtocol, BudgetStoreError, RedisAddress, SliceGrant, SliceHolder, SliceRequest,
+    bucket_key, parse_redis_url,
 )
 
 
@@ -131,3 +132,50 @@ def test_a_holder_spends_only_what_it_was_granted_and_holds_at_most_low_water_pl
         else:
             holder.failed()
         assert spent + holder.held == granted and holder.held >= 0
+
+
+def test_a_redis_url_gives_its_address_and_a_log_line_without_the_password() -> None:
+    address = parse_redis_url("redis://ops:p%40ss@redis.example:6380/2")
+    assert (address.host, address.port, address.db, address.username, address.password) == (
+        "redis.example", 6380, 2, "ops", "p@ss")
+    assert str(address) == "redis://redis.example:6380/2" and "p@ss" not in repr(address)
+    assert parse_redis_url("redis://[::1]") == RedisAddress(host="::1")
+    assert str(parse_redis_url("redis://[::1]")) == "redis://[::1]:6379/0"
+    assert parse_redis_url("redis://:pw@h").password == "pw" and parse_redis_url("redis://:pw@h").username is None
+
+
+@pytest.mark.parametrize("url, words", [
+    ("rediss://h:6379", "TLS, rediss://, is not supported"),
+    ("http://h", "scheme must be redis://"),
+    ("redis://:secret-pw@h:99999", "a port from 1 to 65535"),
+    ("redis://:secret-pw@h:port", "a port from 1 to 65535"),
+    ("redis://:secret-pw@/0", "no host"),
+    ("redis://h/zero", "the path is the database number"),
+    ("redis://h/0?timeout=1", "no query"),
+])
+def test_a_bad_redis_url_is_refused_by_what_is_wrong_never_showing_the_password(url: str, words: str) -> None:
+    with pytest.raises(ValueError, match=words) as caught:
+        parse_redis_url(url)
+    assert "secret-pw" not in str(caught.value)
+
+
+def test_a_new_connection_logs_in_before_its_first_request() -> None:
+    protocol = BudgetProtocol()
+    hello = protocol.hello(RedisAddress(host="h", username="ops", password="pw", db=2))
+    parser = RespParser()
+    parser.receive_data(hello)
+    assert parser.next_reply() == [b"AUTH", b"ops", b"pw"] and parser.next_reply() == [b"SELECT", b"2"]
+    assert protocol.hello(RedisAddress(host="h")) == b""
+    protocol.take(request())
+    protocol.receive_data(b"+OK\r\n+OK\r\n*2\r\n:1\r\n$1\r\n0\r\n")
+    grant = protocol.next_grant()
+    assert isinstance(grant, SliceGrant) and grant.granted == 1
+
+
+def test_a_refused_log_in_names_the_errors_kind_only() -> None:
+    protocol = BudgetProtocol()
+    protocol.hello(RedisAddress(host="h", password="pw"))
+    protocol.receive_data(b"-WRONGPASS invalid username-password pair pw\r\n")
+    with pytest.raises(BudgetStoreError) as caught:
+        protocol.next_grant()
+    assert str(caught.value) == "redis refused AUTH: WRONGPASS"

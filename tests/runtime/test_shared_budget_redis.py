@@ -14,13 +14,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
-from narwhal_runtime.shared_budget import SCRIPT_SHA, SharedBudgetClient, SliceGrant, SliceRequest, StoreUnreachable
+from narwhal_runtime.shared_budget import (
+    SCRIPT_SHA, RedisAddress, SharedBudgetClient, SliceGrant, SliceRequest, StoreUnreachable, parse_redis_url,
+)
 
 from ..helpers import on_runtime
-from ..redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
+from ..redis_server import RedisServer, redis_server, started  # noqa: F401  (the fixture)
 
 RUNTIMES = ("trio", "asyncio")
 
@@ -59,7 +62,7 @@ def test_a_full_bucket_grants_its_capacity_then_refills_at_its_rate_by_redis_tim
     outcomes: list[Any] = []
 
     async def body(io: Any) -> None:
-        client = SharedBudgetClient(io, redis_server.host, redis_server.port, timeout=2.0)
+        client = SharedBudgetClient(io, parse_redis_url(redis_server.url), timeout=2.0)
         for units in (15, 15):
             outcomes.append(await client.take(request(units=units)))
         await io.sleep_until(io.now() + 0.3)
@@ -87,7 +90,7 @@ def test_many_takers_on_many_connections_of_both_runtimes_never_get_more_than_th
 
     def taker_thread(runtime: str) -> None:
         async def body(io: Any) -> None:
-            clients = [SharedBudgetClient(io, redis_server.host, redis_server.port, timeout=5.0) for _ in range(3)]
+            clients = [SharedBudgetClient(io, parse_redis_url(redis_server.url), timeout=5.0) for _ in range(3)]
 
             def taker(client: SharedBudgetClient) -> Callable[[], Awaitable[None]]:
                 async def take() -> None:
@@ -124,7 +127,7 @@ def test_takers_over_a_window_get_at_most_rate_times_t_plus_capacity(runtime: st
     granted: list[int] = []
 
     async def body(io: Any) -> None:
-        clients = [SharedBudgetClient(io, redis_server.host, redis_server.port, timeout=5.0) for _ in range(4)]
+        clients = [SharedBudgetClient(io, parse_redis_url(redis_server.url), timeout=5.0) for _ in range(4)]
         stop = io.now() + 0.6
 
         def taker(client: SharedBudgetClient) -> Callable[[], Awaitable[None]]:
@@ -151,7 +154,7 @@ def test_the_script_survives_script_flush(runtime: str, redis_server: RedisServe
     outcomes: list[Any] = []
 
     async def body(io: Any) -> None:
-        client = SharedBudgetClient(io, redis_server.host, redis_server.port, timeout=2.0)
+        client = SharedBudgetClient(io, parse_redis_url(redis_server.url), timeout=2.0)
         outcomes.append(await client.take(request(units=1)))
         assert redis_server.command("SCRIPT", "FLUSH") == b"+OK\r\n"
         assert redis_server.command("SCRIPT", "EXISTS", SCRIPT_SHA) == b"*1\r\n:0\r\n"
@@ -172,7 +175,7 @@ def test_a_killed_redis_is_unreachable_within_the_timeout_and_the_client_reconne
     outcomes: list[tuple[str, Any, float]] = []
 
     async def body(io: Any) -> None:
-        client = SharedBudgetClient(io, redis_server.host, redis_server.port, timeout=0.5, backoff=0.2,
+        client = SharedBudgetClient(io, parse_redis_url(redis_server.url), timeout=0.5, backoff=0.2,
                                     on_change=lambda up, reason: changes.append((up, reason)))
 
         async def take(label: str) -> None:
@@ -209,7 +212,7 @@ def test_a_redis_that_never_answers_is_a_timeout_within_the_limit(runtime: str) 
         silent.listen()  # the kernel accepts; nothing ever answers
 
         async def body(io: Any) -> None:
-            client = SharedBudgetClient(io, "127.0.0.1", silent.getsockname()[1], timeout=0.3)
+            client = SharedBudgetClient(io, RedisAddress(host="127.0.0.1", port=silent.getsockname()[1]), timeout=0.3)
             started = io.now()
             outcomes.append((await client.take(request()), io.now() - started))
             client.close()
@@ -218,3 +221,30 @@ def test_a_redis_that_never_answers_is_a_timeout_within_the_limit(runtime: str) 
     ((outcome, waited),) = outcomes
     assert isinstance(outcome, StoreUnreachable) and outcome.reason == "timeout"
     assert 0.3 <= waited < 0.3 + 0.2
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_redis_with_a_password_and_a_database_is_logged_in_to_and_a_wrong_password_is_named_without_it(
+        runtime: str) -> None:
+    server = started(password="s3cret-pw")
+    outcomes: list[Any] = []
+    try:
+        async def body(io: Any) -> None:
+            right = parse_redis_url(f"redis://:s3cret-pw@127.0.0.1:{server.port}/3")
+            for address in (right, attrs.evolve(right, password="wrong-pw"), attrs.evolve(right, password=None)):
+                client = SharedBudgetClient(io, address, timeout=2.0)
+                outcomes.append(await client.take(request(units=2)))
+                client.close()
+
+        run(runtime, body)
+        key_in_db_3 = server.command("EVAL", "redis.call('SELECT', 3) return redis.call('EXISTS', KEYS[1])",
+                                     "1", "narwhal:budget:acme:requests")
+        assert key_in_db_3 == b":1\r\n"
+        assert server.command("EXISTS", "narwhal:budget:acme:requests") == b":0\r\n"  # not in db 0
+    finally:
+        server.close()
+    granted, wrong, missing = outcomes
+    assert isinstance(granted, SliceGrant) and granted.granted == 2
+    assert isinstance(wrong, StoreUnreachable) and wrong.reason == "redis refused AUTH: WRONGPASS"
+    assert isinstance(missing, StoreUnreachable) and missing.reason == "redis refused SELECT: NOAUTH"
+    assert "s3cret" not in repr(outcomes) and "wrong-pw" not in repr(outcomes)
