@@ -202,9 +202,9 @@ class SliceRequest:
     kind: str = attrs.field(validator=_kind)
     """Which of its budgets (``requests``, ``tokens``...)."""
     rate: float = attrs.field(validator=_positive)
-    """The budget's refill, in units a second, shared by every replica."""
+    """The budget's refill, in units a second: every replica's must be the same (each call refills by its own)."""
     capacity: int = attrs.field(validator=_count)
-    """The most units the bucket holds (the burst), shared by every replica."""
+    """The most units the bucket holds (the burst): every replica's must be the same, as ``rate``."""
     units: int = attrs.field(validator=_count)
     """How many units this replica asks for (a slice)."""
 
