@@ -320,12 +320,16 @@ class BudgetProtocol:
 
 
 def _grant(request: SliceRequest, reply: object) -> SliceGrant:
-    try:
-        assert isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], bytes)
-        granted, wait = reply[0], float(reply[1])
-        assert isinstance(granted, int) and 0 <= granted <= request.units and math.isfinite(wait) and wait >= 0
-    except (AssertionError, ValueError):
-        raise BudgetStoreError(f"the script answered {str(reply)[:80]}, not [granted, seconds]") from None
+    granted: object = None
+    wait = math.nan
+    if isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], bytes):
+        granted = reply[0]
+        try:
+            wait = float(reply[1])
+        except ValueError:
+            pass
+    if not (type(granted) is int and 0 <= granted <= request.units and math.isfinite(wait) and wait >= 0):
+        raise BudgetStoreError(f"the script answered {str(reply)[:80]}, not [granted, seconds]")
     return SliceGrant(request=request, granted=granted, retry_after=wait)
 
 
