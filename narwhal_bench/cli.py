@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "/v1/chat/completions sends the prompt as one user message)")  # fmt: skip
     t.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct", help="model name sent")
     t.add_argument("--api-key", default=None, help=f"bearer credential (default: ${API_KEY_ENV})")
+    t.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
+                   help="an extra request header, e.g. x-narwhal-client:tenant-a (the client a trusted proxy "
+                   "names); repeatable")  # fmt: skip
+    t.add_argument("--client", choices=("raw", "openai"), default="raw",
+                   help="raw: the lean socket client (default); openai: each request through the openai "
+                   "package's AsyncOpenAI, as an application sends it")  # fmt: skip
     t.add_argument("--no-stream", action="store_true", help="ask for whole answers (TTFT = end-to-end)")
     t.add_argument("--concurrency", type=int, default=0, help="most requests outstanding at once (0: no cap)")
     t.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
@@ -118,6 +124,17 @@ def workload(args: argparse.Namespace) -> list[TraceRequest]:
     return limit(requests, max_requests=args.max_requests, duration_s=args.duration)
 
 
+def parse_header(text: str) -> tuple[str, str]:
+    """``NAME:VALUE`` as a header (name, value); ValueError when it cannot be sent as one."""
+    name, sep, value = text.partition(":")
+    name, value = name.strip(), value.strip()
+    if not sep or not name or not all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in name) or not name.isascii():
+        raise ValueError(f"--header wants NAME:VALUE with a header name before the colon, got {text!r}")
+    if not value.isascii() or not value.isprintable():
+        raise ValueError(f"--header {name}: the value must be printable ASCII")
+    return name, value
+
+
 def _label_of(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
@@ -158,6 +175,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not requests:
         print("narwhal bench: the workload is empty", file=sys.stderr)
         return 2
+    try:
+        headers = tuple(parse_header(h) for h in args.header)
+    except ValueError as exc:
+        print(f"narwhal bench: {exc}", file=sys.stderr)
+        return 2
+    if args.client == "openai" and args.virtual:
+        print("narwhal bench: --client openai sends over sockets: give --base-url, not --virtual", file=sys.stderr)
+        return 2
     synth = PromptSynth(seed=args.seed, token_ids=args.token_ids)
     from narwhal_bench.client import Progress, Target
 
@@ -169,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV),
         stream=not args.no_stream,
         timeout_s=args.timeout,
+        headers=headers,
+        client=args.client,
     )
     hit_rate = None
     extra: dict[str, object] = {}
@@ -193,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             target.address()
+            if target.client == "openai":
+                from narwhal_bench.sdk import api_base
+
+                api_base(target.base_url, target.endpoint)
         except ValueError as exc:
             print(f"narwhal bench: {exc}", file=sys.stderr)
             return 2

@@ -37,6 +37,10 @@ class Target:
     api_key: str | None = None
     stream: bool = True
     timeout_s: float = 600.0
+    #: Extra request headers, (name, value) in order: e.g. the client header a trusted proxy would set.
+    headers: tuple[tuple[str, str], ...] = ()
+    #: ``raw`` (this module's sockets) or ``openai`` (the SDK: :mod:`narwhal_bench.sdk`).
+    client: str = "raw"
 
     @property
     def chat(self) -> bool:
@@ -209,7 +213,7 @@ class _Pool:
 
 async def _one(pool: _Pool, request: TraceRequest, body: bytes, result: RequestResult, origin: float) -> None:
     target = pool.target
-    data = request_bytes(pool.authority, target.path(), body, api_key=target.api_key)
+    data = request_bytes(pool.authority, target.path(), body, api_key=target.api_key, extra=target.headers)
     reader = ResponseReader()
     sent = pool.clock()
     result.sent_s = sent - origin
@@ -236,15 +240,23 @@ async def replay(requests: Sequence[TraceRequest], target: Target, *, synth: Pro
                  concurrency: int = 0, progress: Progress | None = None) -> list[RequestResult]:  # fmt: skip
     """Send every request at its arrival time (later if ``concurrency`` requests are already out)."""
     clock = time.perf_counter
+    sdk = None
+    if target.client == "openai":
+        from narwhal_bench.sdk import SdkSender
+
+        sdk = SdkSender(target, clock)
     pool = _Pool(target, clock)
     results = [RequestResult(index=r.index, scheduled_s=r.arrival_s, input_length=r.input_length,
                              output_length=r.output_length) for r in requests]  # fmt: skip
     gate = asyncio.Semaphore(concurrency) if concurrency > 0 else None
     tasks: set[asyncio.Task[None]] = set()
 
-    async def run(request: TraceRequest, result: RequestResult, body: bytes) -> None:
+    async def run(request: TraceRequest, result: RequestResult, body: Any) -> None:
         try:
-            await _one(pool, request, body, result, origin)
+            if sdk is not None:
+                await sdk.send(body, result, origin)
+            else:
+                await _one(pool, request, body, result, origin)
         finally:
             if gate is not None:
                 gate.release()
@@ -256,7 +268,8 @@ async def replay(requests: Sequence[TraceRequest], target: Target, *, synth: Pro
         progress.start(origin)
     try:
         for request, result in zip(requests, results):
-            body = request_body(request, synth.prompt(request), target)
+            prompt = synth.prompt(request)
+            body = sdk.arguments(prompt, request.output_length) if sdk else request_body(request, prompt, target)
             delay = origin + request.arrival_s - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -269,6 +282,8 @@ async def replay(requests: Sequence[TraceRequest], target: Target, *, synth: Pro
             await asyncio.gather(*list(tasks))
     finally:
         pool.close()
+        if sdk is not None:
+            await sdk.close()
     return results
 
 

@@ -767,7 +767,8 @@ class VirtualFleet:
         def arrive(i: int) -> None:
             request, result = items[i]
             body = request_body(request, synth.prompt(request), target)
-            data = request_bytes(authority, target.path(), body, api_key=target.api_key, keep_alive=False)
+            data = request_bytes(authority, target.path(), body, api_key=target.api_key, keep_alive=False,
+                                 extra=target.headers)
             client = _Client(request.index, request, data, result)
             if i + 1 < len(items):
                 loop.at(items[i + 1][0].arrival_s, arrive, i + 1)
