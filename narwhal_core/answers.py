@@ -21,10 +21,7 @@ from .events import FinishLeg
 from .http import NEED_DATA, BodyData, ResponseEnd, ResponseHead
 from .ids import DECODE, PREFILL
 from .journal import LegOutcome
-from .leg_bodies import (
-    PrefillAnswerError, check_prefill_answer, engine_error, normalise_answer, transfer_mode_error,
-    unsupported_transfer_mode,
-)
+from .leg_bodies import PrefillAnswerError, engine_error, normalise_answer
 from .relay import SseRelay
 from .states import State
 from .verdicts import LegAnswer, LegEnded, LegFailure, LegRefusal, Verdict
@@ -50,7 +47,7 @@ _NOT_THE_CLIENTS: Final = frozenset({401, 403, 404, 408, 429})
 class Answers:
     """What the engines answer on the legs: read, relayed, judged; each leg's verdict returned."""
 
-    __slots__ = ("ctx", "active", "legs", "requests", "kv", "health")
+    __slots__ = ("ctx", "active", "legs", "requests", "kv", "health", "protocol")
 
     def __init__(self, ctx: Context, legs: Legs, requests: Requests, kv: KvLedger, health: Health) -> None:
         self.ctx: Final = ctx
@@ -60,6 +57,8 @@ class Answers:
         self.active: Final = requests.active
         self.kv: Final = kv
         self.health: Final = health
+        #: How a prefill answer is judged is the engine protocol's (docs/design.md, "Engine protocols").
+        self.protocol: Final = ctx.protocol
 
     def data(self, leg: Leg, data: bytes) -> Verdict | None:
         """Bytes of the leg's answer arrived (empty: the engine closed its side): the leg's verdict, if it has one.
@@ -208,7 +207,7 @@ class Answers:
 
     def _prefill_answered(self, req: Request, leg: Leg, body: bytes) -> Verdict:
         try:
-            handoff = check_prefill_answer(
+            handoff = self.protocol.check_prefill_answer(
                 body, leg.bid, self.health.kv_host_allowed,
                 require_request_id=self.ctx.stats.kv_connector.get(leg.engine.url) == 2,
             )
@@ -216,13 +215,13 @@ class Answers:
             return self._failed(leg, "bad_kv", exc)
         if handoff.params is not None:
             self.kv.note_connector(leg.engine.url, handoff.params)
-            mode = unsupported_transfer_mode(handoff.params)
+            mode = self.protocol.refused_mode(handoff.params)
             if mode is not None:
                 # Refused at once, never retried: another engine of the fleet would answer the same
                 # (docs/operate.md, "vLLM compatibility").
                 self.kv.refuse_mode(leg, handoff, mode)
                 self.legs.account_end(leg, "bad_kv")
-                return LegFailure("bad_kv", leg, transfer_mode_error(mode), True)
+                return LegFailure("bad_kv", leg, self.protocol.mode_error(mode), True)
         self.legs.account_end(leg, "ok")
         if handoff.params is None:
             self.kv.no_handoff(req, leg, handoff)
@@ -249,11 +248,11 @@ class Answers:
         """An orphaned prefill's answer: the KV it names is released; one of its request's releases is settled."""
         if 200 <= status < 300:
             try:
-                handoff = check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
+                handoff = self.protocol.check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
             except PrefillAnswerError:
                 self.legs.account_end(leg, "bad_kv", failed=True)
             else:
-                mode = None if handoff.params is None else unsupported_transfer_mode(handoff.params)
+                mode = None if handoff.params is None else self.protocol.refused_mode(handoff.params)
                 if mode is not None:
                     self.kv.refuse_mode(leg, handoff, mode)  # never carried by a decode request: held, journalled
                     self.legs.account_end(leg, "bad_kv")

@@ -37,10 +37,12 @@ from .discovery_config import DiscoveryMode
 from .errors import ConfigError
 
 __all__ = [
-    "EngineAddress", "EngineConfig", "KvEventsSocket", "KvRelease", "kv_endpoint", "kv_endpoint_problem",
+    "EngineAddress", "EngineConfig", "EngineProtocolName", "KvEventsSocket", "KvRelease", "kv_endpoint", "kv_endpoint_problem",
     "kv_rank_endpoint", "parse_engine_url",
 ]
 
+#: The engine protocols (docs/design.md, "Engine protocols"): vLLM's NIXL connector in pull mode, and in push mode.
+EngineProtocolName = Literal["vllm-nixl", "vllm-nixl-push"]
 KvRelease = Literal["decode_pull", "abort_endpoint", "decode_abort", "lease"]
 KvEventsSocket = Literal["connect", "bind"]
 
@@ -162,6 +164,14 @@ class EngineConfig:
             "Environment variable holding the engine credential, sent on every leg and control request."
         ),
     )
+    protocol: EngineProtocolName = attrs.field(
+        default="vllm-nixl",
+        validator=one_of(EngineProtocolName),
+        metadata=doc(
+            "How the legs talk to the engines: vllm-nixl (vLLM's NIXL connector in pull mode) or vllm-nixl-push "
+            "(its push mode)."
+        ),
+    )
     kv_release: KvRelease = attrs.field(
         default="decode_pull",
         validator=one_of(KvRelease),
@@ -258,6 +268,11 @@ class EngineConfig:
     def __attrs_post_init__(self) -> None:
         # A URL may be in both lists (a "mixed" engine serves both phases), but
         # not twice in one list: that would double its share of the load.
+        if self.protocol == "vllm-nixl-push":
+            raise ConfigError(
+                "engine.protocol",
+                '"vllm-nixl-push" is not driven yet: run the NIXL connector in pull mode and use "vllm-nixl"',
+            )
         if self.discovery == "static" and not self.decode:
             raise ConfigError("engine.decode", "must be a non-empty list of http:// URLs")
         if self.discovery != "static" and (self.decode or self.prefill):
