@@ -268,11 +268,6 @@ class EngineConfig:
     def __attrs_post_init__(self) -> None:
         # A URL may be in both lists (a "mixed" engine serves both phases), but
         # not twice in one list: that would double its share of the load.
-        if self.protocol == "vllm-nixl-push":
-            raise ConfigError(
-                "engine.protocol",
-                '"vllm-nixl-push" is not driven yet: run the NIXL connector in pull mode and use "vllm-nixl"',
-            )
         if self.discovery == "static" and not self.decode:
             raise ConfigError("engine.decode", "must be a non-empty list of http:// URLs")
         if self.discovery != "static" and (self.decode or self.prefill):

@@ -154,7 +154,7 @@ class KvLedger:
             )
 
     def refuse_mode(self, leg: Leg, handoff: KvHandoff, mode: str) -> None:
-        """A prefill answer in a KV transfer mode Narwhal does not drive (vLLM's push): its KV, journalled.
+        """A prefill answer in a KV transfer mode the engine protocol does not drive: its KV, journalled.
 
         No decode request will carry it, and no release can reach it without
         one, so the blocks stay on the engine until its lease ends: the
@@ -171,7 +171,8 @@ class KvLedger:
                 "kv_transfer_mode_unsupported", level="error", engine=url, mode=mode,
                 consequence="every request prefilled on it fails with 502 unsupported_kv_transfer_mode; its "
                             "KV is held until the engine's lease ends",
-                fix="run the NIXL connector in pull mode on every engine",
+                fix="run the NIXL connector in push mode on every engine" if self.protocol.name == "vllm-nixl-push"
+                else "run the NIXL connector in pull mode on every engine",
             )
 
     # ---------------------------------------------------------------- releases

@@ -625,13 +625,12 @@ def test_a_mixed_engine_may_serve_both_phases() -> None:
     assert config.engine.prefill_engines == config.engine.decode_engines
 
 
-def test_the_engine_protocol_is_pull_unless_set_and_push_is_refused_at_start_until_it_is_driven() -> None:
+def test_the_engine_protocol_is_pull_unless_set_and_names_only_protocols_driven() -> None:
     # docs/configure.md, engine.protocol; docs/design.md, "Engine protocols".
     assert config_from_dict(MINIMAL, env={}).engine.protocol == "vllm-nixl"
-    error = error_of(with_values(engine={"protocol": "vllm-nixl-push"}))
-    assert (error.key, str(error)) == ("engine.protocol", (
-        'engine.protocol: "vllm-nixl-push" is not driven yet: run the NIXL connector in pull mode and use "vllm-nixl"'
-    ))
+    assert config_from_dict(with_values(engine={"protocol": "vllm-nixl-push"}), env={}).engine.protocol == (
+        "vllm-nixl-push"
+    )
     assert str(error_of(with_values(engine={"protocol": "sglang"}))) == (
         'engine.protocol: must be one of "vllm-nixl", "vllm-nixl-push", got "sglang"'
     )
