@@ -102,17 +102,19 @@ def test_a_decode_engine_that_never_registers_leaves_nothing_held(
 
 
 def test_a_client_gone_mid_pair_leaves_nothing_held(routers: list[RouterThread], tmp_path: Path, runtime: str) -> None:
-    # The decode engine holds the request before admitting it; the client leaves meanwhile.
+    # The decode leg is on its engine, not yet admitted (its serving layer's work), when the client
+    # leaves: the decode engine never registers, and tells the prefill engine to free the blocks
+    # (push_scheduler.py, request_finished: a request aborted before it was scheduled).
     journal = tmp_path / "journal.jsonl"
-    with SimThread("prefill", speed=0, **PUSH) as p, SimThread("decode", speed=0, **PUSH) as d:
+    with SimThread("prefill", speed=0, **PUSH) as p, SimThread("decode", speed=0, pre_admission_ms=1500, **PUSH) as d:
         router = start(routers, journal, Fleet(prefill=[p], decode=[d]), runtime)
-        d.set_faults(delay_s=30.0)
         host, port = router.url.removeprefix("http://").rsplit(":", 1)
         body = json.dumps({"model": MODEL, "prompt": "gone " * 20, "max_tokens": 3}).encode()
         with socket.create_connection((host, int(port)), timeout=5) as client:
             client.sendall(b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: "
                            b"application/json\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            poll(lambda: d.stats()["requests"] >= 1 or None, timeout=10)  # the decode leg is on its engine
+            poll(lambda: d.requests(COMPLETIONS) or None, timeout=10)  # the decode leg is on its engine
         (record,) = records(journal, 1)
         assert record["terminal"] == "cancelled", record
-        no_kv_left(p)
+        stats = no_kv_left(p)
+        assert stats["kv_released"] + stats["kv_pushes"] == stats["kv_held_total"] == 1
