@@ -21,10 +21,7 @@ from .events import FinishLeg
 from .http import NEED_DATA, BodyData, ResponseEnd, ResponseHead
 from .ids import DECODE, PREFILL
 from .journal import LegOutcome
-from .leg_bodies import (
-    PrefillAnswerError, check_prefill_answer, engine_error, normalise_answer, transfer_mode_error,
-    unsupported_transfer_mode,
-)
+from .leg_bodies import PrefillAnswerError, engine_error, normalise_answer
 from .relay import SseRelay
 from .states import LegEnded, State
 from .verdicts import LegAnswer, LegFailure, LegRefusal, Verdict
@@ -50,7 +47,7 @@ _NOT_THE_CLIENTS: Final = frozenset({401, 403, 404, 408, 429})
 class Answers:
     """What the engines answer on the legs: read, relayed, judged; each leg's verdict returned."""
 
-    __slots__ = ("ctx", "active", "legs", "requests", "kv", "health")
+    __slots__ = ("ctx", "active", "legs", "requests", "kv", "health", "protocol")
 
     def __init__(self, ctx: Context, legs: Legs, requests: Requests, kv: KvLedger, health: Health) -> None:
         self.ctx: Final = ctx
@@ -60,6 +57,8 @@ class Answers:
         self.active: Final = requests.active
         self.kv: Final = kv
         self.health: Final = health
+        #: How a prefill answer is judged is the engine protocol's (docs/design.md, "Engine protocols").
+        self.protocol: Final = ctx.protocol
 
     def data(self, leg: Leg, data: bytes) -> Verdict | None:
         """Bytes of the leg's answer arrived (empty: the engine closed its side): the leg's verdict, if it has one.
@@ -207,7 +206,7 @@ class Answers:
 
     def _prefill_answered(self, req: Request, leg: Leg, body: bytes) -> _Judged:
         try:
-            handoff = check_prefill_answer(
+            handoff = self.protocol.check_prefill_answer(
                 body, leg.bid, self.health.kv_host_allowed,
                 require_request_id=self.ctx.stats.kv_connector.get(leg.engine.url) == 2,
             )
@@ -215,12 +214,12 @@ class Answers:
             return "bad_kv", True, LegFailure("bad_kv", leg, exc)
         if handoff.params is not None:
             self.kv.note_connector(leg.engine.url, handoff.params)
-            mode = unsupported_transfer_mode(handoff.params)
+            mode = self.protocol.refused_mode(handoff.params)
             if mode is not None:
                 # Refused at once, never retried, the engine not charged: another engine of the
                 # fleet would answer the same (docs/operate.md, "vLLM compatibility").
                 self.kv.refuse_mode(leg, handoff, mode)
-                return "bad_kv", False, LegFailure("bad_kv", leg, transfer_mode_error(mode), True)
+                return "bad_kv", False, LegFailure("bad_kv", leg, self.protocol.mode_error(mode), True)
         if handoff.params is None:
             self.kv.no_handoff(req, leg, handoff)
         else:
@@ -245,10 +244,10 @@ class Answers:
         if not 200 <= status < 300:
             return ("refused" if 400 <= status < 500 else "http_error"), status >= 500, LegEnded.SETTLED
         try:
-            handoff = check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
+            handoff = self.protocol.check_prefill_answer(body, leg.bid, self.health.kv_host_allowed)
         except PrefillAnswerError:
             return "bad_kv", True, LegEnded.SETTLED
-        mode = None if handoff.params is None else unsupported_transfer_mode(handoff.params)
+        mode = None if handoff.params is None else self.protocol.refused_mode(handoff.params)
         if mode is not None:
             self.kv.refuse_mode(leg, handoff, mode)  # never carried by a decode request: held, journalled
             return "bad_kv", False, LegEnded.SETTLED

@@ -27,6 +27,7 @@ from .fleet import Admission, Fleet
 from .http import CodecLike
 from .ids import DECODE, PREFILL, Phase
 from .journal import ErrorRecord
+from .protocols import EngineProtocol, engine_protocol
 from .routing import Routing
 from .states import FollowUp
 from .stats import Stats
@@ -47,7 +48,7 @@ class Context:
     __slots__ = (
         "config", "out", "followups", "timers", "stats", "fleet", "admission", "now", "wall_offset", "model", "mode", "pd",
         "first_phase", "routing", "phases", "codec", "new_rid", "auth_header", "secret", "draining", "journal_ok",
-        "journal_problem", "shortages", "shortage_logged", "require_prefill",
+        "journal_problem", "shortages", "shortage_logged", "require_prefill", "protocol",
     )
 
     def __init__(
@@ -83,6 +84,8 @@ class Context:
         #: ``routing.disaggregation = "required"``: a request never runs without its prefill leg (docs/routing.md).
         self.require_prefill: Final = config.routing.disaggregation == "required"
         self.codec: Final = codec
+        #: How the legs talk to the engines (``engine.protocol``; docs/design.md, "Engine protocols"), chosen once.
+        self.protocol: Final[EngineProtocol] = engine_protocol(config.engine.protocol)
         self.new_rid: Final = rid_source
         self.auth_header: tuple[tuple[bytes, bytes], ...] = (
             ((b"authorization", b"Bearer " + engine_api_key.encode("latin-1")),) if engine_api_key else ()

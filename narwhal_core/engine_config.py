@@ -37,10 +37,12 @@ from .discovery_config import DiscoveryMode
 from .errors import ConfigError
 
 __all__ = [
-    "EngineAddress", "EngineConfig", "KvEventsSocket", "KvRelease", "kv_endpoint", "kv_endpoint_problem",
+    "EngineAddress", "EngineConfig", "EngineProtocolName", "KvEventsSocket", "KvRelease", "kv_endpoint", "kv_endpoint_problem",
     "kv_rank_endpoint", "parse_engine_url",
 ]
 
+#: The engine protocols (docs/design.md, "Engine protocols"): vLLM's NIXL connector in pull mode, and in push mode.
+EngineProtocolName = Literal["vllm-nixl", "vllm-nixl-push"]
 KvRelease = Literal["decode_pull", "abort_endpoint", "decode_abort", "lease"]
 KvEventsSocket = Literal["connect", "bind"]
 
@@ -160,6 +162,14 @@ class EngineConfig:
         validator=optional_string(env_name),
         metadata=doc(
             "Environment variable holding the engine credential, sent on every leg and control request."
+        ),
+    )
+    protocol: EngineProtocolName = attrs.field(
+        default="vllm-nixl",
+        validator=one_of(EngineProtocolName),
+        metadata=doc(
+            "How the legs talk to the engines: vllm-nixl (vLLM's NIXL connector in pull mode) or vllm-nixl-push "
+            "(its push mode)."
         ),
     )
     kv_release: KvRelease = attrs.field(

@@ -206,8 +206,11 @@ class Kv:
         before 0.14): the decode engine names the blocks to free by its own
         request ID, which the prefill engine knows only when both legs were
         sent the same ``X-Request-Id`` (docs/operate.md, "vLLM compatibility").
+        vLLM's push mode (``KvHandoff.shared_id``) pairs the prefill engine's
+        request with the decode engine's registration by that ID too.
         """
-        params = self.handoff.params
-        if params is None or isinstance(params.get("remote_request_id"), str):
+        handoff = self.handoff
+        params = handoff.params
+        if params is None or (isinstance(params.get("remote_request_id"), str) and not handoff.shared_id):
             return None
         return self.leg

@@ -19,7 +19,7 @@ from .context import JSON_HEADER, Context
 from .events import ControlDone, StartControl
 from .ids import DECODE, backend_id
 from .inflight import Kv
-from .leg_bodies import KvHandoff, decode_body, release_body, release_said, release_unconfirmed
+from .leg_bodies import KvHandoff, release_said, release_unconfirmed
 
 if TYPE_CHECKING:
     from .fleet import EngineState
@@ -85,7 +85,7 @@ def _renewed(params: dict[str, Any] | None) -> bool:
 class KvLedger:
     """Handoffs, pulls and releases of prefilled KV; settles each release from its control answer."""
 
-    __slots__ = ("ctx", "releases", "warned_no_kv")
+    __slots__ = ("ctx", "releases", "warned_no_kv", "protocol")
 
     def __init__(self, ctx: Context) -> None:
         self.ctx: Final = ctx
@@ -93,6 +93,8 @@ class KvLedger:
         self.releases: dict[str, tuple[Request, Kv]] = {}
         #: Prefill engines already warned about answers without KV (see :meth:`no_handoff`).
         self.warned_no_kv: set[str] = set()
+        #: A release's decode request is the engine protocol's (docs/design.md, "Engine protocols").
+        self.protocol: Final = ctx.protocol
 
     # ---------------------------------------------------------------- handoffs
 
@@ -152,7 +154,7 @@ class KvLedger:
             )
 
     def refuse_mode(self, leg: Leg, handoff: KvHandoff, mode: str) -> None:
-        """A prefill answer in a KV transfer mode Narwhal does not drive (vLLM's push): its KV, journalled.
+        """A prefill answer in a KV transfer mode the engine protocol does not drive: its KV, journalled.
 
         No decode request will carry it, and no release can reach it without
         one, so the blocks stay on the engine until its lease ends: the
@@ -169,7 +171,8 @@ class KvLedger:
                 "kv_transfer_mode_unsupported", level="error", engine=url, mode=mode,
                 consequence="every request prefilled on it fails with 502 unsupported_kv_transfer_mode; its "
                             "KV is held until the engine's lease ends",
-                fix="run the NIXL connector in pull mode on every engine",
+                fix="run the NIXL connector in push mode on every engine" if self.protocol.name == "vllm-nixl-push"
+                else "run the NIXL connector in pull mode on every engine",
             )
 
     # ---------------------------------------------------------------- releases
@@ -256,10 +259,10 @@ class KvLedger:
         if mode == "decode_pull":
             return StartControl(
                 key, target.address, "POST", req.route, headers,
-                wire.dumps(release_body(req.accepted.body, params)), timeout,
+                wire.dumps(self.protocol.release_body(req.accepted.body, params)), timeout,
             )
         raw = ctx.codec.engine_connection(max_body_bytes=None).send_request(
-            "POST", req.route, headers, wire.dumps(decode_body(req.accepted.body, params))
+            "POST", req.route, headers, wire.dumps(self.protocol.decode_body(req.accepted.body, params))
         )
         return StartControl(key, target.address, "POST", req.route, (), b"", timeout, drop_after_send=True, data=raw)
 

@@ -33,6 +33,7 @@ __all__ = [
     "PrefillAnswerError",
     "check_prefill_answer",
     "unsupported_transfer_mode",
+    "PULL_MODES",
     "transfer_mode_error",
     "normalise_answer",
     "engine_error",
@@ -155,6 +156,9 @@ class KvHandoff:
     reason: str | None = None
     #: When ``params`` is ``None``: the prefill answer's ``finish_reason``.
     finish_reason: str | None = None
+    #: Every decode request carrying this KV goes with the prefill leg's ``X-Request-Id``:
+    #: vLLM's push mode pairs the two engines' requests by it (docs/operate.md, "vLLM compatibility").
+    shared_id: bool = False
 
 
 class PrefillAnswerError(NarwhalError):
@@ -202,8 +206,14 @@ def _block_ids_ok(blocks: list[Any]) -> bool:
     return all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)
 
 
+#: The KV transfer modes the pull protocol drives: the decode engine pulls the blocks (vLLM's
+#: NIXL ``transfer_mode: "pull"``; absent before the KV lease: pull is all there was).
+PULL_MODES: Final = frozenset({"pull"})
+
+
 def check_prefill_answer(
-    body: bytes, backend_id: str, kv_host_allowed: Callable[[str], bool], *, require_request_id: bool = False
+    body: bytes, backend_id: str, kv_host_allowed: Callable[[str], bool], *, require_request_id: bool = False,
+    modes: frozenset[str] = PULL_MODES,
 ) -> KvHandoff:
     """Validate a 2xx prefill answer; raise :class:`PrefillAnswerError` if unusable.
 
@@ -225,7 +235,7 @@ def check_prefill_answer(
     1 engine: not when the params carry a later connector's keys, a block list
     per KV-cache group, or ``require_request_id`` (the engine sent it before).
     Every field that is kept goes on verbatim. Params in a transfer mode
-    Narwhal does not drive (:func:`unsupported_transfer_mode`) are returned
+    not in ``modes`` (:func:`unsupported_transfer_mode`) are returned
     unchecked: the caller refuses them.
     """
     try:
@@ -244,7 +254,7 @@ def check_prefill_answer(
         )
     if not isinstance(params, dict):
         raise PrefillAnswerError("prefill answer's kv_transfer_params is not an object")
-    if unsupported_transfer_mode(params) is not None:
+    if unsupported_transfer_mode(params, modes) is not None:
         # Refused whatever else it holds (answers.py) and never forwarded: only its owner matters.
         owner = params.get("remote_request_id")
         return KvHandoff(
@@ -280,22 +290,17 @@ def check_prefill_answer(
     return KvHandoff(params=params, owner=owner, cached_tokens=_cached_tokens(answer))
 
 
-#: The KV transfer modes Narwhal drives: the decode engine pulls the blocks (vLLM's
-#: NIXL ``transfer_mode: "pull"``; absent before the KV lease: pull is all there was).
-_TRANSFER_MODES: Final = frozenset({"pull"})
-
-
-def unsupported_transfer_mode(params: dict[str, Any]) -> str | None:
-    """The prefill answer's ``transfer_mode`` if Narwhal does not drive it, else ``None``.
+def unsupported_transfer_mode(params: dict[str, Any], modes: frozenset[str] = PULL_MODES) -> str | None:
+    """The prefill answer's ``transfer_mode`` if it is not one of ``modes``, else ``None``.
 
     vLLM's push scheduler answers ``transfer_mode: "push"``: its prefill
-    engine writes the KV into blocks a decode engine registered, so a decode
-    leg sent after the prefill answer (as Narwhal sends it) waits for a push
-    that was never arranged (docs/operate.md, "vLLM compatibility"). The
-    value is cut to 40 characters (it goes into the log and the error).
+    engine writes the KV into blocks a decode engine registered, which only a
+    decode leg built for push arranges (``engine.protocol = "vllm-nixl-push"``;
+    docs/operate.md, "vLLM compatibility"). The value is cut to 40
+    characters (it goes into the log and the error).
     """
     mode = params.get("transfer_mode", "pull")
-    if mode in _TRANSFER_MODES:
+    if mode in modes:
         return None
     return mode[:40] if isinstance(mode, str) else wire.dumps(mode)[:40].decode("utf-8", "replace")
 

@@ -23,7 +23,6 @@ from .http import NEED_DATA, EngineCodec, ResponseEnd
 from .ids import DECODE, PREFILL, Phase, backend_id
 from .inflight import Leg
 from .journal import LegOutcome
-from .leg_bodies import decode_body, prefill_body
 from .states import WAKE, LegEnded
 from .verdicts import LegFailure, Verdict
 
@@ -44,7 +43,7 @@ _NO_VERDICT: Final = frozenset({"cancelled", "local_error"})
 class Legs:
     """The legs running, by backend ID; their time limits, ends, tails, orphans and re-sends."""
 
-    __slots__ = ("ctx", "running", "active", "health", "slots")
+    __slots__ = ("ctx", "running", "active", "health", "slots", "protocol")
 
     def __init__(self, ctx: Context, active: Mapping[str, Request], health: Health, slots: SlotQueue) -> None:
         self.ctx: Final = ctx
@@ -54,6 +53,8 @@ class Legs:
         self.active: Final = active
         self.health: Final = health
         self.slots: Final = slots
+        #: The legs' bodies are the engine protocol's (docs/design.md, "Engine protocols").
+        self.protocol: Final = ctx.protocol
 
     # ------------------------------------------------------------------- start
 
@@ -66,7 +67,7 @@ class Legs:
         tokens = 0
         sent_id = None
         if phase == PREFILL:
-            body = wire.dumps(prefill_body(req.accepted.body))
+            body = wire.dumps(self.protocol.prefill_body(req.accepted.body))
             plan = req.plan
             if plan is not None:
                 tokens = plan.tokens
@@ -77,7 +78,7 @@ class Legs:
             if kv is None:
                 body = wire.dumps(req.accepted.body)
             else:
-                body = wire.dumps(decode_body(req.accepted.body, kv.handoff.params))
+                body = wire.dumps(self.protocol.decode_body(req.accepted.body, kv.handoff.params))
                 sent_id = kv.decode_request_id()
         timeout = self.limit(phase, False)
         codec = ctx.codec.engine_connection(max_body_bytes=ctx.config.engine.max_response_bytes)

@@ -152,6 +152,7 @@ class Completions:
             max_model_len=config.max_model_len,
             tokenizer=serving.tokenizer,
             require_request_id=serving.family.connector >= 2,
+            push=serving.config.kv_transfer_mode == "push",
         )
         if serving.tokenizing is None:
             job = parse()

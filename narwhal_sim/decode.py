@@ -19,7 +19,9 @@ from narwhal_sim.http1 import ServerConnection
 from narwhal_sim.http_client import EngineClient
 from narwhal_sim.model import KvLedger, Prompt
 from narwhal_sim.protocol import ApiError, CompletionJob, KvParams
-from narwhal_sim.serving import KV_HEARTBEAT_PATH, KV_NOTIFY_PATH, KV_PULL_PATH, ClientGone, Record, Serving
+from narwhal_sim.serving import (
+    KV_HEARTBEAT_PATH, KV_NOTIFY_PATH, KV_PULL_PATH, KV_PUSH_PATH, ClientGone, Record, Serving,
+)
 
 __all__ = ["DecodeClaim", "DecodeKv"]
 
@@ -31,10 +33,12 @@ class DecodeClaim:
     to free the blocks: its own (connector 1) or ``remote_request_id`` (connector 2).
     """
 
-    __slots__ = ("params", "phase", "notify_id", "fail_pull")
+    __slots__ = ("params", "phase", "notify_id", "fail_pull", "engine_rid")
 
-    def __init__(self, params: KvParams, notify_id: str | None) -> None:
+    def __init__(self, params: KvParams, notify_id: str | None, engine_rid: str | None = None) -> None:
         self.params = params
+        #: The decode engine's own request ID: what a push-mode registration names.
+        self.engine_rid = engine_rid
         self.phase = "pending"
         self.notify_id = notify_id
         #: The ``pull_fail`` fault: the read fails (the prefill engine is not told).
@@ -75,7 +79,7 @@ class DecodeKv:
         # prefill engine's KV, as vLLM's NIXL connector does -- naming its own
         # request ID with connector 1, remote_request_id with connector 2.
         family = self.serving.family
-        decode_kv = DecodeClaim(kv, engine_rid if family.connector == 1 else kv.remote_request_id)
+        decode_kv = DecodeClaim(kv, engine_rid if family.connector == 1 else kv.remote_request_id, engine_rid)
         decode_kv.fail_pull = fail_pull
         if family.lease_renewal and kv.tp_size is not None:
             self._start_heartbeats(decode_kv)
@@ -87,7 +91,8 @@ class DecodeKv:
             return
         try:
             data = orjson.loads(body)
-            params = KvParams.parse(data.get("kv_transfer_params")) if isinstance(data, dict) else None
+            push = self.serving.config.kv_transfer_mode == "push"
+            params = KvParams.parse(data.get("kv_transfer_params"), push=push) if isinstance(data, dict) else None
         except (orjson.JSONDecodeError, ApiError):
             return
         if params is not None and params.mode == "decode":
@@ -137,9 +142,49 @@ class DecodeKv:
         if conn.closed:
             raise ClientGone
         decode_kv.phase = "pulling"
+        if config.kv_transfer_mode == "push":
+            return await self._push(conn, job, decode_kv, record)
         # Shielded: a client leaving mid-pull must not leave the prefill engine guessing.
         task = self.loop.create_task(self._pull(job, decode_kv, record))
         return await asyncio.shield(task)
+
+    async def _push(self, conn: ServerConnection, job: CompletionJob, decode_kv: DecodeClaim,
+                    record: Record) -> int | None:  # fmt: skip
+        """Register the request's blocks with the prefill engine, which writes the KV (push mode).
+
+        vLLM's ``NixlPushConnectorScheduler`` (nixl/push_scheduler.py, commit 0316d25a): the
+        registration names the decode engine's own request ID; one the prefill engine never
+        fulfils is dropped after ``push_registration_timeout`` (``decoder_kv_blocks_ttl`` by
+        default) while the request goes on waiting for a write that never comes.
+        """
+        params = decode_kv.params
+        assert params.remote_host is not None and params.remote_port is not None
+        counters = self.serving.counters
+        counters["kv_push_registrations"] += 1
+        body = orjson.dumps({"request_id": decode_kv.engine_rid, "remote_engine_id": params.remote_engine_id,
+                             "requester_engine_id": self.serving.engine_id})  # fmt: skip
+        kv_record = record.kv if record.kv is not None else {}
+        try:
+            status, answer = await self.client.post(params.remote_host, params.remote_port, KV_PUSH_PATH, body)
+            data = orjson.loads(answer) if status == 200 else None
+        except (OSError, TimeoutError, ConnectionError, orjson.JSONDecodeError):
+            data = None
+        if not isinstance(data, dict):
+            kv_record["outcome"] = "push_waiting"
+            if not await conn.wait_closed(self.serving.config.decoder_kv_blocks_ttl_s):
+                counters["kv_push_registration_timeouts"] += 1
+                kv_record["outcome"] = "push_registration_timeout"
+                await conn.wait_closed()
+            decode_kv.phase = "failed"
+            raise ClientGone
+        decode_kv.phase = "pulled"
+        counters["kv_pulls"] += 1
+        kv_record["outcome"], kv_record["blocks"] = "pushed", data.get("num_blocks")
+        if data.get("prompt_digest") != job.prompt.digest:
+            counters["kv_prompt_mismatch"] += 1
+            kv_record["outcome"] = "prompt_mismatch"
+            return None
+        return job.prompt.num_tokens
 
     async def _pull(self, job: CompletionJob, decode_kv: DecodeClaim, record: Record) -> int | None:
         params = decode_kv.params

@@ -1,11 +1,15 @@
-"""The prefill engine's internal KV routes a decode engine calls: pull, notify, heartbeat.
+"""The prefill engine's internal KV routes a decode engine calls: pull, push, notify, heartbeat.
 
-``POST /kv/pull`` is NIXL's READ with its notification, ``POST /kv/notify`` the
-notification alone (a decode engine that will not read the blocks), and
-``POST /kv/heartbeat`` the lease family's renewal (docs/simulator.md, "vLLM versions").
+``POST /kv/pull`` is NIXL's READ with its notification, ``POST /kv/push`` a
+push-mode decode engine's registration (the prefill engine then WRITEs the
+blocks), ``POST /kv/notify`` the notification alone (a decode engine that will
+not read the blocks), and ``POST /kv/heartbeat`` the lease family's renewal
+(docs/simulator.md, "vLLM versions").
 """
 
 from __future__ import annotations
+
+import re
 
 import orjson
 
@@ -13,9 +17,19 @@ from narwhal_sim.http1 import HttpRequest, ServerConnection
 from narwhal_sim.model import KvEntry
 from narwhal_sim.prefill import PrefillKv
 from narwhal_sim.protocol import ApiError, flat_block_ids
-from narwhal_sim.serving import KV_HEARTBEAT_PATH, KV_NOTIFY_PATH, KV_PULL_PATH, Routes, Serving, json_body
+from narwhal_sim.serving import (
+    KV_HEARTBEAT_PATH, KV_NOTIFY_PATH, KV_PULL_PATH, KV_PUSH_PATH, Routes, Serving, json_body,
+)
 
-__all__ = ["KvPullRoutes"]
+__all__ = ["KvPullRoutes", "base_request_id"]
+
+#: The ``-<8 hex>`` suffix each vLLM engine adds to the request ID it was sent (0.14 on).
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def base_request_id(request_id: str) -> str:
+    """``request_id`` without the engine's random suffix (vLLM's ``nixl/utils.py``, ``get_base_request_id``)."""
+    return _RANDOM_SUFFIX.sub("", request_id)
 
 
 class KvPullRoutes:
@@ -26,6 +40,7 @@ class KvPullRoutes:
         self.prefill = prefill
         self.routes: Routes = {
             KV_PULL_PATH: {"POST": self._kv_pull},
+            KV_PUSH_PATH: {"POST": self._kv_push},
             KV_NOTIFY_PATH: {"POST": self._kv_notify},
             KV_HEARTBEAT_PATH: {"POST": self._kv_heartbeat},
         }
@@ -61,6 +76,39 @@ class KvPullRoutes:
             "prompt_digest": entry.prompt_digest,
             "stale": stale,
         }
+        self.serving.answer(conn, request, 200, orjson.dumps(answer))
+
+    def _kv_push(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """A push-mode decode engine registers its blocks: the held request it names is written, then freed.
+
+        vLLM's ``nixl/push_worker.py`` (commit 039e79a6): ``_pop_matching_finished_blocks``
+        pairs the registration's ``request_id`` with a finished request, exactly or with the
+        ``-<8 hex>`` suffix stripped from both; the WRITE's completion frees the prefill
+        engine's blocks (``NixlPushConnectorScheduler.update_connector_output``). A
+        registration that pairs with nothing is answered 404 (vLLM keeps it waiting).
+        """
+        try:
+            data = json_body(request)
+            request_id = data.get("request_id")
+            if not isinstance(request_id, str):
+                raise ApiError(400, "request_id must be a string", param="request_id")
+        except ApiError as exc:
+            self.serving.answer_error(conn, request, exc)
+            return
+        counters = self.serving.counters
+        ledger = self.prefill.ledger
+        base = base_request_id(request_id)
+        owner = request_id if request_id in ledger else next(
+            (held for held in ledger.owners() if base_request_id(held) == base), None)
+        entry = None if owner is None else ledger.pull(owner)
+        if entry is None:
+            counters["kv_push_unmatched"] += 1
+            self.serving.answer(conn, request, 404, orjson.dumps({"matched": False}))
+            return
+        counters["kv_pushes"] += 1
+        self.prefill.kv_ended(entry)
+        answer = {"remote_request_id": entry.owner, "num_blocks": len(entry.block_ids),
+                  "prompt_tokens": entry.prompt_tokens, "prompt_digest": entry.prompt_digest}  # fmt: skip
         self.serving.answer(conn, request, 200, orjson.dumps(answer))
 
     def _find(self, data: dict[str, object]) -> tuple[KvEntry, bool]:

@@ -349,6 +349,10 @@ class KvLedger:
         """``owner``'s entry if its lease ran out recently: a pull now reads freed blocks."""
         return self._expired.get(owner)
 
+    def owners(self) -> list[str]:
+        """The owners held, oldest first."""
+        return list(self._entries)
+
     def pull(self, owner: str) -> KvEntry | None:
         """A decode engine took the KV of ``owner``; ``None`` when nothing is held."""
         return self._end(owner, "pulled")

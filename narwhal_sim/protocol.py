@@ -105,7 +105,7 @@ class KvParams:
         "missing",
     )
 
-    def __init__(self, data: dict[str, Any], *, require_request_id: bool = True) -> None:
+    def __init__(self, data: dict[str, Any], *, require_request_id: bool = True, push: bool = False) -> None:
         self.remote_engine_id = data.get("remote_engine_id")
         self.remote_request_id = data.get("remote_request_id")
         self.remote_block_ids = data.get("remote_block_ids")
@@ -131,7 +131,10 @@ class KvParams:
                 ("remote_request_id", not require_request_id or isinstance(self.remote_request_id, str)),
                 ("remote_host", isinstance(self.remote_host, str)),
                 ("remote_port", type(self.remote_port) is int),
-                ("remote_block_ids", block_ids_ok(self.remote_block_ids)),
+                # Push (nixl/push_scheduler.py, update_state_after_alloc, 0316d25a): the decode engine
+                # registers blocks of its own, and reads tp_size (a KeyError without it), not remote_block_ids.
+                ("tp_size", not push or type(self.tp_size) is int),
+                ("remote_block_ids", push or block_ids_ok(self.remote_block_ids)),
             )
             self.missing = next((name for name, ok in checks if not ok), None)
             self.mode = "decode" if self.missing is None else "invalid"
@@ -139,7 +142,7 @@ class KvParams:
             self.mode = None
 
     @classmethod
-    def parse(cls, value: Any, *, require_request_id: bool = True) -> KvParams | None:
+    def parse(cls, value: Any, *, require_request_id: bool = True, push: bool = False) -> KvParams | None:
         """``None`` for an absent or ``null`` field; 400 when it is not an object.
 
         ``require_request_id``: the connector reads ``remote_request_id`` (NIXL connector version 2).
@@ -148,7 +151,7 @@ class KvParams:
             return None
         if not isinstance(value, dict):
             raise ApiError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
-        return cls(value, require_request_id=require_request_id)
+        return cls(value, require_request_id=require_request_id, push=push)
 
     @property
     def flat_block_ids(self) -> list[int]:
@@ -246,6 +249,7 @@ def parse_completion(
     max_model_len: int,
     tokenizer: Tokenizer | None = None,
     require_request_id: bool = True,
+    push: bool = False,
 ) -> CompletionJob:
     """Validate a ``/v1/completions`` or ``/v1/chat/completions`` body; :class:`ApiError` when bad."""
     data = _json_object(body)
@@ -283,7 +287,7 @@ def parse_completion(
         max_tokens=max_tokens,
         stream=bool(stream),
         include_usage=include_usage,
-        kv=KvParams.parse(data.get("kv_transfer_params"), require_request_id=require_request_id),
+        kv=KvParams.parse(data.get("kv_transfer_params"), require_request_id=require_request_id, push=push),
         tool_name=tool_name,
         min_tokens=min_tokens or 0,
     )

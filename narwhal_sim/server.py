@@ -210,7 +210,8 @@ class SimEngine:
         serving.counters["client_gone"] += 1
         try:
             data = orjson.loads(request.body)
-            params = KvParams.parse(data.get("kv_transfer_params")) if isinstance(data, dict) else None
+            push = self.config.kv_transfer_mode == "push"
+            params = KvParams.parse(data.get("kv_transfer_params"), push=push) if isinstance(data, dict) else None
         except (orjson.JSONDecodeError, ApiError):
             params = None
         if params is not None and params.mode == "decode" and self.config.role != "prefill":

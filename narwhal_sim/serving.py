@@ -24,13 +24,15 @@ from narwhal_sim.protocol import ApiError, error_body
 from narwhal_sim.tokens import Tokenizer
 from narwhal_sim.versions import VllmFamily
 
-__all__ = ["KV_PULL_PATH", "KV_NOTIFY_PATH", "KV_HEARTBEAT_PATH", "ABORT_PATH", "ABORT_REQUESTS_PATH", "COUNTERS",
+__all__ = ["KV_PULL_PATH", "KV_PUSH_PATH", "KV_NOTIFY_PATH", "KV_HEARTBEAT_PATH", "ABORT_PATH", "ABORT_REQUESTS_PATH", "COUNTERS",
            "NO_FAULTS", "Handler", "Routes", "Record", "ClientGone", "Serving", "json_body", "rid_header"]  # fmt: skip
 
 #: The internal route a decode engine pulls KV from (on the prefill engine's listener; NIXL's READ).
 KV_PULL_PATH = "/kv/pull"
 #: The internal route a decode engine tells a prefill engine to free KV it will not read (NIXL's notification).
 KV_NOTIFY_PATH = "/kv/notify"
+#: The internal route a push-mode decode engine registers its blocks on (NIXL's PUSH_REG notification).
+KV_PUSH_PATH = "/kv/push"
 #: The internal route a decode engine renews KV leases on (NIXL's heartbeat, lease family).
 KV_HEARTBEAT_PATH = "/kv/heartbeat"
 #: The simulator's own (not vLLM's) route that frees the KV of an owner key, ``--abort-request-route``.
@@ -47,6 +49,7 @@ COUNTERS = (
     "kv_params_invalid", "kv_notifs_unrecognized", "kv_heartbeats", "kv_stale_reads", "aborted",
     "faults_error", "faults_drop", "faults_delay", "faults_stall", "faults_drop_after_chunks",
     "faults_omit_kv_params", "faults_malformed_json", "faults_unhealthy", "faults_pull_fail",
+    "kv_push_registrations", "kv_pushes", "kv_push_unmatched", "kv_push_registration_timeouts",
 )  # fmt: skip
 
 Handler = Callable[[ServerConnection, HttpRequest], "Coroutine[Any, Any, None] | None"]

@@ -173,6 +173,7 @@ DEFAULTS: dict[str, object] = {
     "ingress.max_batch_prompts": 8,
     "engine.prefill": (),
     "engine.engine_api_key_env": None,
+    "engine.protocol": "vllm-nixl",
     "engine.kv_release": "decode_pull",
     "engine.abort_path": "/abort_request",
     "engine.kv_lease_s": 30.0,
@@ -624,6 +625,17 @@ def test_a_mixed_engine_may_serve_both_phases() -> None:
     assert config.engine.prefill_engines == config.engine.decode_engines
 
 
+def test_the_engine_protocol_is_pull_unless_set_and_names_only_protocols_driven() -> None:
+    # docs/configure.md, engine.protocol; docs/design.md, "Engine protocols".
+    assert config_from_dict(MINIMAL, env={}).engine.protocol == "vllm-nixl"
+    assert config_from_dict(with_values(engine={"protocol": "vllm-nixl-push"}), env={}).engine.protocol == (
+        "vllm-nixl-push"
+    )
+    assert str(error_of(with_values(engine={"protocol": "sglang"}))) == (
+        'engine.protocol: must be one of "vllm-nixl", "vllm-nixl-push", got "sglang"'
+    )
+
+
 def test_single_leg_fleet_has_no_prefill_engines() -> None:
     assert config_from_dict(MINIMAL, env={}).engine.prefill_engines == ()
 
@@ -800,6 +812,7 @@ def test_backoff_max_is_at_least_backoff_base() -> None:
     ("section", "name", "values"),
     [
         ("ingress", "auth", ["none", "api_keys", "trusted_header"]),
+        ("engine", "protocol", ["vllm-nixl", "vllm-nixl-push"]),
         ("engine", "kv_release", ["decode_pull", "abort_endpoint", "decode_abort", "lease"]),
         ("journal", "fsync", ["always", "interval", "never"]),
         ("routing", "policy", ["least_loaded", "round_robin", "prefix", "kv"]),

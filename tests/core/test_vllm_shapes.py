@@ -16,6 +16,10 @@ from narwhal_core.leg_bodies import (
     openai_error_type,
     unsupported_transfer_mode,
 )
+from narwhal_core.engine_config import EngineAddress
+from narwhal_core.fleet import EngineState
+from narwhal_core.inflight import Kv
+from narwhal_core.protocols import engine_protocol
 from narwhal_core.relay import SseRelay
 from narwhal_core.contract import COMPLETIONS
 
@@ -123,3 +127,42 @@ def test_vllm_error_types_become_openai_types() -> None:
     event = json.loads(out[6:])
     assert event["error"] == {"message": "bad", "type": "invalid_request_error", "param": "n", "code": 400}
     assert relay.error is not None and relay.error["type"] == "invalid_request_error"
+
+
+# -- engine.protocol = "vllm-nixl-push" (docs/operate.md, "vLLM compatibility") -------------
+
+
+def test_the_push_protocol_hands_the_decode_leg_the_prefill_engines_coordinates_and_no_blocks() -> None:
+    # As vLLM's push proxy does (toy_push_proxy_server.py): the decode engine registers its own blocks.
+    push = engine_protocol("vllm-nixl-push")
+    handoff = push.check_prefill_answer(answer(PUSH), "r-p1", lambda host: host == "10.0.0.5")
+    assert (handoff.owner, handoff.shared_id) == ("cmpl-r-p1-0-9c0e51a2", True)
+    assert handoff.params is not None and push.refused_mode(handoff.params) is None
+    out = wire.dumps(push.decode_body({"model": MODEL, "prompt": "hi"}, handoff.params))
+    assert out == (
+        b'{"model":"m","prompt":"hi","kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,'
+        b'"remote_engine_id":"e1","remote_request_id":"cmpl-r-p1-0-9c0e51a2","remote_host":"10.0.0.5",'
+        b'"remote_port":5600,"tp_size":1,"pp_size":1}}'
+    )
+    release = push.release_body({"model": MODEL, "prompt": "hi", "max_tokens": 9}, handoff.params)
+    assert release["max_tokens"] == 1 and "remote_block_ids" not in release["kv_transfer_params"]
+    # Every decode request carrying it goes with the prefill leg's X-Request-Id (the engines pair by it).
+    engine = EngineState(address=EngineAddress(url="http://127.0.0.1:8100", host="127.0.0.1", port=8100,
+                                               authority=b"127.0.0.1:8100"), phase="prefill", index=0)
+    assert Kv(handoff=handoff, engine=engine, leg="r-p1").decode_request_id() == "r-p1"
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_push_protocol_refuses_a_pull_answer_and_pull_refuses_a_push_answer(shape: str) -> None:
+    push, pull = engine_protocol("vllm-nixl-push"), engine_protocol("vllm-nixl")
+    params = push.check_prefill_answer(answer(SHAPES[shape]), "r-p1", lambda host: True).params
+    assert params is not None and push.refused_mode(params) == "pull"
+    assert "push mode on every engine" in push.mode_error("pull").message
+    pushed = pull.check_prefill_answer(answer(PUSH), "r-p1", lambda host: True).params
+    assert pushed is not None and pull.refused_mode(pushed) == "push"
+
+
+@pytest.mark.parametrize("key", ["tp_size", "remote_request_id", "remote_host", "remote_engine_id"])
+def test_a_push_answer_without_what_the_decode_engine_reads_is_refused(key: str) -> None:
+    with pytest.raises(PrefillAnswerError, match=key):
+        engine_protocol("vllm-nixl-push").check_prefill_answer(answer(drop(PUSH, key)), "r-p1", lambda host: True)

@@ -46,10 +46,10 @@ class Bench:
     """A prefill and a decode simulator of one vLLM version, a router in front, and a slot holder."""
 
     def __init__(self, tmp_path: Path, version: str, *, engine: dict[str, Any], prefill: dict[str, Any],
-                 retry: int = 1) -> None:
+                 retry: int = 1, decode: dict[str, Any] | None = None) -> None:
         self.journal = tmp_path / "journal.jsonl"
         self.prefill = SimThread(role="prefill", speed=0, vllm_version=version, **prefill).start()
-        self.decode = SimThread(role="decode", speed=1, vllm_version=version).start()
+        self.decode = SimThread(role="decode", speed=1, vllm_version=version, **(decode or {})).start()
         config = make_config(
             self.journal, prefill=(self.prefill.url,), decode=(self.decode.url,),
             engine={"max_inflight_per_engine": 1, "control_timeout_s": 10.0, **engine},
@@ -171,6 +171,27 @@ def test_release_method_frees_the_prefill_engines_blocks_or_says_they_are_held(
         assert kv["error"].startswith("release answered 404")
     if method == "decode_pull" and b.prefill.engine.family.connector == 1:
         assert kv["release_id"] == prefill_leg["backend_id"]  # the X-Request-Id the prefill engine named it by
+    b.results.clear()
+
+
+@pytest.mark.parametrize("method", ["decode_pull", "decode_abort"])
+def test_a_push_fleets_release_frees_the_prefill_engines_blocks(bench: Any, method: str) -> None:
+    """engine.protocol = "vllm-nixl-push" (docs/operate.md, "vLLM compatibility"): the same releases, the same records.
+
+    (A reduced set: the two methods that send a decode request, the only ones whose body the
+    protocol builds; abort_endpoint and lease send the push fleet what they send a pull one.)
+    """
+    push = {"kv_transfer_mode": "push"}
+    b = bench("0.28", engine={"kv_release": method, "protocol": "vllm-nixl-push"}, prefill=push, decode=push)
+    base, _, record = leave_while_waiting_for_decode(b)
+    (prefill_leg,) = [leg for leg in record["legs"] if leg["phase"] == "prefill"]
+    kv = prefill_leg["kv"]
+    assert (kv["outcome"], kv["method"]) == (EXPECTED[method][0], method), kv
+    stats = b.prefill.wait_for(lambda s: s["kv_held"] == base["kv_held"], timeout=10)
+    assert (stats["kv_held_blocks"], stats["kv_expired"]) == (base["kv_held_blocks"], 0)
+    assert kv["release_id"] == prefill_leg["backend_id"]  # the X-Request-Id both engines pair by
+    if method == "decode_pull":
+        assert stats["kv_pushes"] == base["kv_pushes"] + 1  # written to the decode engine, then freed
     b.results.clear()
 
 
