@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from . import journal, wire
+from .budgets import BudgetRefusal
 from .errors import AuthError
 from .context import JSON_HEADER, Context, error_record
 from .contract import AcceptedRequest, Route, check_request
@@ -98,8 +99,10 @@ class Requests:
             fair = (estimate_tokens(len(request.body)), band, weight)
         decision = self._admission(rid, client, fair)
         if isinstance(decision, NarwhalError):
-            clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
-                           accepted=accepted, trace=trace)
+            # A budget's refusal brings its own Retry-After and rate-limit headers (docs/operate.md, "Tenants").
+            extra = decision.headers if isinstance(decision, BudgetRefusal) else ()
+            clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=not extra,
+                           accepted=accepted, extra=extra, trace=trace)
             return None
         req = Request(
             rid=rid, conn=conn, route=route, client=client, client_rid=client_rid,
@@ -133,6 +136,8 @@ class Requests:
         else:
             assert isinstance(admission, FairAdmission)
             decision = admission.offer(rid, client, *fair)
+            if isinstance(decision, BudgetRefusal):
+                return decision
         if decision == "client_limit":
             return NarwhalError("Too many requests in flight for this client.", status=429,
                                 type="rate_limit_error", code="rate_limited")
