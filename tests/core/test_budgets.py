@@ -209,7 +209,10 @@ def test_a_request_admission_refuses_is_not_charged() -> None:
     retried = post(d, "bob")  # at the same instant: bob's budget was not spent on the 503
     d.serve_until_done()
     assert retried.last.status == 200
-    assert d.router.stats.tenant_rejected == {("(unnamed)", "default", "queue_full"): 1}
+    assert post(d, "bob").last.status == 429  # this one it was spent on
+    assert d.router.stats.tenant_rejected == {
+        ("(unnamed)", "default", "queue_full"): 1, ("(unnamed)", "default", "requests_budget"): 1,
+    }
 
 
 def _end_by_serving(d: Driver, client: Any) -> None:
