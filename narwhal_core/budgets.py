@@ -143,6 +143,17 @@ class Budgets:
         if tokens is not None:
             tokens.take(cost)
 
+    def headers(self, client: str) -> _Headers:
+        """The OpenAI rate-limit headers of ``client``'s buckets as they are (none: it has no rate budget)."""
+        buckets = self._buckets.get(client)
+        if buckets is None:
+            return ()
+        requests, tokens = buckets
+        return (
+            *(() if requests is None else requests.headers(b"requests")),
+            *(() if tokens is None else tokens.headers(b"tokens")),
+        )
+
     def __len__(self) -> int:
         return len(self._buckets)
 
@@ -162,7 +173,7 @@ def _refusal(wait: float, reason: str, cost: int, requests: Bucket | None, token
     rate_headers = (
         *(() if requests is None else requests.headers(b"requests")),
         *(() if tokens is None else tokens.headers(b"tokens")),
-    )
+    )  # (Budgets.headers, from the pair it already holds)
     if math.isinf(wait):
         assert tokens is not None
         return BudgetRefusal(

@@ -186,6 +186,26 @@ def test_a_prompt_tokens_budget_weighs_the_estimate_and_names_the_wait() -> None
     d.check_invariants(final=True)
 
 
+def test_answers_to_a_tenant_with_a_budget_carry_the_rate_limit_headers() -> None:
+    tenants = TenantsConfig(tenant=(TenantConfig(name="gina", requests_per_s=2.0, prompt_tokens_per_min=600.0),))
+    d = driver(tenants)
+    whole = post(d, "gina")
+    streamed = d.post(COMPLETIONS, completion_body(prompt="hello", stream=True), [("X-Narwhal-Client", "gina")])
+    plain = post(d, "hank")
+    d.serve_until_done()
+    cost = cost_of("hello")
+    for response, left in ((whole.last, 1), (streamed.last, 0)):
+        assert response.status == 200
+        headers = headers_of(response)
+        assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("2", str(left))
+        assert headers["x-ratelimit-limit-tokens"] == "600"
+        assert headers["x-ratelimit-reset-requests"] == duration((2 - left) / 2.0)
+    assert headers_of(whole.last)["x-ratelimit-remaining-tokens"] == str(600 - cost)
+    assert streamed.last.is_sse
+    assert plain.last.status == 200 and not any(n.startswith(b"x-ratelimit") for n, _ in plain.last.headers)
+    d.check_invariants(final=True)
+
+
 def test_a_prompt_larger_than_the_whole_budget_is_told_not_to_retry() -> None:
     d = driver(TenantsConfig(default_prompt_tokens_per_min=100.0))
     refused = post(d, "dave", "y" * 1000)

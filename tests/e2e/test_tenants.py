@@ -94,6 +94,7 @@ def test_the_openai_client_reads_a_budgets_429_and_waits_its_retry_after(start_r
         raw = client.completions.with_raw_response.create(model=MODEL, prompt="The narwhal", max_tokens=2)
     # Refused once more, it waited out the budget's second (counted from the first request) and was admitted.
     assert raw.status_code == 200 and time.monotonic() - started >= 1.0
+    assert raw.headers["x-ratelimit-remaining-requests"] == "0"  # a success tells the budget too
     terminals = [r["terminal"] for r in read_journal(journal_path) if r.get("terminal")]
     assert sorted(terminals) == ["completed", "completed", "rejected", "rejected"]
     assert len(completion_records(fleet.prefill)) == 2  # the engines saw only the admitted two
