@@ -39,7 +39,7 @@ class Request:
         "failed_on", "leg", "legs", "kv", "pending_releases", "admitted", "answered", "bytes_sent",
         "first_byte", "relay", "retry_phase", "pulled_cached_tokens", "waiting_for_slot", "terminal",
         "status", "error", "usage", "timers", "plain_decode", "prompts", "prompt", "answers", "prompt_base",
-        "size", "plan", "trace", "tokenizing",
+        "size", "plan", "trace", "tokenizing", "rate_headers",
     )
 
     def __init__(
@@ -89,6 +89,8 @@ class Request:
         self.prompt_base: dict[str, int] = {PREFILL: 0, DECODE: 0}
         #: The request body's size in bytes (the routing estimates tokens from it).
         self.size = size
+        #: With a tenant's rate budget, the OpenAI rate-limit headers its answer carries (docs/operate.md, "Budgets").
+        self.rate_headers: tuple[tuple[bytes, bytes], ...] = ()
         #: How it is routed, decided at admission (:meth:`narwhal_core.routing.Routing.plan`).
         self.plan: Plan | None = None
         if self.prompts is not None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from . import journal, wire
+from .budgets import BudgetRefusal
 from .errors import AuthError
 from .context import JSON_HEADER, Context, error_record
 from .contract import AcceptedRequest, Route, check_request
@@ -98,13 +99,17 @@ class Requests:
             fair = (estimate_tokens(len(request.body)), band, weight)
         decision = self._admission(rid, client, fair)
         if isinstance(decision, NarwhalError):
-            clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=True,
-                           accepted=accepted, trace=trace)
+            # A budget's refusal brings its own Retry-After and rate-limit headers (docs/operate.md, "Tenants").
+            extra = decision.headers if isinstance(decision, BudgetRefusal) else ()
+            clients.refuse(conn, rid, route, client_rid, client, "rejected", decision, retry_after=not extra,
+                           accepted=accepted, extra=extra, trace=trace)
             return None
         req = Request(
             rid=rid, conn=conn, route=route, client=client, client_rid=client_rid,
             received=ctx.now, stream=accepted.stream, accepted=accepted, size=len(request.body), trace=trace,
         )
+        if fair is not None:
+            req.rate_headers = self._rate_headers(client)
         self.active[rid] = req
         a = ctx.config.admission
         self.arm(req, "deadline", ctx.now + a.request_timeout_s)
@@ -133,12 +138,21 @@ class Requests:
         else:
             assert isinstance(admission, FairAdmission)
             decision = admission.offer(rid, client, *fair)
+            if isinstance(decision, BudgetRefusal):
+                return decision
         if decision == "client_limit":
             return NarwhalError("Too many requests in flight for this client.", status=429,
                                 type="rate_limit_error", code="rate_limited")
         if decision == "fleet_full":
             return NarwhalError("The fleet is at capacity; retry later.", status=503, code="overloaded")
         return decision
+
+    def _rate_headers(self, client: str) -> tuple[tuple[bytes, bytes], ...]:
+        """The OpenAI rate-limit headers a tenant's answers carry: its budget after this request's charge."""
+        admission = self.ctx.admission
+        assert isinstance(admission, FairAdmission)
+        budgets = admission.budgets
+        return () if budgets is None else budgets.headers(client)
 
     def journal_admitted(self, req: Request) -> None:
         """The request's progress record: it holds an admission slot now."""
@@ -227,7 +241,7 @@ class Requests:
             # record. Clients.end_response decides at the end, as for a stream
             # begun before the shutdown.
             clients.send(conn, conn.codec.send_stream_start(200, (
-                *_SSE_HEADERS, (b"x-request-id", req.rid.encode()),
+                *_SSE_HEADERS, (b"x-request-id", req.rid.encode()), *req.rate_headers,
             )))
             first = True
         elif req.state is State.DECODE:
@@ -264,7 +278,7 @@ class Requests:
         if conn is not None:
             req.first_byte = self.ctx.now
             self.clients.end_response(conn, conn.codec.send_response(200, (
-                JSON_HEADER, (b"x-request-id", req.rid.encode()), *self.clients.closing(conn),
+                JSON_HEADER, (b"x-request-id", req.rid.encode()), *req.rate_headers, *self.clients.closing(conn),
             ), body))
 
     def answer_error(self, req: Request, *, retry_after: bool = False) -> None:

@@ -20,6 +20,10 @@ each request's cost, its estimated prompt tokens:
 So while a tenant waits, any other tenant of its band is admitted at most
 ``weight_other / weight_own × C + C`` prompt tokens ahead of its first
 request, ``C`` the largest cost of one request (docs/operate.md, "Tenants").
+
+Each tenant's budget is checked before its request takes a slot or a place
+in the queue: its in-flight limit (its own, or the per-client one) and, if
+it has one, its rates (:mod:`~narwhal_core.budgets`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import heapq
 from collections import deque
 from typing import TYPE_CHECKING, Final
 
+from .budgets import BudgetRefusal, Budgets
 from .policies import StoppedClock
 from .stats import Histogram, Stats
 
@@ -178,6 +183,15 @@ class FairAdmission:
         self.queue_size: Final = queue_size
         self.per_client_max: Final = per_client_max_inflight
         self.tenants: Final = tenants
+        #: Each tenant's rate budget; ``None``: no tenant has one.
+        self.budgets: Final = Budgets(tenants) if tenants.rated else None
+        #: Named client -> its own in-flight limit (0: unlimited); the other clients': ``unnamed_max``.
+        self._client_max: Final = {
+            name: per_client_max_inflight if b.max_inflight is None else b.max_inflight
+            for name, b in tenants.budgets.items()
+        }
+        inflight = tenants.default_budget.max_inflight
+        self.unnamed_max: Final = per_client_max_inflight if inflight is None else inflight
         #: Requests holding a global slot.
         self.inflight = 0
         #: Requests waiting for a slot.
@@ -192,14 +206,23 @@ class FairAdmission:
         self._clock = clock
         self._stats = stats
 
-    def offer(self, rid: str, client: str, cost: int = 1, band: int = 0, weight: float = 1.0) -> AdmitDecision:
+    def offer(
+        self, rid: str, client: str, cost: int = 1, band: int = 0, weight: float = 1.0
+    ) -> AdmitDecision | BudgetRefusal:
         """Admit ``rid`` (``cost``: its estimated prompt tokens), queue it in ``band``, or say why not."""
         stats = self._stats
         key = (self.tenants.label(client), self.tenants.bands[band])
         held = self.per_client.get(client, 0)
-        if self.per_client_max and held >= self.per_client_max:
+        limit = self._client_max.get(client, self.unnamed_max)
+        if limit and held >= limit:
             stats.tenant_rejected[(*key, "client_limit")] += 1
             return "client_limit"
+        budgets = self.budgets
+        if budgets is not None:
+            refusal = budgets.check(client, cost, self._clock.now)
+            if refusal is not None:
+                stats.tenant_rejected[(*key, refusal.reason)] += 1
+                return refusal
         queue = self.queue
         if self.inflight < self.max_inflight and not queue:
             decision: AdmitDecision = "admitted"
@@ -213,6 +236,8 @@ class FairAdmission:
         else:
             stats.tenant_rejected[(*key, "queue_full")] += 1
             return "fleet_full"
+        if budgets is not None:
+            budgets.charge(client, cost)
         self.per_client[client] = held + 1
         return decision
 

@@ -3,10 +3,10 @@
 A tenant is the client identity authentication gives a request
 (:mod:`~narwhal_core.auth`): the name of an API key's entry, or what the
 trusted proxy put in ``ingress.client_header``. Each ``[[tenants.tenant]]``
-table gives one client its band and weight; every other client is a tenant
-of its own with ``default_band`` and ``default_weight``. Without a
-``[tenants]`` section the admission queue is first come, first served
-(docs/operate.md, "Tenants").
+table gives one client its band, weight and budget; every other client is a
+tenant of its own with the ``default_*`` values. Without a ``[tenants]``
+section the admission queue is first come, first served and no client has
+a budget (docs/operate.md, "Tenants").
 """
 
 from collections.abc import Mapping
@@ -15,11 +15,12 @@ from typing import Any, ClassVar, Final
 import attrs
 
 from .config_fields import (
-    as_str_tuple, describe, doc, float_in, non_empty, optional_string, set_derived, str_list, string, to_float,
+    as_str_tuple, describe, doc, float_in, int_in, non_empty, optional_string, set_derived, str_list, string,
+    to_float,
 )
 from .errors import ConfigError, ContractError
 
-__all__ = ["PRIORITY_HEADER", "UNNAMED", "TenantConfig", "TenantsConfig"]
+__all__ = ["PRIORITY_HEADER", "UNNAMED", "Budget", "TenantConfig", "TenantsConfig"]
 
 #: The header a request lowers its own band with (docs/operate.md, "Tenants").
 PRIORITY_HEADER: Final = b"x-narwhal-priority"
@@ -38,6 +39,39 @@ def _optional_float(value: float | None) -> float | None:
     return None if value is None else to_float(value)
 
 
+#: The largest rate a budget may set (requests per second, prompt tokens per minute).
+_MAX_RATE: Final = 1e12
+
+
+def _rate(text: str, *, optional: bool) -> Any:
+    check = float_in(positive=False, maximum=_MAX_RATE)
+    if optional:
+        return attrs.field(default=None, converter=_optional_float, validator=attrs.validators.optional(check),
+                           metadata=doc(text))
+    return attrs.field(default=0.0, converter=to_float, validator=check, metadata=doc(text))
+
+
+def _inflight(text: str) -> Any:
+    return attrs.field(default=None, validator=attrs.validators.optional(int_in(0)), metadata=doc(text))
+
+
+@attrs.frozen(kw_only=True)
+class Budget:
+    """One tenant's budget (docs/operate.md, "Tenants"), its tables' values and the defaults resolved."""
+
+    #: Requests per second (0: no such budget).
+    requests_per_s: float
+    #: Estimated prompt tokens per minute (0: no such budget).
+    prompt_tokens_per_min: float
+    #: Requests admitted or queued at once (``None``: ``admission.per_client_max_inflight``; 0: unlimited).
+    max_inflight: int | None
+
+    @property
+    def rated(self) -> bool:
+        """Whether it limits a rate (requests or prompt tokens), not only what is in flight."""
+        return self.requests_per_s > 0 or self.prompt_tokens_per_min > 0
+
+
 @attrs.frozen(kw_only=True)
 class TenantConfig:
     """One ``[[tenants.tenant]]`` table: a client's band and weight."""
@@ -54,6 +88,12 @@ class TenantConfig:
         validator=attrs.validators.optional(float_in(positive=True, maximum=1e6)),
         metadata=doc("Its weight within its band (unset: tenants.default_weight)."),
     )
+    requests_per_s: float | None = _rate("Its requests per second, 0 none (unset: tenants.default_requests_per_s).",
+                                         optional=True)
+    prompt_tokens_per_min: float | None = _rate(
+        "Its prompt tokens per minute, 0 none (unset: tenants.default_prompt_tokens_per_min).", optional=True
+    )
+    max_inflight: int | None = _inflight("Its requests in flight, 0 unlimited (unset: tenants.default_max_inflight).")
 
 
 def _tenant_tables(value: Any) -> Any:
@@ -108,7 +148,15 @@ class TenantsConfig:
     )
     tenant: tuple[TenantConfig, ...] = attrs.field(
         factory=tuple, converter=_tenant_tables, validator=_is_tenant_tuple,
-        metadata=doc("One table per named client: name, band, weight."),
+        metadata=doc("One table per named client: name, band, weight and budget."),
+    )
+    default_requests_per_s: float = _rate("Each other client's requests per second (0: no such budget).",
+                                          optional=False)
+    default_prompt_tokens_per_min: float = _rate(
+        "Each other client's estimated prompt tokens per minute (0: no such budget).", optional=False
+    )
+    default_max_inflight: int | None = _inflight(
+        "Each other client's requests in flight, 0 unlimited (unset: admission.per_client_max_inflight)."
     )
 
     #: Band name -> its position, 0 the highest.
@@ -119,6 +167,12 @@ class TenantsConfig:
     )
     #: The band position of every other client.
     default_position: int = attrs.field(init=False, eq=False, repr=False, metadata=doc("default_band's position."))
+    #: Named client -> its budget; and every other client's.
+    budgets: Mapping[str, Budget] = attrs.field(init=False, eq=False, repr=False,
+                                                metadata=doc("Each named client's budget."))
+    default_budget: Budget = attrs.field(init=False, eq=False, repr=False, metadata=doc("Every other client's budget."))
+    #: Whether any client has a rate budget (else the router keeps no buckets).
+    rated: bool = attrs.field(init=False, eq=False, repr=False, metadata=doc("Whether any budget limits a rate."))
 
     def __attrs_post_init__(self) -> None:
         index: dict[str, int] = {}
@@ -139,9 +193,17 @@ class TenantsConfig:
                 raise ConfigError(f"{_KEY}[{i}].band", f"must be one of tenants.bands, got {describe(entry.band)}")
             band = default if entry.band is None else index[entry.band]
             named[entry.name] = (band, self.default_weight if entry.weight is None else entry.weight)
+        fallback = Budget(
+            requests_per_s=self.default_requests_per_s, prompt_tokens_per_min=self.default_prompt_tokens_per_min,
+            max_inflight=self.default_max_inflight,
+        )
+        budgets = {entry.name: _budget(entry, fallback) for entry in self.tenant}
         set_derived(self, "band_index", index)
         set_derived(self, "named", named)
         set_derived(self, "default_position", default)
+        set_derived(self, "budgets", budgets)
+        set_derived(self, "default_budget", fallback)
+        set_derived(self, "rated", fallback.rated or any(b.rated for b in budgets.values()))
 
     def band_and_weight(self, client: str, priority: bytes | None) -> tuple[int, float]:
         """The band position (0 the highest) and weight a request of ``client`` is queued with.
@@ -162,6 +224,21 @@ class TenantsConfig:
             )
         return max(band, asked), weight
 
+    def budget(self, client: str) -> Budget:
+        """``client``'s budget: its table's, or the defaults'."""
+        return self.budgets.get(client) or self.default_budget
+
     def label(self, client: str) -> str:
         """The ``tenant`` label of ``client``'s metrics: its name if a table names it, else :data:`UNNAMED`."""
         return client if client in self.named else UNNAMED
+
+
+def _budget(entry: TenantConfig, fallback: Budget) -> Budget:
+    """A named client's budget: each value its table sets, else the default's."""
+    return Budget(
+        requests_per_s=fallback.requests_per_s if entry.requests_per_s is None else entry.requests_per_s,
+        prompt_tokens_per_min=(
+            fallback.prompt_tokens_per_min if entry.prompt_tokens_per_min is None else entry.prompt_tokens_per_min
+        ),
+        max_inflight=fallback.max_inflight if entry.max_inflight is None else entry.max_inflight,
+    )

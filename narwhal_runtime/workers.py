@@ -20,6 +20,7 @@ from pathlib import PurePath
 import attrs
 
 from narwhal_core import Config, ConfigError
+from narwhal_core.config import TenantsConfig
 
 __all__ = ["die_with_supervisor", "resolve_workers", "share", "worker_config", "worker_journal_path", "WORKER_JOURNAL"]
 
@@ -63,8 +64,9 @@ def worker_config(config: Config, *, index: int, workers: int, port: int) -> Con
 
     Fleet-wide (docs/configure.md marks them): ``ingress.max_connections``,
     ``admission.max_inflight``, ``admission.queue_size``,
-    ``admission.per_client_max_inflight``, ``engine.max_inflight_per_engine``.
-    ``ingress.workers`` keeps the group's size (listening sockets then set
+    ``admission.per_client_max_inflight``, ``engine.max_inflight_per_engine``,
+    and each tenant's budget (``[tenants]``: its rates divided, its in-flight
+    limit shared). ``ingress.workers`` keeps the group's size (listening sockets then set
     ``SO_REUSEPORT``); the listen port is the one the supervisor bound.
     """
     ingress = config.ingress
@@ -85,7 +87,34 @@ def worker_config(config: Config, *, index: int, workers: int, port: int) -> Con
             config.engine,
             max_inflight_per_engine=share(config.engine.max_inflight_per_engine, workers),
         ),
+        tenants=None if config.tenants is None else tenants_share(config.tenants, workers),
         journal=attrs.evolve(config.journal, path=worker_journal_path(config.journal.path, index)),
+    )
+
+
+def tenants_share(tenants: TenantsConfig, workers: int) -> TenantsConfig:
+    """One worker's share of every tenant's budget: rates / ``workers``, in-flight limits by :func:`share`.
+
+    Each worker's router enforces its share on its own (docs/operate.md, "Budgets").
+    """
+    def rate(value: float | None) -> float | None:
+        return None if value is None else value / workers
+
+    def inflight(value: int | None) -> int | None:
+        return None if value is None else share(value, workers)
+
+    return attrs.evolve(
+        tenants,
+        default_requests_per_s=tenants.default_requests_per_s / workers,
+        default_prompt_tokens_per_min=tenants.default_prompt_tokens_per_min / workers,
+        default_max_inflight=inflight(tenants.default_max_inflight),
+        tenant=tuple(
+            attrs.evolve(
+                t, requests_per_s=rate(t.requests_per_s), prompt_tokens_per_min=rate(t.prompt_tokens_per_min),
+                max_inflight=inflight(t.max_inflight),
+            )
+            for t in tenants.tenant
+        ),
     )
 
 

@@ -31,7 +31,7 @@ from narwhal_core.config import (
     validate,
 )
 from narwhal_core.errors import ConfigError, ContractError
-from narwhal_core.tenants_config import TenantConfig, TenantsConfig
+from narwhal_core.tenants_config import Budget, TenantConfig, TenantsConfig
 
 from ..helpers import REPO
 
@@ -236,6 +236,9 @@ DEFAULTS: dict[str, object] = {
     "tenants.default_band": None,
     "tenants.default_weight": 1.0,
     "tenants.tenant": (),
+    "tenants.default_requests_per_s": 0.0,
+    "tenants.default_prompt_tokens_per_min": 0.0,
+    "tenants.default_max_inflight": None,
 }
 #: Sections a config without them does not have (``None``): their defaults are those of an empty table.
 ABSENT_UNLESS_WRITTEN = {"tenants"}
@@ -285,7 +288,7 @@ def test_optional_sections_may_be_omitted_or_empty(section: str) -> None:
 
 def wrong_values(annotation: object) -> list[tuple[object, str]]:
     """Values of the wrong type for a field, each with the error message's tail."""
-    if annotation is int:
+    if annotation is int or annotation == (int | None):
         return [(True, "must be an integer, got true"), (1.5, "must be an integer, got 1.5"),
                 ("5", 'must be an integer, got "5"'), ([1], "must be an integer, got an array")]
     if annotation is float:
@@ -717,6 +720,7 @@ POSITIVE_SECONDS = [
     (s, a.name) for s, a in all_keys()
     if a.type is float and a.name not in (
         "backoff_base_s", "backoff_max_s", "grace_s", "metrics_interval_s", "kv_speculative_ttl_s", "sample_ratio",
+        "default_requests_per_s", "default_prompt_tokens_per_min",  # rates: 0 is no budget
     )
 ]
 
@@ -948,6 +952,47 @@ def test_tenants_errors_name_the_key(tenants: dict[str, Any], message: str) -> N
     assert str(error_of(with_values(tenants=tenants))).startswith(message)
 
 
+def test_tenant_budgets_take_each_table_value_else_the_default() -> None:
+    tenants = parse_config(EXAMPLE + """
+[tenants]
+default_requests_per_s = 2
+default_prompt_tokens_per_min = 6000
+default_max_inflight = 4
+
+[[tenants.tenant]]
+name = "batch"
+requests_per_s = 0.5
+max_inflight = 0
+
+[[tenants.tenant]]
+name = "free"
+requests_per_s = 0
+prompt_tokens_per_min = 0
+""", env={"NARWHAL_ENGINE_API_KEY": SECRET}).tenants
+    assert tenants is not None and tenants.rated
+    assert tenants.budget("batch") == Budget(requests_per_s=0.5, prompt_tokens_per_min=6000.0, max_inflight=0)
+    assert tenants.budget("free") == Budget(requests_per_s=0.0, prompt_tokens_per_min=0.0, max_inflight=4)
+    assert not tenants.budget("free").rated
+    assert tenants.budget("anyone") == Budget(requests_per_s=2.0, prompt_tokens_per_min=6000.0, max_inflight=4)
+    # Without any rate, admission keeps no buckets: an in-flight limit alone is not a rate.
+    assert not TenantsConfig(default_max_inflight=3).rated
+    assert TenantsConfig().budget("x") == Budget(requests_per_s=0.0, prompt_tokens_per_min=0.0, max_inflight=None)
+
+
+@pytest.mark.parametrize(("tenants", "message"), [
+    ({"default_requests_per_s": -1}, "tenants.default_requests_per_s: must not be negative, got -1.0"),
+    ({"default_prompt_tokens_per_min": 1e13}, "tenants.default_prompt_tokens_per_min: must be at most 1000000000000.0"),
+    ({"default_max_inflight": -1}, "tenants.default_max_inflight: must be at least 0, got -1"),
+    ({"tenant": [{"name": "x", "requests_per_s": "5"}]}, 'tenants.tenant[0].requests_per_s: must be a number, got "5"'),
+    ({"tenant": [{"name": "x", "prompt_tokens_per_min": -5}]},
+     "tenants.tenant[0].prompt_tokens_per_min: must not be negative, got -5.0"),
+    ({"tenant": [{"name": "x"}, {"name": "y", "max_inflight": 1.5}]},
+     "tenants.tenant[1].max_inflight: must be an integer, got 1.5"),
+])
+def test_tenant_budget_errors_name_the_key(tenants: dict[str, Any], message: str) -> None:
+    assert str(error_of(with_values(tenants=tenants))).startswith(message)
+
+
 # -- the converter ------------------------------------------------------------------
 
 
@@ -970,6 +1015,8 @@ def test_every_field_has_a_one_line_doc() -> None:
 def type_cell(annotation: object) -> str:
     if annotation is int:
         return "integer"
+    if annotation == (int | None):
+        return "integer, optional"
     if annotation is float:
         return "float"
     if annotation is str:

@@ -73,9 +73,12 @@ from .router_driver import (
 #: machine on the pure sources with an eighth of the examples (``corebuild.examples``):
 #: the full walk runs once per suite, on the build that is installed.
 MAX_EXAMPLES = examples(900, rerun=110)
-#: With ``tenants``: alice in the high band, bob in the low one at twice the default weight.
-TENANTS = TenantsConfig(bands=("high", "low"), tenant=(TenantConfig(name="alice", band="high"),
-                                                       TenantConfig(name="bob", weight=2.0)))
+#: With ``tenants``: alice in the high band, in flight at most 2; bob in the low one at twice the default
+#: weight, with a budget of one request every 2 s and 800 prompt tokens a minute (docs/operate.md, "Budgets").
+TENANTS = TenantsConfig(bands=("high", "low"), tenant=(
+    TenantConfig(name="alice", band="high", max_inflight=2),
+    TenantConfig(name="bob", weight=2.0, requests_per_s=0.5, prompt_tokens_per_min=800.0),
+))
 STEPS = 100
 #: Shrinking a failure stops after this long (the failing case is printed either way).
 SHRINK_SECONDS = 60
@@ -481,6 +484,9 @@ class RouterMachine(RuleBasedStateMachine):
         stats = d.router.statistics()
         event(f"steps {min(self.steps // 25 * 25, 100)}+")
         event(f"journal terminals {sorted({r['terminal'] for r in d.terminals()})}")
+        budget_codes = {"requests_budget", "prompt_tokens_budget", "prompt_over_budget"}
+        if any(r["error"] and r["error"].get("code") in budget_codes for r in d.terminals()):
+            event("a budget refused a request")
         note(f"statistics at the end: {_short(stats)}")
         d.check_invariants(final=True)
 

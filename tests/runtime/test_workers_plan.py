@@ -50,6 +50,20 @@ def test_worker_config_takes_its_share_and_the_group_port(tmp_path) -> None:
     assert mine.admission.queue_timeout_s == config.admission.queue_timeout_s
 
 
+def test_worker_config_shares_each_tenant_budget(tmp_path) -> None:
+    config = make_config(tmp_path / "j.jsonl", decode=("http://127.0.0.1:9",), tenants={
+        "default_requests_per_s": 3, "default_prompt_tokens_per_min": 600, "default_max_inflight": 5,
+        "tenant": [{"name": "a", "requests_per_s": 1, "max_inflight": 0}, {"name": "b"}],
+    })
+    mine = worker_config(config, index=0, workers=2, port=4321).tenants
+    assert mine is not None
+    assert (mine.default_requests_per_s, mine.default_prompt_tokens_per_min, mine.default_max_inflight) == (1.5, 300, 3)
+    assert (mine.budget("a").requests_per_s, mine.budget("a").max_inflight) == (0.5, 0)  # 0: still unlimited
+    assert mine.budget("b") == mine.default_budget
+    assert worker_config(make_config(tmp_path / "k", decode=("http://127.0.0.1:9",)), index=0, workers=2,
+                         port=1).tenants is None
+
+
 def test_worker_count(tmp_path) -> None:
     config = make_config(tmp_path / "j", decode=("http://127.0.0.1:9",), ingress={"workers": "auto"})
     assert resolve_workers(config) >= 1
