@@ -17,12 +17,13 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import attrs
 
 from narwhal_sim.model import ROLES, Faults, FaultsError
 from narwhal_sim.server import DEFAULT_MODEL, SimConfig, SimEngine
+from narwhal_sim.sglang import SglangEngine
 
 __all__ = ["main", "build_parser", "config_from_args", "parse_listen", "run"]
 
@@ -56,6 +57,9 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
     )
     d = _DEFAULTS
     p.add_argument("--role", choices=ROLES, default=d.role, help="prefill, decode, or mixed (both)")
+    p.add_argument("--protocol", choices=("vllm", "sglang"), default=d.protocol,
+                   help="the engine's PD protocol: vLLM's NIXL pull, or SGLang's bootstrap rooms "
+                        "(docs/simulator.md, 'SGLang PD')")  # fmt: skip
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on; port 0 picks a free one")
     p.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds output text, KV owner suffixes and faults")
@@ -68,6 +72,14 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
                    help="remote_host given to decode engines (default: localhost, vLLM's "
                         "VLLM_NIXL_SIDE_CHANNEL_HOST default)")  # fmt: skip
     p.add_argument("--tp-size", type=int, default=d.tp_size, help="tp_size reported in kv_transfer_params")
+
+    s = p.add_argument_group("SGLang PD (--protocol sglang; docs/simulator.md, 'SGLang PD')")
+    s.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port,
+                   help="SGLang's --disaggregation-bootstrap-port: a prefill engine's bootstrap server; 0 picks one")
+    s.add_argument("--bootstrap-timeout-s", type=float, default=d.bootstrap_timeout_s,
+                   help="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: a prefill room's wait for its decode side")
+    s.add_argument("--waiting-timeout-s", type=float, default=d.waiting_timeout_s,
+                   help="SGLANG_DISAGGREGATION_WAITING_TIMEOUT: a decode request's wait for its room's KV")
 
     v = p.add_argument_group("vLLM version (docs/simulator.md, 'vLLM versions')")
     v.add_argument("--vllm-version", default=None, metavar="VERSION",
@@ -192,6 +204,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
     faults = _faults(args)
     config = SimConfig(
         role=args.role,
+        **_sglang_settings(args),
         host=host,
         port=port,
         model=args.model,
@@ -245,6 +258,11 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
     return config
 
 
+def _sglang_settings(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("protocol", "bootstrap_port", "bootstrap_timeout_s", "waiting_timeout_s")
+    return {name: getattr(args, name) for name in names}
+
+
 def _api_key(variable: str | None, environ: Mapping[str, str]) -> str | None:
     if variable is None:
         return None
@@ -274,18 +292,19 @@ def loop_factory(kind: str = "auto") -> Callable[[], asyncio.AbstractEventLoop]:
     return asyncio.new_event_loop
 
 
-def startup_line(engine: SimEngine) -> str:
-    """The one JSON line printed when the engine listens."""
-    return json.dumps(
-        {
-            "event": "listening",
-            "host": engine.host,
-            "port": engine.port,
-            "role": engine.config.role,
-            "url": engine.url,
-            "engine_id": engine.engine_id,
-        }
-    )
+def startup_line(engine: SimEngine | SglangEngine) -> str:
+    """The one JSON line printed when the engine listens (a SGLang engine adds its protocol and bootstrap port)."""
+    line = {
+        "event": "listening",
+        "host": engine.host,
+        "port": engine.port,
+        "role": engine.config.role,
+        "url": engine.url,
+        "engine_id": engine.engine_id,
+    }
+    if isinstance(engine, SglangEngine):
+        line.update(protocol="sglang", bootstrap_port=engine.bootstrap_port)
+    return json.dumps(line)
 
 
 def run(config: SimConfig, *, loop: str = "auto") -> int:
@@ -299,13 +318,14 @@ def run(config: SimConfig, *, loop: str = "auto") -> int:
                 running.add_signal_handler(signum, stop.set)
             except (NotImplementedError, RuntimeError, ValueError):
                 pass  # not the main thread: the caller stops us another way
+        engine: SimEngine | SglangEngine
         try:
-            engine = SimEngine(config)
+            engine = SglangEngine(config) if config.protocol == "sglang" else SimEngine(config)
         except (ValueError, OSError) as exc:  # a tokenizer or chat template that does not load
             print(f"narwhal sim: error: {exc}", file=sys.stderr)
             return 2
 
-        def announce(e: SimEngine) -> None:
+        def announce(e: SimEngine | SglangEngine) -> None:
             sys.stdout.write(startup_line(e) + "\n")
             sys.stdout.flush()
 

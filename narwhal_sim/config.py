@@ -19,6 +19,16 @@ class SimConfig:
 
     #: ``prefill``, ``decode`` or ``mixed`` (both, like vLLM's ``kv_both``).
     role: str = "mixed"
+    #: The engine protocol spoken: ``vllm`` (the NIXL connector's pull) or ``sglang`` (SGLang's
+    #: bootstrap rooms, :mod:`narwhal_sim.sglang`; docs/simulator.md, "SGLang PD").
+    protocol: str = "vllm"
+    #: SGLang's ``--disaggregation-bootstrap-port`` (8998 in its server_args.py): where a SGLang prefill
+    #: engine serves its bootstrap rooms; 0 picks a free port.
+    bootstrap_port: int = 8998
+    #: SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``: seconds a prefill room waits for its decode side.
+    bootstrap_timeout_s: float = 300.0
+    #: SGLang's ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``: seconds a decode request waits for its room's KV.
+    waiting_timeout_s: float = 300.0
     #: Address to listen on; port 0 picks a free port.
     host: str = "127.0.0.1"
     port: int = 0
@@ -165,8 +175,12 @@ class SimConfig:
             raise ValueError("kv_lease_s and kv_pull_timeout_s must be > 0")
         if self.kv_load_failure not in ("recompute", "fail"):
             raise ValueError("kv_load_failure must be recompute or fail")
-        if not 0 <= self.port <= 65535:
-            raise ValueError("port must be between 0 and 65535")
+        if not 0 <= self.port <= 65535 or not 0 <= self.bootstrap_port <= 65535:
+            raise ValueError("port and bootstrap_port must be between 0 and 65535")
+        if self.protocol not in ("vllm", "sglang"):
+            raise ValueError("protocol must be vllm or sglang")
+        if self.bootstrap_timeout_s <= 0 or self.waiting_timeout_s <= 0:
+            raise ValueError("bootstrap_timeout_s and waiting_timeout_s must be > 0")
 
     @property
     def pull_grace_s(self) -> float:
