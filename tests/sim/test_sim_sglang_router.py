@@ -4,12 +4,11 @@ Every request is answered through SGLang's router: that is what shows the
 simulator speaks SGLang's bootstrap PD truly enough (docs/simulator.md,
 "SGLang PD"). The simulators' own records say what the router sent: the same
 body to both legs, the prefill engine's host and bootstrap port, a random
-room below 2^63. Needs the ``peers`` extra (``pip install -e '.[peers]'``).
+room below 2^63. sglang-router comes with the ``test`` extra.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -22,11 +21,6 @@ import pytest
 
 from narwhal_sim.testing import SimProcess
 from tests.helpers import free_port
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("sglang_router") is None,
-    reason="sglang-router is not installed (the 'peers' extra: pip install -e '.[peers]')",
-)
 
 MODEL = "sim-model"
 #: The decode side's SGLANG_DISAGGREGATION_WAITING_TIMEOUT here (300 s in SGLang).
