@@ -57,6 +57,9 @@ sys.path.insert(0, str(ROOT))
 
 from narwhal_bench.stats import parse_prometheus, percentile, read_results  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from trace_replay import wait_ready  # noqa: E402  (the router's /ready, polled)
+
 MODES = ("fifo", "fair", "band")
 TENANTS = {
     "fifo": "",
@@ -138,19 +141,6 @@ fsync = "never"
     if path is not None:
         path.write_text(text)
     return text
-
-
-def wait_ready(url: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=1) as answer:
-                if answer.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise SystemExit(f"router at {url} not ready after {timeout} s")
 
 
 def metrics(url: str) -> dict[str, float]:
