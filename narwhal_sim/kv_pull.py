@@ -10,6 +10,7 @@ not read the blocks), and ``POST /kv/heartbeat`` the lease family's renewal
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import orjson
 
@@ -87,14 +88,10 @@ class KvPullRoutes:
         engine's blocks (``NixlPushConnectorScheduler.update_connector_output``). A
         registration that pairs with nothing is answered 404 (vLLM keeps it waiting).
         """
-        try:
-            data = json_body(request)
-            request_id = data.get("request_id")
-            if not isinstance(request_id, str):
-                raise ApiError(400, "request_id must be a string", param="request_id")
-        except ApiError as exc:
-            self.serving.answer_error(conn, request, exc)
+        read = self._string_field(conn, request, "request_id")
+        if read is None:
             return
+        data, request_id = read
         counters = self.serving.counters
         ledger = self.prefill.ledger
         base = base_request_id(request_id)
@@ -141,16 +138,24 @@ class KvPullRoutes:
                 raise ApiError(409, f"remote_block_ids do not match the blocks held for {owner}")
         return entry, stale
 
-    def _kv_notify(self, conn: ServerConnection, request: HttpRequest) -> None:
-        """A decode engine that will not read the blocks tells the prefill engine to free them."""
+    def _string_field(self, conn: ServerConnection, request: HttpRequest, name: str) -> tuple[dict[str, Any], str] | None:
+        """The JSON body and its string field ``name``; ``None`` once a 400 has answered a body without one."""
         try:
             data = json_body(request)
-            notify_id = data.get("notify_id")
-            if not isinstance(notify_id, str):
-                raise ApiError(400, "notify_id must be a string", param="notify_id")
+            value = data.get(name)
+            if not isinstance(value, str):
+                raise ApiError(400, f"{name} must be a string", param=name)
         except ApiError as exc:
             self.serving.answer_error(conn, request, exc)
+            return None
+        return data, value
+
+    def _kv_notify(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """A decode engine that will not read the blocks tells the prefill engine to free them."""
+        read = self._string_field(conn, request, "notify_id")
+        if read is None:
             return
+        data, notify_id = read
         ledger = self.prefill.ledger
         entry = ledger.release(notify_id)
         if entry is not None:
