@@ -1,18 +1,24 @@
 """What trio lends the connection code both runtimes share: :class:`IO` (:class:`~narwhal_runtime.runtime_io.RuntimeIO`).
 
-Sockets are plain non-blocking ones driven with
-:func:`trio.lowlevel.wait_readable` / :func:`~trio.lowlevel.wait_writable`:
-a ``SocketStream`` call costs several times the ``recv`` it wraps. A
-connection (a client's, or an engine leg's) is read by a task that waits
-for its socket and calls it, one per connection while it reads, also while
-idle; another, only while the socket has not taken every byte, waits for
-it to be writable. Closing a socket another task may wait on goes through
+Sockets are plain non-blocking ones: a ``SocketStream`` call costs several
+times the ``recv`` it wraps. The connections that read (a client's, an
+engine leg's) are watched by one task, not one each: their sockets sit in
+an epoll set of the IO's own, level-triggered, and that task waits for the
+set's descriptor with :func:`trio.lowlevel.wait_readable`, then calls every
+ready connection in turn, as asyncio's selector loop does. A trio task step
+costs tens of thousands of instructions (the run loop, the reschedule, the
+epoll re-arm), so one step per batch of ready sockets instead of one per
+socket is most of what trio spent more than asyncio (benchmarks/README.md,
+"Instructions per request"). A connection whose socket has not taken every
+byte gets a task of its own that waits for it to be writable. Closing a
+socket another task may wait on goes through
 :func:`trio.lowlevel.notify_closing`. Every task runs in the server's
 nursery.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -40,8 +46,12 @@ class IO:
         #: ``trio.current_time``, one call instead of three (it asks the run's clock through two more).
         self.now: Callable[[], float] = trio.lowlevel.current_clock().current_time
         self.soon = trio.lowlevel.current_trio_token().run_sync_soon
-        #: The paused connections, and what resumes each.
-        self._paused: dict[Any, trio.Event] = {}
+        #: The reading connections' sockets, level-triggered, and who reads each (by descriptor).
+        self._poller = select.epoll()
+        self._reading: dict[int, Any] = {}
+        #: The connections paused while reading (they stay ``reading``, out of the set).
+        self._paused: set[Any] = set()
+        self._watching = False  # the task that reads: started with the first connection that reads
         #: The tasks :meth:`spawn` started that have not ended, and what :meth:`cancel_tasks` waits for.
         self._tasks: set[trio.CancelScope] = set()
         self._no_tasks = trio.Event()
@@ -77,9 +87,10 @@ class IO:
 
     # -- sockets a task waits for
 
-    @staticmethod
-    def close_socket(sock: socket.socket) -> None:
-        if sock.fileno() != -1:
+    def close_socket(self, sock: socket.socket) -> None:
+        if (fd := sock.fileno()) != -1:
+            if fd in self._reading:
+                self._unwatch(fd)
             trio.lowlevel.notify_closing(sock)  # wakes its tasks with ClosedResourceError
             sock.close()
 
@@ -99,31 +110,58 @@ class IO:
     # -- connections, called when their sockets are ready
 
     def read(self, conn: Any, read: bool) -> None:
-        paused = self._paused
+        fd = conn.sock.fileno()
         if read:
-            if conn in paused:
-                paused.pop(conn).set()
+            self._paused.discard(conn)
+            if self._reading.get(fd) is not conn:
+                if fd in self._reading:
+                    self._unwatch(fd)  # a closed socket's number, reused
+                self._poller.register(fd, select.EPOLLIN)
+                self._reading[fd] = conn
+                if not self._watching:
+                    self._watching = True
+                    self._nursery.start_soon(self._watch)
+        else:
+            if conn.reading:
+                self._paused.add(conn)  # (while the client it relays to is far behind)
             else:
-                self._nursery.start_soon(self._read, conn)
-        elif conn.reading:
-            paused[conn] = trio.Event()  # (while the client it relays to is far behind)
-        elif conn in paused:
-            paused.pop(conn).set()  # over: the task ends
+                self._paused.discard(conn)
+            if fd in self._reading:
+                self._unwatch(fd)
 
-    async def _read(self, conn: Any) -> None:
-        sock = conn.sock
+    def _unwatch(self, fd: int) -> None:
+        del self._reading[fd]
+        try:
+            self._poller.unregister(fd)
+        except (OSError, ValueError):
+            pass  # closed without close_socket (the kernel dropped it from the set), or the set itself closed
+
+    async def _watch(self) -> None:
+        """The one task that reads: each ready connection's ``readable``, a batch per wake-up.
+
+        It runs until the nursery is cancelled (the server's end does that),
+        also while no connection reads.
+        """
+        poller = self._poller
+        reading = self._reading
         paused = self._paused
         try:
-            while conn.reading:
-                await trio.lowlevel.wait_readable(sock)
-                if paused and conn in paused:
-                    await paused[conn].wait()
-                else:
-                    conn.readable()
-        except (trio.ClosedResourceError, OSError):
-            pass  # ended: whoever closed it told the router
+            while True:
+                await trio.lowlevel.wait_readable(poller.fileno())
+                for fd, _ in poller.poll(0):
+                    conn = reading.get(fd)
+                    if conn is None:
+                        continue  # closed by an earlier one of this batch
+                    try:
+                        conn.readable()
+                    except OSError:
+                        pass  # ended: whoever closed it told the router
+                    if not conn.reading and reading.get(fd) is conn:
+                        self._unwatch(fd)
         except BaseException:
-            conn.broken()  # cancelled (the server stops): close it; the router hears unless it knows
+            for conn in (*reading.values(), *paused):
+                conn.broken()  # cancelled (the server stops): close it; the router hears unless it knows
+            poller.close()
             raise
 
     def write(self, conn: Any, wait: bool) -> None:
@@ -144,8 +182,7 @@ class IO:
             raise
 
     def ended(self, conn: Any) -> None:
-        if conn in self._paused:
-            self._paused.pop(conn).set()
+        self._paused.discard(conn)
         self.close_socket(conn.sock)  # wakes its tasks
 
 
