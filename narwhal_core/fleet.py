@@ -83,10 +83,12 @@ class EngineState:
             return "joining"
         return "in rotation" if self.healthy else "out of rotation"
 
-    @property
-    def url(self) -> str:
-        """The engine's base URL."""
-        return self.address.url
+    #: The engine's base URL (``address.url``, read per leg and per record: a native field, not a
+    #: property reading the address, whose class the compiled build does not know).
+    url: str = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.url = self.address.url
 
 
 class Fleet:
