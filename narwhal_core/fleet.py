@@ -14,8 +14,6 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from typing import Final, Literal
 
-import attrs
-
 from .config import EngineAddress, is_loopback_host, normalize_host
 from .engine_metrics import EngineLoad
 from .ids import DECODE, PREFILL, Phase
@@ -29,50 +27,93 @@ HealthChange = Literal["down", "up"] | None
 MAX_REFUSED_KV_HOSTS: Final = 1000
 
 
-@attrs.define(eq=False)
 class EngineState:
-    """One engine of one phase, as the router sees it."""
+    """One engine of one phase, as the router sees it.
 
-    #: Where it is.
+    A plain class rather than an attrs one: the compiled build makes it a
+    native class, whose fields the fleet, the policies and the legs read
+    and write without a dictionary look-up (docs/design.md, "The compiled
+    build"). The fields, and what each means:
+
+    * ``address``, ``phase``: where it is and the phase it serves;
+      ``url``, the address's base URL (read per leg and per record).
+    * ``index``: its position in its phase's list (the configured order,
+      engines found later after; used for ties).
+    * ``healthy``: in rotation, legs may be sent to it.
+    * ``outstanding``: legs now running on it; ``queued_tokens``, the
+      estimated prompt tokens of the prefill legs now running on it
+      (docs/configure.md, "Routing policies").
+    * ``failures``: consecutive failures, active (probes) and passive
+      (legs) alike; ``successes``, consecutive successful probes while out
+      of rotation.
+    * ``total_legs``, ``total_failures``: legs sent to it, and legs that
+      failed on it, since start.
+    * ``answered``: it has answered, a successful probe or leg since start
+      (``/ready`` waits for one per phase); ``probed``, its first health
+      probe has finished, whatever the outcome.
+    * ``addresses``: what its host name resolved to at the last probe (a
+      prefill engine's KV side channel may be named by any of them).
+    * ``reported``, ``reported_at``: what its ``/metrics`` said last
+      (:mod:`.load`; ``None``: nothing, or too long ago), and when; from
+      that report (0 without one), ``foreign`` (the requests it runs or
+      queues beyond Narwhal's legs there), ``foreign_tokens`` (their
+      estimated prompt tokens) and ``kv_usage`` (the fraction of its KV
+      cache in use).
+    * ``joining``: found at run time and not yet in rotation, its first
+      successful probe brings it in (docs/operate.md, "Engines that come
+      and go"); ``draining``, gone from discovery (or removed by hand), out
+      of rotation for good, forgotten once nothing uses it.
+    """
+
     address: EngineAddress
-    #: The phase it serves.
     phase: Phase
-    #: Its position in its phase's list (the configured order, engines found later after; used for ties).
+    url: str
     index: int
-    #: In rotation: legs may be sent to it.
-    healthy: bool = True
-    #: Legs now running on it.
-    outstanding: int = 0
-    #: The estimated prompt tokens of the prefill legs now running on it (docs/configure.md, "Routing policies").
-    queued_tokens: int = 0
-    #: Consecutive failures, active (probes) and passive (legs) alike.
-    failures: int = 0
-    #: Consecutive successful probes while out of rotation.
-    successes: int = 0
-    #: Legs sent to it since start.
-    total_legs: int = 0
-    #: Legs that failed on it since start.
-    total_failures: int = 0
-    #: It has answered: a successful probe or leg since start (``/ready`` waits for one per phase).
-    answered: bool = False
-    #: Its first health probe has finished, whatever the outcome.
-    probed: bool = False
-    #: The addresses its host name resolved to at the last probe (a prefill
-    #: engine's KV side channel may be named by any of them).
-    addresses: frozenset[str] = frozenset()
-    #: What its ``/metrics`` said last (:mod:`.load`; ``None``: nothing, or too long ago), and when.
-    reported: EngineLoad | None = None
-    reported_at: float = 0.0
-    #: From that report (0 without one): the requests it runs or queues beyond Narwhal's legs there,
-    #: their estimated prompt tokens, and the fraction of its KV cache in use.
-    foreign: int = 0
-    foreign_tokens: int = 0
-    kv_usage: float = 0.0
-    #: Found at run time and not yet in rotation: its first successful probe brings it in
-    #: (docs/operate.md, "Engines that come and go").
-    joining: bool = False
-    #: Gone from discovery (or removed by hand): out of rotation for good, forgotten once nothing uses it.
-    draining: bool = False
+    healthy: bool
+    outstanding: int
+    queued_tokens: int
+    failures: int
+    successes: int
+    total_legs: int
+    total_failures: int
+    answered: bool
+    probed: bool
+    addresses: frozenset[str]
+    reported: EngineLoad | None
+    reported_at: float
+    foreign: int
+    foreign_tokens: int
+    kv_usage: float
+    joining: bool
+    draining: bool
+
+    def __init__(
+        self, address: EngineAddress, phase: Phase, index: int, *, healthy: bool = True, joining: bool = False
+    ) -> None:
+        self.address = address
+        self.phase = phase
+        self.url = address.url
+        self.index = index
+        self.healthy = healthy
+        self.outstanding = 0
+        self.queued_tokens = 0
+        self.failures = 0
+        self.successes = 0
+        self.total_legs = 0
+        self.total_failures = 0
+        self.answered = False
+        self.probed = False
+        self.addresses = frozenset()
+        self.reported = None
+        self.reported_at = 0.0
+        self.foreign = 0
+        self.foreign_tokens = 0
+        self.kv_usage = 0.0
+        self.joining = joining
+        self.draining = False
+
+    def __repr__(self) -> str:
+        return f"EngineState({self.phase} {self.url}, {self.state}, outstanding={self.outstanding})"
 
     @property
     def state(self) -> str:
@@ -82,13 +123,6 @@ class EngineState:
         if self.joining:
             return "joining"
         return "in rotation" if self.healthy else "out of rotation"
-
-    #: The engine's base URL (``address.url``, read per leg and per record: a native field, not a
-    #: property reading the address, whose class the compiled build does not know).
-    url: str = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.url = self.address.url
 
 
 class Fleet:
