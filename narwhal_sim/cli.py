@@ -189,6 +189,8 @@ def build_parser(prog: str = "narwhal sim") -> argparse.ArgumentParser:
                    help="share whose first token ends the sequence (finish_reason stop), unless min_tokens >= 1")
     f.add_argument("--pull-fail-rate", type=float, default=fd.pull_fail_rate,
                    help="share of decode legs whose KV read fails (the prefill engine keeps the blocks)")
+    f.add_argument("--push-reg-lost-rate", type=float, default=fd.push_reg_lost_rate,
+                   help="share of push-mode decode legs whose registration never reaches the prefill engine")
     f.add_argument("--unhealthy", action="store_true", help="/health answers 503")
     f.add_argument("--reasoning-only", action="store_true", help="chat answers carry only reasoning_content")
     return p

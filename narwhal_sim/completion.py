@@ -237,7 +237,8 @@ class Completions:
         leg.external = external
         if mode == "decode":
             assert kv is not None
-            leg.decode_kv = self.decode.claim(kv, engine_rid, fail_pull=leg.plan.pull_fail)
+            leg.decode_kv = self.decode.claim(kv, engine_rid, fail_pull=leg.plan.pull_fail,
+                                              lose_registration=leg.plan.push_reg_lost)
             record.kv = {"role": "decode", "owner": kv.remote_request_id, "outcome": "pending"}
         elif mode == "invalid":
             counters["kv_params_invalid"] += 1

@@ -33,7 +33,7 @@ class DecodeClaim:
     to free the blocks: its own (connector 1) or ``remote_request_id`` (connector 2).
     """
 
-    __slots__ = ("params", "phase", "notify_id", "fail_pull", "engine_rid")
+    __slots__ = ("params", "phase", "notify_id", "fail_pull", "lose_registration", "engine_rid")
 
     def __init__(self, params: KvParams, notify_id: str | None, engine_rid: str | None = None) -> None:
         self.params = params
@@ -43,6 +43,8 @@ class DecodeClaim:
         self.notify_id = notify_id
         #: The ``pull_fail`` fault: the read fails (the prefill engine is not told).
         self.fail_pull = False
+        #: The ``push_reg_lost`` fault: the push registration never reaches the prefill engine.
+        self.lose_registration = False
 
 
 class DecodeKv:
@@ -57,6 +59,8 @@ class DecodeKv:
         self.lease_s = lease_s
         config = serving.config
         self.client = EngineClient(loop, timeout_s=config.kv_pull_timeout_s, authorization=serving.auth)
+        #: Push registrations wait for the write as long as the request does.
+        self.push_client = EngineClient(loop, timeout_s=None, authorization=serving.auth)
         #: A decode engine's own finished requests' KV, held for ``decoder_kv_blocks_ttl`` (bidirectional).
         self.decoder_ledger = KvLedger(config.decoder_kv_blocks_ttl_s)
         self._decoder_timer: asyncio.TimerHandle | None = None
@@ -68,12 +72,13 @@ class DecodeKv:
 
     def close(self) -> None:
         self.client.close()
+        self.push_client.close()
         for task in list(self._background):
             task.cancel()
 
     # ------------------------------------------------------------------ the claim
 
-    def claim(self, kv: KvParams, engine_rid: str, *, fail_pull: bool) -> DecodeClaim:
+    def claim(self, kv: KvParams, engine_rid: str, *, fail_pull: bool, lose_registration: bool = False) -> DecodeClaim:
         """A decode request's claim, its lease renewed while it waits where the family does it."""
         # From here on, a request that ends before its pull releases the
         # prefill engine's KV, as vLLM's NIXL connector does -- naming its own
@@ -81,6 +86,7 @@ class DecodeKv:
         family = self.serving.family
         decode_kv = DecodeClaim(kv, engine_rid if family.connector == 1 else kv.remote_request_id, engine_rid)
         decode_kv.fail_pull = fail_pull
+        decode_kv.lose_registration = lose_registration
         if family.lease_renewal and kv.tp_size is not None:
             self._start_heartbeats(decode_kv)
         return decode_kv
@@ -153,28 +159,36 @@ class DecodeKv:
         """Register the request's blocks with the prefill engine, which writes the KV (push mode).
 
         vLLM's ``NixlPushConnectorScheduler`` (nixl/push_scheduler.py, commit 0316d25a): the
-        registration names the decode engine's own request ID; one the prefill engine never
-        fulfils is dropped after ``push_registration_timeout`` (``decoder_kv_blocks_ttl`` by
-        default) while the request goes on waiting for a write that never comes.
+        registration names the decode engine's own request ID; its watchdog drops one the
+        prefill engine has not fulfilled after ``push_registration_timeout``
+        (``decoder_kv_blocks_ttl`` by default) but keeps the request waiting for the write,
+        which still completes it if it comes later. The prefill engine answers the
+        registration once it has written the KV: at once, or when the prefill request it
+        parked for arrives (docs/simulator.md, "Push mode, the decode side").
         """
         params = decode_kv.params
         assert params.remote_host is not None and params.remote_port is not None
         counters = self.serving.counters
-        counters["kv_push_registrations"] += 1
-        body = orjson.dumps({"request_id": decode_kv.engine_rid, "remote_engine_id": params.remote_engine_id,
-                             "requester_engine_id": self.serving.engine_id})  # fmt: skip
         kv_record = record.kv if record.kv is not None else {}
+        kv_record["outcome"] = "push_waiting"
+        closed = conn.gone()
+        waits: set[asyncio.Future[Any]] = {closed}
+        if decode_kv.lose_registration:
+            # The PUSH_REG notification never leaves: nixl/push_worker.py (039e79a6),
+            # _do_send_reg_notif, logs push_reg_notif_failed and keeps the receive pending.
+            counters["faults_push_reg_lost"] += 1
+        else:
+            counters["kv_push_registrations"] += 1
+            body = orjson.dumps({"request_id": decode_kv.engine_rid, "remote_engine_id": params.remote_engine_id,
+                                 "requester_engine_id": self.serving.engine_id})  # fmt: skip
+            waits.add(self.loop.create_task(
+                self.push_client.post(params.remote_host, params.remote_port, KV_PUSH_PATH, body)))
         try:
-            status, answer = await self.client.post(params.remote_host, params.remote_port, KV_PUSH_PATH, body)
-            data = orjson.loads(answer) if status == 200 else None
-        except (OSError, TimeoutError, ConnectionError, orjson.JSONDecodeError):
-            data = None
-        if not isinstance(data, dict):
-            kv_record["outcome"] = "push_waiting"
-            if not await conn.wait_closed(self.serving.config.decoder_kv_blocks_ttl_s):
-                counters["kv_push_registration_timeouts"] += 1
-                kv_record["outcome"] = "push_registration_timeout"
-                await conn.wait_closed()
+            data = await self._push_written(waits, closed, counters, kv_record)
+        finally:
+            for task in waits - {closed}:
+                task.cancel()
+        if data is None:
             decode_kv.phase = "failed"
             raise ClientGone
         decode_kv.phase = "pulled"
@@ -185,6 +199,31 @@ class DecodeKv:
             kv_record["outcome"] = "prompt_mismatch"
             return None
         return job.prompt.num_tokens
+
+    async def _push_written(self, waits: set[asyncio.Future[Any]], closed: asyncio.Future[Any],
+                            counters: dict[str, int], kv_record: dict[str, Any]) -> dict[str, Any] | None:  # fmt: skip
+        """The prefill engine's answer once it wrote the KV, or ``None`` once the client left."""
+        deadline: float | None = self.loop.time() + self.serving.config.decoder_kv_blocks_ttl_s
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - self.loop.time())
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                counters["kv_push_registration_timeouts"] += 1
+                kv_record["outcome"] = "push_registration_timeout"
+                deadline = None
+                continue
+            if closed in done:
+                return None
+            (written,) = done
+            waits.discard(written)
+            try:
+                status, answer = written.result()
+                data = orjson.loads(answer) if status == 200 else None
+            except (OSError, TimeoutError, ConnectionError, orjson.JSONDecodeError):
+                data = None
+            if isinstance(data, dict):
+                return data
+            # Refused or unreachable: nothing will write the KV; the request waits for its client.
 
     async def _pull(self, job: CompletionJob, decode_kv: DecodeClaim, record: Record) -> int | None:
         params = decode_kv.params

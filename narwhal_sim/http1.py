@@ -470,6 +470,14 @@ class ServerConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def gone(self) -> asyncio.Future[None]:
+        """A future done once the client has gone: to ``asyncio.wait`` on with other work, never to cancel."""
+        if self._closed_waiter is None:
+            self._closed_waiter = self._loop.create_future()
+            if self.closed:
+                self._closed_waiter.set_result(None)
+        return self._closed_waiter
+
     async def wait_closed(self, timeout: float | None = None) -> bool:
         """Wait until the client has gone (EOF, reset or close), at most ``timeout`` s; whether it has."""
         if self.closed:

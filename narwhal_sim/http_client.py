@@ -76,13 +76,17 @@ class _ClientConnection(asyncio.Protocol):
 
 
 class EngineClient:
-    """Keep-alive HTTP/1.1 client for the simulator's calls to other engines."""
+    """Keep-alive HTTP/1.1 client for the simulator's calls to other engines.
+
+    ``timeout_s`` bounds each call; ``None`` leaves it to the caller (a push registration the
+    prefill engine parks is answered only once it pairs, docs/simulator.md, "Push mode").
+    """
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         *,
-        timeout_s: float,
+        timeout_s: float | None,
         authorization: bytes | None = None,
         max_idle_per_host: int = 32,
     ) -> None:

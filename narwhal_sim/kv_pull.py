@@ -9,6 +9,7 @@ not read the blocks), and ``POST /kv/heartbeat`` the lease family's renewal
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -22,7 +23,11 @@ from narwhal_sim.serving import (
     KV_HEARTBEAT_PATH, KV_NOTIFY_PATH, KV_PULL_PATH, KV_PUSH_PATH, Routes, Serving, json_body,
 )
 
-__all__ = ["KvPullRoutes", "base_request_id"]
+__all__ = ["MAX_PARKED_PUSHES", "KvPullRoutes", "base_request_id"]
+
+#: Push registrations a prefill engine keeps waiting for their prefill request; past it the
+#: oldest is answered 404. The simulator's own bound: vLLM's has none (docs/simulator.md, "Push mode").
+MAX_PARKED_PUSHES = 1024
 
 #: The ``-<8 hex>`` suffix each vLLM engine adds to the request ID it was sent (0.14 on).
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
@@ -45,6 +50,10 @@ class KvPullRoutes:
             KV_NOTIFY_PATH: {"POST": self._kv_notify},
             KV_HEARTBEAT_PATH: {"POST": self._kv_heartbeat},
         }
+        #: Registrations that came before their prefill request: request ID -> its answer, once written
+        #: (``None``: dropped unpaired). A waiter whose decode engine left stays until it pairs.
+        self.parked: dict[str, asyncio.Future[bytes | None]] = {}
+        prefill.on_held = self._pair_parked
 
     def _kv_pull(self, conn: ServerConnection, request: HttpRequest) -> None:
         """A decode engine reads held blocks (NIXL's READ) and names the request to free (its notification).
@@ -79,34 +88,81 @@ class KvPullRoutes:
         }
         self.serving.answer(conn, request, 200, orjson.dumps(answer))
 
-    def _kv_push(self, conn: ServerConnection, request: HttpRequest) -> None:
+    async def _kv_push(self, conn: ServerConnection, request: HttpRequest) -> None:
         """A push-mode decode engine registers its blocks: the held request it names is written, then freed.
 
         vLLM's ``nixl/push_worker.py`` (commit 039e79a6): ``_pop_matching_finished_blocks``
         pairs the registration's ``request_id`` with a finished request, exactly or with the
         ``-<8 hex>`` suffix stripped from both; the WRITE's completion frees the prefill
         engine's blocks (``NixlPushConnectorScheduler.update_connector_output``). A
-        registration that pairs with nothing is answered 404 (vLLM keeps it waiting).
+        registration that pairs with nothing is parked (``_handle_push_reg_notif`` keeps it in
+        ``_pending_d_registrations``) and answered once its prefill request is held and written.
         """
         read = self._string_field(conn, request, "request_id")
         if read is None:
             return
-        data, request_id = read
-        counters = self.serving.counters
+        _, request_id = read
         ledger = self.prefill.ledger
         base = base_request_id(request_id)
         owner = request_id if request_id in ledger else next(
             (held for held in ledger.owners() if base_request_id(held) == base), None)
         entry = None if owner is None else ledger.pull(owner)
-        if entry is None:
+        if entry is not None:
+            self.serving.answer(conn, request, 200, self._written(entry))
+            return
+        counters = self.serving.counters
+        counters["kv_push_parked"] += 1
+        parked = self.parked
+        waiter: asyncio.Future[bytes | None] = self.prefill.loop.create_future()
+        # A second registration of one ID replaces the first, as vLLM's dict does.
+        self._unpark(parked.pop(request_id, None))
+        parked[request_id] = waiter
+        if len(parked) > MAX_PARKED_PUSHES:
+            self._unpark(parked.pop(next(iter(parked))))
+        answer = await waiter
+        if answer is None:
             counters["kv_push_unmatched"] += 1
             self.serving.answer(conn, request, 404, orjson.dumps({"matched": False}))
+        else:
+            self.serving.answer(conn, request, 200, answer)
+
+    @staticmethod
+    def _unpark(waiter: asyncio.Future[bytes | None] | None) -> None:
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _pair_parked(self, owner: str) -> None:
+        """A prefill request was held: write it to the registration parked for it, if any.
+
+        vLLM's ``_pop_matching_registration`` (``nixl/push_worker.py``, 039e79a6): the exact
+        ID first, then with the suffix stripped from both. The write happens even if the
+        registering decode request has gone meanwhile (vLLM's prefill side is not told), and
+        frees the blocks.
+        """
+        parked = self.parked
+        if not parked:
             return
-        counters["kv_pushes"] += 1
+        request_id: str | None = owner if owner in parked else None
+        if request_id is None:
+            base = base_request_id(owner)
+            request_id = next((parked_id for parked_id in parked if base_request_id(parked_id) == base), None)
+        if request_id is None:
+            return
+        entry = self.prefill.ledger.pull(owner)
+        if entry is None:
+            return
+        waiter = parked.pop(request_id)
+        self.serving.counters["kv_push_parked_paired"] += 1
+        answer = self._written(entry)
+        if not waiter.done():
+            waiter.set_result(answer)
+
+    def _written(self, entry: KvEntry) -> bytes:
+        """The KV written to the registering decode engine and the prefill engine's blocks freed; the answer."""
+        self.serving.counters["kv_pushes"] += 1
         self.prefill.kv_ended(entry)
-        answer = {"remote_request_id": entry.owner, "num_blocks": len(entry.block_ids),
-                  "prompt_tokens": entry.prompt_tokens, "prompt_digest": entry.prompt_digest}  # fmt: skip
-        self.serving.answer(conn, request, 200, orjson.dumps(answer))
+        return orjson.dumps({"remote_request_id": entry.owner, "num_blocks": len(entry.block_ids),
+                             "prompt_tokens": entry.prompt_tokens, "prompt_digest": entry.prompt_digest})  # fmt: skip
 
     def _find(self, data: dict[str, object]) -> tuple[KvEntry, bool]:
         """The entry a pull reads, and whether its hold already ran out (a stale read)."""

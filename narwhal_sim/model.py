@@ -441,6 +441,8 @@ class FaultPlan:
     eos: bool = False
     #: A decode leg's KV read fails (the prefill engine is not told; it keeps the blocks).
     pull_fail: bool = False
+    #: A push-mode decode leg's registration never reaches the prefill engine.
+    push_reg_lost: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -479,6 +481,8 @@ class Faults:
     eos_rate: float = 0.0
     #: Share of decode legs whose KV read fails (then recompute or fail per ``kv_load_failure``).
     pull_fail_rate: float = 0.0
+    #: Share of push-mode decode legs whose registration is lost (the prefill engine never writes).
+    push_reg_lost_rate: float = 0.0
     #: ``/health`` answers 503.
     unhealthy: bool = False
     #: Chat answers carry the text in ``reasoning_content`` and ``content: ""``.
@@ -515,6 +519,7 @@ class Faults:
             or self.malformed_json_rate > 0
             or self.eos_rate > 0
             or self.pull_fail_rate > 0
+            or self.push_reg_lost_rate > 0
         )
 
     def plan(self, seed: int, request_id: str) -> FaultPlan:
@@ -544,6 +549,7 @@ class Faults:
             malformed_json=fires("malformed_json", self.malformed_json_rate),
             eos=fires("eos", self.eos_rate),
             pull_fail=fires("pull_fail", self.pull_fail_rate),
+            push_reg_lost=fires("push_reg_lost", self.push_reg_lost_rate),
         )
 
 
@@ -557,6 +563,7 @@ _RATE_FIELDS = {
     "malformed_json_rate",
     "eos_rate",
     "pull_fail_rate",
+    "push_reg_lost_rate",
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from narwhal_sim.driving import CoreDriver, Flow
@@ -29,6 +30,8 @@ class PrefillKv:
         self.loop = loop
         self.ledger = KvLedger(lease_s, reaper_stops_at_first_live=reaper_stops_at_first_live)
         self._lease_timer: asyncio.TimerHandle | None = None
+        #: Told of each owner held, after the hold (the push routes pair parked registrations with it).
+        self.on_held: Callable[[str], None] | None = None
 
     def close(self) -> None:
         if self._lease_timer is not None:
@@ -66,6 +69,8 @@ class PrefillKv:
         record.kv = {"role": "prefill", "owner": owner, "blocks": len(entry.block_ids), "outcome": "held"}
         if self._lease_timer is None:
             self._arm_lease_timer()
+        if self.on_held is not None:
+            self.loop.call_soon(self.on_held, owner)
         # The NIXL connector's fields, in its order, for the modelled version
         # (docs/simulator.md, "Prefill leg" and "vLLM versions").
         serving = self.serving

@@ -50,6 +50,7 @@ COUNTERS = (
     "faults_error", "faults_drop", "faults_delay", "faults_stall", "faults_drop_after_chunks",
     "faults_omit_kv_params", "faults_malformed_json", "faults_unhealthy", "faults_pull_fail",
     "kv_push_registrations", "kv_pushes", "kv_push_unmatched", "kv_push_registration_timeouts",
+    "kv_push_parked", "kv_push_parked_paired", "faults_push_reg_lost",
 )  # fmt: skip
 
 Handler = Callable[[ServerConnection, HttpRequest], "Coroutine[Any, Any, None] | None"]

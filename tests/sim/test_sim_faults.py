@@ -144,6 +144,7 @@ def test_control_endpoint_replaces_settings(client: httpx.Client, sim: SimThread
     assert client.post(sim.url + "/sim/faults", content=b"nope").status_code == 400
     assert set(sim.faults()) == {
         "error_rate", "error_status", "drop_rate", "delay_s", "delay_rate", "stall_after_chunks", "stall_rate",
-        "drop_after_chunks", "drop_after_chunks_rate", "omit_kv_params_rate", "malformed_json_rate", "eos_rate", "pull_fail_rate", "unhealthy",
+        "drop_after_chunks", "drop_after_chunks_rate", "omit_kv_params_rate", "malformed_json_rate", "eos_rate", "pull_fail_rate",
+        "push_reg_lost_rate", "unhealthy",
         "reasoning_only",
     }  # fmt: skip
