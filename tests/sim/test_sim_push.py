@@ -133,7 +133,8 @@ def test_parked_registrations_past_the_bound_answer_the_oldest_404(monkeypatch: 
         p.wait_for(lambda s: s["kv_push_parked"] == 2 and s["kv_push_unmatched"] == 1, timeout=10)
         prefill(p, "second", "second " * 20)  # the one still parked is written
         assert p.wait_for(lambda s: s["kv_held"] == 0, timeout=10)["kv_push_parked_paired"] == 1
-        assert d.stats()["completions_ok"] == 1  # the first, refused, waits for its client
+        d.wait_for(lambda s: s["completions_ok"] == 1, timeout=10)  # the second is answered
+        assert d.stats()["kv_push_registration_timeouts"] == 0 and p.stats()["kv_pushes"] == 1  # the first waits
         first.close()
         second.close()
 
